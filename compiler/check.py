@@ -1,0 +1,591 @@
+"""Semantic checks: names, types, subscripts, GQA ratio, policies, duplicates.
+
+``check(attention_ast)`` returns a :class:`Spec` — the AST with every scalar
+statement resolved and every policy turned into its IR value — or raises a
+SpecError listing *every* error of the file, each located with a caret.
+"""
+from __future__ import annotations
+
+import difflib
+import keyword
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+from . import ast, ir
+from .errors import DiagnosticSink, Span
+from .ir import BOOL, F32, I32, Type
+
+DTYPES = ("f16", "bf16", "f32")
+TENSOR_DTYPES = {"i32": I32, "f32": F32, "bool": BOOL}
+AXES = ("b", "h", "s")
+SUGAR = {"causal": 0, "window": 1, "softcap": 2, "where": 3}  # name -> arity (0: a name, not a call)
+FUNCTIONS = {**ir.CALL_FNS, "window": 1, "softcap": 2, "where": 3}
+RESERVED = set(ir.POSITION_VARS) | {"s", "score", "causal", "true", "false"} | set(FUNCTIONS)
+
+
+@dataclass
+class Spec:
+    """A checked spec: what lowering needs, nothing unvalidated."""
+
+    node: ast.Attention
+    name: str
+    heads_q: int
+    heads_kv: int
+    d_qk: int
+    d_v: int
+    dtype: str
+    scale: float
+    tensors: dict[str, ast.TensorDecl]
+    tensor_types: dict[str, ir.TensorDecl]
+    score: list[ast.Expr]
+    mask: ast.Expr | None
+    cache: ir.Cache = field(default_factory=ir.Cache)
+    split: ir.Split = field(default_factory=ir.Split)
+    state: ir.StateABI = ir.StateABI.LSE_O
+    masked_rows: str = "zero"
+
+
+def _suggest(name: str, candidates) -> tuple[str, ...]:
+    close = difflib.get_close_matches(name, sorted(candidates), n=1)
+    return (f"did you mean '{close[0]}'?",) if close else ()
+
+
+def _one_of(values) -> str:
+    return ", ".join(f"'{v}'" for v in values)
+
+
+# ---------------------------------------------------------------- policies
+@dataclass(frozen=True)
+class Param:
+    name: str
+    kind: type  # int, float or str
+    choices: tuple[str, ...] = ()
+    default: object = None
+    required: bool = False
+    check: Callable[[object], str | None] | None = None  # returns an error message
+
+
+def _positive(v):
+    return None if v >= 1 else f"must be at least 1, got {v}"
+
+
+def _fraction(v):
+    return None if 0 < v <= 1 else f"must be in (0, 1], got {v}"
+
+
+POLICIES: dict[str, dict[str, tuple[Param, ...]]] = {
+    "cache": {
+        "contiguous": (Param("layout", str, ("bhsd", "bshd"), "bhsd"),),
+        "ragged": (),
+        "paged": (Param("page_size", int, required=True, check=_positive),
+                  Param("layout", str, ("nhd", "hnd"), "nhd"),
+                  Param("table", str, ("dense", "csr"), "dense")),
+    },
+    "split": {
+        "auto": (),
+        "balanced": (Param("splits", int, required=True, check=_positive),),
+        "chunk": (Param("size", int, required=True, check=_positive),),
+        "capacity": (Param("splits", int, required=True, check=_positive),
+                     Param("capacity", int, required=True, check=_positive)),
+        "heuristic": (Param("fraction", float, required=True, check=_fraction),),
+    },
+    "state": {"lse_o": (), "mlu": ()},
+    "masked_rows": {"zero": ()},
+}
+POSITIONAL_OK = {"split"}  # cache arguments read better as keywords: page_size = 16
+
+SAMPLES: dict[str, tuple[tuple[str, type], ...]] = {
+    # kind -> parameters; see compiler/inputs.py for what each draws
+    "segments": (("min_len", int), ("max_len", int)),
+    "prefix_ends": (("doc", str), ("min_len", int), ("max_len", int)),
+    "randint": (("low", int), ("high", int)),
+    "uniform": (("low", float), ("high", float)),
+    "bernoulli": (("p", float),),
+    "const": (("value", float),),
+}
+SAMPLE_DTYPES = {"segments": (I32,), "prefix_ends": (I32,), "randint": (I32,), "uniform": (F32,),
+                 "bernoulli": (BOOL,), "const": (I32, F32)}
+
+
+class Checker:
+    def __init__(self, node: ast.Attention):
+        self.node = node
+        self.sink = DiagnosticSink()
+        self.tensors: dict[str, ast.TensorDecl] = {}
+
+    def error(self, message: str, span: Span | None, *notes: str) -> None:
+        self.sink.error(message, span, *notes)
+
+    # ------------------------------------------------------------ entry
+    def run(self) -> Spec:
+        node = self.node
+        self._check_identifier(node.name, node.name_span, "attention name")
+        seen: dict[str, ast.Statement] = {}
+        scores: list[ast.ScoreStmt] = []
+        for stmt in node.statements:
+            key = self._statement_key(stmt)
+            if key == "score":
+                scores.append(stmt)
+                continue
+            if key in seen:
+                first = seen[key].span
+                what = f"tensor '{stmt.name}'" if isinstance(stmt, ast.TensorDecl) else f"'{key}' statement"
+                self.error(f"duplicate {what}", stmt.span, f"first defined at line {first.line}")
+                continue
+            seen[key] = stmt
+
+        for stmt in node.statements:  # tensors first: expressions may refer to any of them
+            if isinstance(stmt, ast.TensorDecl) and seen.get(f"tensor {stmt.name}") is stmt:
+                self._tensor(stmt)
+
+        spec = Spec(node=node, name=node.name, heads_q=1, heads_kv=1, d_qk=1, d_v=1, dtype="bf16",
+                    scale=1.0, tensors=self.tensors, tensor_types={}, score=[], mask=None)
+        for key in ("heads", "head_dim"):
+            if key not in seen:
+                self.error(f"missing '{key}' statement", node.name_span,
+                           "every attention declares 'heads = H_q / H_kv' and 'head_dim = d'")
+        if "heads" in seen:
+            spec.heads_q, spec.heads_kv = self._heads(seen["heads"])
+        if "head_dim" in seen:
+            hd = seen["head_dim"]
+            spec.d_qk = self._size(hd.qk, "head_dim")
+            spec.d_v = self._size(hd.v, "head_dim") if hd.v else spec.d_qk
+        if "dtype" in seen:
+            d = seen["dtype"]
+            if d.name not in DTYPES:
+                self.error(f"unknown dtype '{d.name}'; expected one of {_one_of(DTYPES)}", d.span,
+                           *_suggest(d.name, DTYPES))
+            spec.dtype = d.name
+        spec.scale = 1 / math.sqrt(spec.d_qk)
+        if "scale" in seen:
+            spec.scale = self._scale(seen["scale"])
+        spec.tensor_types = {n: self._tensor_type(t) for n, t in self.tensors.items()}
+        for stmt in scores:
+            t = self.expr(stmt.expr, "score")
+            if t is BOOL:
+                self.error("score statement is boolean; a score statement computes a number "
+                           "(to hide positions, put the condition in 'mask')", stmt.expr.span)
+            spec.score.append(stmt.expr)
+        if "mask" in seen:
+            m = seen["mask"].expr
+            t = self.expr(m, "mask")
+            if t is not None and t is not BOOL:
+                self.error(f"mask is numeric ({t.value}); a mask is a condition that is true "
+                           "where (q, k) is visible", m.span)
+            spec.mask = m
+        for fld in POLICIES:
+            if fld in seen:
+                value = self._policy(fld, seen[fld].policy)
+                if value is not None:
+                    setattr(spec, fld, value)
+        self.sink.raise_if_any()
+        return spec
+
+    @staticmethod
+    def _statement_key(stmt) -> str:
+        if isinstance(stmt, ast.TensorDecl):
+            return f"tensor {stmt.name}"
+        if isinstance(stmt, ast.PolicyStmt):
+            return stmt.field
+        return {ast.Heads: "heads", ast.HeadDim: "head_dim", ast.DType: "dtype", ast.Scale: "scale",
+                ast.ScoreStmt: "score", ast.MaskStmt: "mask"}[type(stmt)]
+
+    # ------------------------------------------------------------ scalars
+    def _check_identifier(self, name: str, span: Span, what: str) -> bool:
+        if keyword.iskeyword(name) or keyword.issoftkeyword(name):
+            self.error(f"{what} '{name}' is a Python keyword; choose another name", span)
+            return False
+        if name.startswith("_"):
+            self.error(f"{what} '{name}' starts with '_', which generated code reserves", span)
+            return False
+        return True
+
+    def _size(self, lit: ast.Literal, what: str) -> int:
+        if lit.value <= 0:
+            self.error(f"{what} must be positive, got {lit.value}", lit.span)
+            return 1
+        return lit.value
+
+    def _heads(self, stmt: ast.Heads) -> tuple[int, int]:
+        hq = self._size(stmt.q, "heads")
+        hkv = self._size(stmt.kv, "heads") if stmt.kv else hq
+        if hq % hkv:
+            self.error(f"{hq} query heads cannot share {hkv} K/V heads: H_q % H_kv = {hq % hkv}",
+                       stmt.span, "GQA needs H_q to be a multiple of H_kv (e.g. heads = 32 / 8)")
+            return hq, hq
+        return hq, hkv
+
+    def _scale(self, stmt: ast.Scale) -> float:
+        errors_before = len(self.sink.diagnostics)
+        t = self.expr(stmt.expr, "scale")
+        if t is None or len(self.sink.diagnostics) > errors_before:
+            return 1.0
+        if t is BOOL:
+            self.error("scale is boolean; it must be a positive number", stmt.expr.span)
+            return 1.0
+        value = _const_value(stmt.expr)
+        if value is None:
+            self.error("scale must be a constant expression", stmt.expr.span)
+            return 1.0
+        if not (math.isfinite(value) and value > 0):
+            self.error(f"scale must be a positive finite number, got {value}", stmt.expr.span)
+            return 1.0
+        return float(value)
+
+    # ------------------------------------------------------------ tensors
+    def _tensor(self, t: ast.TensorDecl) -> None:
+        if not self._check_identifier(t.name, t.name_span, "tensor name"):
+            return
+        if t.name in RESERVED:
+            self.error(f"tensor name '{t.name}' is reserved by the language", t.name_span)
+            return
+        ok = True
+        if t.dtype not in TENSOR_DTYPES:
+            self.error(f"unknown tensor dtype '{t.dtype}'; expected one of {_one_of(TENSOR_DTYPES)}",
+                       t.dtype_span, *_suggest(t.dtype, TENSOR_DTYPES))
+            ok = False
+        for a in t.axes:
+            if isinstance(a.value, int):
+                if a.value <= 0:
+                    self.error(f"axis size must be positive, got {a.value}", a.span)
+                    ok = False
+            elif a.value not in AXES:
+                self.error(f"unknown axis '{a.value}'; an axis is 'b' (request), 'h' (query head), "
+                           "'s' (token position) or a positive size", a.span)
+                ok = False
+        if ok and t.sample is not None:
+            self._sample(t)
+        self.tensors[t.name] = t
+
+    def _sample(self, t: ast.TensorDecl) -> None:
+        s = t.sample
+        if s.kind not in SAMPLES:
+            self.error(f"unknown sample '{s.kind}'; expected one of {_one_of(SAMPLES)}", s.kind_span,
+                       *_suggest(s.kind, SAMPLES))
+            return
+        params = SAMPLES[s.kind]
+        if len(s.args) != len(params):
+            sig = ", ".join(p for p, _ in params)
+            self.error(f"sample '{s.kind}' takes {len(params)} arguments ({sig}), got {len(s.args)}", s.span)
+            return
+        for (pname, kind), arg in zip(params, s.args):
+            if kind is str:
+                ref = self.tensors.get(arg.value) if isinstance(arg.value, str) else None
+                if ref is None or "s" not in [a.value for a in ref.axes]:
+                    self.error(f"'{pname}' of sample '{s.kind}' must name a tensor declared before "
+                               "it with an 's' axis", arg.span)
+            elif not _literal_fits(arg.value, kind):
+                self.error(f"'{pname}' of sample '{s.kind}' must be {_kind_name(kind)}, got {arg.value!r}",
+                           arg.span)
+        dtype = TENSOR_DTYPES[t.dtype]
+        if dtype not in SAMPLE_DTYPES[s.kind]:
+            kinds = " or ".join(d.value for d in SAMPLE_DTYPES[s.kind])
+            self.error(f"sample '{s.kind}' makes {kinds} values; tensor '{t.name}' is {t.dtype}", s.kind_span)
+        if s.kind in ("segments", "prefix_ends") and [a.value for a in t.axes][-1:] != ["s"]:
+            self.error(f"sample '{s.kind}' runs along the last axis, which must be 's'", s.kind_span)
+
+    def _tensor_type(self, t: ast.TensorDecl) -> ir.TensorDecl:
+        sample = ir.Sample(t.sample.kind, tuple(a.value for a in t.sample.args)) if t.sample else None
+        return ir.TensorDecl(t.name, TENSOR_DTYPES.get(t.dtype, I32), tuple(a.value for a in t.axes), sample)
+
+    # ------------------------------------------------------------ policies
+    def _policy(self, fld: str, p: ast.Policy):
+        kinds = POLICIES[fld]
+        if p.kind not in kinds:
+            self.error(f"unknown {fld.replace('_', ' ')} kind '{p.kind}'; expected one of {_one_of(kinds)}",
+                       p.kind_span, *_suggest(p.kind, kinds))
+            return None
+        params = kinds[p.kind]
+        values: dict[str, object] = {}
+        ok = True
+        for i, arg in enumerate(p.args):
+            if arg.name is None:
+                if fld not in POSITIONAL_OK:
+                    names = ", ".join(f"{q.name} = ..." for q in params) or "no arguments"
+                    self.error(f"{fld} arguments are keywords ({p.kind} takes {names})", arg.span)
+                    ok = False
+                    continue
+                if i >= len(params):
+                    self.error(f"{p.kind} takes {len(params)} argument{'s' * (len(params) != 1)}, "
+                               f"got {len(p.args)}", arg.span)
+                    ok = False
+                    continue
+                param = params[i]
+            else:
+                match = [q for q in params if q.name == arg.name]
+                if not match:
+                    allowed = _one_of(q.name for q in params) if params else "none"
+                    extra = ()
+                    if fld == "cache" and arg.name == "page_size":
+                        extra = ("only a paged cache has pages: cache = paged(page_size = 16)",)
+                    self.error(f"{p.kind} has no argument '{arg.name}' (arguments: {allowed})", arg.span,
+                               *extra)
+                    ok = False
+                    continue
+                param = match[0]
+            if param.name in values:
+                self.error(f"argument '{param.name}' given twice", arg.span)
+                ok = False
+                continue
+            v = arg.value.value
+            if param.kind is str:
+                if v not in param.choices:
+                    self.error(f"{param.name} must be one of {_one_of(param.choices)}, got {v!r}",
+                               arg.value.span, *(_suggest(v, param.choices) if isinstance(v, str) else ()))
+                    ok = False
+                    continue
+            elif not _literal_fits(v, param.kind):
+                self.error(f"{param.name} must be {_kind_name(param.kind)}, got {v!r}", arg.value.span)
+                ok = False
+                continue
+            elif param.check and (msg := param.check(v)):
+                self.error(f"{param.name} {msg}", arg.value.span)
+                ok = False
+                continue
+            values[param.name] = param.kind(v)
+        for q in params:
+            if q.required and q.name not in values and ok:
+                self.error(f"{p.kind} needs '{q.name}'", p.span)
+                ok = False
+            values.setdefault(q.name, q.default)
+        if not ok:
+            return None
+        if fld == "cache":
+            return ir.Cache(ir.CacheKind(p.kind), ir.Layout(values.get("layout") or "nhd"),
+                            values.get("page_size"), values.get("table"))
+        if fld == "split":
+            if p.kind == "capacity" and values["splits"] > values["capacity"]:
+                self.error(f"capacity({values['splits']}, {values['capacity']}): the number of splits "
+                           "cannot exceed the split capacity", p.span)
+                return None
+            return ir.Split(ir.SplitKind(p.kind), tuple(values[q.name] for q in params))
+        if fld == "state":
+            return ir.StateABI(p.kind)
+        return p.kind
+
+    # ------------------------------------------------------------ expressions
+    def expr(self, e: ast.Expr, ctx: str) -> Type | None:
+        """Type of ``e`` in context ``ctx`` (mask | score | scale | index); None after an error."""
+        if isinstance(e, ast.IntLit):
+            return I32
+        if isinstance(e, ast.FloatLit):
+            return F32
+        if isinstance(e, ast.BoolLit):
+            return BOOL
+        if isinstance(e, ast.Name):
+            return self._name(e, ctx)
+        if isinstance(e, ast.Index):
+            return self._index(e, ctx)
+        if isinstance(e, ast.Call):
+            return self._call(e, ctx)
+        if isinstance(e, ast.Unary):
+            t = self.expr(e.operand, ctx)
+            if t is None:
+                return None
+            op = "neg" if e.op == "-" else "not"
+            r = ir.unary_type(op, t)
+            if r is None:
+                want = "a number" if op == "neg" else "a condition"
+                self.error(f"'{e.op}' needs {want}, got {t.value}", e.operand.span)
+            return r
+        if isinstance(e, (ast.Binary, ast.Compare)):
+            lt, rt = self.expr(e.left, ctx), self.expr(e.right, ctx)
+            if lt is None or rt is None:
+                return None
+            if isinstance(e, ast.Binary):
+                op = ir.SURFACE_BINARY[e.op]
+                r = ir.binary_type(op, lt, rt)
+            else:
+                op = ir.SURFACE_COMPARE[e.op]
+                r = ir.compare_type(op, lt, rt)
+            if r is None:
+                if op in ir.LOGIC_OPS:
+                    want = "conditions on both sides"
+                elif isinstance(e, ast.Compare) and BOOL in (lt, rt):
+                    want = "numbers on both sides (conditions compare only with == and !=)"
+                else:
+                    want = "numbers on both sides"
+                self.error(f"'{e.op}' needs {want}, got {lt.value} {e.op} {rt.value}", e.span)
+                return None
+            if op in ("div", "floordiv", "mod") and _const_value(e.right) == 0:
+                self.error("division by zero", e.right.span)
+            return r
+        raise TypeError(e)
+
+    def _name(self, e: ast.Name, ctx: str) -> Type | None:
+        if e.id in ("q", "k", "b", "h"):
+            if ctx == "scale":
+                self.error(f"'{e.id}' is a position; scale must be a constant", e.span)
+                return None
+            return I32
+        if e.id == "score":
+            if ctx == "score":
+                return F32
+            where = {"mask": "the mask", "scale": "scale", "index": "a subscript"}[ctx]
+            self.error(f"'score' is not available in {where}; it exists only in score statements", e.span,
+                       "a mask decides visibility before scores exist (M4.5 §0x05C)")
+            return None
+        if e.id == "causal":
+            if ctx == "scale":
+                self.error("'causal' is a condition; scale must be a constant", e.span)
+                return None
+            return BOOL
+        if e.id in self.tensors:
+            t = self.tensors[e.id]
+            axes = ", ".join(str(a.value) for a in t.axes)
+            self.error(f"tensor '{e.id}' must be subscripted: {e.id}[{axes}]", e.span)
+            return None
+        if e.id in FUNCTIONS:
+            self.error(f"'{e.id}' is a function; call it: {e.id}(...)", e.span)
+            return None
+        known = {"q", "k", "b", "h", "causal", *self.tensors} | ({"score"} if ctx == "score" else set())
+        self.error(f"unknown name '{e.id}'", e.span, *_suggest(e.id, known))
+        return None
+
+    def _index(self, e: ast.Index, ctx: str) -> Type | None:
+        t = self.tensors.get(e.tensor)
+        if t is None:
+            self.error(f"unknown tensor '{e.tensor}'", e.tensor_span, *_suggest(e.tensor, self.tensors))
+            for i in e.indices:
+                self.expr(i, "index")
+            return None
+        if ctx == "scale":
+            self.error("scale must be a constant; it cannot read a tensor", e.span)
+            return None
+        decl = f"declared {t.dtype}[{', '.join(str(a.value) for a in t.axes)}]"
+        if len(e.indices) != len(t.axes):
+            self.error(f"tensor '{e.tensor}' takes {len(t.axes)} subscript{'s' * (len(t.axes) != 1)} "
+                       f"({decl}), got {len(e.indices)}", e.span)
+            return None
+        ok = True
+        for axis, idx in zip(t.axes, e.indices):
+            it = self.expr(idx, "index" if ctx != "score" else "score")
+            if it is None:
+                ok = False
+                continue
+            if it is not I32:
+                self.error(f"subscript {axis.value!s} of '{e.tensor}' must be an integer, got {it.value}",
+                           idx.span)
+                ok = False
+                continue
+            used = _names(idx)
+            if axis.value in ("b", "h"):
+                allowed = {"b"} if axis.value == "b" else {"b", "h"}
+                bad = sorted(used & ({"q", "k", "b", "h", "score"} - allowed))
+                if bad:
+                    meaning = "the request index 'b'" if axis.value == "b" else "the query head 'h'"
+                    self.error(f"axis '{axis.value}' of '{e.tensor}' is indexed by {meaning}, "
+                               f"not by an expression of '{bad[0]}'", idx.span, f"{e.tensor} is {decl}")
+                    ok = False
+        return TENSOR_DTYPES.get(t.dtype) if ok else None
+
+    def _call(self, e: ast.Call, ctx: str) -> Type | None:
+        if e.func not in FUNCTIONS:
+            what = "tensor" if e.func in self.tensors else "function"
+            notes = (f"index a tensor with brackets: {e.func}[...]",) if what == "tensor" else \
+                _suggest(e.func, FUNCTIONS)
+            self.error(f"unknown function '{e.func}'", e.func_span, *notes)
+            for a in e.args:
+                self.expr(a, ctx)
+            return None
+        arity = FUNCTIONS[e.func]
+        if len(e.args) != arity:
+            self.error(f"'{e.func}' takes {arity} argument{'s' * (arity != 1)}, got {len(e.args)}", e.span)
+            return None
+        types = [self.expr(a, ctx) for a in e.args]
+        if any(t is None for t in types):
+            return None
+        if e.func == "window":
+            if ctx == "scale":
+                self.error("'window' is a condition; scale must be a constant", e.span)
+                return None
+            if types[0] is not I32:
+                self.error(f"window(n) takes an integer width, got {types[0].value}", e.args[0].span)
+                return None
+            return BOOL
+        if e.func == "where":
+            if types[0] is not BOOL:
+                self.error(f"where(c, a, b) needs a condition first, got {types[0].value}", e.args[0].span)
+                return None
+            if types[1].numeric and types[2].numeric:
+                return ir.promote(types[1], types[2])
+            if types[1] is types[2]:
+                return types[1]
+            self.error(f"where(c, a, b): a and b disagree ({types[1].value}, {types[2].value})", e.span)
+            return None
+        if e.func == "softcap":
+            if not all(t.numeric for t in types):
+                self.error("softcap(x, cap) takes numbers", e.span)
+                return None
+            cap = _const_value(e.args[1])
+            if cap is not None and cap <= 0:
+                self.error(f"softcap cap must be positive, got {cap}", e.args[1].span)
+            return F32
+        r = ir.call_type(e.func, tuple(types))
+        if r is None:
+            self.error(f"'{e.func}' takes numbers, got {', '.join(t.value for t in types)}", e.span)
+        return r
+
+
+def _kind_name(kind: type) -> str:
+    return {int: "an integer", float: "a number", str: "a name"}[kind]
+
+
+def _literal_fits(v, kind: type) -> bool:
+    if kind is int:
+        return isinstance(v, int)
+    if kind is float:
+        return isinstance(v, (int, float))
+    return isinstance(v, str)
+
+
+def _names(e: ast.Expr) -> set[str]:
+    if isinstance(e, ast.Name):
+        return {e.id}
+    out: set[str] = set()
+    for c in _ast_children(e):
+        out |= _names(c)
+    return out
+
+
+def _ast_children(e: ast.Expr) -> tuple[ast.Expr, ...]:
+    if isinstance(e, (ast.Binary, ast.Compare)):
+        return (e.left, e.right)
+    if isinstance(e, ast.Unary):
+        return (e.operand,)
+    if isinstance(e, ast.Call):
+        return e.args
+    if isinstance(e, ast.Index):
+        return e.indices
+    return ()
+
+
+_CONST_FNS = {"sqrt": math.sqrt, "exp": math.exp, "log": math.log, "tanh": math.tanh, "abs": abs,
+              "min": min, "max": max}
+
+
+def _const_value(e: ast.Expr):
+    """The value of a name-free expression, or None (also on a domain error)."""
+    try:
+        if isinstance(e, (ast.IntLit, ast.FloatLit)):
+            return e.value
+        if isinstance(e, ast.Unary) and e.op == "-":
+            v = _const_value(e.operand)
+            return None if v is None else -v
+        if isinstance(e, ast.Binary) and e.op in "+-*/%//":
+            a, b = _const_value(e.left), _const_value(e.right)
+            if a is None or b is None:
+                return None
+            return {"+": a + b, "-": a - b, "*": a * b}.get(e.op) if e.op in "+-*" else \
+                (a / b if e.op == "/" else a // b if e.op == "//" else a % b)
+        if isinstance(e, ast.Call) and e.func in _CONST_FNS:
+            args = [_const_value(a) for a in e.args]
+            return None if None in args else _CONST_FNS[e.func](*args)
+    except (ZeroDivisionError, ValueError, OverflowError, TypeError):
+        return None
+    return None
+
+
+def check(node: ast.Attention) -> Spec:
+    return Checker(node).run()

@@ -1,0 +1,236 @@
+"""Parse .attn text into the AST (compiler/ast.py).
+
+Lark (LALR, contextual lexer, ``propagate_positions``) parses with
+``grammar/attn.lark``; a :class:`lark.Transformer` whose methods are named
+after grammar rules builds frozen AST nodes with spans.  Lark's
+``UnexpectedInput`` becomes a located :class:`SpecError` that says what was
+expected.
+"""
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+from lark import Lark, Token, Transformer, v_args
+from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken, VisitError
+from lark.lexer import PatternStr
+
+from . import ast
+from .errors import AttncError, Diagnostic, Source, Span, SpecError
+
+GRAMMAR_PATH = Path(__file__).resolve().parent.parent / "grammar" / "attn.lark"
+
+
+@functools.cache
+def parser() -> Lark:
+    return Lark(GRAMMAR_PATH.read_text(), parser="lalr", propagate_positions=True,
+                maybe_placeholders=False)
+
+
+def parse(text: str, name: str = "<spec>") -> ast.Attention:
+    """Parse one .attn file; raise SpecError with a located diagnostic on bad syntax."""
+    source = Source(name, text)
+    try:
+        tree = parser().parse(text)
+    except UnexpectedInput as e:
+        raise _syntax_error(source, e) from None
+    try:
+        return _Builder(source).transform(tree)
+    except VisitError as e:  # a builder method raised a located error
+        if isinstance(e.orig_exc, AttncError):
+            raise e.orig_exc from None
+        raise
+
+
+def parse_file(path: str | Path) -> ast.Attention:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise SpecError(f"cannot read {path}: {e.strerror}") from None
+    return parse(text, str(path))
+
+
+# --------------------------------------------------------------- syntax errors
+_EXPRESSION_START = {"NAME", "INT", "FLOAT_LIT", "LPAR"}
+_STATEMENT_START = {"HEADS", "HEAD_DIM", "DTYPE", "SCALE", "TENSOR", "SCORE", "MASK", "CACHE",
+                    "SPLIT", "STATE", "MASKED_ROWS"}
+_COMPARISONS = {"==", "!=", "<", "<=", ">", ">="}
+
+
+def _describe_terminal(name: str) -> str:
+    if name == "$END":
+        return "end of file"
+    friendly = {"NAME": "a name", "INT": "an integer", "SIGNED_INT": "an integer",
+                "FLOAT_LIT": "a number", "SIGNED_FLOAT_LIT": "a number"}
+    if name in friendly:
+        return friendly[name]
+    try:
+        pattern = parser().get_terminal(name).pattern
+    except KeyError:
+        return name
+    return f"'{pattern.value}'" if isinstance(pattern, PatternStr) else name
+
+
+def _expected(names: set[str]) -> str:
+    names = set(names)
+    parts = []
+    if _EXPRESSION_START <= names:
+        names -= _EXPRESSION_START | {"MINUS", "BANG"}
+        parts.append("an expression")
+    if _STATEMENT_START <= names:
+        names -= _STATEMENT_START
+        parts.append("a statement")
+    parts += sorted({_describe_terminal(n) for n in names})
+    if len(parts) == 1:
+        return parts[0]
+    return "one of " + ", ".join(parts)
+
+
+def _syntax_error(source: Source, e: UnexpectedInput) -> SpecError:
+    if isinstance(e, UnexpectedToken) and e.token.type != "$END":
+        tok = e.token
+        span = Span.at(source, tok.start_pos, tok.end_pos)
+        msg = f"unexpected '{tok}', expected {_expected(e.expected)}"
+        if str(tok) in _COMPARISONS:
+            notes = ("comparisons do not chain: write (a < b) & (b < c)",)
+            return SpecError(Diagnostic(msg, span, notes))
+    elif isinstance(e, (UnexpectedEOF, UnexpectedToken)):
+        end = len(source.text.rstrip())
+        span = Span.at(source, max(end - 1, 0), end)
+        msg = f"unexpected end of file, expected {_expected(e.expected)}"
+    elif isinstance(e, UnexpectedCharacters):
+        span = Span.at(source, e.pos_in_stream, e.pos_in_stream + 1)
+        ch = source.text[e.pos_in_stream]
+        msg = f"unexpected character '{ch}'"
+    else:  # pragma: no cover - lark has no other UnexpectedInput kinds
+        span, msg = None, str(e)
+    return SpecError(Diagnostic(msg, span))
+
+
+# --------------------------------------------------------------- tree -> AST
+@v_args(meta=True)
+class _Builder(Transformer):
+    """Methods are named after the grammar rules (and their ``->`` aliases)."""
+
+    def __init__(self, source: Source):
+        super().__init__()
+        self.source = source
+
+    # spans -------------------------------------------------------------
+    def _meta_span(self, meta) -> Span:
+        return Span.at(self.source, meta.start_pos, meta.end_pos)
+
+    def _tok_span(self, tok: Token) -> Span:
+        return Span.at(self.source, tok.start_pos, tok.end_pos)
+
+    # top level -----------------------------------------------------------
+    def start(self, meta, children):
+        name, *statements = children
+        return ast.Attention(str(name), self._tok_span(name), tuple(statements), self._meta_span(meta))
+
+    # literals ------------------------------------------------------------
+    def int_lit(self, meta, children):
+        return ast.Literal(int(children[0]), self._meta_span(meta))
+
+    def float_lit(self, meta, children):
+        return ast.Literal(float(children[0]), self._meta_span(meta))
+
+    def name_literal(self, meta, children):
+        return ast.Literal(str(children[0]), self._meta_span(meta))
+
+    # statements ------------------------------------------------------------
+    def heads(self, meta, children):
+        return ast.Heads(children[0], children[1] if len(children) > 1 else None, self._meta_span(meta))
+
+    def head_dim(self, meta, children):
+        return ast.HeadDim(children[0], children[1] if len(children) > 1 else None, self._meta_span(meta))
+
+    def dtype(self, meta, children):
+        return ast.DType(str(children[0]), self._tok_span(children[0]))
+
+    def scale(self, meta, children):
+        return ast.Scale(children[0], self._meta_span(meta))
+
+    def axis(self, meta, children):
+        value = children[0]
+        if isinstance(value, ast.Literal):
+            return ast.Axis(value.value, value.span)
+        return ast.Axis(str(value), self._tok_span(value))
+
+    def sample(self, meta, children):
+        kind, *args = children
+        return ast.Sample(str(kind), self._tok_span(kind), tuple(args), self._meta_span(meta))
+
+    def tensor(self, meta, children):
+        name, dtype, *rest = children
+        sample = rest.pop() if rest and isinstance(rest[-1], ast.Sample) else None
+        return ast.TensorDecl(str(name), self._tok_span(name), str(dtype), self._tok_span(dtype),
+                              tuple(rest), sample, self._meta_span(meta))
+
+    def score(self, meta, children):
+        return ast.ScoreStmt(children[0], self._meta_span(meta))
+
+    def mask(self, meta, children):
+        return ast.MaskStmt(children[0], self._meta_span(meta))
+
+    def _policy_stmt(field):
+        def build(self, meta, children):
+            return ast.PolicyStmt(field, children[0], self._meta_span(meta))
+        return build
+
+    cache = _policy_stmt("cache")
+    split = _policy_stmt("split")
+    state = _policy_stmt("state")
+    masked_rows = _policy_stmt("masked_rows")
+
+    def policy(self, meta, children):
+        kind, *args = children
+        args = tuple(a if isinstance(a, ast.Argument) else ast.Argument(None, a, a.span) for a in args)
+        return ast.Policy(str(kind), self._tok_span(kind), args, self._meta_span(meta))
+
+    def keyword_argument(self, meta, children):
+        name, value = children
+        return ast.Argument(str(name), value, self._meta_span(meta))
+
+    # expressions -----------------------------------------------------------
+    def int_const(self, meta, children):
+        return ast.IntLit(int(children[0]), self._meta_span(meta))
+
+    def float_const(self, meta, children):
+        return ast.FloatLit(float(children[0]), self._meta_span(meta))
+
+    def true_const(self, meta, children):
+        return ast.BoolLit(True, self._meta_span(meta))
+
+    def false_const(self, meta, children):
+        return ast.BoolLit(False, self._meta_span(meta))
+
+    def name(self, meta, children):
+        return ast.Name(str(children[0]), self._meta_span(meta))
+
+    def call(self, meta, children):
+        func, *args = children
+        return ast.Call(str(func), self._tok_span(func), tuple(args), self._meta_span(meta))
+
+    def index(self, meta, children):
+        tensor, *indices = children
+        return ast.Index(str(tensor), self._tok_span(tensor), tuple(indices), self._meta_span(meta))
+
+    def neg_op(self, meta, children):
+        return ast.Unary("-", children[0], self._meta_span(meta))
+
+    def not_op(self, meta, children):
+        return ast.Unary("!", children[0], self._meta_span(meta))
+
+    def _binary(op, node=ast.Binary):
+        def build(self, meta, children):
+            return node(op, children[0], children[1], self._meta_span(meta))
+        return build
+
+    or_op, and_op = _binary("|"), _binary("&")
+    add, sub, mul, div = _binary("+"), _binary("-"), _binary("*"), _binary("/")
+    floordiv, mod = _binary("//"), _binary("%")
+    eq, ne = _binary("==", ast.Compare), _binary("!=", ast.Compare)
+    lt, le = _binary("<", ast.Compare), _binary("<=", ast.Compare)
+    gt, ge = _binary(">", ast.Compare), _binary(">=", ast.Compare)

@@ -1,0 +1,320 @@
+"""The IR: typed expression trees plus the program's declared tensors and policies.
+
+A small closed set of frozen, slotted nodes (DESIGN §4).  Every node has a
+``type``; operands of an arithmetic or comparison node always have the same
+type (lowering inserts explicit ``cast_f32`` nodes), so backends never guess
+promotion rules.  :func:`verify` checks those invariants.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Iterator, Union
+
+node = dataclass(frozen=True, slots=True)
+
+
+class Type(str, enum.Enum):
+    I32 = "i32"
+    F32 = "f32"
+    BOOL = "bool"
+
+    @property
+    def numeric(self) -> bool:
+        return self is not Type.BOOL
+
+
+I32, F32, BOOL = Type.I32, Type.F32, Type.BOOL
+
+# Operators, by the node kind that carries them.
+ARITH_OPS = ("add", "sub", "mul", "div", "floordiv", "mod")
+LOGIC_OPS = ("and", "or")
+BINARY_OPS = ARITH_OPS + LOGIC_OPS
+COMPARE_OPS = ("eq", "ne", "lt", "le", "gt", "ge")
+UNARY_OPS = ("neg", "not", "cast_f32")
+CALL_FNS = {  # name -> arity; result type: min/max/abs keep the operand type, the rest are f32
+    "min": 2, "max": 2, "abs": 1, "exp": 1, "log": 1, "sqrt": 1, "tanh": 1,
+}
+FLOAT_FNS = ("exp", "log", "sqrt", "tanh")
+POSITION_VARS = ("q", "k", "b", "h")
+
+# Surface spellings (the .attn language) of IR operators.
+SURFACE_BINARY = {"+": "add", "-": "sub", "*": "mul", "/": "div", "//": "floordiv", "%": "mod",
+                  "&": "and", "|": "or"}
+SURFACE_COMPARE = {"==": "eq", "!=": "ne", "<": "lt", "<=": "le", ">": "gt", ">=": "ge"}
+
+
+def promote(a: Type, b: Type) -> Type:
+    """The common numeric type of two numeric operands."""
+    return F32 if F32 in (a, b) else I32
+
+
+# ---------------------------------------------------------------- expressions
+@node
+class Const:
+    value: Union[int, float, bool]
+    type: Type
+
+
+@node
+class Var:
+    name: str  # q | k | b | h | score
+    type: Type
+
+
+@node
+class Load:
+    tensor: str
+    index: tuple["Expr", ...]
+    type: Type
+
+
+@node
+class Unary:
+    op: str
+    operand: "Expr"
+    type: Type
+
+
+@node
+class Binary:
+    op: str
+    left: "Expr"
+    right: "Expr"
+    type: Type
+
+
+@node
+class Compare:
+    op: str
+    left: "Expr"
+    right: "Expr"
+    type: Type = BOOL
+
+
+@node
+class Select:
+    cond: "Expr"
+    if_true: "Expr"
+    if_false: "Expr"
+    type: Type
+
+
+@node
+class Call:
+    fn: str
+    args: tuple["Expr", ...]
+    type: Type
+
+
+Expr = Union[Const, Var, Load, Unary, Binary, Compare, Select, Call]
+
+
+def children(e: Expr) -> tuple[Expr, ...]:
+    if isinstance(e, (Const, Var)):
+        return ()
+    if isinstance(e, Load):
+        return e.index
+    if isinstance(e, Unary):
+        return (e.operand,)
+    if isinstance(e, (Binary, Compare)):
+        return (e.left, e.right)
+    if isinstance(e, Select):
+        return (e.cond, e.if_true, e.if_false)
+    if isinstance(e, Call):
+        return e.args
+    raise TypeError(f"not an IR expression: {e!r}")
+
+
+def walk(e: Expr) -> Iterator[Expr]:
+    """Pre-order traversal."""
+    yield e
+    for c in children(e):
+        yield from walk(c)
+
+
+def free_vars(e: Expr) -> frozenset[str]:
+    return frozenset(n.name for n in walk(e) if isinstance(n, Var))
+
+
+def loads(e: Expr) -> frozenset[str]:
+    return frozenset(n.tensor for n in walk(e) if isinstance(n, Load))
+
+
+# ---------------------------------------------------------------- declarations
+@node
+class Sample:
+    """How `attnc run`/`attnc demo` make an example value for a tensor."""
+
+    kind: str
+    args: tuple[Union[int, float, str], ...]
+
+
+@node
+class TensorDecl:
+    name: str
+    dtype: Type
+    axes: tuple[Union[str, int], ...]  # "b" | "h" | "s" | size
+    sample: Sample | None = None
+
+    def signature(self) -> str:
+        return f"{self.dtype.value}[{', '.join(str(a) for a in self.axes)}]"
+
+
+class CacheKind(str, enum.Enum):
+    CONTIGUOUS = "contiguous"
+    RAGGED = "ragged"
+    PAGED = "paged"
+
+
+class Layout(str, enum.Enum):
+    BHSD = "bhsd"  # HND
+    BSHD = "bshd"  # NHD
+    NHD = "nhd"  # page layouts
+    HND = "hnd"
+
+
+class StateABI(str, enum.Enum):
+    LSE_O = "lse_o"
+    MLU = "mlu"
+
+
+class SplitKind(str, enum.Enum):
+    AUTO = "auto"
+    BALANCED = "balanced"
+    CHUNK = "chunk"
+    CAPACITY = "capacity"
+    HEURISTIC = "heuristic"
+
+
+@node
+class Cache:
+    kind: CacheKind = CacheKind.CONTIGUOUS
+    layout: Layout = Layout.BHSD
+    page_size: int | None = None
+    table: str | None = None  # paged: "dense" | "csr"
+
+
+@node
+class Split:
+    kind: SplitKind = SplitKind.AUTO
+    args: tuple[Union[int, float], ...] = ()
+
+
+@node
+class Program:
+    name: str
+    heads_q: int
+    heads_kv: int
+    d_qk: int
+    d_v: int
+    dtype: str  # f16 | bf16 | f32 (storage of Q, K, V, O)
+    scale: float
+    tensors: tuple[TensorDecl, ...]
+    score: tuple[Expr, ...]  # ordered statements; each reads Var("score") = the previous value
+    mask: Expr
+    cache: Cache = field(default_factory=Cache)
+    split: Split = field(default_factory=Split)
+    state: StateABI = StateABI.LSE_O
+    masked_rows: str = "zero"
+
+    @property
+    def group(self) -> int:
+        """GQA group size G = H_q / H_kv; the K/V head of query head h is h // G."""
+        return self.heads_q // self.heads_kv
+
+    def tensor(self, name: str) -> TensorDecl:
+        for t in self.tensors:
+            if t.name == name:
+                return t
+        raise KeyError(name)
+
+
+# ---------------------------------------------------------------- typing rules
+def unary_type(op: str, t: Type) -> Type | None:
+    """Result type of a unary op, or None when the operand type is wrong."""
+    if op == "neg":
+        return t if t.numeric else None
+    if op == "not":
+        return BOOL if t is BOOL else None
+    if op == "cast_f32":
+        return F32 if t.numeric else None
+    return None
+
+
+def binary_type(op: str, a: Type, b: Type) -> Type | None:
+    if op in LOGIC_OPS:
+        return BOOL if a is BOOL and b is BOOL else None
+    if not (a.numeric and b.numeric):
+        return None
+    return F32 if op == "div" else promote(a, b)
+
+
+def compare_type(op: str, a: Type, b: Type) -> Type | None:
+    if a.numeric and b.numeric:
+        return BOOL
+    if a is BOOL and b is BOOL and op in ("eq", "ne"):
+        return BOOL
+    return None
+
+
+def call_type(fn: str, args: tuple[Type, ...]) -> Type | None:
+    if fn not in CALL_FNS or len(args) != CALL_FNS[fn] or not all(t.numeric for t in args):
+        return None
+    if fn in FLOAT_FNS:
+        return F32
+    return promote(*args) if len(args) == 2 else args[0]
+
+
+# ---------------------------------------------------------------- verifier
+class VerifyError(Exception):
+    """An IR invariant is broken: a compiler bug, never a user error."""
+
+
+def verify_expr(e: Expr, program: Program | None = None, allowed_vars=POSITION_VARS) -> None:
+    for n in walk(e):
+        if isinstance(n, Const):
+            ok = {BOOL: bool, I32: int, F32: float}[n.type]
+            if type(n.value) is not ok:
+                raise VerifyError(f"constant {n.value!r} is not {n.type.value}")
+        elif isinstance(n, Var):
+            if n.name not in allowed_vars:
+                raise VerifyError(f"variable {n.name} not allowed here")
+            if n.type is not (F32 if n.name == "score" else I32):
+                raise VerifyError(f"variable {n.name} has type {n.type.value}")
+        elif isinstance(n, Load):
+            if program is not None:
+                decl = program.tensor(n.tensor)
+                if len(n.index) != len(decl.axes) or n.type is not decl.dtype:
+                    raise VerifyError(f"load of {n.tensor} disagrees with {decl.signature()}")
+            if any(i.type is not I32 for i in n.index):
+                raise VerifyError(f"load of {n.tensor} has a non-i32 index")
+        elif isinstance(n, Unary):
+            if unary_type(n.op, n.operand.type) is not n.type:
+                raise VerifyError(f"{n.op} on {n.operand.type.value} typed {n.type.value}")
+        elif isinstance(n, (Binary, Compare)):
+            rule = binary_type if isinstance(n, Binary) else compare_type
+            if n.left.type is not n.right.type or rule(n.op, n.left.type, n.right.type) is not n.type:
+                raise VerifyError(f"{n.op} on {n.left.type.value}, {n.right.type.value} typed {n.type.value}")
+        elif isinstance(n, Select):
+            if n.cond.type is not BOOL or not (n.if_true.type is n.if_false.type is n.type):
+                raise VerifyError("select operands disagree")
+        elif isinstance(n, Call):
+            if n.args and any(a.type is not n.args[0].type for a in n.args):
+                raise VerifyError(f"{n.fn} operands disagree")
+            if call_type(n.fn, tuple(a.type for a in n.args)) is not n.type:
+                raise VerifyError(f"{n.fn} typed {n.type.value}")
+
+
+def verify(program: Program) -> Program:
+    """Check the IR invariants; return the program so passes can chain it."""
+    if program.heads_q % program.heads_kv:
+        raise VerifyError("heads_q is not a multiple of heads_kv")
+    verify_expr(program.mask, program)
+    if program.mask.type is not BOOL:
+        raise VerifyError("mask is not boolean")
+    for s in program.score:
+        verify_expr(s, program, POSITION_VARS + ("score",))
+        if s.type is not F32:
+            raise VerifyError("score statement is not f32")
+    return program
