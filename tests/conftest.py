@@ -1,0 +1,38 @@
+"""Shared test fixtures.
+
+Golden files are compared byte for byte; `pytest --update-golden` rewrites
+them deliberately (never automatically) — review the diff and commit it with
+the reason.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = sorted((ROOT / "examples").glob("*.attn"))
+GOLDEN = ROOT / "tests" / "golden"
+
+
+def pytest_addoption(parser):
+    parser.addoption("--update-golden", action="store_true", default=False,
+                     help="rewrite tests/golden files from the current output")
+
+
+@pytest.fixture
+def golden(request):
+    """golden(relative_path, actual_text): compare with tests/golden/<relative_path>."""
+    update = request.config.getoption("--update-golden")
+
+    def compare(rel: str, actual: str) -> None:
+        path = GOLDEN / rel
+        if update:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(actual)
+            return
+        assert path.exists(), f"missing golden file {path}; run pytest --update-golden and review it"
+        expected = path.read_text()
+        assert actual == expected, f"{path} differs from the current output (pytest --update-golden rewrites it)"
+
+    return compare
