@@ -318,3 +318,48 @@ def verify(program: Program) -> Program:
         if s.type is not F32:
             raise VerifyError("score statement is not f32")
     return program
+
+
+# ---------------------------------------------------------------- surface text
+_PRECEDENCE = {"or": 1, "and": 2, "not": 3, "cmp": 4, "add": 5, "sub": 5, "mul": 6, "div": 6,
+               "floordiv": 6, "mod": 6, "neg": 7}
+_SURFACE_OF = {v: k for k, v in {**SURFACE_BINARY, **SURFACE_COMPARE}.items()}
+
+
+def format_expr(e: Expr) -> str:
+    """The IR as .attn surface syntax (sugar already folded), minimally parenthesized.
+
+    Generated sources quote this, never the user's text."""
+    return _fmt(e, 0)
+
+
+def _fmt(e: Expr, outer: int) -> str:
+    if isinstance(e, Const):
+        text = ("true" if e.value else "false") if e.type is BOOL else repr(e.value)
+        return text if not (isinstance(e.value, (int, float)) and e.value < 0 and outer >= 7) else f"({text})"
+    if isinstance(e, Var):
+        return e.name
+    if isinstance(e, Load):
+        return f"{e.tensor}[{', '.join(_fmt(i, 0) for i in e.index)}]"
+    if isinstance(e, Call):
+        return f"{e.fn}({', '.join(_fmt(a, 0) for a in e.args)})"
+    if isinstance(e, Select):
+        return f"where({_fmt(e.cond, 0)}, {_fmt(e.if_true, 0)}, {_fmt(e.if_false, 0)})"
+    if isinstance(e, Unary):
+        if e.op == "cast_f32":
+            return _fmt(e.operand, outer)  # implicit in the surface language
+        prec = _PRECEDENCE[e.op]
+        text = ("-" if e.op == "neg" else "!") + _fmt(e.operand, prec)
+    else:
+        key = "cmp" if isinstance(e, Compare) else e.op
+        prec = _PRECEDENCE[key]
+        # left-associative: the right operand needs parentheses at equal precedence
+        left_prec = prec + 1 if isinstance(e, Compare) else prec  # comparisons do not chain
+        text = f"{_fmt(e.left, left_prec)} {_SURFACE_OF[e.op]} {_fmt(e.right, prec + 1)}"
+    return f"({text})" if prec < outer else text
+
+
+def digest(program: Program) -> str:
+    """sha256 of the program's canonical form: the compile-time cache key."""
+    import hashlib
+    return hashlib.sha256(repr(program).encode()).hexdigest()

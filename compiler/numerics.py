@@ -1,0 +1,59 @@
+"""Declared tolerances and the comparison every numerics test and `attnc run --check` use.
+
+The candidate computes in float32 from inputs held in the storage dtype and
+rounds O to the storage dtype; the reference is the float64 oracle on the same
+stored inputs.  So the tolerance is the storage dtype's rounding of O (its
+relative precision, with headroom for accumulation order) plus a float32
+accumulation term.  LSE is float32 in every backend.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+# dtype -> (atol, rtol) on O.  Unit roundoff: f32 6e-8, f16 4.9e-4, bf16 3.9e-3.
+O_TOLERANCE = {"f32": (2e-5, 2e-5), "f16": (2e-3, 2e-3), "bf16": (1.6e-2, 1.6e-2)}
+LSE_TOLERANCE = (1e-4, 1e-5)
+
+
+@dataclass(frozen=True)
+class Comparison:
+    what: str
+    max_abs_error: float
+    worst_excess: float  # max(|x - ref| - (atol + rtol |ref|)); <= 0 passes
+    atol: float
+    rtol: float
+    ok: bool
+    detail: str = ""
+
+    def __str__(self) -> str:
+        verdict = "ok" if self.ok else f"FAIL {self.detail}"
+        return f"{self.what}: max |err| {self.max_abs_error:.2e} (atol {self.atol:g}, rtol {self.rtol:g}) {verdict}"
+
+
+def compare(what: str, x, ref, atol: float, rtol: float) -> Comparison:
+    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
+    if x.shape != ref.shape:
+        return Comparison(what, np.inf, np.inf, atol, rtol, False, f"shape {x.shape} != {ref.shape}")
+    if np.isnan(x).any():
+        idx = tuple(int(i[0]) for i in np.nonzero(np.isnan(x)))
+        return Comparison(what, np.inf, np.inf, atol, rtol, False, f"NaN at {idx}")
+    inf_mismatch = (np.isinf(x) != np.isinf(ref)) | (np.isinf(x) & (np.sign(x) != np.sign(ref)))
+    if inf_mismatch.any():
+        idx = tuple(int(i[0]) for i in np.nonzero(inf_mismatch))
+        return Comparison(what, np.inf, np.inf, atol, rtol, False,
+                          f"infinity mismatch at {idx}: {x[idx]} vs {ref[idx]}")
+    finite = np.isfinite(ref)
+    err = np.where(finite, np.abs(x - ref), 0.0)
+    excess = err - (atol + rtol * np.abs(np.where(finite, ref, 0.0)))
+    worst = float(excess.max()) if excess.size else 0.0
+    detail = ""
+    if worst > 0:
+        idx = tuple(int(i) for i in np.unravel_index(np.argmax(excess), excess.shape))
+        detail = f"at {idx}: {x[idx]} vs {ref[idx]}"
+    return Comparison(what, float(err.max()) if err.size else 0.0, worst, atol, rtol, worst <= 0, detail)
+
+
+def compare_outputs(dtype: str, o, lse, ref_o, ref_lse) -> tuple[Comparison, Comparison]:
+    return (compare("O", o, ref_o, *O_TOLERANCE[dtype]), compare("LSE", lse, ref_lse, *LSE_TOLERANCE))
