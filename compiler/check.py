@@ -21,7 +21,8 @@ TENSOR_DTYPES = {"i32": I32, "f32": F32, "bool": BOOL}
 AXES = ("b", "h", "s")
 SUGAR = {"causal": 0, "window": 1, "softcap": 2, "where": 3}  # name -> arity (0: a name, not a call)
 FUNCTIONS = {**ir.CALL_FNS, "window": 1, "softcap": 2, "where": 3}
-RESERVED = set(ir.POSITION_VARS) | {"s", "score", "causal", "true", "false"} | set(FUNCTIONS)
+RESERVED = set(ir.POSITION_VARS) | {"s", "score", "causal", "true", "false"} | set(FUNCTIONS) \
+    | {"v", "return_lse", "block_m", "block_n"}  # keyword arguments of the generated entry point
 
 
 @dataclass
@@ -53,6 +54,11 @@ def _suggest(name: str, candidates) -> tuple[str, ...]:
 
 def _one_of(values) -> str:
     return ", ".join(f"'{v}'" for v in values)
+
+
+def _expected_one_of(values) -> str:
+    values = list(values)
+    return f"expected '{values[0]}'" if len(values) == 1 else f"expected one of {_one_of(values)}"
 
 
 # ---------------------------------------------------------------- policies
@@ -193,7 +199,7 @@ class Checker:
 
     # ------------------------------------------------------------ scalars
     def _check_identifier(self, name: str, span: Span, what: str) -> bool:
-        if keyword.iskeyword(name) or keyword.issoftkeyword(name):
+        if keyword.iskeyword(name):  # soft keywords (match, case, type) are valid names
             self.error(f"{what} '{name}' is a Python keyword; choose another name", span)
             return False
         if name.startswith("_"):
@@ -224,7 +230,11 @@ class Checker:
         if t is BOOL:
             self.error("scale is boolean; it must be a positive number", stmt.expr.span)
             return 1.0
-        value = _const_value(stmt.expr)
+        try:
+            value = _const_value(stmt.expr, strict=True)
+        except (ValueError, OverflowError, ZeroDivisionError) as exc:  # e.g. sqrt(-1), exp(1000)
+            self.error(f"scale cannot be computed: {exc}", stmt.expr.span)
+            return 1.0
         if value is None:
             self.error("scale must be a constant expression", stmt.expr.span)
             return 1.0
@@ -269,21 +279,47 @@ class Checker:
             sig = ", ".join(p for p, _ in params)
             self.error(f"sample '{s.kind}' takes {len(params)} arguments ({sig}), got {len(s.args)}", s.span)
             return
+        args_ok = True
         for (pname, kind), arg in zip(params, s.args):
             if kind is str:
                 ref = self.tensors.get(arg.value) if isinstance(arg.value, str) else None
                 if ref is None or "s" not in [a.value for a in ref.axes]:
                     self.error(f"'{pname}' of sample '{s.kind}' must name a tensor declared before "
                                "it with an 's' axis", arg.span)
+                    args_ok = False
             elif not _literal_fits(arg.value, kind):
                 self.error(f"'{pname}' of sample '{s.kind}' must be {_kind_name(kind)}, got {arg.value!r}",
                            arg.span)
+                args_ok = False
+        if args_ok:
+            self._sample_ranges(t)
         dtype = TENSOR_DTYPES[t.dtype]
         if dtype not in SAMPLE_DTYPES[s.kind]:
             kinds = " or ".join(d.value for d in SAMPLE_DTYPES[s.kind])
             self.error(f"sample '{s.kind}' makes {kinds} values; tensor '{t.name}' is {t.dtype}", s.kind_span)
         if s.kind in ("segments", "prefix_ends") and [a.value for a in t.axes][-1:] != ["s"]:
             self.error(f"sample '{s.kind}' runs along the last axis, which must be 's'", s.kind_span)
+
+    def _sample_ranges(self, t: ast.TensorDecl) -> None:
+        """Argument values that can never draw a sample."""
+        s = t.sample
+        args = {p: a for (p, _), a in zip(SAMPLES[s.kind], s.args)}
+        if s.kind in ("segments", "prefix_ends"):
+            lo, hi = args["min_len"], args["max_len"]  # lengths drawn from [min_len, max_len]
+            if lo.value < 1:
+                self.error(f"'min_len' of sample '{s.kind}' must be at least 1, got {lo.value}", lo.span)
+            elif hi.value < lo.value:
+                self.error(f"'max_len' of sample '{s.kind}' is {hi.value}, less than 'min_len' {lo.value}",
+                           hi.span)
+        elif s.kind == "randint" and args["high"].value <= args["low"].value:  # draws from [low, high)
+            self.error(f"'high' of sample 'randint' must be greater than 'low' ({args['low'].value}); "
+                       f"values are drawn from [low, high), got {args['high'].value}", args["high"].span)
+        elif s.kind == "bernoulli" and not 0 <= args["p"].value <= 1:
+            self.error(f"'p' of sample 'bernoulli' is a probability in [0, 1], got {args['p'].value}",
+                       args["p"].span)
+        elif s.kind == "const" and t.dtype == "i32" and not isinstance(args["value"].value, int):
+            self.error(f"'value' of sample 'const' must be an integer for an i32 tensor, "
+                       f"got {args['value'].value!r}", args["value"].span)
 
     def _tensor_type(self, t: ast.TensorDecl) -> ir.TensorDecl:
         sample = ir.Sample(t.sample.kind, tuple(a.value for a in t.sample.args)) if t.sample else None
@@ -293,7 +329,8 @@ class Checker:
     def _policy(self, fld: str, p: ast.Policy):
         kinds = POLICIES[fld]
         if p.kind not in kinds:
-            self.error(f"unknown {fld.replace('_', ' ')} kind '{p.kind}'; expected one of {_one_of(kinds)}",
+            what = "policy" if fld == "masked_rows" else "kind"
+            self.error(f"unknown {fld} {what} '{p.kind}'; {_expected_one_of(kinds)}",
                        p.kind_span, *_suggest(p.kind, kinds))
             return None
         params = kinds[p.kind]
@@ -303,7 +340,8 @@ class Checker:
             if arg.name is None:
                 if fld not in POSITIONAL_OK:
                     names = ", ".join(f"{q.name} = ..." for q in params) or "no arguments"
-                    self.error(f"{fld} arguments are keywords ({p.kind} takes {names})", arg.span)
+                    hint = (f"write {params[i].name} = {arg.value.value}",) if i < len(params) else ()
+                    self.error(f"{fld} arguments must be named ({p.kind} takes {names})", arg.span, *hint)
                     ok = False
                     continue
                 if i >= len(params):
@@ -346,7 +384,7 @@ class Checker:
             values[param.name] = param.kind(v)
         for q in params:
             if q.required and q.name not in values and ok:
-                self.error(f"{p.kind} needs '{q.name}'", p.span)
+                self.error(f"{p.kind} {fld} needs '{q.name}'", p.span)
                 ok = False
             values.setdefault(q.name, q.default)
         if not ok:
@@ -409,7 +447,8 @@ class Checker:
                 self.error(f"'{e.op}' needs {want}, got {lt.value} {e.op} {rt.value}", e.span)
                 return None
             if op in ("div", "floordiv", "mod") and _const_value(e.right) == 0:
-                self.error("division by zero", e.right.span)
+                what = "division" if e.op != "%" else "remainder"
+                self.error(f"{what} by zero: the right side of '{e.op}' is always 0", e.right.span)
             return r
         raise TypeError(e)
 
@@ -447,8 +486,9 @@ class Checker:
         t = self.tensors.get(e.tensor)
         if t is None:
             self.error(f"unknown tensor '{e.tensor}'", e.tensor_span, *_suggest(e.tensor, self.tensors))
-            for i in e.indices:
-                self.expr(i, "index")
+            if ctx != "scale":  # scale reports the read itself, not its subscripts
+                for i in e.indices:
+                    self.expr(i, ctx)
             return None
         if ctx == "scale":
             self.error("scale must be a constant; it cannot read a tensor", e.span)
@@ -459,14 +499,16 @@ class Checker:
                        f"({decl}), got {len(e.indices)}", e.span)
             return None
         ok = True
-        for axis, idx in zip(t.axes, e.indices):
-            it = self.expr(idx, "index" if ctx != "score" else "score")
+        for pos, (axis, idx) in enumerate(zip(t.axes, e.indices), 1):
+            it = self.expr(idx, ctx)
             if it is None:
                 ok = False
                 continue
             if it is not I32:
-                self.error(f"subscript {axis.value!s} of '{e.tensor}' must be an integer, got {it.value}",
-                           idx.span)
+                which = f"axis '{axis.value}'" if isinstance(axis.value, str) else f"size {axis.value}"
+                notes = ("'/' always makes a float; '//' divides integers",) if _has_op(idx, "/") else ()
+                self.error(f"subscript {pos} of '{e.tensor}' ({which}) must be an integer, got {it.value}",
+                           idx.span, *notes)
                 ok = False
                 continue
             used = _names(idx)
@@ -475,17 +517,18 @@ class Checker:
                 bad = sorted(used & ({"q", "k", "b", "h", "score"} - allowed))
                 if bad:
                     meaning = "the request index 'b'" if axis.value == "b" else "the query head 'h'"
-                    self.error(f"axis '{axis.value}' of '{e.tensor}' is indexed by {meaning}, "
+                    self.error(f"axis '{axis.value}' of '{e.tensor}' must be indexed by {meaning}, "
                                f"not by an expression of '{bad[0]}'", idx.span, f"{e.tensor} is {decl}")
                     ok = False
         return TENSOR_DTYPES.get(t.dtype) if ok else None
 
     def _call(self, e: ast.Call, ctx: str) -> Type | None:
         if e.func not in FUNCTIONS:
-            what = "tensor" if e.func in self.tensors else "function"
-            notes = (f"index a tensor with brackets: {e.func}[...]",) if what == "tensor" else \
-                _suggest(e.func, FUNCTIONS)
-            self.error(f"unknown function '{e.func}'", e.func_span, *notes)
+            if e.func in self.tensors:
+                self.error(f"'{e.func}' is a tensor, not a function", e.func_span,
+                           f"index a tensor with brackets: {e.func}[...]")
+            else:
+                self.error(f"unknown function '{e.func}'", e.func_span, *_suggest(e.func, FUNCTIONS))
             for a in e.args:
                 self.expr(a, ctx)
             return None
@@ -524,7 +567,8 @@ class Checker:
             return F32
         r = ir.call_type(e.func, tuple(types))
         if r is None:
-            self.error(f"'{e.func}' takes numbers, got {', '.join(t.value for t in types)}", e.span)
+            what = "a number" if len(types) == 1 else "numbers"
+            self.error(f"'{e.func}' takes {what}, got {', '.join(t.value for t in types)}", e.span)
         return r
 
 
@@ -562,27 +606,46 @@ def _ast_children(e: ast.Expr) -> tuple[ast.Expr, ...]:
 
 
 _CONST_FNS = {"sqrt": math.sqrt, "exp": math.exp, "log": math.log, "tanh": math.tanh, "abs": abs,
-              "min": min, "max": max}
+              "min": min, "max": max, "softcap": lambda x, cap: cap * math.tanh(x / cap)}
+_CONST_COMPARE = {"==": lambda a, b: a == b, "!=": lambda a, b: a != b, "<": lambda a, b: a < b,
+                  "<=": lambda a, b: a <= b, ">": lambda a, b: a > b, ">=": lambda a, b: a >= b}
 
 
-def _const_value(e: ast.Expr):
-    """The value of a name-free expression, or None (also on a domain error)."""
+def _has_op(e: ast.Expr, op: str) -> bool:
+    if isinstance(e, ast.Binary) and e.op == op:
+        return True
+    return any(_has_op(c, op) for c in _ast_children(e))
+
+
+def _const_value(e: ast.Expr, strict: bool = False):
+    """The value of a name-free (well-typed) expression, or None; a domain error
+    (sqrt(-1), 1 / 0) gives None too, or raises when ``strict``."""
     try:
-        if isinstance(e, (ast.IntLit, ast.FloatLit)):
+        if isinstance(e, (ast.IntLit, ast.FloatLit, ast.BoolLit)):
             return e.value
         if isinstance(e, ast.Unary) and e.op == "-":
-            v = _const_value(e.operand)
+            v = _const_value(e.operand, strict)
             return None if v is None else -v
+        if isinstance(e, ast.Compare):
+            a, b = _const_value(e.left, strict), _const_value(e.right, strict)
+            return None if a is None or b is None else _CONST_COMPARE[e.op](a, b)
+        if isinstance(e, ast.Call) and e.func == "where":
+            c = _const_value(e.args[0], strict)
+            return None if c is None else _const_value(e.args[1] if c else e.args[2], strict)
         if isinstance(e, ast.Binary) and e.op in "+-*/%//":
-            a, b = _const_value(e.left), _const_value(e.right)
+            a, b = _const_value(e.left, strict), _const_value(e.right, strict)
             if a is None or b is None:
                 return None
             return {"+": a + b, "-": a - b, "*": a * b}.get(e.op) if e.op in "+-*" else \
                 (a / b if e.op == "/" else a // b if e.op == "//" else a % b)
         if isinstance(e, ast.Call) and e.func in _CONST_FNS:
-            args = [_const_value(a) for a in e.args]
+            args = [_const_value(a, strict) for a in e.args]
             return None if None in args else _CONST_FNS[e.func](*args)
-    except (ZeroDivisionError, ValueError, OverflowError, TypeError):
+    except (ZeroDivisionError, ValueError, OverflowError) as exc:
+        if strict:
+            raise exc
+        return None
+    except TypeError:
         return None
     return None
 

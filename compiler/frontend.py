@@ -76,7 +76,7 @@ def _expected(names: set[str]) -> str:
     names = set(names)
     parts = []
     if _EXPRESSION_START <= names:
-        names -= _EXPRESSION_START | {"MINUS", "BANG"}
+        names -= _EXPRESSION_START | {"MINUS", "BANG", "TRUE", "FALSE"}
         parts.append("an expression")
     if _STATEMENT_START <= names:
         names -= _STATEMENT_START
@@ -87,18 +87,50 @@ def _expected(names: set[str]) -> str:
     return "one of " + ", ".join(parts)
 
 
+def _acceptable(e: UnexpectedInput) -> set[str]:
+    """The terminals the parser accepts at the error.  LALR's ``expected`` merges
+    lookaheads of states that share a reduction (it offers ')' after `heads = 8`);
+    the interactive parser tries each terminal and is exact."""
+    try:
+        return set(e.interactive_parser.accepts())
+    except Exception:  # pragma: no cover - no interactive parser for this error kind
+        return set(getattr(e, "expected", ()) or ())
+
+
+def _split_number(source: Source, tok: Token) -> int | None:
+    """Where an integer-only slot got `8.0`, the lexer reads `8` then `.0`: the
+    start of the whole number, or None."""
+    text, start = source.text, tok.start_pos
+    if tok.type not in ("FLOAT_LIT", "SIGNED_FLOAT_LIT") or not str(tok).startswith("."):
+        return None
+    i = start
+    while i > 0 and text[i - 1].isdigit():
+        i -= 1
+    if i == start:
+        return None
+    return i - 1 if i > 0 and text[i - 1] == "-" else i
+
+
 def _syntax_error(source: Source, e: UnexpectedInput) -> SpecError:
     if isinstance(e, UnexpectedToken) and e.token.type != "$END":
         tok = e.token
+        number_start = _split_number(source, tok)
+        if number_start is not None:
+            span = Span.at(source, number_start, tok.end_pos)
+            return SpecError(Diagnostic(f"expected an integer, got '{span.text}'", span))
         span = Span.at(source, tok.start_pos, tok.end_pos)
-        msg = f"unexpected '{tok}', expected {_expected(e.expected)}"
+        msg = f"unexpected '{tok}', expected {_expected(_acceptable(e))}"
         if str(tok) in _COMPARISONS:
             notes = ("comparisons do not chain: write (a < b) & (b < c)",)
             return SpecError(Diagnostic(msg, span, notes))
     elif isinstance(e, (UnexpectedEOF, UnexpectedToken)):
         end = len(source.text.rstrip())
         span = Span.at(source, max(end - 1, 0), end)
-        msg = f"unexpected end of file, expected {_expected(e.expected)}"
+        accepted = _acceptable(e)
+        if "RBRACE" in accepted:  # every statement so far is complete: the block is not closed
+            msg = "unexpected end of file, expected '}' to close the attention block"
+        else:
+            msg = f"unexpected end of file, expected {_expected(accepted)}"
     elif isinstance(e, UnexpectedCharacters):
         span = Span.at(source, e.pos_in_stream, e.pos_in_stream + 1)
         ch = source.text[e.pos_in_stream]
