@@ -406,8 +406,14 @@ class Checker:
     def expr(self, e: ast.Expr, ctx: str) -> Type | None:
         """Type of ``e`` in context ``ctx`` (mask | score | scale | index); None after an error."""
         if isinstance(e, ast.IntLit):
+            if e.value >= 2**31:
+                self.error(f"integer {e.value} does not fit in i32 (at most {2**31 - 1})", e.span)
+                return None
             return I32
         if isinstance(e, ast.FloatLit):
+            if not math.isfinite(e.value) or (e.value != 0 and abs(e.value) < 1.2e-38) or abs(e.value) > 3.4e38:
+                self.error(f"number {e.span.text} is outside the f32 range", e.span)
+                return None
             return F32
         if isinstance(e, ast.BoolLit):
             return BOOL

@@ -277,6 +277,8 @@ def verify_expr(e: Expr, program: Program | None = None, allowed_vars=POSITION_V
             ok = {BOOL: bool, I32: int, F32: float}[n.type]
             if type(n.value) is not ok:
                 raise VerifyError(f"constant {n.value!r} is not {n.type.value}")
+            if n.type is I32 and not -2**31 <= n.value < 2**31:
+                raise VerifyError(f"constant {n.value} overflows i32")
         elif isinstance(n, Var):
             if n.name not in allowed_vars:
                 raise VerifyError(f"variable {n.name} not allowed here")

@@ -138,8 +138,16 @@ _FOLD_CALL = {"min": min, "max": max, "abs": abs, "exp": math.exp, "log": math.l
               "tanh": math.tanh}
 
 
+I32_RANGE = (-2**31, 2**31)
+
+
 def _typed(value, t: ir.Type) -> ir.Const:
-    return ir.Const({BOOL: bool, I32: int, F32: float}[t](value), t)
+    value = {BOOL: bool, I32: int, F32: float}[t](value)
+    if t is I32 and not I32_RANGE[0] <= value < I32_RANGE[1]:
+        raise OverflowError("i32 overflow")  # leave the node: run time sees the same arithmetic
+    if t is F32 and not math.isfinite(value):
+        raise OverflowError("non-finite constant")
+    return ir.Const(value, t)
 
 
 def _fold_node(e: ir.Expr) -> ir.Expr:
@@ -161,9 +169,6 @@ def _fold_node(e: ir.Expr) -> ir.Expr:
     return e
 
 
-def fold_constants(p: ir.Program) -> ir.Program:
-    """Evaluate subtrees without variables (e.g. `window(64 * 2)`, `2 / 3`)."""
-    return map_program(p, _fold_node)
 
 
 def _simplify_node(e: ir.Expr) -> ir.Expr:
@@ -179,15 +184,16 @@ def _simplify_node(e: ir.Expr) -> ir.Expr:
     return e
 
 
-def simplify_logic(p: ir.Program) -> ir.Program:
-    """Remove boolean identities so `mask = true & causal` plans exactly like `causal`."""
-    return map_program(p, _simplify_node)
+def fold_constants(p: ir.Program) -> ir.Program:
+    """Evaluate subtrees without variables (`window(64 * 2)`, `2 / 3`) and remove boolean
+    identities (`true & causal` plans exactly like `causal`).  One bottom-up walk does
+    both, so the result is a fixed point: `!(causal & !true)` becomes `true`."""
+    return map_program(p, lambda e: _simplify_node(_fold_node(e)))
 
 
 # The passes, in the order they run.  Each is Program -> Program and leaves it valid.
 PIPELINE: tuple[Callable[[ir.Program], ir.Program], ...] = (
     fold_constants,
-    simplify_logic,
     ir.verify,
 )
 
