@@ -13,6 +13,18 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((ROOT / "examples").glob("*.attn"))
 GOLDEN = ROOT / "tests" / "golden"
+SHARED_CONTRACTS = ROOT.parent / "shared" / "fixtures" / "seed_contracts.json"
+VENDORED_CONTRACTS = ROOT / "tests" / "fixtures" / "seed_contracts.json"
+
+
+def seed_contracts() -> dict:
+    """shared/fixtures/seed_contracts.json (the acceptance numbers of the seeds).
+
+    Read from shared/ beside the checkout when it is there; a clone without it uses the
+    vendored copy, which tests/unit/test_contracts_copy.py keeps identical."""
+    import json
+    path = SHARED_CONTRACTS if SHARED_CONTRACTS.exists() else VENDORED_CONTRACTS
+    return json.loads(path.read_text())
 
 
 def pytest_addoption(parser):

@@ -1,7 +1,5 @@
 """The float64 oracle: bottom-right positions (the `phase` fixture), GQA head mapping,
 the all-masked policy, and agreement with the split-state algebra row by row."""
-import json
-
 import numpy as np
 import pytest
 
@@ -9,9 +7,9 @@ from backends.numpy import oracle
 from backends.numpy.state import finalize, summarize
 from compiler.errors import PlanError
 from compiler.lower import compile_spec
-from tests.conftest import ROOT
+from tests.conftest import seed_contracts
 
-PHASES = json.loads((ROOT.parent / "shared" / "fixtures" / "seed_contracts.json").read_text())["phase"]
+PHASES = seed_contracts()["phase"]
 CAUSAL = compile_spec("attention c { heads = 4 / 2 head_dim = 8 dtype = f32 mask = causal }")
 
 

@@ -1,18 +1,15 @@
 """The split-state algebra reproduces shared/fixtures/seed_contracts.json `split_state`."""
 import itertools
-import json
-from pathlib import Path
-
 import numpy as np
 import pytest
 
+from tests.conftest import seed_contracts
 from backends.numpy.state import (
     State, empty_state, finalize, merge_output_state, merge_state, reduce_balanced, reduce_sequential,
     summarize, to_output_state,
 )
 
-FIXTURE = json.loads((Path(__file__).resolve().parents[3] / "shared" / "fixtures" /
-                      "seed_contracts.json").read_text())["split_state"]
+FIXTURE = seed_contracts()["split_state"]
 
 
 def _num(x):
