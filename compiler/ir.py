@@ -161,6 +161,14 @@ class TensorDecl:
         return f"{self.dtype.value}[{', '.join(str(a) for a in self.axes)}]"
 
 
+class TileClass(enum.IntEnum):
+    """How a (Q tile, K/V tile) enters the online softmax (M4.5 §0x05C)."""
+
+    SKIP = 0  # every cell masked: never load K/V, merge the empty identity
+    PARTIAL = 1  # some cells masked: set them to -inf before the max/sum update
+    FULL = 2  # no cell masked: ordinary update, no element mask
+
+
 class CacheKind(str, enum.Enum):
     CONTIGUOUS = "contiguous"
     RAGGED = "ragged"

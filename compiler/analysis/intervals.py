@@ -1,0 +1,522 @@
+"""FlashMask column intervals by abstract interpretation of the mask (DESIGN §4, M4.5 §0x06).
+
+For concrete ``S_q``, ``S_k`` and runtime tensors, every key column gets the set of
+query *rows* ``i`` (``q = S_k - S_q + i``) where the mask is true, as a list of
+half-open intervals — computed by interpreting the mask over sets of rows,
+vectorized over columns with numpy, never by evaluating the ``S_q x S_k``
+rectangle.
+
+The abstract value of a condition is a pair of row sets per column, ``must``
+(rows where it is certainly true) and ``may`` (rows where it may be true).
+Atoms the analysis can solve (linear comparisons in ``q`` or ``q // C`` with
+column-dependent coefficients, column-only predicates, ``t[.., q] op c`` over
+monotone or run-structured tensors) are exact: ``must == may``.  Anything else
+(``(q - k) % 2 == 0``, ``q`` in float arithmetic, ...) is *unknown*:
+``must = {}``, ``may = all rows``, and the result is marked inexact with the
+atom as the reason.  ``&``, ``|``, ``!`` are intersection, union and the
+complement that swaps ``must`` and ``may``, so tile classes derived from the
+pair are always safe (SKIP only where nothing may be visible, FULL only where
+everything must be) and exact whenever the analysis is.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from compiler import ir
+from compiler.errors import PlanError
+from compiler.interp import evaluate, load
+
+
+# ---------------------------------------------------------------- interval lists
+@dataclass(frozen=True)
+class Runs:
+    """Per column ``n``, sorted disjoint non-adjacent intervals ``[start[n, r], end[n, r])``
+    of rows in ``[0, rows)``; unused slots hold ``[rows, rows)``."""
+
+    start: np.ndarray  # int64 [N, R]
+    end: np.ndarray
+    rows: int
+
+    @property
+    def columns(self) -> int:
+        return self.start.shape[0]
+
+    @staticmethod
+    def between(lo, hi, rows: int, columns: int) -> "Runs":
+        """One interval ``[lo, hi)`` per column, clipped to the row range."""
+        lo = np.clip(np.broadcast_to(np.asarray(lo, np.int64), (columns,)), 0, rows)
+        hi = np.clip(np.broadcast_to(np.asarray(hi, np.int64), (columns,)), 0, rows)
+        return _normalize(lo[:, None], hi[:, None], rows)
+
+    @staticmethod
+    def where(flag, rows: int, columns: int) -> "Runs":
+        """All rows where ``flag`` (a per-column bool) holds, none elsewhere."""
+        flag = np.broadcast_to(np.asarray(flag, bool), (columns,))
+        return Runs.between(0, np.where(flag, rows, 0), rows, columns)
+
+    def count(self) -> np.ndarray:
+        """Number of runs per column."""
+        return (self.end > self.start).sum(axis=1)
+
+    def complement(self) -> "Runs":
+        n = self.columns
+        starts = np.concatenate([np.zeros((n, 1), np.int64), self.end], axis=1)
+        ends = np.concatenate([self.start, np.full((n, 1), self.rows, np.int64)], axis=1)
+        return _normalize(starts, ends, self.rows)
+
+    def __and__(self, other: "Runs") -> "Runs":
+        s = np.maximum(self.start[:, :, None], other.start[:, None, :]).reshape(self.columns, -1)
+        e = np.minimum(self.end[:, :, None], other.end[:, None, :]).reshape(self.columns, -1)
+        return _normalize(s, e, self.rows)
+
+    def __or__(self, other: "Runs") -> "Runs":
+        return _normalize(np.concatenate([self.start, other.start], axis=1),
+                          np.concatenate([self.end, other.end], axis=1), self.rows)
+
+    def __eq__(self, other) -> bool:
+        return (isinstance(other, Runs) and self.rows == other.rows
+                and self.start.shape[0] == other.start.shape[0]
+                and np.array_equal(*_same_width(self.start, other.start, self.rows))
+                and np.array_equal(*_same_width(self.end, other.end, self.rows)))
+
+    __hash__ = None
+
+    def cells_in(self, i0, i1) -> np.ndarray:
+        """Per column, how many rows of ``[i0, i1)`` the runs contain (i0/i1 broadcast)."""
+        i0 = np.asarray(i0)[..., None]
+        i1 = np.asarray(i1)[..., None]
+        overlap = np.minimum(self.end, i1) - np.maximum(self.start, i0)
+        return np.clip(overlap, 0, None).sum(axis=-1)
+
+    def dense(self) -> np.ndarray:
+        """bool [N, rows] (tests and small fallbacks only)."""
+        i = np.arange(self.rows)
+        return ((i >= self.start[:, :, None]) & (i < self.end[:, :, None])).any(axis=1)
+
+
+def _same_width(a, b, fill):
+    w = max(a.shape[1], b.shape[1])
+    pad = lambda x: np.pad(x, ((0, 0), (0, w - x.shape[1])), constant_values=fill)  # noqa: E731
+    return pad(a), pad(b)
+
+
+def _normalize(start: np.ndarray, end: np.ndarray, rows: int) -> Runs:
+    """Sort, drop empties, merge overlapping or touching intervals, compact."""
+    start, end = np.clip(start, 0, rows), np.clip(end, 0, rows)
+    valid = end > start
+    big = np.int64(rows + 1)
+    s = np.where(valid, start, big)
+    e = np.where(valid, end, big)
+    order = np.argsort(s, axis=1, kind="stable")
+    s, e = np.take_along_axis(s, order, 1), np.take_along_axis(e, order, 1)
+    valid = s < big
+    reach = np.maximum.accumulate(np.where(valid, e, -1), axis=1)  # furthest end so far
+    prev_reach = np.concatenate([np.full((s.shape[0], 1), -1, np.int64), reach[:, :-1]], axis=1)
+    new_run = valid & (s > prev_reach)
+    run_id = np.cumsum(new_run, axis=1) - 1
+    width = int(new_run.sum(axis=1).max()) if s.size else 0
+    out_s = np.full((s.shape[0], width), rows, np.int64)
+    out_e = np.full((s.shape[0], width), rows, np.int64)
+    rows_idx = np.broadcast_to(np.arange(s.shape[0])[:, None], s.shape)
+    out_s[rows_idx[new_run], run_id[new_run]] = s[new_run]
+    nxt_new = np.concatenate([new_run[:, 1:] | ~valid[:, 1:], np.ones((s.shape[0], 1), bool)], axis=1)
+    last = valid & nxt_new
+    out_e[rows_idx[last], run_id[last]] = reach[last]
+    return Runs(out_s, out_e, rows)
+
+
+@dataclass(frozen=True)
+class Truth:
+    """Rows where a condition must / may hold, per column."""
+
+    must: Runs
+    may: Runs
+
+    @property
+    def exact(self) -> bool:
+        return self.must == self.may
+
+    def __and__(self, o: "Truth") -> "Truth":
+        return Truth(self.must & o.must, self.may & o.may)
+
+    def __or__(self, o: "Truth") -> "Truth":
+        return Truth(self.must | o.must, self.may | o.may)
+
+    def __invert__(self) -> "Truth":
+        return Truth(self.may.complement(), self.must.complement())
+
+
+# ---------------------------------------------------------------- linear forms
+class NotInterval(Exception):
+    """The analysis cannot solve this atom exactly; the message says why."""
+
+
+@dataclass(frozen=True)
+class Linear:
+    """``a * ((q + off) // d) + c`` per column (all int64 [N]); ``d == 1`` means plain ``q``."""
+
+    a: np.ndarray
+    c: np.ndarray
+    d: np.ndarray
+    off: np.ndarray
+
+
+@dataclass(frozen=True)
+class QLoad:
+    """``tensor[.., q + off, ..]``: per column, a row of the tensor along its ``s`` axis."""
+
+    tensor: str
+    table: np.ndarray  # [M, L] distinct rows
+    row_of: np.ndarray  # [N] which row each column reads
+    off: np.ndarray  # [N]
+
+
+_FLIP = {"lt": "gt", "le": "ge", "gt": "lt", "ge": "le", "eq": "eq", "ne": "ne"}
+
+
+@dataclass(frozen=True)
+class MaskIntervals:
+    """The analysis result for one call shape.  Columns are flattened ``[B', H', S_k]`` where
+    ``B'`` is B if the mask depends on the request (else 1) and ``H'`` likewise for heads."""
+
+    visible: Truth
+    shape: tuple[int, int, int]
+    s_q: int
+    s_k: int
+    exact: bool
+    representable: bool
+    reason: str | None
+    UTS: np.ndarray | None = None  # int32 [B', H', S_k] row indices, half-open
+    UTE: np.ndarray | None = None
+    LTS: np.ndarray | None = None
+    LTE: np.ndarray | None = None
+
+    @property
+    def q_offset(self) -> int:
+        return self.s_k - self.s_q
+
+    def vectors(self) -> dict[str, np.ndarray]:
+        return {"UTS": self.UTS, "UTE": self.UTE, "LTS": self.LTS, "LTE": self.LTE}
+
+
+class _Analyzer:
+    def __init__(self, program: ir.Program, batch: int, s_q: int, s_k: int, tensors: dict):
+        if s_q < 0 or s_k < 0 or batch < 0:
+            raise PlanError(f"negative length: B = {batch}, S_q = {s_q}, S_k = {s_k}")
+        if s_q > s_k:
+            raise PlanError(f"S_q = {s_q} query rows exceed S_k = {s_k} keys (bottom-right alignment)")
+        self.program, self.tensors = program, tensors
+        names = ir.free_vars(program.mask)
+        self.shape = (batch if "b" in names else 1, program.heads_q if "h" in names else 1, s_k)
+        self.n = int(np.prod(self.shape))
+        self.rows, self.q0 = s_q, s_k - s_q
+        self.env = {"b": np.arange(self.shape[0]).reshape(-1, 1, 1),
+                    "h": np.arange(self.shape[1]).reshape(1, -1, 1),
+                    "k": np.arange(s_k).reshape(1, 1, -1)}
+        self.reasons: list[str] = []
+
+    # column-only values ------------------------------------------------
+    def column(self, e: ir.Expr) -> np.ndarray:
+        return np.broadcast_to(evaluate(e, self.env, self.tensors), self.shape).reshape(-1)
+
+    def all_rows(self) -> Runs:
+        return Runs.between(0, self.rows, self.rows, self.n)
+
+    def unknown(self, e: ir.Expr, why: str) -> Truth:
+        self.reasons.append(f"atom '{ir.format_expr(e)}' is not interval-analyzable: {why}")
+        return Truth(Runs.between(0, 0, self.rows, self.n), self.all_rows())
+
+    # conditions ----------------------------------------------------------
+    def truth(self, e: ir.Expr) -> Truth:
+        if "q" not in ir.free_vars(e):
+            r = Runs.where(self.column(e), self.rows, self.n)
+            return Truth(r, r)
+        if isinstance(e, ir.Binary) and e.op in ("and", "or"):
+            a, b = self.truth(e.left), self.truth(e.right)
+            return a & b if e.op == "and" else a | b
+        if isinstance(e, ir.Unary) and e.op == "not":
+            return ~self.truth(e.operand)
+        if isinstance(e, ir.Select):
+            c = self.truth(e.cond)
+            return (c & self.truth(e.if_true)) | (~c & self.truth(e.if_false))
+        if isinstance(e, ir.Compare):
+            try:
+                return self.compare(e)
+            except NotInterval as why:
+                return self.unknown(e, str(why))
+        return self.unknown(e, "not a comparison of positions")
+
+    def compare(self, e: ir.Compare) -> Truth:
+        left, right, op = e.left, e.right, e.op
+        if left.type is ir.BOOL:  # a == b over conditions: (a & b) | (!a & !b)
+            a, b = self.truth(left), self.truth(right)
+            same = (a & b) | (~a & ~b)
+            return same if op == "eq" else ~same
+        for side, other, o in ((left, right, op), (right, left, _FLIP[op])):
+            if "q" in ir.free_vars(side) and isinstance(side, (ir.Call, ir.Select)):
+                return self.truth(_distribute(side, other, o))
+        lf, rf = self.form(left), self.form(right)
+        if isinstance(lf, QLoad) and isinstance(rf, np.ndarray):
+            return self.solve_load(lf, op, rf)
+        if isinstance(rf, QLoad) and isinstance(lf, np.ndarray):
+            return self.solve_load(rf, _FLIP[op], lf)
+        if isinstance(lf, QLoad) or isinstance(rf, QLoad):
+            raise NotInterval("a tensor read at q compared with another q-dependent value")
+        return self.solve_linear(self.as_linear(lf, rf), op, self.as_linear(rf, lf))
+
+    # numeric forms ------------------------------------------------------
+    def form(self, e: ir.Expr):
+        """Column values (ndarray [N]), a Linear form, or a QLoad."""
+        if "q" not in ir.free_vars(e):
+            v = self.column(e)
+            if e.type is not ir.I32:
+                return v
+            return v.astype(np.int64)
+        one, zero = np.ones(self.n, np.int64), np.zeros(self.n, np.int64)
+        if isinstance(e, ir.Var):  # q
+            return Linear(one, zero, one, zero)
+        if isinstance(e, ir.Unary) and e.op == "neg":
+            f = self.form(e.operand)
+            if isinstance(f, Linear):
+                return Linear(-f.a, -f.c, f.d, f.off)
+        if isinstance(e, ir.Binary) and e.type is ir.I32:
+            a, b = self.form(e.left), self.form(e.right)
+            if e.op in ("add", "sub"):
+                sign = 1 if e.op == "add" else -1
+                la, lb = self.as_linear(a, b), self.as_linear(b, a)
+                if isinstance(la, Linear) and isinstance(lb, Linear):
+                    return Linear(la.a + sign * lb.a, la.c + sign * lb.c, la.d, la.off)
+            if e.op == "mul":
+                for f, g in ((a, b), (b, a)):
+                    if isinstance(f, Linear) and isinstance(g, np.ndarray):
+                        return Linear(f.a * g, f.c * g, f.d, f.off)
+            if e.op == "floordiv" and isinstance(a, Linear) and isinstance(b, np.ndarray):
+                if (a.d == 1).all() and (a.a == 1).all() and (b > 0).all():
+                    return Linear(one, zero, b, a.c)  # (q + c) // D
+            if e.op == "mod":
+                raise NotInterval("q under '%' selects a periodic set of rows")
+            raise NotInterval(f"q under '{e.op}' in a form that is not linear")
+        if isinstance(e, ir.Load):
+            return self.q_load(e)
+        raise NotInterval("q in float or non-linear arithmetic")
+
+    def as_linear(self, f, other) -> Linear:
+        """``f`` as a Linear form in the same variable as ``other``."""
+        if isinstance(f, Linear):
+            return f
+        if isinstance(f, np.ndarray) and f.dtype.kind in "iu":
+            base = other if isinstance(other, Linear) else None
+            z = np.zeros(self.n, np.int64)
+            d = base.d if base is not None else np.ones(self.n, np.int64)
+            off = base.off if base is not None else z
+            return Linear(z, f.astype(np.int64), d, off)
+        raise NotInterval("a position compared with a non-integer value")
+
+    def q_load(self, e: ir.Load) -> QLoad:
+        decl = self.program.tensor(e.tensor)
+        q_axes = [i for i, ix in enumerate(e.index) if "q" in ir.free_vars(ix)]
+        if len(q_axes) != 1 or decl.axes[q_axes[0]] != "s":
+            raise NotInterval(f"'{e.tensor}' is read at q outside a single 's' axis")
+        ax = q_axes[0]
+        f = self.form(e.index[ax])
+        if not (isinstance(f, Linear) and (f.a == 1).all() and (f.d == 1).all()):
+            raise NotInterval(f"'{e.tensor}' is read at a q position that is not q + offset")
+        others = [ix for i, ix in enumerate(e.index) if i != ax]
+        if any("k" in ir.free_vars(ix) for ix in others):
+            raise NotInterval(f"'{e.tensor}' is read at q and at k in one subscript")
+        array = self.tensors[e.tensor]
+        length = array.shape[ax]
+        lo, hi = int((self.q0 + f.c).min()), int((self.q0 + self.rows - 1 + f.c).max())
+        if self.rows and (lo < 0 or hi >= length):
+            bad = lo if lo < 0 else hi
+            raise PlanError(f"tensor '{e.tensor}' read out of range: axis {ax} index {bad} is outside "
+                            f"[0, {length}) (shape {list(array.shape)})")
+        idx = [self.column(ix) for ix in others]
+        keys = np.stack(idx, axis=1) if idx else np.zeros((self.n, 0), np.int64)
+        uniq, row_of = np.unique(keys, axis=0, return_inverse=True)
+        if len(uniq):  # the other subscripts are checked like every read
+            load(e.tensor, array, _insert(tuple(uniq.T), ax, np.zeros(len(uniq), np.int64)))
+        table = np.stack([array[_insert(tuple(int(x) for x in u), ax, slice(None))] for u in uniq]) \
+            if len(uniq) else np.zeros((0, length))
+        return QLoad(e.tensor, table.reshape(len(uniq), length), row_of.reshape(-1), f.c)
+
+    # solvers --------------------------------------------------------------
+    def solve_linear(self, lf: Linear, op: str, rf: Linear) -> Truth:
+        if not (np.array_equal(lf.d, rf.d) and np.array_equal(lf.off, rf.off)) and \
+                (lf.a != 0).any() and (rf.a != 0).any():
+            raise NotInterval("positions under different divisors")
+        base = lf if (lf.a != 0).any() else rf
+        a, c = lf.a - rf.a, rf.c - lf.c  # a * u  op  c
+        neg = a < 0
+        a, c = np.where(neg, -a, a), np.where(neg, -c, c)
+        flipped = np.array([_FLIP[op]])
+        ops = np.where(neg, flipped, op)
+        safe = np.where(a == 0, 1, a)
+        floor, ceil = c // safe, -((-c) // safe)
+        BIG = np.int64(1) << 40
+        lo = np.select([ops == "gt", ops == "ge", ops == "eq"], [floor + 1, ceil, ceil], -BIG)
+        hi = np.select([ops == "lt", ops == "le", ops == "eq"], [ceil, floor + 1, np.where(c % safe == 0, ceil + 1, ceil)], BIG)
+        ne = ops == "ne"
+        lo, hi = np.where(ne, np.where(c % safe == 0, ceil, 0), lo), np.where(ne, np.where(c % safe == 0, ceil + 1, 0), hi)
+        # a == 0: the comparison does not involve q
+        const_true = _apply(op, np.zeros_like(c), c)
+        d, off = base.d, base.off
+        qmin, qmax = self.q0, self.q0 + self.rows
+        umin, umax = (qmin + off) // d - 1, (qmax + off) // d + 1
+        lo, hi = np.clip(lo, umin, umax), np.clip(hi, umin, umax)
+        q_lo, q_hi = d * lo - off, d * hi - off
+        runs = Runs.between(q_lo - self.q0, q_hi - self.q0, self.rows, self.n)
+        if ne.any():
+            runs_ne = runs.complement()
+            runs = _choose(ne, runs_ne, runs, self.rows)
+        zero = a == 0
+        if zero.any():
+            runs = _choose(zero, Runs.where(const_true, self.rows, self.n), runs, self.rows)
+        return Truth(runs, runs)
+
+    def solve_load(self, f: QLoad, op: str, c: np.ndarray) -> Truth:
+        lo = np.zeros(self.n, np.int64)
+        hi = np.zeros(self.n, np.int64)
+        length = f.table.shape[1]
+        for m, row in enumerate(f.table):
+            cols = np.flatnonzero(f.row_of == m)
+            values, key = row, c[cols]
+            if np.all(row[1:] >= row[:-1]):
+                pass
+            elif np.all(row[1:] <= row[:-1]):
+                values, key, op_m = -row, -key, _FLIP[op]
+                lo[cols], hi[cols] = _sorted_range(values, key, op_m, length)
+                continue
+            elif op in ("eq", "ne"):
+                values, key = _run_ranks(f.tensor, row, key)
+            else:
+                raise NotInterval(f"'{f.tensor}' is not monotone along s, so '{op}' on it has no single run")
+            lo[cols], hi[cols] = _sorted_range(values, key, op, length)
+        # positions p = q + off  ->  rows i = p - off - q0
+        runs = Runs.between(lo - f.off - self.q0, hi - f.off - self.q0, self.rows, self.n)
+        if op == "ne":
+            runs = runs.complement()
+        return Truth(runs, runs)
+
+
+def _insert(t: tuple, at: int, value) -> tuple:
+    return t[:at] + (value,) + t[at:]
+
+
+def _apply(op: str, a, b):
+    return {"eq": np.equal, "ne": np.not_equal, "lt": np.less, "le": np.less_equal,
+            "gt": np.greater, "ge": np.greater_equal}[op](a, b)
+
+
+def _choose(flag: np.ndarray, a: Runs, b: Runs, rows: int) -> Runs:
+    """Per column: a where flag else b."""
+    sa, sb = _same_width(a.start, b.start, rows)
+    ea, eb = _same_width(a.end, b.end, rows)
+    return _normalize(np.where(flag[:, None], sa, sb), np.where(flag[:, None], ea, eb), rows)
+
+
+def _sorted_range(values: np.ndarray, key: np.ndarray, op: str, length: int):
+    """[lo, hi) of positions p with values[p] op key, for non-decreasing values."""
+    left = np.searchsorted(values, key, "left")
+    right = np.searchsorted(values, key, "right")
+    zero, end = np.zeros_like(left), np.full_like(left, length)
+    lo = {"eq": left, "ne": left, "lt": zero, "le": zero, "gt": right, "ge": left}[op]
+    hi = {"eq": right, "ne": right, "lt": left, "le": right, "gt": end, "ge": end}[op]
+    return lo, hi
+
+
+def _run_ranks(name: str, row: np.ndarray, key: np.ndarray):
+    """Relabel a row whose equal values form contiguous runs by run index (monotone), and map
+    each key to the rank of its run (or -1, matching nothing)."""
+    starts = np.flatnonzero(np.r_[True, row[1:] != row[:-1]])
+    run_values = row[starts]
+    order = np.argsort(run_values, kind="stable")
+    sorted_vals = run_values[order]
+    dup = np.flatnonzero(sorted_vals[1:] == sorted_vals[:-1])
+    if dup.size:
+        v = sorted_vals[dup[0]]
+        where = np.flatnonzero(row == v)
+        gap = where[np.flatnonzero(np.diff(where) > 1)[0] + 1]
+        raise NotInterval(f"tensor '{name}' value {v} appears in separate runs (at index {where[0]} "
+                          f"and again at index {gap})")
+    ranks = np.repeat(np.arange(len(starts)), np.diff(np.r_[starts, len(row)]))
+    pos = np.searchsorted(sorted_vals, key)
+    found = (pos < len(sorted_vals)) & (sorted_vals[np.minimum(pos, len(sorted_vals) - 1)] == key)
+    key_rank = np.where(found, order[np.minimum(pos, len(order) - 1)], -1)
+    return ranks, key_rank
+
+
+def _distribute(side: ir.Expr, other: ir.Expr, op: str) -> ir.Expr:
+    """Push a comparison through abs/min/max/where so each atom is linear:
+    ``abs(x) < y`` is ``x < y & -x < y``; ``min(x, z) < y`` is ``x < y | z < y``; ..."""
+    cmp = lambda a, o=op: ir.Compare(o, a, other)  # noqa: E731
+    AND = lambda a, b: ir.Binary("and", a, b, ir.BOOL)  # noqa: E731
+    OR = lambda a, b: ir.Binary("or", a, b, ir.BOOL)  # noqa: E731
+    if isinstance(side, ir.Select):
+        return OR(AND(side.cond, cmp(side.if_true)), AND(ir.Unary("not", side.cond, ir.BOOL), cmp(side.if_false)))
+    if side.fn == "abs" and side.type is ir.I32:
+        x = side.args[0]
+        neg_x = ir.Unary("neg", x, x.type)
+        if op in ("lt", "le"):
+            return AND(cmp(x), cmp(neg_x))
+        if op in ("gt", "ge"):
+            return OR(cmp(x), cmp(neg_x))
+        if op == "eq":
+            return AND(OR(cmp(x), cmp(neg_x)), ir.Compare("ge", other, ir.Const(0, ir.I32)))
+        return ir.Unary("not", _distribute(side, other, "eq"), ir.BOOL)
+    if side.fn in ("min", "max") and side.type is ir.I32:
+        x, z = side.args
+        # min(x, z) < y  <=>  x < y | z < y ;  max(x, z) < y  <=>  x < y & z < y
+        smaller = op in ("lt", "le")
+        if op in ("eq", "ne"):
+            lo_side = "le" if side.fn == "min" else "ge"
+            eq = OR(AND(cmp(x, "eq"), cmp(z, lo_side)), AND(cmp(z, "eq"), cmp(x, lo_side)))
+            return eq if op == "eq" else ir.Unary("not", eq, ir.BOOL)
+        join = OR if (side.fn == "min") == smaller else AND
+        return join(cmp(x), cmp(z))
+    return _Unsolvable(side)
+
+
+def _Unsolvable(side):
+    raise NotInterval(f"q under {getattr(side, 'fn', 'where')}() in a form the analysis cannot split")
+
+
+def analyze(program: ir.Program, batch: int, s_q: int, s_k: int, tensors: dict | None = None) -> MaskIntervals:
+    """Per-column visible rows of ``program.mask`` and, when every column has at most two masked
+    runs, FlashMask's UTS/UTE/LTS/LTE."""
+    a = _Analyzer(program, batch, s_q, s_k, tensors or {})
+    visible = a.truth(program.mask)
+    exact = visible.exact
+    reason = None if exact else a.reasons[0]
+    vectors = {}
+    representable = False
+    if exact:
+        masked = visible.must.complement()
+        runs = masked.count()
+        if a.n and runs.max(initial=0) > 2:
+            n = int(np.argmax(runs > 2))
+            b, h, k = np.unravel_index(n, a.shape)
+            shown = ", ".join(f"[{s}, {e})" for s, e in zip(masked.start[n], masked.end[n]) if e > s)
+            reason = (f"column k={k} (b={b}, h={h}) has {runs[n]} masked runs of query rows ({shown}); "
+                      "FlashMask encodes at most two")
+        else:
+            representable = True
+            vectors = _flashmask_vectors(masked, a.shape)
+    return MaskIntervals(visible, a.shape, s_q, s_k, exact, representable, reason, **vectors)
+
+
+def _flashmask_vectors(masked: Runs, shape) -> dict[str, np.ndarray]:
+    rows = masked.rows
+    s, e = _same_width(masked.start, masked.end, rows)
+    s = np.pad(s, ((0, 0), (0, max(0, 2 - s.shape[1]))), constant_values=rows)
+    e = np.pad(e, ((0, 0), (0, max(0, 2 - e.shape[1]))), constant_values=rows)
+    count = masked.count()
+    one_upper = (count == 1) & (s[:, 0] == 0)
+    uts = np.where(count == 2, s[:, 0], np.where(one_upper, 0, 0))
+    ute = np.where(count == 2, e[:, 0], np.where(one_upper, e[:, 0], 0))
+    lts = np.where(count == 2, s[:, 1], np.where((count == 1) & ~one_upper, s[:, 0], rows))
+    lte = np.where(count == 2, e[:, 1], np.where((count == 1) & ~one_upper, e[:, 0], rows))
+    return {n: v.astype(np.int32).reshape(shape) for n, v in
+            (("UTS", uts), ("UTE", ute), ("LTS", lts), ("LTE", lte))}

@@ -1,0 +1,149 @@
+"""Tile classes and the block-sparse tile CSR (DESIGN §4, M4.5 §0x06C-D).
+
+Two classifiers feed one :class:`TilePlan`:
+
+* :func:`classify_summaries` — FlashMask's: eight min/max summaries per K/V block of
+  the four interval vectors, then the interval-family test per Q tile.  O(tiles),
+  never reads per-column vectors; may only err towards PARTIAL.
+* :func:`classify_exact` — from the analysis' per-column row sets (``must``/``may``):
+  exact whenever the analysis is exact, safe (PARTIAL) where it is not.  This is
+  the path for masks FlashMask cannot represent.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from compiler.ir import TileClass
+from .intervals import MaskIntervals
+
+SKIP, PARTIAL, FULL = TileClass.SKIP, TileClass.PARTIAL, TileClass.FULL
+SUMMARY_NAMES = ("UTS_min", "UTS_max", "UTE_min", "UTE_max", "LTS_min", "LTS_max", "LTE_min", "LTE_max")
+
+
+def _block_starts(s_k: int, block_n: int) -> np.ndarray:
+    return np.arange(0, s_k, block_n)
+
+
+def summaries(mi: MaskIntervals, block_n: int) -> dict[str, np.ndarray]:
+    """The eight int32 summaries per K/V block, each [B', H', T_c]."""
+    if not mi.representable:
+        raise ValueError("summaries need FlashMask vectors; the mask is not representable")
+    starts = _block_starts(mi.s_k, block_n)
+    out = {}
+    for name, v in mi.vectors().items():
+        out[f"{name}_min"] = np.minimum.reduceat(v, starts, axis=-1).astype(np.int32)
+        out[f"{name}_max"] = np.maximum.reduceat(v, starts, axis=-1).astype(np.int32)
+    return {n: out[n] for n in SUMMARY_NAMES}
+
+
+def _family(i0, i1, s_min, s_max, e_min, e_max):
+    """(covers, may_overlap) of Q rows [i0, i1) against one interval family (M4.5 §0x06D)."""
+    covers = (i0 >= s_max) & (i1 <= e_min)
+    overlap = (i1 > s_min) & (i0 < e_max)
+    return covers, overlap
+
+
+def _row_tiles(s_q: int, block_m: int):
+    i0 = np.arange(0, s_q, block_m)
+    return i0, np.minimum(i0 + block_m, s_q)
+
+
+def classify_summaries(summ: dict[str, np.ndarray], s_q: int, block_m: int) -> np.ndarray:
+    """int8 tile classes [B', H', T_r, T_c] from the eight summaries alone."""
+    i0, i1 = _row_tiles(s_q, block_m)
+    i0, i1 = i0[:, None], i1[:, None]  # [T_r, 1] against [B', H', 1, T_c]
+    ex = {n: v[:, :, None, :] for n, v in summ.items()}
+    u_cov, u_ovl = _family(i0, i1, ex["UTS_min"], ex["UTS_max"], ex["UTE_min"], ex["UTE_max"])
+    l_cov, l_ovl = _family(i0, i1, ex["LTS_min"], ex["LTS_max"], ex["LTE_min"], ex["LTE_max"])
+    classes = np.full(u_cov.shape, PARTIAL, np.int8)
+    classes[~u_ovl & ~l_ovl] = FULL
+    classes[u_cov | l_cov] = SKIP
+    return classes
+
+
+def classify_exact(mi: MaskIntervals, block_m: int, block_n: int, chunk: int = 1 << 22) -> np.ndarray:
+    """int8 tile classes [B', H', T_r, T_c] from the per-column must/may row sets."""
+    b_, h_, s_k = mi.shape
+    i0, i1 = _row_tiles(mi.s_q, block_m)
+    starts = _block_starts(s_k, block_n)
+    classes = np.empty((b_, h_, len(i0), len(starts)), np.int8)
+    must, may = mi.visible.must, mi.visible.may
+    step = max(1, chunk // max(1, must.start.shape[1] + may.start.shape[1]) // max(1, s_k))
+    for r0 in range(0, len(i0), step):  # bounded memory: a few Q tiles at a time
+        sl = slice(r0, r0 + step)
+        lo, hi = i0[sl, None], i1[sl, None]
+        need = (hi - lo)
+        all_visible = (must.cells_in(lo, hi) == need).reshape(-1, b_, h_, s_k)
+        none_visible = (may.cells_in(lo, hi) == 0).reshape(-1, b_, h_, s_k)
+        full = np.logical_and.reduceat(all_visible, starts, axis=-1)
+        skip = np.logical_and.reduceat(none_visible, starts, axis=-1)
+        c = np.where(skip, SKIP, np.where(full, FULL, PARTIAL)).astype(np.int8)
+        classes[:, :, sl] = c.transpose(1, 2, 0, 3)
+    return classes
+
+
+@dataclass(frozen=True)
+class TilePlan:
+    """Tile classes and the block-sparse CSR over rows (b', h', q-tile): PARTIAL K/V blocks
+    then FULL K/V blocks, each in increasing K/V order."""
+
+    classes: np.ndarray  # int8 [B', H', T_r, T_c]
+    block_m: int
+    block_n: int
+    partial_indptr: np.ndarray  # int32 [B'*H'*T_r + 1]
+    partial_indices: np.ndarray  # int32 [nnz_partial]
+    full_indptr: np.ndarray
+    full_indices: np.ndarray
+    method: str  # "summaries" | "exact"
+
+    def counts(self) -> dict[str, int]:
+        return {"full": int((self.classes == FULL).sum()), "partial": int((self.classes == PARTIAL).sum()),
+                "skip": int((self.classes == SKIP).sum())}
+
+    def density(self) -> float:
+        """Fraction of tiles that are computed (not skipped)."""
+        return float((self.classes != SKIP).mean()) if self.classes.size else 0.0
+
+    def flex_block_mask(self) -> dict[str, np.ndarray]:
+        """FlexAttention BlockMask tensors (int32): kv_num_blocks/kv_indices hold the PARTIAL
+        blocks (mask_mod applied), full_kv_* the FULL blocks (mask_mod skipped)."""
+        out = {}
+        for prefix, cls in (("", PARTIAL), ("full_", FULL)):
+            hit = self.classes == cls
+            num = hit.sum(-1).astype(np.int32)
+            # stable sort puts the hit blocks first, in increasing order
+            order = np.argsort(~hit, axis=-1, kind="stable").astype(np.int32)
+            out[f"{prefix}kv_num_blocks"] = num
+            out[f"{prefix}kv_indices"] = order
+        return out
+
+
+def _csr(hit: np.ndarray):
+    rows = hit.reshape(-1, hit.shape[-1])
+    indptr = np.zeros(rows.shape[0] + 1, np.int32)
+    np.cumsum(rows.sum(axis=1), out=indptr[1:])
+    return indptr, np.nonzero(rows)[1].astype(np.int32)
+
+
+EXACT_BUDGET = 1 << 24  # row-set cells the exact classifier may touch before "auto" prefers summaries
+
+
+def plan_tiles(mi: MaskIntervals, block_m: int, block_n: int, method: str = "auto") -> TilePlan:
+    """Tile plan.  "auto": the exact classifier when it is cheap (it never calls a tile PARTIAL
+    that is really FULL or SKIP), else FlashMask's O(tiles) summaries when the mask is
+    representable, else the exact classifier regardless of cost (correct first)."""
+    if block_m < 1 or block_n < 1:
+        raise ValueError(f"tile sizes must be positive, got {block_m}x{block_n}")
+    if method == "auto":
+        width = mi.visible.must.start.shape[1] + mi.visible.may.start.shape[1]
+        work = -(-mi.s_q // block_m) * mi.visible.must.columns * max(width, 1)
+        method = "summaries" if mi.representable and work > EXACT_BUDGET else "exact"
+    if method == "summaries":
+        classes = classify_summaries(summaries(mi, block_n), mi.s_q, block_m)
+    else:
+        classes = classify_exact(mi, block_m, block_n)
+    p_ptr, p_idx = _csr(classes == PARTIAL)
+    f_ptr, f_idx = _csr(classes == FULL)
+    return TilePlan(classes, block_m, block_n, p_ptr, p_idx, f_ptr, f_idx, method)
