@@ -75,6 +75,35 @@ def _check_scores(s, keep, b, h, q_pos, k_pos):
                                 f"(b={b}, h={h}, q={int(q_pos[i, 0])}, k={int(k_pos[0, j])})")
 
 
+def _absorb(state, s, v_tile):
+    """One online-softmax update with a K/V tile; hidden scores are already -inf, so they
+    move neither the running max nor the sum (M4.5 §0x05C)."""
+    m_i, l_i, acc = state
+    m_new = np.maximum(m_i, s.max(axis=1))
+    m_safe = np.where(np.isneginf(m_new), np.float32(0), m_new)  # a row with nothing visible yet stays empty
+    alpha = np.exp(m_i - m_safe)
+    p = np.exp(s - m_safe[:, None])
+    return m_new, alpha * l_i + p.sum(axis=1), alpha[:, None] * acc + p @ v_tile
+
+
+def _finalize(state):
+    """O = acc / l and LSE = m + log l; a row with no visible key gives O = 0, LSE = -inf."""
+    m_i, l_i, acc = state
+    seen = l_i > 0
+    o = np.where(seen[:, None], acc / np.where(seen, l_i, 1)[:, None], 0)
+    return o, np.where(seen, m_i + np.log(np.where(seen, l_i, 1)), -np.inf)
+
+
+def _every_tile_partial(s_q, s_k, block_m=BLOCK_M, block_n=BLOCK_N):
+    """The plan of a call without one: every tile PARTIAL, the mask evaluated everywhere."""
+    q_tiles, k_tiles = -(-s_q // block_m), -(-s_k // block_n)
+    return {"block_m": block_m, "block_n": block_n, "plan_b": 1, "plan_h": 1, "q_tiles": q_tiles,
+            "partial_indptr": np.arange(q_tiles + 1) * k_tiles,
+            "partial_indices": np.tile(np.arange(k_tiles), q_tiles),
+            "full_indptr": np.zeros(q_tiles + 1, np.int64), "full_indices": np.zeros(0, np.int64),
+            "mask_from_intervals": False}
+
+
 
 def visible(b, h, q, k):
     """The mask: True where key position k is visible to query position q."""
@@ -86,8 +115,13 @@ def score_program(score, b, h, q, k):
     return score
 
 
-def attention(q, k, v, *, return_lse=False, block_m=BLOCK_M, block_n=BLOCK_N, **tensors):
-    """O (and LSE) for q [B, 8, S_q, 64], k [B, 2, S_k, 64], v [B, 2, S_k, 64]; declared tensors by name (none)."""
+def attention(q, k, v, *, plan=None, return_lse=False, stats=None, **tensors):
+    """O (and LSE) for q [B, 8, S_q, 64], k [B, 2, S_k, 64], v [B, 2, S_k, 64]; declared tensors by name (none).
+
+    ``plan`` is attnc's tile plan for this call (compiler.plan.Plan.kernel_args()): the
+    PARTIAL and FULL K/V blocks of every (request, head, query tile); SKIP blocks are
+    never read.  Without a plan every tile is treated as PARTIAL (mask every element).
+    ``stats``, if a dict, receives the number of tiles visited per class."""
     if sorted(tensors) != sorted(TENSORS):
         raise AttncRuntimeError(f"expected tensors {sorted(TENSORS)}, got {sorted(tensors)}")
     if LAYOUT == "bshd":  # work in bhsd; the output goes back to the caller's layout
@@ -96,35 +130,51 @@ def attention(q, k, v, *, return_lse=False, block_m=BLOCK_M, block_n=BLOCK_N, **
     batch, _, s_q, _ = q.shape
     s_k = k.shape[2]
     tensors = tuple(np.asarray(tensors[name]) for name in TENSORS)  # in declaration order
+    if plan is None:
+        plan = _every_tile_partial(s_q, s_k)
+    bm, bn = plan["block_m"], plan["block_n"]
+    k_tiles = -(-s_k // bn)
+    from_intervals = plan["mask_from_intervals"]
+    counts = {"partial": 0, "full": 0, "skip": 0}
     o = np.zeros((batch, H_Q, s_q, D_V), np.float32)
     lse = np.full((batch, H_Q, s_q), -np.inf, np.float32)
     for b in range(batch):
+        pb = b if plan["plan_b"] > 1 else 0
         for h in range(H_Q):
+            ph = h if plan["plan_h"] > 1 else 0
             kv_h = h // GROUP
-            for i0 in range(0, s_q, block_m):
-                i1 = min(i0 + block_m, s_q)
+            for r, i0 in enumerate(range(0, s_q, bm)):
+                i1 = min(i0 + bm, s_q)
                 q_pos = (s_k - s_q + np.arange(i0, i1)).reshape(-1, 1)
-                m_i = np.full(i1 - i0, -np.inf, np.float32)
-                l_i = np.zeros(i1 - i0, np.float32)
-                acc = np.zeros((i1 - i0, D_V), np.float32)
-                for j0 in range(0, s_k, block_n):
-                    j1 = min(j0 + block_n, s_k)
-                    k_pos = np.arange(j0, j1).reshape(1, -1)
-                    s = (q[b, h, i0:i1] @ k[b, kv_h, j0:j1].T) * np.float32(SCALE)
-                    s = _f32(score_program(s, b, h, q_pos, k_pos, *tensors))
-                    keep = np.broadcast_to(visible(b, h, q_pos, k_pos, *tensors), s.shape)
-                    _check_scores(s, keep, b, h, q_pos, k_pos)
-                    s = np.where(keep, s, np.float32(-np.inf))  # mask before the max/sum update
-                    m_new = np.maximum(m_i, s.max(axis=1))
-                    m_safe = np.where(np.isneginf(m_new), np.float32(0), m_new)  # empty rows stay empty
-                    alpha = np.exp(m_i - m_safe)
-                    p = np.exp(s - m_safe[:, None])
-                    l_i = alpha * l_i + p.sum(axis=1)
-                    acc = alpha[:, None] * acc + p @ v[b, kv_h, j0:j1]
-                    m_i = m_new
-                seen = l_i > 0
-                o[b, h, i0:i1] = np.where(seen[:, None], acc / np.where(seen, l_i, 1)[:, None], 0)
-                lse[b, h, i0:i1] = np.where(seen, m_i + np.log(np.where(seen, l_i, 1)), -np.inf)
+                q_tile = q[b, h, i0:i1]
+                state = (np.full(i1 - i0, -np.inf, np.float32), np.zeros(i1 - i0, np.float32),
+                         np.zeros((i1 - i0, D_V), np.float32))
+                row = (pb * plan["plan_h"] + ph) * plan["q_tiles"] + r
+                for cls, indptr, indices in (("partial", plan["partial_indptr"], plan["partial_indices"]),
+                                             ("full", plan["full_indptr"], plan["full_indices"])):
+                    for j in indices[indptr[row]:indptr[row + 1]]:
+                        j0, j1 = j * bn, min(j * bn + bn, s_k)
+                        k_pos = np.arange(j0, j1).reshape(1, -1)
+                        s = (q_tile @ k[b, kv_h, j0:j1].T) * np.float32(SCALE)
+                        s = _f32(np.broadcast_to(score_program(s, b, h, q_pos, k_pos, *tensors), s.shape))
+                        if cls == "full":
+                            keep = np.ones(s.shape, bool)
+                        elif from_intervals:  # FlashMask: hidden iff the row is in [UTS, UTE) or [LTS, LTE)
+                            i = np.arange(i0, i1).reshape(-1, 1)
+                            cols = (pb, ph, slice(j0, j1))
+                            hidden = ((i >= plan["UTS"][cols]) & (i < plan["UTE"][cols])) | \
+                                     ((i >= plan["LTS"][cols]) & (i < plan["LTE"][cols]))
+                            keep = ~hidden
+                        else:
+                            keep = np.broadcast_to(visible(b, h, q_pos, k_pos, *tensors), s.shape)
+                        _check_scores(s, keep, b, h, q_pos, k_pos)
+                        state = _absorb(state, np.where(keep, s, np.float32(-np.inf)), v[b, kv_h, j0:j1])
+                        counts[cls] += 1
+                counts["skip"] += k_tiles - (plan["partial_indptr"][row + 1] - plan["partial_indptr"][row]) \
+                    - (plan["full_indptr"][row + 1] - plan["full_indptr"][row])
+                o[b, h, i0:i1], lse[b, h, i0:i1] = _finalize(state)
+    if stats is not None:
+        stats.update({n: int(c) for n, c in counts.items()})
     o = _to_storage(o)
     if LAYOUT == "bshd":
         o = o.transpose(0, 2, 1, 3)
