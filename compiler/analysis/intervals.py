@@ -109,8 +109,15 @@ def _normalize(start: np.ndarray, end: np.ndarray, rows: int) -> Runs:
     big = np.int64(rows + 1)
     s = np.where(valid, start, big)
     e = np.where(valid, end, big)
-    order = np.argsort(s, axis=1, kind="stable")
-    s, e = np.take_along_axis(s, order, 1), np.take_along_axis(e, order, 1)
+    if s.shape[1] == 1:
+        return Runs(np.where(valid, start, rows), np.where(valid, end, rows), rows)
+    if s.shape[1] == 2:  # one compare-and-swap instead of a per-row argsort
+        swap = s[:, 0] > s[:, 1]
+        s = np.where(swap[:, None], s[:, ::-1], s)
+        e = np.where(swap[:, None], e[:, ::-1], e)
+    else:
+        order = np.argsort(s, axis=1, kind="stable")
+        s, e = np.take_along_axis(s, order, 1), np.take_along_axis(e, order, 1)
     valid = s < big
     reach = np.maximum.accumulate(np.where(valid, e, -1), axis=1)  # furthest end so far
     prev_reach = np.concatenate([np.full((s.shape[0], 1), -1, np.int64), reach[:, :-1]], axis=1)
@@ -287,7 +294,11 @@ class _Analyzer:
                 sign = 1 if e.op == "add" else -1
                 la, lb = self.as_linear(a, b), self.as_linear(b, a)
                 if isinstance(la, Linear) and isinstance(lb, Linear):
-                    return Linear(la.a + sign * lb.a, la.c + sign * lb.c, la.d, la.off)
+                    if (la.a != 0).any() and (lb.a != 0).any() and not (
+                            np.array_equal(la.d, lb.d) and np.array_equal(la.off, lb.off)):
+                        raise NotInterval("a sum of positions under different divisors")
+                    base = la if (la.a != 0).any() else lb
+                    return Linear(la.a + sign * lb.a, la.c + sign * lb.c, base.d, base.off)
             if e.op == "mul":
                 for f, g in ((a, b), (b, a)):
                     if isinstance(f, Linear) and isinstance(g, np.ndarray):
@@ -334,10 +345,17 @@ class _Analyzer:
             raise PlanError(f"tensor '{e.tensor}' read out of range: axis {ax} index {bad} is outside "
                             f"[0, {length}) (shape {list(array.shape)})")
         idx = [self.column(ix) for ix in others]
-        keys = np.stack(idx, axis=1) if idx else np.zeros((self.n, 0), np.int64)
-        uniq, row_of = np.unique(keys, axis=0, return_inverse=True)
-        if len(uniq):  # the other subscripts are checked like every read
-            load(e.tensor, array, _insert(tuple(uniq.T), ax, np.zeros(len(uniq), np.int64)))
+        other_dims = tuple(d for i, d in enumerate(array.shape) if i != ax)
+        if self.n:  # the other subscripts are checked like every read
+            load(e.tensor, array, _insert(tuple(idx), ax, np.zeros(self.n, np.int64)))
+        # distinct rows without sorting: subscripts are bounded by the tensor's shape
+        flat = np.ravel_multi_index(tuple(idx), other_dims) if idx else np.zeros(self.n, np.int64)
+        present = np.zeros(int(np.prod(other_dims)), bool)
+        present[flat] = True
+        rank = np.cumsum(present) - 1
+        uniq = np.stack(np.unravel_index(np.flatnonzero(present), other_dims), axis=1) if idx \
+            else np.zeros((1 if self.n else 0, 0), np.int64)
+        row_of = rank[flat]
         table = np.stack([array[_insert(tuple(int(x) for x in u), ax, slice(None))] for u in uniq]) \
             if len(uniq) else np.zeros((0, length))
         return QLoad(e.tensor, table.reshape(len(uniq), length), row_of.reshape(-1), f.c)
@@ -471,7 +489,8 @@ def _distribute(side: ir.Expr, other: ir.Expr, op: str) -> ir.Expr:
         # min(x, z) < y  <=>  x < y | z < y ;  max(x, z) < y  <=>  x < y & z < y
         smaller = op in ("lt", "le")
         if op in ("eq", "ne"):
-            lo_side = "le" if side.fn == "min" else "ge"
+            # min(x, z) == y  <=>  x == y & z >= y  |  z == y & x >= y  (max: <=)
+            lo_side = "ge" if side.fn == "min" else "le"
             eq = OR(AND(cmp(x, "eq"), cmp(z, lo_side)), AND(cmp(z, "eq"), cmp(x, lo_side)))
             return eq if op == "eq" else ir.Unary("not", eq, ir.BOOL)
         join = OR if (side.fn == "min") == smaller else AND
