@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
+import subprocess
 import sys
 import time
 import tracemalloc
@@ -30,6 +32,14 @@ SPEC = """attention causal_document_1h {
     tensor doc: i32[b, s] ~ segments(256, 2048)
     mask = causal & doc[b, q] == doc[b, k]
 }"""
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).parent).stdout.strip()
+    except OSError:
+        return "unknown"
 
 
 def plan_once(program, s, doc, block):
@@ -72,7 +82,7 @@ def main(argv=None) -> int:
             "samples_s": samples, "median_ms": float(np.median(samples) * 1e3),
             "peak_bytes": int(peak), "metadata_bytes": metadata,
             "env": {"python": platform.python_version(), "numpy": np.__version__, "machine": platform.machine(),
-                    "attnc": __version__},
+                    "cpus": os.cpu_count(), "attnc": __version__, "commit": _commit()},
             "command": "python bench/plan_cost.py " + " ".join(argv or sys.argv[1:]),
         }
         rows.append(row)

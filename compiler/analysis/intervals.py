@@ -111,13 +111,10 @@ def _normalize(start: np.ndarray, end: np.ndarray, rows: int) -> Runs:
     e = np.where(valid, end, big)
     if s.shape[1] == 1:
         return Runs(np.where(valid, start, rows), np.where(valid, end, rows), rows)
-    if s.shape[1] == 2:  # one compare-and-swap instead of a per-row argsort
-        swap = s[:, 0] > s[:, 1]
-        s = np.where(swap[:, None], s[:, ::-1], s)
-        e = np.where(swap[:, None], e[:, ::-1], e)
-    else:
-        order = np.argsort(s, axis=1, kind="stable")
-        s, e = np.take_along_axis(s, order, 1), np.take_along_axis(e, order, 1)
+    if s.shape[1] == 2:
+        return _normalize_pair(s, e, big, rows)
+    order = np.argsort(s, axis=1, kind="stable")
+    s, e = np.take_along_axis(s, order, 1), np.take_along_axis(e, order, 1)
     valid = s < big
     reach = np.maximum.accumulate(np.where(valid, e, -1), axis=1)  # furthest end so far
     prev_reach = np.concatenate([np.full((s.shape[0], 1), -1, np.int64), reach[:, :-1]], axis=1)
@@ -132,6 +129,20 @@ def _normalize(start: np.ndarray, end: np.ndarray, rows: int) -> Runs:
     last = valid & nxt_new
     out_e[rows_idx[last], run_id[last]] = reach[last]
     return Runs(out_s, out_e, rows)
+
+
+def _normalize_pair(s: np.ndarray, e: np.ndarray, big, rows: int) -> Runs:
+    """_normalize for two intervals per column: one compare-and-swap and one merge test."""
+    swap = s[:, 0] > s[:, 1]
+    s0, s1 = np.where(swap, s[:, 1], s[:, 0]), np.where(swap, s[:, 0], s[:, 1])
+    e0, e1 = np.where(swap, e[:, 1], e[:, 0]), np.where(swap, e[:, 0], e[:, 1])
+    merge = (s1 <= e0) & (s1 < big)
+    first_s = np.where(s0 < big, s0, rows)
+    first_e = np.where(s0 < big, np.where(merge, np.maximum(e0, e1), e0), rows)
+    two = (s1 < big) & ~merge
+    if not two.any():
+        return Runs(first_s[:, None], first_e[:, None], rows)
+    return Runs(np.stack([first_s, np.where(two, s1, rows)], 1), np.stack([first_e, np.where(two, e1, rows)], 1), rows)
 
 
 @dataclass(frozen=True)
@@ -368,16 +379,15 @@ class _Analyzer:
         base = lf if (lf.a != 0).any() else rf
         a, c = lf.a - rf.a, rf.c - lf.c  # a * u  op  c
         neg = a < 0
-        a, c = np.where(neg, -a, a), np.where(neg, -c, c)
-        flipped = np.array([_FLIP[op]])
-        ops = np.where(neg, flipped, op)
+        a, c = np.abs(a), np.where(neg, -c, c)
         safe = np.where(a == 0, 1, a)
         floor, ceil = c // safe, -((-c) // safe)
-        BIG = np.int64(1) << 40
-        lo = np.select([ops == "gt", ops == "ge", ops == "eq"], [floor + 1, ceil, ceil], -BIG)
-        hi = np.select([ops == "lt", ops == "le", ops == "eq"], [ceil, floor + 1, np.where(c % safe == 0, ceil + 1, ceil)], BIG)
-        ne = ops == "ne"
-        lo, hi = np.where(ne, np.where(c % safe == 0, ceil, 0), lo), np.where(ne, np.where(c % safe == 0, ceil + 1, 0), hi)
+        divides = c % safe == 0
+        lo, hi = _u_bounds(op, floor, ceil, divides)
+        if neg.any():  # -|a| u op c  <=>  |a| u flip(op) -c
+            flo, fhi = _u_bounds(_FLIP[op], floor, ceil, divides)
+            lo, hi = np.where(neg, flo, lo), np.where(neg, fhi, hi)
+        ne = op == "ne"
         # a == 0: the comparison does not involve q
         const_true = _apply(op, np.zeros_like(c), c)
         d, off = base.d, base.off
@@ -386,9 +396,8 @@ class _Analyzer:
         lo, hi = np.clip(lo, umin, umax), np.clip(hi, umin, umax)
         q_lo, q_hi = d * lo - off, d * hi - off
         runs = Runs.between(q_lo - self.q0, q_hi - self.q0, self.rows, self.n)
-        if ne.any():
-            runs_ne = runs.complement()
-            runs = _choose(ne, runs_ne, runs, self.rows)
+        if ne:
+            runs = runs.complement()
         zero = a == 0
         if zero.any():
             runs = _choose(zero, Runs.where(const_true, self.rows, self.n), runs, self.rows)
@@ -417,6 +426,22 @@ class _Analyzer:
         if op == "ne":
             runs = runs.complement()
         return Truth(runs, runs)
+
+
+_BIG = np.int64(1) << 40
+
+
+def _u_bounds(op: str, floor, ceil, divides):
+    """[lo, hi) of integers u with u op c/a (a > 0); ``ne`` gives the ``eq`` set (complemented later)."""
+    if op == "lt":
+        return np.full_like(ceil, -_BIG), ceil
+    if op == "le":
+        return np.full_like(floor, -_BIG), floor + 1
+    if op == "gt":
+        return floor + 1, np.full_like(floor, _BIG)
+    if op == "ge":
+        return ceil, np.full_like(ceil, _BIG)
+    return ceil, np.where(divides, ceil + 1, ceil)  # eq / ne
 
 
 def _insert(t: tuple, at: int, value) -> tuple:
