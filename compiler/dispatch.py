@@ -13,6 +13,7 @@ from .errors import AttncError
 
 REGISTRY: dict[str, str] = {
     "numpy": "backends.numpy",
+    "triton": "backends.triton",
 }
 
 

@@ -90,57 +90,70 @@ def _fmt(shape) -> str:
     return "[" + ", ".join(str(s) for s in shape) + "]"
 
 
-def validate(program: ir.Program, arrays: dict[str, np.ndarray]) -> Call:
-    """Check keys, ranks, dtypes and shapes; return the call in logical bhsd."""
+def check_shapes(program: ir.Program, metas: dict[str, tuple[tuple[int, ...], str, str]]) -> tuple[int, int, int]:
+    """Validate keys, ranks, dtype kinds ('f', 'i', 'u', 'b') and shapes of a call given as
+    ``name -> (shape, dtype kind, dtype name)`` in the spec's layout; return (B, S_q, S_k)."""
     if program.cache.kind is not ir.CacheKind.CONTIGUOUS:
         raise InputError(f"spec '{program.name}' declares a {program.cache.kind.value} K/V cache; "
                          "this entry point takes contiguous q/k/v arrays only")
-    names = {"q", "k", "v", *(t.name for t in program.tensors)}
-    missing = [n for n in ("q", "k", "v", *(t.name for t in program.tensors)) if n not in arrays]
+    order = ["q", "k", "v", *(t.name for t in program.tensors)]
+    missing = [n for n in order if n not in metas]
     if missing:
-        raise InputError(f"inputs: missing key '{missing[0]}' (expected keys: {', '.join(sorted(names))})")
-    unknown = sorted(set(arrays) - names)
+        raise InputError(f"inputs: missing key '{missing[0]}' (expected keys: {', '.join(sorted(order))})")
+    unknown = sorted(set(metas) - set(order))
     if unknown:
-        raise InputError(f"inputs: unknown key '{unknown[0]}' (expected keys: {', '.join(sorted(names))})")
+        raise InputError(f"inputs: unknown key '{unknown[0]}' (expected keys: {', '.join(sorted(order))})")
     expect = expected_shapes(program)
-    qkv = {}
+    bshd = _layout(program) == "bshd"
+    logical = {}
     for n in ("q", "k", "v"):
-        a = np.asarray(arrays[n])
-        if a.dtype.kind != "f":
-            raise InputError(f"inputs: '{n}' has dtype {a.dtype}; expected a floating dtype")
-        if a.ndim != 4:
-            raise InputError(f"inputs: '{n}' has shape {_fmt(a.shape)} (rank {a.ndim}); "
+        shape, kind, dtype_name = metas[n]
+        if kind != "f":
+            raise InputError(f"inputs: '{n}' has dtype {dtype_name}; expected a floating dtype")
+        if len(shape) != 4:
+            raise InputError(f"inputs: '{n}' has shape {_fmt(shape)} (rank {len(shape)}); "
                              f"expected {_fmt(expect[n])} (rank 4)")
-        qkv[n] = a if _layout(program) == "bhsd" else a.transpose(0, 2, 1, 3)
-    q, k, v = qkv["q"], qkv["k"], qkv["v"]
-    batch, s_q, s_k = q.shape[0], q.shape[2], k.shape[2]
+        logical[n] = (shape[0], shape[2], shape[1], shape[3]) if bshd else tuple(shape)
+    batch, s_q, s_k = logical["q"][0], logical["q"][2], logical["k"][2]
     want = {
         "q": (batch, program.heads_q, s_q, program.d_qk),
         "k": (batch, program.heads_kv, s_k, program.d_qk),
         "v": (batch, program.heads_kv, s_k, program.d_v),
     }
     for n in ("q", "k", "v"):
-        if qkv[n].shape != want[n]:
-            shown = np.asarray(arrays[n]).shape
-            raise InputError(f"inputs: '{n}' has shape {_fmt(shown)}; expected "
+        if logical[n] != want[n]:
+            raise InputError(f"inputs: '{n}' has shape {_fmt(metas[n][0])}; expected "
                              f"{_fmt(expected_shapes(program, batch, s_q, s_k)[n])}")
     if s_q > s_k:
         raise InputError(f"inputs: 'q' has S_q = {s_q} rows but 'k' has S_k = {s_k} keys; "
                          "S_q <= S_k (query rows are the last S_q positions)")
     if s_q == 0 or s_k == 0 or batch == 0:
         raise InputError(f"inputs: empty call (B = {batch}, S_q = {s_q}, S_k = {s_k})")
-    tensors = {}
     sizes = {"b": batch, "h": program.heads_q, "s": s_k}
     for t in program.tensors:
-        a = np.asarray(arrays[t.name])
-        shape = tuple(sizes[x] if isinstance(x, str) else x for x in t.axes)
-        kind_ok = {ir.I32: "iu", ir.F32: "f", ir.BOOL: "b"}[t.dtype]
-        if a.dtype.kind not in kind_ok:
-            raise InputError(f"inputs: tensor '{t.name}' has dtype {a.dtype}; declared {t.signature()}")
-        if a.shape != shape:
+        shape, kind, dtype_name = metas[t.name]
+        want_shape = tuple(sizes[x] if isinstance(x, str) else x for x in t.axes)
+        if kind not in {ir.I32: "iu", ir.F32: "f", ir.BOOL: "b"}[t.dtype]:
+            raise InputError(f"inputs: tensor '{t.name}' has dtype {dtype_name}; declared {t.signature()}")
+        if tuple(shape) != want_shape:
             decl = _fmt([f"{x}={sizes[x]}" if isinstance(x, str) else x for x in t.axes])
-            raise InputError(f"inputs: tensor '{t.name}' has shape {_fmt(a.shape)}; expected {decl} "
+            raise InputError(f"inputs: tensor '{t.name}' has shape {_fmt(shape)}; expected {decl} "
                              f"(declared {t.signature()})")
+    return batch, s_q, s_k
+
+
+def validate(program: ir.Program, arrays: dict[str, np.ndarray]) -> Call:
+    """Check keys, ranks, dtypes and shapes; return the call in logical bhsd."""
+    arrays = {n: np.asarray(a) for n, a in arrays.items()}
+    for n, a in arrays.items():
+        if a.dtype.kind not in "fiub":
+            raise InputError(f"inputs: '{n}' has dtype {a.dtype}")
+    check_shapes(program, {n: (a.shape, a.dtype.kind, str(a.dtype)) for n, a in arrays.items()})
+    qkv = {n: arrays[n] if _layout(program) == "bhsd" else arrays[n].transpose(0, 2, 1, 3)
+           for n in ("q", "k", "v")}
+    tensors = {}
+    for t in program.tensors:
+        a = arrays[t.name]
         if t.dtype is ir.I32:
             if a.size and (a.min() < -2**31 or a.max() >= 2**31):
                 raise InputError(f"inputs: tensor '{t.name}' has values outside the i32 range")
@@ -148,7 +161,7 @@ def validate(program: ir.Program, arrays: dict[str, np.ndarray]) -> Call:
         elif t.dtype is ir.F32:
             a = a.astype(np.float32)
         tensors[t.name] = a
-    return Call(q.astype(np.float32), k.astype(np.float32), v.astype(np.float32), tensors)
+    return Call(*(qkv[n].astype(np.float32) for n in ("q", "k", "v")), tensors)
 
 
 # ---------------------------------------------------------------- samples

@@ -6,9 +6,15 @@ the reason.
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+
+# Triton kernels run on the CPU through Triton's interpreter unless a GPU run is asked for;
+# the variable must be set before triton is imported.
+if os.environ.get("ATTNC_TEST_GPU") != "1":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((ROOT / "examples").glob("*.attn"))
