@@ -20,7 +20,12 @@ DTYPES = ("f16", "bf16", "f32")
 TENSOR_DTYPES = {"i32": I32, "f32": F32, "bool": BOOL}
 AXES = ("b", "h", "s")
 SUGAR = {"causal": 0, "window": 1, "softcap": 2, "where": 3}  # name -> arity (0: a name, not a call)
-FUNCTIONS = {**ir.CALL_FNS, "window": 1, "softcap": 2, "where": 3}
+FUNCTIONS = {**ir.CALL_FNS, "window": 1, "softcap": 2, "where": 3, "flashmask": 2}
+# flashmask(sri, causal): PaddlePaddle FlashMask's startend_row_indices [B, H or 1, S_k, n]
+# with its causal flag; Paddle admits n in {1, 2} when causal and n in {2, 4} otherwise
+# (python/paddle/nn/functional/flash_attention.py: flashmask_attention).
+FLASHMASK_BOUNDS = {True: (1, 2), False: (2, 4)}
+FLASHMASK_LAYOUT = "i32[b, h, s, n] or i32[b, 1, s, n] with n = 1, 2 or 4"
 RESERVED = set(ir.POSITION_VARS) | {"s", "score", "causal", "true", "false"} | set(FUNCTIONS) \
     | {"v", "return_lse", "block_m", "block_n"}  # keyword arguments of the generated entry point
 
@@ -119,6 +124,7 @@ class Checker:
         self.node = node
         self.sink = DiagnosticSink()
         self.tensors: dict[str, ast.TensorDecl] = {}
+        self.heads: tuple[int, int] = (1, 1)  # (H_q, H_kv) once 'heads' is checked
 
     def error(self, message: str, span: Span | None, *notes: str) -> None:
         self.sink.error(message, span, *notes)
@@ -153,6 +159,7 @@ class Checker:
                            "every attention declares 'heads = H_q / H_kv' and 'head_dim = d'")
         if "heads" in seen:
             spec.heads_q, spec.heads_kv = self._heads(seen["heads"])
+            self.heads = (spec.heads_q, spec.heads_kv)
         if "head_dim" in seen:
             hd = seen["head_dim"]
             spec.d_qk = self._size(hd.qk, "head_dim")
@@ -538,6 +545,8 @@ class Checker:
             for a in e.args:
                 self.expr(a, ctx)
             return None
+        if e.func == "flashmask":
+            return self._flashmask(e, ctx)
         arity = FUNCTIONS[e.func]
         if len(e.args) != arity:
             self.error(f"'{e.func}' takes {arity} argument{'s' * (arity != 1)}, got {len(e.args)}", e.span)
@@ -576,6 +585,62 @@ class Checker:
             what = "a number" if len(types) == 1 else "numbers"
             self.error(f"'{e.func}' takes {what}, got {', '.join(t.value for t in types)}", e.span)
         return r
+
+    def _flashmask(self, e: ast.Call, ctx: str) -> Type | None:
+        """``flashmask(sri, causal)``: a Paddle FlashMask mask brought unchanged.  The first
+        argument names a tensor in Paddle's ``startend_row_indices`` layout, the second is
+        Paddle's ``causal`` flag as a literal; lowering expands the call into plain IR."""
+        if ctx == "scale":
+            self.error("'flashmask' is a condition; scale must be a constant", e.span)
+            return None
+        if len(e.args) != 2:
+            self.error(f"'flashmask' takes 2 arguments (startend_row_indices, causal), got {len(e.args)}",
+                       e.span)
+            return None
+        sri, flag = e.args
+        bounds = None
+        if not isinstance(sri, ast.Name):
+            whole = f"flashmask({sri.tensor}, ...)" if isinstance(sri, ast.Index) else "flashmask(sri, ...)"
+            self.error("the first argument of flashmask(sri, causal) must name a declared tensor, "
+                       "not an expression", sri.span,
+                       f"pass the whole tensor, declared {FLASHMASK_LAYOUT}: {whole}")
+        elif sri.id not in self.tensors:
+            self.error(f"unknown tensor '{sri.id}'", sri.span, *_suggest(sri.id, self.tensors))
+        else:
+            bounds = self._flashmask_tensor(sri)
+        causal = flag.value if isinstance(flag, ast.BoolLit) else None
+        if causal is None:
+            notes = ("'causal' alone is the condition k <= q; Paddle's flag is written true",) \
+                if isinstance(flag, ast.Name) and flag.id == "causal" else ()
+            self.error("the second argument of flashmask(sri, causal) is Paddle's causal flag: "
+                       "the literal true or false", flag.span, *notes)
+        if bounds is None or causal is None:
+            return None
+        allowed = FLASHMASK_BOUNDS[causal]
+        if bounds not in allowed:
+            meaning = {True: "1: [LTS]; 2: [LTS, LTE]", False: "2: [LTS, UTE]; 4: [LTS, LTE, UTS, UTE]"}
+            self.error(f"flashmask(sri, {'true' if causal else 'false'}) takes {allowed[0]} or {allowed[1]} "
+                       f"bounds per column, but '{sri.id}' has {bounds}", e.span,
+                       f"Paddle's startend_row_indices with causal={causal}: {meaning[causal]}")
+            return None
+        return BOOL
+
+    def _flashmask_tensor(self, sri: ast.Name) -> int | None:
+        """The number of bounds per column of a startend_row_indices tensor, or None after
+        an error."""
+        t = self.tensors[sri.id]
+        axes = [a.value for a in t.axes]
+        hq, hkv = self.heads
+        heads = ("h", 1) + ((hkv,) if hkv != hq else ())
+        if t.dtype == "i32" and len(axes) == 4 and axes[0] == "b" and axes[1] in heads and axes[2] == "s" \
+                and axes[3] in (1, 2, 4):
+            return axes[3]
+        notes = (f"Paddle's per-K/V-head layout is i32[b, {hkv}, s, n] here (H_kv = {hkv})",) \
+            if hkv != hq else ()
+        self.error(f"tensor '{sri.id}' is declared {t.dtype}[{', '.join(str(a) for a in axes)}]; "
+                   f"flashmask needs Paddle's startend_row_indices layout {FLASHMASK_LAYOUT}",
+                   sri.span, *notes)
+        return None
 
 
 def _kind_name(kind: type) -> str:

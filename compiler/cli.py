@@ -6,6 +6,7 @@ re-raises with the traceback instead.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -88,6 +89,81 @@ def cmd_run(args) -> int:
     return 0
 
 
+def _load_tensor_args(items: list[str]) -> dict[str, np.ndarray]:
+    out: dict[str, np.ndarray] = {}
+    for item in items:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise InputError(f"--tensor takes NAME=FILE.npy, got {item!r}")
+        if name in out:
+            raise InputError(f"--tensor {name} given twice")
+        try:
+            out[name] = np.load(path, allow_pickle=False)
+        except (OSError, ValueError, EOFError) as e:
+            raise InputError(f"cannot read tensor file {path} for '{name}': {e}") from None
+        if not isinstance(out[name], np.ndarray):
+            raise InputError(f"tensor file {path} for '{name}' is not a .npy array")
+    return out
+
+
+def cmd_explain(args) -> int:
+    from . import explain as ex
+    if args.out and args.format is None:
+        raise InputError("--out writes a --format export (paddle or flex)")
+    program = compile_file(args.spec)
+    s_k = args.kv_len
+    s_q = args.q_len if args.q_len is not None else s_k
+    tensors = ex.call_tensors(program, args.batch, s_q, s_k, _load_tensor_args(args.tensor), args.seed)
+    block_m, block_n = args.block
+    expl = ex.explain(program, args.batch, s_q, s_k, tensors, block_m, block_n)
+    if args.format == "paddle":
+        pm = ex.paddle_startend_row_indices(expl.intervals, program, args.batch)
+        if args.out:
+            _save_arrays(args.out, {"startend_row_indices": pm.startend_row_indices,
+                                    "causal": np.asarray(pm.causal)})
+        text = json.dumps({**pm.to_json(arrays=not args.out), **({"out": args.out} if args.out else {})})
+    elif args.format == "flex":
+        fx = ex.flex_block_mask(expl.plan, s_q, s_k)
+        if args.out:
+            if not args.out.endswith(".npz"):
+                raise InputError(f"--out {args.out}: the flex export is several arrays; write an .npz")
+            arrays = {n: np.asarray(v, np.int32) for n, v in fx.items() if "kv_" in n}
+            _save_arrays(args.out, {**arrays, "BLOCK_SIZE": np.asarray(fx["BLOCK_SIZE"], np.int32)})
+            fx = {n: v for n, v in fx.items() if "kv_" not in n} | {"out": args.out}
+        text = json.dumps(fx)
+    elif args.json:
+        text = json.dumps(expl.to_json())
+    else:
+        text = expl.text(args.spec)
+    if args.png:
+        ex.render_tile_map(expl, args.png)
+    sys.stdout.write(text if text.endswith("\n") else text + "\n")
+    if args.png and not (args.json or args.format):
+        print(f"tile map -> {args.png}")
+    return 0
+
+
+def _save_arrays(path: str, arrays: dict[str, np.ndarray]) -> None:
+    try:
+        if path.endswith(".npy"):
+            first = next(iter(arrays.values()))
+            np.save(path, first)
+        elif path.endswith(".npz"):
+            np.savez(path, **arrays)
+        else:
+            raise InputError(f"--out {path}: expected a .npz file (or .npy for the main array alone)")
+    except OSError as e:
+        raise InputError(f"cannot write {path}: {e}") from None
+
+
+def _block(text: str) -> tuple[int, int]:
+    from .explain import parse_block
+    try:
+        return parse_block(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def cmd_demo(args) -> int:
     from .demo import run_demo
     return run_demo(args.spec, args.backend, length=args.length, batch=args.batch, seed=args.seed)
@@ -127,6 +203,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-len", type=int, default=128, help="sampled inputs: S_k")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(fn=cmd_run)
+
+    p = sub.add_parser("explain", help="FlashMask intervals, representability, tile classes and "
+                                       "metadata ledger for one call shape; Paddle / Flex exports",
+                       description="Analyse the mask for B requests of S_q query rows over S_k keys "
+                                   "(bottom-right aligned). Tensors come from --tensor files, else "
+                                   "from the spec's sample distributions (the values `attnc run` draws for the "
+                                   "same --batch, lengths and --seed).")
+    p.add_argument("spec")
+    p.add_argument("--q-len", type=int, default=None, help="S_q (default S_k: prefill)")
+    p.add_argument("--kv-len", type=int, required=True, help="S_k")
+    p.add_argument("--batch", type=int, default=1, help="B (default 1)")
+    p.add_argument("--tensor", action="append", default=[], metavar="NAME=FILE.npy",
+                   help="a declared tensor's value (repeatable); the others are sampled")
+    p.add_argument("--seed", type=int, default=0, help="seed of the sampled tensors")
+    p.add_argument("--block", type=_block, default=(128, 64), metavar="MxN",
+                   help="tile: block_m query rows x block_n keys (default 128x64)")
+    fmt = p.add_mutually_exclusive_group()
+    fmt.add_argument("--json", action="store_true", help="one JSON object (DESIGN §7 field names)")
+    fmt.add_argument("--format", choices=("paddle", "flex"),
+                     help="export: Paddle FlashMask startend_row_indices + causal, or "
+                          "FlexAttention BlockMask tensors (JSON)")
+    p.add_argument("--out", metavar="FILE.npz", help="with --format: write the arrays to an .npz "
+                                                     "(paddle: or .npy) instead of listing them")
+    p.add_argument("--png", metavar="FILE", help="tile-class map of (b=0, h=0) as a PNG (needs attnc[plot])")
+    p.set_defaults(fn=cmd_explain)
 
     p = sub.add_parser("demo", help="compile and run examples for prefill, append and decode "
                                     "against the float64 oracle")

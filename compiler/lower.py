@@ -54,6 +54,55 @@ def _call(fn: str, args: list[ir.Expr]) -> ir.Expr:
 Q, K = ir.Var("q", I32), ir.Var("k", I32)
 
 
+def lower_flashmask(e: ast.Call, spec: Spec) -> ir.Expr:
+    """``flashmask(sri, causal)`` as plain IR: loads of the bounds and compares on ``q``, so
+    every backend and the interval analysis see an ordinary mask.
+
+    Paddle's semantics (``flashmask_attention`` docstring, python/paddle/nn/functional/
+    flash_attention.py; dense reference ``startend_row_indices_to_attn_bias`` in
+    PaddlePaddle/flash-attention flashmask/tests/generate_startend_row_indices.py): column
+    ``k`` hides the half-open row ranges
+
+    =========  ====  ======================================  ==============================
+    causal     n     bounds ``sri[b, h, k, :]``              masked rows of column k
+    =========  ====  ======================================  ==============================
+    true       1     ``LTS``                                 ``q < k``, ``[LTS, S)``
+    true       2     ``LTS, LTE``                            ``q < k``, ``[LTS, LTE)``
+    false      2     ``LTS, UTE``                            ``[0, UTE)``, ``[LTS, S)``
+    false      4     ``LTS, LTE, UTS, UTE``                  ``[UTS, UTE)``, ``[LTS, LTE)``
+    =========  ====  ======================================  ==============================
+
+    The bounds are compared with the absolute position ``q``: equal to Paddle's row index at
+    prefill (``S_q = S_k``), and the same mask's bottom rows in append and decode.  A head
+    axis of size 1 broadcasts; a head axis of size H_kv (Paddle's per-K/V-head layout under
+    GQA) is read at ``h // G``."""
+    name, causal = e.args[0].id, e.args[1].value
+    decl = spec.tensor_types[name]
+    head_axis, n = decl.axes[1], decl.axes[3]
+    h = ir.Var("h", I32)
+    if head_axis == "h":
+        head = h
+    elif head_axis == 1:
+        head = ir.Const(0, I32)
+    else:  # H_kv: query head h reads K/V head h // G
+        group = spec.heads_q // spec.heads_kv
+        head = h if group == 1 else _binary("floordiv", h, ir.Const(group, I32))
+    b = ir.Var("b", I32)
+
+    def bound(j: int) -> ir.Expr:
+        return ir.Load(name, (b, head, K, ir.Const(j, I32)), I32)
+
+    def masked(lo: ir.Expr, hi: ir.Expr) -> ir.Expr:  # !(lo <= q < hi)
+        return ir.Unary("not", _binary("and", ir.Compare("ge", Q, lo), ir.Compare("lt", Q, hi)), BOOL)
+
+    if causal:
+        lower = ir.Compare("lt", Q, bound(0)) if n == 1 else masked(bound(0), bound(1))
+        return _binary("and", ir.Compare("le", K, Q), lower)
+    if n == 2:  # visible: UTE <= q < LTS
+        return _binary("and", ir.Compare("lt", Q, bound(0)), ir.Compare("ge", Q, bound(1)))
+    return _binary("and", masked(bound(0), bound(1)), masked(bound(2), bound(3)))
+
+
 def lower_expr(e: ast.Expr, spec: Spec) -> ir.Expr:
     rec = lambda x: lower_expr(x, spec)  # noqa: E731
     if isinstance(e, ast.IntLit):
@@ -80,6 +129,8 @@ def lower_expr(e: ast.Expr, spec: Spec) -> ir.Expr:
         return _compare(ir.SURFACE_COMPARE[e.op], rec(e.left), rec(e.right))
     if isinstance(e, ast.Call):
         args = [rec(a) for a in e.args]
+        if e.func == "flashmask":
+            return lower_flashmask(e, spec)
         if e.func == "window":  # q - k < n
             return _compare("lt", _binary("sub", Q, K), args[0])
         if e.func == "softcap":  # cap * tanh(x / cap)

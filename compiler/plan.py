@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from . import ir
 from .analysis.intervals import MaskIntervals, analyze
 from .analysis.tiles import TilePlan, plan_tiles
@@ -43,10 +45,20 @@ class Plan:
             "partial_indptr": self.tiles.partial_indptr, "partial_indices": self.tiles.partial_indices,
             "full_indptr": self.tiles.full_indptr, "full_indices": self.tiles.full_indices,
             "mask_from_intervals": self.mask_from_intervals,
+            "q_tile_order": self.q_tile_order(),
         }
+        for cls in ("partial", "full"):
+            ptr, lo, hi = _block_runs(args[f"{cls}_indptr"], args[f"{cls}_indices"])
+            args.update({f"{cls}_run_ptr": ptr, f"{cls}_run_lo": lo, f"{cls}_run_hi": hi})
         if self.mask_from_intervals:
             args.update({n: v for n, v in self.intervals.vectors().items()})
         return args
+
+    def q_tile_order(self) -> np.ndarray:
+        """Query tiles by descending work (computed K/V blocks summed over (b', h')): launched
+        first, the longest rows finish with the rest instead of after them (LPT)."""
+        work = (self.tiles.classes != 0).sum(axis=(0, 1, 3))
+        return np.argsort(-work, kind="stable").astype(np.int32)
 
     def check_call(self, program: ir.Program, batch: int, s_q: int, s_k: int) -> None:
         if ir.digest(program) != self.program_digest:
@@ -57,6 +69,23 @@ class Plan:
             field = next(n for n, g, w in zip(names, got, want) if g != w)
             raise PlanError(f"plan was made for {field} = {want[names.index(field)]}, "
                             f"the call has {field} = {got[names.index(field)]}")
+
+
+def _block_runs(indptr: np.ndarray, indices: np.ndarray):
+    """The CSR lists as runs of consecutive K/V blocks [lo, hi) per row: a kernel walks a run
+    with a direct, pipelinable loop instead of one indirect load per block (a causal row is
+    one FULL run and one PARTIAL run)."""
+    rows = len(indptr) - 1
+    row_of = np.repeat(np.arange(rows), np.diff(indptr))
+    starts = np.ones(len(indices), bool)
+    if len(indices):
+        starts[1:] = (indices[1:] != indices[:-1] + 1) | (row_of[1:] != row_of[:-1])
+    lo = indices[starts].astype(np.int32)
+    ends = np.r_[np.flatnonzero(starts)[1:], len(indices)] - 1
+    hi = (indices[ends] + 1).astype(np.int32) if len(indices) else np.zeros(0, np.int32)
+    ptr = np.zeros(rows + 1, np.int32)
+    np.cumsum(np.bincount(row_of[starts], minlength=rows), out=ptr[1:])
+    return ptr, lo, hi
 
 
 def plan(program: ir.Program, batch: int, s_q: int, s_k: int, tensors: dict | None = None,

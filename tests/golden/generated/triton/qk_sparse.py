@@ -4,10 +4,11 @@ Spec digest dc0dfb32d0b0cdc6ebe2c19591c773ba6af549edaafef3a275f4f1a6be267f45.
   heads 8 / 2 (GQA group 4), head_dim 64 / 64, storage bf16
   mask  = k <= q & !(q >= 16 & q < 24 & k >= 16 & k < 24) & !(q >= 36 & q < 62 & k >= 36 & k < 62)
 
-One program per (query tile, request * query head).  It walks the plan's CSR:
-PARTIAL K/V blocks first (the element mask, from the interval vectors when
+One program per (query tile, request * query head), heaviest query tiles first
+(the plan's order).  It walks the plan's tile lists as runs of consecutive K/V
+blocks: FULL blocks (no mask), then PARTIAL blocks (the element mask, from the interval vectors when
 MASK_FROM_INTERVALS else the predicate below, applied before the max/sum
-update), then FULL blocks (no mask).  SKIP blocks are never loaded.  Scores
+update).  SKIP blocks are never loaded.  Scores
 live in base 2 (exp2) inside the loop; LSE is written in natural log, -inf for
 rows with no visible key, whose O is 0.  Positions are bottom-right aligned:
 query row i is at q = Q_OFF + i with Q_OFF = S_k - S_q.
@@ -15,11 +16,14 @@ query row i is at q = Q_OFF + i with Q_OFF = S_k - S_q.
 import triton
 import triton.language as tl
 
-H_Q, H_KV, GROUP = 8, 2, 4
-D_QK, D_V, D_QK_PAD, D_V_PAD = 64, 64, 64, 64
-SCALE = 0.125
+# Globals a kernel reads must be constexpr (Triton rejects plain module globals).
+H_Q, H_KV, GROUP = tl.constexpr(8), tl.constexpr(2), tl.constexpr(4)
+D_QK, D_V = tl.constexpr(64), tl.constexpr(64)
+D_QK_PAD, D_V_PAD = tl.constexpr(64), tl.constexpr(64)
+SCALE = tl.constexpr(0.125)
+LOG2E = tl.constexpr(1.4426950408889634)
+HAS_SCORE = False
 TENSORS = {}
-LOG2E = 1.4426950408889634
 
 
 @triton.jit
@@ -41,19 +45,6 @@ def _tanh(x):
     return 2.0 * tl.sigmoid(2.0 * x) - 1.0
 
 
-@triton.jit
-def _absorb(m_i, l_i, acc, s, v, dot_dtype: tl.constexpr):
-    """One online-softmax update in base 2 (scores arrive multiplied by log2 e); hidden scores
-    are already -inf, so they move neither the max nor the sum (M4.5 §0x05C)."""
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing visible yet: stay empty
-    alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(s - m_safe[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(dot_dtype), v)
-    return m_new, l_i, acc
-
-
 
 @triton.jit
 def visible(b, h, q, k):
@@ -66,26 +57,28 @@ def score_program(score, b, h, q, k):
     """The score statements, in order, on the scaled q.k (float32)."""
     return score
 @triton.jit
-def _tile(q, K, V, s_kn, s_kd, s_vn, s_vd, start_n, m_i, l_i, acc, b, h, q_pos, S_K, Q_OFF, vec_base,
-          qk_scale, UTS, UTE, LTS, LTE,
+def _tile(q, K, V, desc_k, desc_v, kv_row0, s_kn, s_kd, s_vn, s_vd, start_n, m_i, l_i, acc, b, h, q_pos,
+          S_K, Q_OFF, vec_base, qk_scale, UTS, UTE, LTS, LTE,
           PARTIAL: tl.constexpr, MASK_FROM_INTERVALS: tl.constexpr, HAS_SCORE: tl.constexpr,
-          EVEN_N: tl.constexpr, BLOCK_N: tl.constexpr, D_QK_PAD: tl.constexpr, D_V_PAD: tl.constexpr):
-    """Absorb one K/V block into the row state; PARTIAL blocks mask before the update."""
+          EVEN_N: tl.constexpr, USE_TMA: tl.constexpr, BLOCK_N: tl.constexpr,
+          D_QK_PAD: tl.constexpr, D_V_PAD: tl.constexpr):
+    """Absorb one K/V block into the row state (m in base-2 scaled units).  PARTIAL blocks set
+    hidden scores to -inf before the max/sum update; FULL blocks take no mask and no -inf guard
+    (every cell is visible, so the running max is finite)."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
     k_pos = offs_n[None, :]
-    offs_dk = tl.arange(0, D_QK_PAD)
-    offs_dv = tl.arange(0, D_V_PAD)
-    k_ptrs = K + offs_n[None, :] * s_kn + offs_dk[:, None] * s_kd
-    v_ptrs = V + offs_n[:, None] * s_vn + offs_dv[None, :] * s_vd
-    if EVEN_N and D_QK_PAD == D_QK:
-        kt = tl.load(k_ptrs)
+    if USE_TMA:
+        kt = desc_k.load([kv_row0 + start_n, 0]).T
     else:
-        kt = tl.load(k_ptrs, mask=(k_pos < S_K) & (offs_dk[:, None] < D_QK), other=0.0)
+        offs_dk = tl.arange(0, D_QK_PAD)
+        k_ptrs = K + offs_n[None, :] * s_kn + offs_dk[:, None] * s_kd
+        if EVEN_N and D_QK_PAD == D_QK:
+            kt = tl.load(k_ptrs)
+        else:
+            kt = tl.load(k_ptrs, mask=(k_pos < S_K) & (offs_dk[:, None] < D_QK), other=0.0)
     s = tl.dot(q, kt)
     if HAS_SCORE:
-        s = score_program(s * SCALE, b, h, q_pos, k_pos) * LOG2E
-    else:
-        s = s * qk_scale
+        s = score_program(s * SCALE, b, h, q_pos, k_pos)
     if PARTIAL:
         if MASK_FROM_INTERVALS:  # FlashMask: hidden iff the row is in [UTS, UTE) or [LTS, LTE)
             row = q_pos - Q_OFF
@@ -100,22 +93,36 @@ def _tile(q, K, V, s_kn, s_kd, s_vn, s_vd, start_n, m_i, l_i, acc, b, h, q_pos, 
         s = tl.where(keep & (k_pos < S_K), s, float("-inf"))
     elif not EVEN_N:
         s = tl.where(k_pos < S_K, s, float("-inf"))
-    if EVEN_N and D_V_PAD == D_V:
-        v = tl.load(v_ptrs)
+    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+    if PARTIAL or not EVEN_N:  # a row may have seen nothing yet: keep exp2 away from -inf - -inf
+        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(s * qk_scale - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    if USE_TMA:
+        v = desc_v.load([kv_row0 + start_n, 0])
     else:
-        v = tl.load(v_ptrs, mask=(offs_n[:, None] < S_K) & (offs_dv[None, :] < D_V), other=0.0)
-    return _absorb(m_i, l_i, acc, s, v, q.dtype)
+        offs_dv = tl.arange(0, D_V_PAD)
+        v_ptrs = V + offs_n[:, None] * s_vn + offs_dv[None, :] * s_vd
+        if EVEN_N and D_V_PAD == D_V:
+            v = tl.load(v_ptrs)
+        else:
+            v = tl.load(v_ptrs, mask=(offs_n[:, None] < S_K) & (offs_dv[None, :] < D_V), other=0.0)
+    acc = tl.dot(p.to(v.dtype), v, acc)
+    return m_new, l_i, acc
 
 
 @triton.jit
-def _attn_fwd(Q, K, V, O, LSE,
+def _attn_fwd(Q, K, V, O, LSE, desc_k, desc_v,
               s_qb, s_qh, s_qm, s_qd, s_kb, s_kh, s_kn, s_kd, s_vb, s_vh, s_vn, s_vd,
               s_ob, s_oh, s_om, s_od,
-              P_PTR, P_IDX, F_PTR, F_IDX, UTS, UTE, LTS, LTE,
+              ORDER, P_PTR, P_LO, P_HI, F_PTR, F_LO, F_HI, UTS, UTE, LTS, LTE,
               S_Q, S_K, Q_OFF, PLAN_B, PLAN_H, Q_TILES, qk_scale,
               MASK_FROM_INTERVALS: tl.constexpr, HAS_SCORE: tl.constexpr, EVEN_N: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D_QK_PAD: tl.constexpr, D_V_PAD: tl.constexpr):
-    pid_m = tl.program_id(0)
+              USE_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              D_QK_PAD: tl.constexpr, D_V_PAD: tl.constexpr):
+    pid_m = tl.load(ORDER + tl.program_id(0))  # the plan's order: heaviest query tiles first
     bh = tl.program_id(1)
     b = bh // H_Q
     h = bh % H_Q
@@ -129,25 +136,25 @@ def _attn_fwd(Q, K, V, O, LSE,
     q = tl.load(q_ptrs, mask=(offs_m[:, None] < S_Q) & (offs_dk[None, :] < D_QK), other=0.0)
     K += b * s_kb + kv_h * s_kh
     V += b * s_vb + kv_h * s_vh
+    kv_row0 = (b * H_KV + kv_h) * S_K  # row of this head in the [B * H_kv * S_k, d] TMA view
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_V_PAD], tl.float32)
     row = (pb * PLAN_H + ph) * Q_TILES + pid_m
     vec_base = (pb * PLAN_H + ph) * S_K
-    lo = tl.load(P_PTR + row)
-    hi = tl.load(P_PTR + row + 1)
-    for i in range(lo, hi):  # PARTIAL blocks: element mask before the update
-        start_n = tl.load(P_IDX + i) * BLOCK_N
-        m_i, l_i, acc = _tile(q, K, V, s_kn, s_kd, s_vn, s_vd, start_n, m_i, l_i, acc, b, h, q_pos,
-                              S_K, Q_OFF, vec_base, qk_scale, UTS, UTE, LTS, LTE,
-                              True, MASK_FROM_INTERVALS, HAS_SCORE, EVEN_N, BLOCK_N, D_QK_PAD, D_V_PAD)
-    lo = tl.load(F_PTR + row)
-    hi = tl.load(F_PTR + row + 1)
-    for i in range(lo, hi):  # FULL blocks: no element mask
-        start_n = tl.load(F_IDX + i) * BLOCK_N
-        m_i, l_i, acc = _tile(q, K, V, s_kn, s_kd, s_vn, s_vd, start_n, m_i, l_i, acc, b, h, q_pos,
-                              S_K, Q_OFF, vec_base, qk_scale, UTS, UTE, LTS, LTE,
-                              False, MASK_FROM_INTERVALS, HAS_SCORE, EVEN_N, BLOCK_N, D_QK_PAD, D_V_PAD)
+    # FULL blocks, then PARTIAL blocks, each as runs of consecutive blocks [lo, hi)
+    for r in range(tl.load(F_PTR + row), tl.load(F_PTR + row + 1)):
+        for start_n in tl.range(tl.load(F_LO + r) * BLOCK_N, tl.load(F_HI + r) * BLOCK_N, BLOCK_N):
+            m_i, l_i, acc = _tile(q, K, V, desc_k, desc_v, kv_row0, s_kn, s_kd, s_vn, s_vd, start_n, m_i,
+                                  l_i, acc, b, h, q_pos, S_K, Q_OFF, vec_base, qk_scale, UTS, UTE, LTS,
+                                  LTE, False, MASK_FROM_INTERVALS, HAS_SCORE, EVEN_N, USE_TMA,
+                                  BLOCK_N, D_QK_PAD, D_V_PAD)
+    for r in range(tl.load(P_PTR + row), tl.load(P_PTR + row + 1)):
+        for start_n in tl.range(tl.load(P_LO + r) * BLOCK_N, tl.load(P_HI + r) * BLOCK_N, BLOCK_N):
+            m_i, l_i, acc = _tile(q, K, V, desc_k, desc_v, kv_row0, s_kn, s_kd, s_vn, s_vd, start_n, m_i,
+                                  l_i, acc, b, h, q_pos, S_K, Q_OFF, vec_base, qk_scale, UTS, UTE, LTS,
+                                  LTE, True, MASK_FROM_INTERVALS, HAS_SCORE, EVEN_N, USE_TMA,
+                                  BLOCK_N, D_QK_PAD, D_V_PAD)
     seen = l_i > 0
     l_safe = tl.where(seen, l_i, 1.0)
     out = tl.where(seen[:, None], acc / l_safe[:, None], 0.0)
@@ -158,7 +165,7 @@ def _attn_fwd(Q, K, V, O, LSE,
     tl.store(LSE + bh * S_Q + offs_m, lse, mask=offs_m < S_Q)
 
 
-def attention(q, k, v, plan, *, out=None, lse=None, num_warps=4, num_stages=2, **tensors):
+def attention(q, k, v, plan, *, out=None, lse=None, num_warps=4, num_stages=2, use_tma=False, **tensors):
     """Launch on torch tensors in bhsd: q [B, H_q, S_q, d_qk], k/v [B, H_kv, S_k, d]; ``plan`` holds
     the tile plan's arrays as torch tensors on q's device (attnc's runtime builds it)."""
     import torch
@@ -166,9 +173,9 @@ def attention(q, k, v, plan, *, out=None, lse=None, num_warps=4, num_stages=2, *
     s_k = k.shape[2]
     bm, bn = plan["block_m"], plan["block_n"]
     if out is None:
-        out = torch.empty(batch, H_Q, s_q, D_V, device=q.device, dtype=q.dtype)
+        out = torch.empty(batch, H_Q.value, s_q, D_V.value, device=q.device, dtype=q.dtype)
     if lse is None:
-        lse = torch.empty(batch, H_Q, s_q, device=q.device, dtype=torch.float32)
+        lse = torch.empty(batch, H_Q.value, s_q, device=q.device, dtype=torch.float32)
     ts = []
     for name in TENSORS:
         t = tensors[name]
@@ -176,12 +183,22 @@ def attention(q, k, v, plan, *, out=None, lse=None, num_warps=4, num_stages=2, *
         for i in range(t.dim()):
             ts += [t.stride(i), t.shape[i]]
     vecs = [plan.get(n, plan["partial_indptr"]) for n in ("UTS", "UTE", "LTS", "LTE")]
-    grid = (triton.cdiv(s_q, bm), batch * H_Q)
+    desc_k = desc_v = k  # unused unless use_tma
+    if use_tma:  # Hopper bulk copies of K/V tiles from a [B * H_kv * S_k, d] view
+        from triton.tools.tensor_descriptor import TensorDescriptor
+        if not (k.is_contiguous() and v.is_contiguous() and D_QK.value == D_QK_PAD.value
+                and D_V.value == D_V_PAD.value):
+            raise ValueError("use_tma needs contiguous bhsd K/V with power-of-two head dims")
+        desc_k = TensorDescriptor.from_tensor(k.view(-1, D_QK.value), [bn, D_QK.value])
+        desc_v = TensorDescriptor.from_tensor(v.view(-1, D_V.value), [bn, D_V.value])
+    grid = (triton.cdiv(s_q, bm), batch * H_Q.value)
     _attn_fwd[grid](
-        q, k, v, out, lse, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
-        plan["partial_indptr"], plan["partial_indices"], plan["full_indptr"], plan["full_indices"], *vecs, *ts,
-        s_q, s_k, s_k - s_q, plan["plan_b"], plan["plan_h"], plan["q_tiles"], SCALE * LOG2E,
-        MASK_FROM_INTERVALS=bool(plan["mask_from_intervals"]), HAS_SCORE=False,
-        EVEN_N=(s_k % bn == 0), BLOCK_M=bm, BLOCK_N=bn, D_QK_PAD=D_QK_PAD, D_V_PAD=D_V_PAD,
+        q, k, v, out, lse, desc_k, desc_v, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+        plan["q_tile_order"], plan["partial_run_ptr"], plan["partial_run_lo"], plan["partial_run_hi"],
+        plan["full_run_ptr"], plan["full_run_lo"], plan["full_run_hi"], *vecs, *ts,
+        s_q, s_k, s_k - s_q, plan["plan_b"], plan["plan_h"], plan["q_tiles"],
+        LOG2E.value if HAS_SCORE else SCALE.value * LOG2E.value,  # the score program sees natural units
+        MASK_FROM_INTERVALS=bool(plan["mask_from_intervals"]), HAS_SCORE=HAS_SCORE,
+        EVEN_N=(s_k % bn == 0), USE_TMA=use_tma, BLOCK_M=bm, BLOCK_N=bn, D_QK_PAD=D_QK_PAD, D_V_PAD=D_V_PAD,
         num_warps=num_warps, num_stages=num_stages)
     return out, lse

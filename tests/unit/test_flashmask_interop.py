@@ -1,0 +1,238 @@
+"""FlashMask interop: `flashmask(sri, causal)` in specs and the Paddle export of `attnc explain`.
+
+Paddle's convention (paddle.nn.functional.flashmask_attention; dense reference
+``startend_row_indices_to_attn_bias`` in PaddlePaddle/flash-attention
+flashmask/tests/generate_startend_row_indices.py): ``startend_row_indices`` is
+``[B, H or 1, S_k, n]``; causal=True takes n = 1 ``[LTS]`` or 2 ``[LTS, LTE]``,
+causal=False takes n = 2 ``[LTS, UTE]`` or 4 ``[LTS, LTE, UTS, UTE]``; hidden rows are
+half-open.  Also the metadata ledger of M4.5 §0x06G (seed fixture
+``mask.payload_ledger_N131072_Bc64``).
+"""
+from __future__ import annotations
+
+import json
+import tracemalloc
+
+import numpy as np
+import pytest
+
+from backends.numpy.oracle import dense_mask
+from compiler import cli, explain, ir
+from compiler.errors import AttncError
+from compiler.lower import compile_file, compile_spec
+from tests.conftest import EXAMPLES, seed_contracts
+
+
+def flashmask_spec(n: int, causal: bool, heads: str = "4", head_axis: str = "h") -> ir.Program:
+    return compile_spec(f"attention fm {{ heads = {heads}  head_dim = 8\n"
+                        f"  tensor sri: i32[b, {head_axis}, s, {n}]\n"
+                        f"  mask = flashmask(sri, {'true' if causal else 'false'}) }}")
+
+
+def flashmask_dense(sri, causal: bool, heads: int = 1, s_q: int | None = None) -> np.ndarray:
+    """The dense mask a spec `flashmask(sri, causal)` gives at prefill (or the last s_q rows)."""
+    sri = np.asarray(sri, np.int64)
+    b, nh, s, n = sri.shape
+    axis = "h" if nh == heads and nh > 1 else str(nh)
+    program = flashmask_spec(n, causal, f"{heads} / {nh if nh > 1 else heads}", axis)
+    return dense_mask(program, b, s_q or s, s, {"sri": sri})
+
+
+def rows(*lines: str) -> np.ndarray:
+    return np.array([[c == "1" for c in line] for line in lines])
+
+
+# ---------------------------------------------------------------- lowering
+@pytest.mark.parametrize("causal, n, text", [
+    (True, 1, "k <= q & q < sri[b, h, k, 0]"),
+    (True, 2, "k <= q & !(q >= sri[b, h, k, 0] & q < sri[b, h, k, 1])"),
+    (False, 2, "q < sri[b, h, k, 0] & q >= sri[b, h, k, 1]"),
+    (False, 4, "!(q >= sri[b, h, k, 0] & q < sri[b, h, k, 1]) & !(q >= sri[b, h, k, 2] & q < sri[b, h, k, 3])"),
+])
+def test_flashmask_lowers_to_plain_ir(causal, n, text):
+    program = flashmask_spec(n, causal)
+    assert ir.format_expr(program.mask) == text
+    assert not any(isinstance(e, ir.Call) for e in ir.walk(program.mask))
+
+
+def test_head_axis_of_one_broadcasts_and_h_kv_is_read_at_h_over_g():
+    assert ir.format_expr(flashmask_spec(1, True, "4", "1").mask) == "k <= q & q < sri[b, 0, k, 0]"
+    assert ir.format_expr(flashmask_spec(1, True, "8 / 2", "2").mask) == "k <= q & q < sri[b, h // 4, k, 0]"
+
+
+# ---------------------------------------------------------------- Paddle's documented examples
+# startend_row_indices of the eight figures of paddle.nn.functional.flashmask_attention's
+# docstring (1 batch, 1 head, 10 tokens), re-typed, with the dense visibility each one
+# documents (row = query, column = key; 1 = visible).
+PADDLE_FIGURES = {
+    "b": (True, [[4], [4], [4], [4], [7], [7], [7], [10], [10], [10]],  # causal document
+          rows("1000000000", "1100000000", "1110000000", "1111000000", "0000100000",
+               "0000110000", "0000111000", "0000000100", "0000000110", "0000000111")),
+    "e": (True, [[4, 7]] * 4 + [[10, 10]] * 6,  # causal blockwise
+          rows("1000000000", "1100000000", "1110000000", "1111000000", "0000100000",
+               "0000110000", "0000111000", "1111111100", "1111111110", "1111111111")),
+    "f": (False, [[4, 0]] * 4 + [[7, 4]] * 3 + [[10, 7]] * 3,  # bidirectional document
+          rows(*["1111000000"] * 4, *["0000111000"] * 3, *["0000000111"] * 3)),
+    "g": (False, [[10, 10, 0, 0]] * 3 + [[3, 10, 0, 0]] + [[k, 10, 3, k] for k in range(4, 10)],
+          rows(*["1111111111"] * 3, *["1110000000"] * 7)),
+    "h": (True, [[10], [4], [8], [6], [10], [7], [10], [9], [10], [10]],  # random eviction
+          rows("1000000000", "1100000000", "1110000000", "1111000000", "1011100000",
+               "1011110000", "1010111000", "1010101100", "1000101110", "1000101011")),
+}
+PADDLE_FIGURES_VALUES_ONLY = {
+    "a": (True, [[5]] * 10),
+    "c": (True, [[10]] * 4 + [[7]] * 3 + [[10]] * 3),
+    "d": (True, [[10], [4], [5], [6], [7], [8], [9], [10], [10], [10]]),
+}
+
+
+@pytest.mark.parametrize("figure", sorted(PADDLE_FIGURES))
+def test_paddle_documented_masks(figure):
+    causal, values, expected = PADDLE_FIGURES[figure]
+    sri = np.array(values, np.int32)[None, None]
+    assert np.array_equal(flashmask_dense(sri, causal)[0, 0], expected)
+    assert np.array_equal(explain.startend_row_indices_to_mask(sri, causal, 10)[0, 0], expected)
+
+
+@pytest.mark.parametrize("figure", sorted(PADDLE_FIGURES_VALUES_ONLY))
+def test_paddle_figures_agree_with_paddles_dense_reference(figure):
+    causal, values = PADDLE_FIGURES_VALUES_ONLY[figure]
+    sri = np.array(values, np.int32)[None, None]
+    assert np.array_equal(flashmask_dense(sri, causal), explain.startend_row_indices_to_mask(sri, causal, 10))
+
+
+@pytest.mark.parametrize("causal, n", [(True, 1), (True, 2), (False, 2), (False, 4)])
+def test_random_bounds_match_paddles_dense_reference(causal, n):
+    rng = np.random.default_rng(n + 10 * causal)
+    sri = rng.integers(0, 18, (2, 3, 16, n)).astype(np.int32)
+    got = flashmask_dense(sri, causal, heads=3)
+    assert np.array_equal(got, explain.startend_row_indices_to_mask(sri, causal, 16))
+
+
+# ---------------------------------------------------------------- export, and back
+def _tensors(program, batch, s_q, s_k, seed=0):
+    return explain.call_tensors(program, batch, s_q, s_k, None, seed)
+
+
+REPRESENTABLE = [p for p in EXAMPLES if p.stem != "dilated_sliding_window"]
+
+
+@pytest.mark.parametrize("path", REPRESENTABLE, ids=lambda p: p.stem)
+@pytest.mark.parametrize("length", [128, 200])
+def test_paddle_export_round_trips_through_flashmask(path, length, capsys):
+    """`attnc explain --format paddle` fed back through flashmask(sri, causal) gives the
+    example's dense mask at prefill."""
+    program = compile_file(path)
+    assert cli.main(["explain", str(path), "--kv-len", str(length), "--batch", "2", "--seed", "3",
+                     "--format", "paddle"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    sri = np.array(out["startend_row_indices"], np.int32)
+    assert list(sri.shape) == out["shape"] and sri.shape[0] == 2 and sri.shape[2] == length
+    assert sri.shape[1] in (1, program.heads_kv) and sri.shape[3] in ((1, 2) if out["causal"] else (2, 4))
+    want = dense_mask(program, 2, length, length, _tensors(program, 2, length, length, seed=3))
+    assert np.array_equal(flashmask_dense(sri, out["causal"], program.heads_q), want)
+
+
+@pytest.mark.parametrize("path", REPRESENTABLE, ids=lambda p: p.stem)
+def test_paddle_export_at_append_follows_paddles_bottom_right_reference(path):
+    program = compile_file(path)
+    s_q, s_k = 37, 128
+    tensors = _tensors(program, 2, s_q, s_k)
+    e = explain.explain(program, 2, s_q, s_k, tensors)
+    pm = explain.paddle_startend_row_indices(e.intervals, program, 2)
+    got = explain.startend_row_indices_to_mask(pm.startend_row_indices, pm.causal, s_q, program.heads_q)
+    assert np.array_equal(got, dense_mask(program, 2, s_q, s_k, tensors))
+    assert "note" in pm.to_json()
+
+
+@pytest.mark.parametrize("spec, causal, n", [
+    ("causal", True, 1),
+    ("causal & !(q >= 5 & q < 9 & k < 3)", True, 2),  # a band below the diagonal
+    ("true", False, 2),
+    ("k < 3 | abs(q - k) < 2", False, 2),
+    ("q < 3 | k < 3 | abs(q - k) < 2", False, 4),  # global rows and columns + window
+    ("false", True, 1),
+])
+def test_most_compact_encoding(spec, causal, n):
+    program = compile_spec(f"attention t {{ heads = 2 head_dim = 8 mask = {spec} }}")
+    e = explain.explain(program, 1, 12, 12)
+    pm = explain.paddle_startend_row_indices(e.intervals, program, 1)
+    assert (pm.causal, pm.startend_row_indices.shape[-1]) == (causal, n)
+    assert np.array_equal(flashmask_dense(pm.startend_row_indices, pm.causal, 2), dense_mask(program, 1, 12, 12, {}))
+
+
+def test_four_bounds_put_a_run_above_the_diagonal_in_the_upper_pair():
+    program = compile_spec("attention t { heads = 2 head_dim = 8 mask = !(q >= 2 & q < k - 1) }")
+    e = explain.explain(program, 1, 12, 12)
+    pm = explain.paddle_startend_row_indices(e.intervals, program, 1)
+    assert not pm.causal
+    lts, lte, uts, ute = np.moveaxis(pm.startend_row_indices[0, 0], -1, 0)
+    hidden = np.arange(12) >= 4  # columns k >= 4 hide rows [2, k - 1), all above the diagonal
+    assert (lts == 12).all() and (lte == 12).all()
+    assert np.array_equal(uts, np.where(hidden, 2, 0)) and np.array_equal(ute, np.where(hidden, np.arange(12) - 1, 0))
+
+
+def test_paddle_figure_g_comes_back_more_compact():
+    """Figure (g) hides rows [3, 10) of every key from 3 on: [LTS, UTE] says it in two bounds."""
+    causal, values, expected = PADDLE_FIGURES["g"]
+    program = flashmask_spec(4, False, "1", "1")
+    e = explain.explain(program, 1, 10, 10, {"sri": np.array(values, np.int64)[None, None]})
+    pm = explain.paddle_startend_row_indices(e.intervals, program, 1)
+    assert not pm.causal
+    assert pm.startend_row_indices[0, 0].tolist() == [[10, 0]] * 3 + [[3, 0]] * 7
+    assert np.array_equal(explain.startend_row_indices_to_mask(pm.startend_row_indices, False, 10)[0, 0], expected)
+
+
+def test_gqa_per_kv_head_mask_exports_h_kv_heads():
+    program = compile_spec("attention t { heads = 8 / 2 head_dim = 8 tensor evict: i32[b, h, s]\n"
+                           "  mask = causal & q < evict[b, h, k] }")
+    evict = np.repeat(np.array([[5] * 10, [7] * 10]), 4, axis=0)[None]  # equal within each group
+    e = explain.explain(program, 1, 10, 10, {"evict": evict})
+    pm = explain.paddle_startend_row_indices(e.intervals, program, 1)
+    assert pm.startend_row_indices.shape == (1, 2, 10, 1)
+    assert np.array_equal(flashmask_dense(pm.startend_row_indices, pm.causal, 8), dense_mask(program, 1, 10, 10, {"evict": evict}))
+    evict[0, 1] = 9  # query head 1 differs from query head 0 of the same K/V head
+    e = explain.explain(program, 1, 10, 10, {"evict": evict})
+    with pytest.raises(AttncError, match=r"differs between query heads 0\.\.3 \(b=0\) that share K/V head 0"):
+        explain.paddle_startend_row_indices(e.intervals, program, 1)
+
+
+def test_not_representable_is_an_error_with_the_reason():
+    program = compile_file([p for p in EXAMPLES if p.stem == "dilated_sliding_window"][0])
+    e = explain.explain(program, 1, 64, 64)
+    with pytest.raises(AttncError, match="not FlashMask-representable.*q under '%'"):
+        explain.paddle_startend_row_indices(e.intervals, program, 1)
+
+
+def test_flashmask_example_is_random_eviction_in_paddles_layout():
+    interop = compile_file([p for p in EXAMPLES if p.stem == "flashmask_interop"][0])
+    evict = compile_spec("attention t { heads = 8 / 2 head_dim = 8 tensor evict: i32[b, h, s]\n"
+                         "  mask = causal & q < evict[b, h, k] }")
+    tensors = _tensors(interop, 2, 96, 96)
+    per_query_head = np.repeat(tensors["sri"][..., 0], interop.group, axis=1)
+    assert np.array_equal(dense_mask(interop, 2, 96, 96, tensors),
+                          dense_mask(evict, 2, 96, 96, {"evict": per_query_head}))
+
+
+# ---------------------------------------------------------------- the metadata ledger
+def test_payload_ledger_reproduces_the_seed_fixture():
+    """M4.5 §0x06G: N = 131072, B_c = 64, square, one batch and head — by arithmetic and
+    through a full `explain` of a causal mask, with nothing N^2 in memory."""
+    fixture = seed_contracts()["mask"]["payload_ledger_N131072_Bc64"]
+    n = 131072
+    assert explain.metadata_ledger(n, n, 64) == fixture
+    program = compile_spec("attention causal { heads = 1 head_dim = 8 mask = causal }")
+    tracemalloc.start()
+    try:
+        e = explain.explain(program, 1, n, n, {}, block_m=128, block_n=64)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert e.ledger() == fixture
+    assert peak < 256 << 20, f"explain used {peak / 2**20:.0f} MiB at N = {n}"  # N^2 bytes = 16 GiB
+    assert e.visible_fraction() == (n * (n + 1) // 2) / n**2
+
+
+def test_ledger_scales_with_distinct_masks_and_partial_blocks():
+    assert explain.metadata_ledger(10, 100, 64, extent=6) == {
+        "dense_u8": 6000, "four_int32_vectors": 6 * 1600, "eight_int32_summaries": 6 * 8 * 4 * 2}
