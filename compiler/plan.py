@@ -5,14 +5,20 @@ the tile CSR (PARTIAL then FULL K/V blocks per (b', h', q-tile)) and, when the m
 FlashMask-representable and reads tensors, the four interval vectors so PARTIAL tiles
 test rows against intervals instead of re-reading the tensors.  A kernel refuses a
 plan made for another shape.
+
+A plan is frozen with its plan key (``compiler.dispatch.PlanKey``, M4.5 §0x07F): the static
+projection of the dispatch key (device, layout, page size, heads, head dims, dtypes, graph
+mode).  A run whose static field differs is rejected naming the field; the declared dynamic
+fields (lengths, tensors such as doc ids or page lists) change only through ``plan.update``.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from . import ir
+from .dispatch import PLAN_DYNAMIC_FIELDS, PLAN_KEY_FIELDS, PlanKey
 from .analysis.intervals import MaskIntervals, analyze
 from .analysis.tiles import TilePlan, plan_tiles
 from .errors import PlanError
@@ -27,6 +33,8 @@ class Plan:
     intervals: MaskIntervals
     tiles: TilePlan
     mask_from_intervals: bool
+    key: PlanKey | None = None
+    program: ir.Program | None = field(default=None, repr=False, compare=False)
 
     @property
     def block_m(self) -> int:
@@ -50,6 +58,8 @@ class Plan:
         for cls in ("partial", "full"):
             ptr, lo, hi = _block_runs(args[f"{cls}_indptr"], args[f"{cls}_indices"])
             args.update({f"{cls}_run_ptr": ptr, f"{cls}_run_lo": lo, f"{cls}_run_hi": hi})
+        runs = len(args["full_run_lo"])
+        args["mean_full_run_blocks"] = len(args["full_indices"]) / runs if runs else 0.0
         if self.mask_from_intervals:
             args.update({n: v for n, v in self.intervals.vectors().items()})
         return args
@@ -60,7 +70,15 @@ class Plan:
         work = (self.tiles.classes != 0).sum(axis=(0, 1, 3))
         return np.argsort(-work, kind="stable").astype(np.int32)
 
-    def check_call(self, program: ir.Program, batch: int, s_q: int, s_k: int) -> None:
+    def check_call(self, program: ir.Program, batch: int, s_q: int, s_k: int, *, device: str | None = None,
+                   graph_mode: bool | None = None) -> None:
+        """Refuse a run this plan was not made for: a changed static field of the plan key
+        (named), another spec, or other lengths (dynamic: ``plan.update`` them first)."""
+        if self.key is not None:
+            run = PlanKey.of(program, device=self.key.device if device is None else str(device),
+                             workspace_device=self.key.workspace_device,
+                             graph_mode=self.key.graph_mode if graph_mode is None else graph_mode)
+            self.check_key(run)
         if ir.digest(program) != self.program_digest:
             raise PlanError("plan was made for a different spec")
         got, want = (batch, s_q, s_k), (self.batch, self.s_q, self.s_k)
@@ -68,7 +86,43 @@ class Plan:
             names = ("B", "S_q", "S_k")
             field = next(n for n, g, w in zip(names, got, want) if g != w)
             raise PlanError(f"plan was made for {field} = {want[names.index(field)]}, "
-                            f"the call has {field} = {got[names.index(field)]}")
+                            f"the call has {field} = {got[names.index(field)]} "
+                            f"(lengths are dynamic: plan.update({dict(B='batch').get(field, field.lower())}=...))")
+
+    def check_key(self, run: PlanKey) -> None:
+        """A run under plan key ``run`` may reuse this plan only if P(D_run) == K_plan (§0x07F);
+        a host-only plan (device None) serves every device."""
+        changed = [(n, mine, theirs) for n, mine, theirs in self.key.changed(run)
+                   if not (n in ("device", "workspace_device") and mine is None)]
+        if changed:
+            n, mine, theirs = changed[0]
+            more = f" (also {', '.join(c[0] for c in changed[1:])})" if len(changed) > 1 else ""
+            raise PlanError(f"plan was made for {n} = {mine!r}, the run has {n} = {theirs!r}{more}: "
+                            "a static field of the plan key; make a new plan")
+
+    def update(self, **dynamic) -> "Plan":
+        """A new plan for changed dynamic fields (``batch``, ``s_q``, ``s_k``, ``tensors``) under
+        the same plan key and tile shape (the tile classifier is re-chosen for the new lengths);
+        a static field is refused by name."""
+        static = sorted(set(dynamic) & set(PLAN_KEY_FIELDS) | {n for n in dynamic if n in ("program", "block_m",
+                                                                                            "block_n")})
+        if static:
+            raise PlanError(f"plan.update({static[0]}=...): {static[0]} is static in this plan "
+                            f"(dynamic fields: {', '.join(PLAN_DYNAMIC_FIELDS)}); make a new plan")
+        unknown = sorted(set(dynamic) - set(PLAN_DYNAMIC_FIELDS))
+        if unknown:
+            raise PlanError(f"plan.update({unknown[0]}=...): not a field of the plan "
+                            f"(dynamic fields: {', '.join(PLAN_DYNAMIC_FIELDS)})")
+        if self.program is None:
+            raise PlanError("this plan does not hold its program; make a new plan with plan()")
+        reads = sorted(ir.loads(self.program.mask))
+        if reads and dynamic.get("tensors") is None:
+            raise PlanError(f"plan.update: the mask reads {', '.join(reads)}; pass their values as tensors=")
+        k = self.key
+        return plan(self.program, dynamic.get("batch", self.batch), dynamic.get("s_q", self.s_q),
+                    dynamic.get("s_k", self.s_k), dynamic.get("tensors"), self.block_m, self.block_n,
+                    device=k.device if k else None,
+                    workspace_device=k.workspace_device if k else None, graph_mode=k.graph_mode if k else False)
 
 
 def _block_runs(indptr: np.ndarray, indices: np.ndarray):
@@ -89,11 +143,344 @@ def _block_runs(indptr: np.ndarray, indices: np.ndarray):
 
 
 def plan(program: ir.Program, batch: int, s_q: int, s_k: int, tensors: dict | None = None,
-         block_m: int = 64, block_n: int = 64, method: str = "auto") -> Plan:
+         block_m: int = 64, block_n: int = 64, method: str = "auto", *, device: str | None = None,
+         workspace_device: str | None = None, graph_mode: bool = False) -> Plan:
+    """The frozen plan of one call shape with its plan key (``device`` None: host arrays only)."""
     tensors = tensors or {}
     intervals = analyze(program, batch, s_q, s_k, tensors)
     tiles = plan_tiles(intervals, block_m, block_n, method)
     reads_tensors = bool(ir.loads(program.mask))
+    key = PlanKey.of(program, device=device, workspace_device=workspace_device, graph_mode=graph_mode)
     return Plan(ir.digest(program), batch, s_q, s_k, intervals, tiles,
-                mask_from_intervals=intervals.representable and reads_tensors)
+                mask_from_intervals=intervals.representable and reads_tensors, key=key, program=program)
 
+
+
+@dataclass(frozen=True)
+class DecodeBlocks:
+    """For a decode call (one new query row per request): which K/V blocks of each request
+    are visited (SKIP removed, the union over query heads) and which of those need the
+    element mask (PARTIAL for some head), split into ``splits`` balanced shares per request."""
+
+    block_n: int
+    splits: int
+    entry_ptr: np.ndarray  # int32 [B * splits + 1]: request b's split s owns entries [ptr, ptr')
+    blocks: np.ndarray  # int32 [entries]: K/V block index
+    partial: np.ndarray  # int8 [entries]: 1 where the element mask applies
+    skipped: int  # blocks within the requests' lengths that no split reads
+
+
+def decode_blocks(program: ir.Program, kv_lens, tensors: dict | None, block_n: int, splits: int) -> DecodeBlocks:
+    tensors = tensors or {}
+    kv_lens = np.asarray(kv_lens, np.int64)
+    if splits < 1:
+        raise PlanError(f"split count must be at least 1, got {splits}")
+    per_request: list[tuple[np.ndarray, np.ndarray]] = [None] * len(kv_lens)  # type: ignore[list-item]
+    skipped = 0
+    for t_len in np.unique(kv_lens):
+        rows = np.flatnonzero(kv_lens == t_len)
+        if t_len == 0:
+            for b in rows:
+                per_request[b] = (np.zeros(0, np.int32), np.zeros(0, np.int8))
+            continue
+        mi = analyze(program, len(kv_lens), 1, int(t_len), tensors)
+        classes = plan_tiles(mi, 1, block_n).classes[:, :, 0, :]  # [B', H', T_c]
+        for b in rows:
+            c = classes[b if classes.shape[0] > 1 else 0]
+            visited = ~(c == 0).all(axis=0)
+            partial = ~(c == 2).all(axis=0) & visited
+            skipped += int((~visited).sum())
+            idx = np.flatnonzero(visited).astype(np.int32)
+            per_request[b] = (idx, partial[idx].astype(np.int8))
+    counts = []
+    for idx, _ in per_request:
+        q, r = divmod(len(idx), splits)  # balanced: the first r splits take one more block
+        counts += [q + (s < r) for s in range(splits)]
+    entry_ptr = np.zeros(len(counts) + 1, np.int32)
+    np.cumsum(counts, out=entry_ptr[1:])
+    blocks = np.concatenate([idx for idx, _ in per_request]) if per_request else np.zeros(0, np.int32)
+    partial = np.concatenate([p for _, p in per_request]) if per_request else np.zeros(0, np.int8)
+    return DecodeBlocks(block_n, splits, entry_ptr, blocks.astype(np.int32), partial.astype(np.int8), skipped)
+
+
+# ---------------------------------------------------------------- split plans (decode, append, mixed batches)
+# The split heuristic's N_SM when the caller names no device: an H100 SXM (132 SMs).  The numpy
+# backend has no SMs; it plans what the GPU kernel would, so both run the same splits.
+DEFAULT_SMS = 132
+# K/V rows per producer segment on contiguous and ragged caches (a page is never merged either)
+SPLIT_BLOCK_ROWS = 16
+
+
+@dataclass(frozen=True, eq=False)
+class SplitPlan:
+    """A split-K/V plan of one call over a concrete K/V layout (M4.5 §0x03, §0x04, §0x08F).
+
+    ``manifest`` holds each request's ``(T, C)``: ``C = q_lens[b]`` query rows at absolute
+    positions ``T .. T + C - 1`` over ``kv_lens[b] = T + C`` visible keys.  ``bounds`` splits
+    every request's ``[0, kv_lens[b])``; ``graph`` is the schedule (producer tasks
+    ``(b, kv_head, s)``, workspace buffers, reducers ``(b, h_q)``), already validated for exact
+    coverage.  ``segments`` lists, per producer slot ``(b, s)``, the storage runs its K/V range
+    lives in (:func:`compiler.analysis.layout.storage_segments`): the program reads exactly
+    those rows and nothing past a request's length."""
+
+    program_digest: str
+    layout: object            # compiler.analysis.layout.KVLayout
+    manifest: object          # compiler.analysis.phases.Manifest
+    bounds: object            # compiler.analysis.splits.SplitBounds
+    call: object              # compiler.analysis.ledger.DecodeCall
+    graph: object             # networkx.DiGraph (compiler.analysis.schedule)
+    seg_ptr: np.ndarray       # [B * S_cap + 1]: slot (b, s) owns segments seg_ptr[b*S_cap+s] ..
+    seg_block: np.ndarray     # page / cache row / 0 (ragged)
+    seg_offset: np.ndarray    # first row inside the block
+    seg_count: np.ndarray     # rows
+    seg_t0: np.ndarray        # logical position of the first row
+    num_sms: int | None = None
+
+    # ------------------------------------------------------------ shapes
+    @property
+    def batch(self) -> int:
+        return self.bounds.batch
+
+    @property
+    def capacity(self) -> int:
+        return self.bounds.capacity
+
+    @property
+    def kv_lens(self) -> np.ndarray:
+        return self.layout.kv_lens
+
+    @property
+    def q_lens(self) -> np.ndarray:
+        return self.manifest.C
+
+    @property
+    def qo_indptr(self) -> np.ndarray:
+        return self.manifest.qo_indptr
+
+    @property
+    def total_q(self) -> int:
+        return int(self.manifest.C.sum())
+
+    @property
+    def s_k(self) -> int:
+        """The size of a declared tensor's ``s`` axis: the longest request's K/V length."""
+        return int(self.kv_lens.max(initial=0))
+
+    def workspace_fields(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        """ABI field -> (allocation shape, dtype name), from the schedule's workspace nodes."""
+        nodes = self.graph.nodes
+        return {f.name: (tuple(nodes["workspace", f.name]["shape"]), nodes["workspace", f.name]["dtype"])
+                for f in self.call.state_fields()}
+
+    def state_rows(self) -> np.ndarray:
+        """The first workspace row of each request: the graph keeps one row per request when
+        no request has more than one query row (``[B, H_q, S_cap]``), else packed query rows."""
+        lead = next(iter(self.workspace_fields().values()))[0][0]
+        if lead == self.batch and self.graph.graph["q_lens"] and max(self.graph.graph["q_lens"]) <= 1:
+            return np.arange(self.batch, dtype=np.int64)
+        return self.qo_indptr[:-1].copy()
+
+    # ------------------------------------------------------------ what the program reads
+    def kernel_args(self) -> dict[str, object]:
+        """The plan as the plain ints and arrays the generated split program reads."""
+        from .analysis.ledger import consumed_slots
+        q = self.q_lens
+        live = self.bounds.nonempty & (q[:, None] > 0)
+        return {
+            "batch": self.batch, "capacity": self.capacity, "total_q": self.total_q,
+            "kv_lens": self.kv_lens, "q_lens": q, "q_start": self.manifest.T, "qo_indptr": self.qo_indptr,
+            "split_start": self.bounds.starts, "split_end": self.bounds.ends, "split_live": live,
+            "consumed": consumed_slots(self.bounds, self.call) & (q[:, None] > 0),
+            "state_row": self.state_rows(), "workspace": self.workspace_fields(),
+            "seg_ptr": self.seg_ptr, "seg_block": self.seg_block, "seg_offset": self.seg_offset,
+            "seg_count": self.seg_count, "seg_t0": self.seg_t0,
+        }
+
+    def check_call(self, program: ir.Program, layout, q_lens) -> None:
+        """Refuse a plan made for another spec, another layout or other lengths."""
+        if ir.digest(program) != self.program_digest:
+            raise PlanError("plan was made for a different spec")
+        mine, theirs = self.layout, layout
+        if (mine.kind, mine.order, mine.table) != (theirs.kind, theirs.order, theirs.table):
+            raise PlanError(f"plan was made for a {mine.kind} {mine.order} cache, the call has a "
+                            f"{theirs.kind} {theirs.order} cache")
+        for name in ("kv_lens", "indptr", "block_table", "kv_indptr", "kv_indices", "kv_last_page_len",
+                     "cache_batch_idx"):
+            a, b = getattr(mine, name), getattr(theirs, name)
+            if (a is None) != (b is None) or (a is not None and not np.array_equal(a, b)):
+                raise PlanError(f"plan was made for another {name} than the call's")
+        if not np.array_equal(self.q_lens, np.asarray(q_lens)):
+            raise PlanError(f"plan was made for q_lens {self.q_lens.tolist()}, the call has "
+                            f"{np.asarray(q_lens).tolist()}")
+
+    # ------------------------------------------------------------ reports (`attnc plan`)
+    def report(self) -> dict:
+        """Split bounds, grids, owners, workspace and ledgers as one JSON-able dict
+        (DESIGN §7 field names)."""
+        from .analysis import ledger as L
+        from .analysis import schedule as S
+        g, lay = self.graph, self.layout
+        grids, owners = S.launch_grids(g), S.owner_counts(g)
+        ws = L.split_workspace(self.bounds, self.call, self.q_lens)
+        led = S.ledger(g)
+        meta = L.metadata_bytes(lay)
+        fields = [{"name": name, "dtype": dtype, "shape": list(shape),
+                   "bytes": int(np.prod(shape)) * L.dtype_bytes(dtype)}
+                  for name, (shape, dtype) in self.workspace_fields().items()]
+        return {
+            "name": g.graph.get("name"), "heads_q": self.call.heads_q, "heads_kv": self.call.heads_kv,
+            "group": self.call.group, "d_qk": self.call.d_qk, "d_v": self.call.d_v,
+            "dtype": self.call.cache_dtype,
+            "cache": {"kind": lay.kind, "layout": lay.order, "page_size": lay.page_size, "table": lay.table},
+            "policy": self.bounds.policy, "state": self.call.abi, "num_sms": self.num_sms,
+            "kv_lens": self.kv_lens.tolist(), "q_lens": self.q_lens.tolist(),
+            "qo_indptr": self.qo_indptr.tolist(), "phases": list(self.manifest.phases),
+            "capacity": self.capacity, "splits_per_request": self.bounds.splits_per_request.tolist(),
+            "split_lengths": self.bounds.split_lengths(),
+            "split_bounds": [[list(r) for r in self.bounds.ranges(b)] for b in range(self.batch)],
+            "producer_grid": list(grids["producer"]), "producer_tasks": list(grids["producer_tasks"]),
+            "reducer_grid": list(grids["reducer"]), "owners": owners,
+            "workspace": {"abi": ws.abi, "fields": fields},
+            "workspace_bytes": {"per_state": ws.per_state, "configured": ws.logical,
+                                "capacity": ws.capacity, "padding": ws.padding},
+            "ledgers": {**led.as_dict(), "kv_reuse_factor": led.kv_reuse_factor,
+                        "metadata": {"fields": dict(meta.fields), "table": meta.table, "total": meta.total},
+                        "page_lookups": L.page_lookups(lay, self.bounds)},
+        }
+
+    def text(self) -> str:
+        """:meth:`report` for a reader."""
+        r = self.report()
+        n = lambda x: f"{x:,}"  # noqa: E731
+        c = r["cache"]
+        cache = f"{c['kind']} {c['layout']}" + (f", page_size {c['page_size']}, {c['table']} table"
+                                                if c["kind"] == "paged" else "")
+        lines = [f"plan {r['name']}: heads {r['heads_q']}/{r['heads_kv']} (GQA group {r['group']}), "
+                 f"head_dim {r['d_qk']}/{r['d_v']}, {r['dtype']}",
+                 f"  cache {cache}; split {r['policy']}, {r['capacity']} slot(s) per request; "
+                 f"state {r['state']}" + (f"; N_SM {r['num_sms']}" if r["num_sms"] else ""),
+                 "split bounds:",
+                 f"  {'b':>3} {'kv_len':>7} {'q_len':>6} {'phase':>8} {'splits':>6}  lengths"]
+        for b in range(self.batch):
+            lines.append(f"  {b:>3} {r['kv_lens'][b]:>7} {r['q_lens'][b]:>6} {r['phases'][b]:>8} "
+                         f"{r['splits_per_request'][b]:>6}  {_runs(r['split_lengths'][b])}")
+        o = r["owners"]
+        lines += [f"grids: producer {r['producer_grid']} (GQA tasks {r['producer_tasks']}), "
+                  f"reducer {r['reducer_grid']}",
+                  f"owners: {o['producer_owners']} producer ({o['active_owners']} active, "
+                  f"{o['empty_or_inactive_owners']} empty or inactive), {o['reducer_owners']} reducer; "
+                  f"{o['nonempty_binary_merges']} non-empty merges, {o['identity_bypasses']} identity bypasses"]
+        w = r["workspace_bytes"]
+        lines.append(f"workspace ({r['state']}): {w['per_state']} B/state, configured {n(w['configured'])} B, "
+                     f"capacity {n(w['capacity'])} B")
+        for f in r["workspace"]["fields"]:
+            lines.append(f"  {f['name']:<14} {f['dtype']:>4} {str(f['shape']):<22} {n(f['bytes']):>12} B")
+        led = r["ledgers"]
+        lines += ["ledgers (logical bytes):",
+                  f"  unique Q {n(led['unique_q'])}, Q demand {n(led['q_demand'])}",
+                  f"  unique K/V {n(led['unique_kv'])}, K/V demand {n(led['kv_demand'])} "
+                  f"(x{led['kv_reuse_factor']:.2f})",
+                  f"  workspace round trip {n(led['workspace_roundtrip'])}, final O {n(led['final_output'])}, "
+                  f"final LSE {n(led['final_lse'])}: reduction path {n(led['reduction_path'])}",
+                  f"  two-launch demand {n(led['two_launch_demand'])}",
+                  "  metadata " + ", ".join(f"{k} {n(v)}" for k, v in led["metadata"]["fields"].items())
+                  + f" (total {n(led['metadata']['total'])})"
+                  + (f"; {n(led['page_lookups'])} page lookups" if c["kind"] == "paged" else "")]
+        return "\n".join(lines) + "\n"
+
+
+def _runs(lengths: list[int]) -> str:
+    """``[449, 449, 449, 448, ...]`` as ``449 x3, 448 x5``."""
+    out: list[list[int]] = []
+    for x in lengths:
+        if out and out[-1][0] == x:
+            out[-1][1] += 1
+        else:
+            out.append([x, 1])
+    return ", ".join(f"{x} x{k}" if k > 1 else str(x) for x, k in out) or "-"
+
+
+def split_policy(program: ir.Program):
+    """The spec's ``split =`` policy (compiler.analysis.splits)."""
+    from .analysis.splits import from_ir
+    return from_ir(program.split)
+
+
+def occupancy(program: ir.Program, q_lens, num_sms: int = DEFAULT_SMS, **overrides):
+    """What the split heuristic reads (compiler.analysis.splits.Occupancy) for this call."""
+    from .analysis.splits import Occupancy
+    q = np.asarray(q_lens, np.int64)
+    base = dict(num_sms=num_sms, heads_q=program.heads_q, heads_kv=program.heads_kv,
+                q_len=max(int(q.max(initial=1)), 1), head_dim=program.d_qk)
+    return Occupancy(**{**base, **overrides})
+
+
+def plan_split(program: ir.Program, layout, q_lens=None, *, policy=None, occupancy_=None,
+               num_sms: int = DEFAULT_SMS, block_rows: int | None = SPLIT_BLOCK_ROWS) -> SplitPlan:
+    """Plan a split-K/V call of ``program`` over ``layout`` (a validated KVLayout).
+
+    ``q_lens`` (default: one query row per non-empty request) gives each request's new query
+    rows; ``policy`` overrides the spec's ``split =``; ``occupancy_`` (or ``num_sms``) is what
+    ``heuristic``/``auto`` read.  Every contract break is a PlanError, before any arithmetic."""
+    from .analysis import layout as lay
+    from .analysis import schedule
+    from .analysis.ledger import DecodeCall
+    from .analysis.phases import Manifest
+    p = program
+    if (layout.heads_q, layout.heads_kv, layout.d_qk, layout.d_v) != (p.heads_q, p.heads_kv, p.d_qk, p.d_v):
+        raise PlanError(f"the layout has heads {layout.heads_q}/{layout.heads_kv} and head_dim "
+                        f"{layout.d_qk}/{layout.d_v}; spec '{p.name}' declares {p.heads_q}/{p.heads_kv} "
+                        f"and {p.d_qk}/{p.d_v}")
+    kv = layout.kv_lens
+    q = (kv > 0).astype(np.int64) if q_lens is None else q_lens
+    manifest = Manifest.from_lens(kv, q)
+    policy = split_policy(p) if policy is None else policy
+    occ = occupancy_ if occupancy_ is not None else occupancy(p, manifest.C, num_sms)
+    bounds = policy.bounds(kv, occ)
+    call = DecodeCall.from_program(p)
+    graph = schedule.build(bounds, call, layout, manifest.C)
+    graph.graph["name"] = p.name
+    ptr, cols = [0], [[], [], [], []]
+    for b in range(bounds.batch):
+        for s in range(bounds.capacity):
+            if bounds.nonempty[b, s] and manifest.C[b] > 0:
+                a, e = int(bounds.starts[b, s]), int(bounds.ends[b, s])
+                t = a
+                for blk, off, n in lay.storage_segments(layout, b, a, e, block_rows):
+                    for col, x in zip(cols, (blk, off, n, t)):
+                        col.append(x)
+                    t += n
+            ptr.append(len(cols[0]))
+    arrays = [np.asarray(c, np.int64) for c in [ptr, *cols]]
+    for a in arrays:
+        a.setflags(write=False)
+    return SplitPlan(ir.digest(p), layout, manifest, bounds, call, graph, *arrays,
+                     num_sms=getattr(occ, "num_sms", None))
+
+
+def logical_layout(program: ir.Program, kv_lens):
+    """A layout of the spec's ``cache =`` kind for lengths alone (``attnc plan``): pages are
+    allocated in request order (page ids do not change a plan's bounds, grids, segment
+    counts or bytes; a real call's tables do only change which pages are read)."""
+    from .analysis import layout as lay
+    from .analysis.ledger import dtype_bytes
+    p = program
+    kv = np.asarray(kv_lens, np.int64)
+    dims = dict(heads_q=p.heads_q, heads_kv=p.heads_kv, d_qk=p.d_qk, d_v=p.d_v, elem_bytes=dtype_bytes(p.dtype))
+    kind = p.cache.kind.value
+    if kind == "contiguous":
+        return lay.contiguous(kv, order=p.cache.layout.value, **dims)
+    if kind == "ragged":
+        return lay.ragged(np.concatenate([[0], np.cumsum(kv)]), **dims)
+    size = p.cache.page_size
+    n_pages = -(-kv // size)
+    first = np.concatenate([[0], np.cumsum(n_pages)])
+    pool = max(int(first[-1]), 1)
+    common = dict(page_size=size, num_pages=pool, order=p.cache.layout.value, **dims)
+    if (p.cache.table or "dense") == "csr":
+        last = np.where(n_pages > 0, kv - size * (n_pages - 1), 0)
+        return lay.paged_csr(first, np.arange(first[-1]), last, **common)
+    table = np.full((kv.size, max(int(n_pages.max(initial=0)), 1)), -1, np.int64)
+    for b in range(kv.size):
+        table[b, :n_pages[b]] = np.arange(first[b], first[b + 1])
+    return lay.paged_dense(table, kv, **common)

@@ -198,13 +198,13 @@ def _flex_rows(torch, triton, name, q, k, v, tensors, check, record, flops, mode
         def mask_mod(b, h, qi, ki):
             return (qi >= ki) | (ki < 2048)
     else:
-        mask_mod = None
+        def mask_mod(b, h, qi, ki):  # full: an explicit all-visible BlockMask (every block full)
+            return qi >= 0
     rows = []
     t0 = time.perf_counter()
-    block_mask = None
-    if mask_mod is not None:
-        block_mask = create_block_mask(mask_mod, batch if name == "causal_document" else None, None, seq, seq,
-                                       device="cuda")
+    torch._dynamo.reset()  # each mask compiles afresh: past dynamo's recompile limit Flex runs eager
+    block_mask = create_block_mask(mask_mod, batch if name == "causal_document" else None, None, seq, seq,
+                                   device="cuda")
     torch.cuda.synchronize()
     bm_ms = (time.perf_counter() - t0) * 1e3
     for mode in modes:
@@ -222,3 +222,108 @@ def _flex_rows(torch, triton, name, q, k, v, tensors, check, record, flops, mode
                      "block_mask_ms": bm_ms, "samples_ms": samples, "median_ms": med, "TFLOPs": flops / med / 1e9})
         print(f"{name:22} flex {mode}: err {err:.1e} {med:.3f} ms {flops / med / 1e9:.0f} TFLOP/s", flush=True)
     return rows
+
+
+DECODE_CASES = [(8, 8192), (32, 8192), (1, 131072)]
+
+
+def run_decode(cases=None, heads_q=32, heads_kv=8, head_dim=128, page_size=16, out=None, seed=0,
+               configs=((64, None, 4, 2), (64, None, 4, 3), (128, None, 4, 2), (64, "x2", 4, 2), (64, "/2", 4, 2))):
+    """Decode: GQA heads_q/heads_kv, bf16, our split-K/V kernel on a paged cache (page_size,
+    shuffled page ids) against SDPA on the same K/V stored contiguously.  Bandwidth counts
+    the K/V bytes that must be read once: 2 * B * T * H_kv * d * 2 bytes."""
+    import torch
+    import triton
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from backends.triton import runtime
+
+    cases = cases or DECODE_CASES
+    rows = _Rows(out)
+    env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+           "attnc": __version__}
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    program = compile_spec(f"attention decode_bench {{ heads = {heads_q} / {heads_kv} head_dim = {head_dim} "
+                           f"dtype = bf16 mask = causal cache = paged(page_size = {page_size}, layout = nhd) "
+                           f"state = lse_o }}")
+    kernel = runtime.load(program)
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    for batch, t_len in cases:
+        kv_bytes = 2 * batch * t_len * heads_kv * head_dim * 2
+        q = torch.randn(batch, heads_q, head_dim, device="cuda", dtype=torch.bfloat16, generator=g)
+        k = torch.randn(batch, heads_kv, t_len, head_dim, device="cuda", dtype=torch.bfloat16, generator=g)
+        v = torch.randn(batch, heads_kv, t_len, head_dim, device="cuda", dtype=torch.bfloat16, generator=g)
+        pages = batch * t_len // page_size
+        perm = torch.randperm(pages, device="cuda", generator=g)
+        table = perm.view(batch, t_len // page_size).to(torch.int32)
+        k_cache = torch.empty(pages, page_size, heads_kv, head_dim, device="cuda", dtype=torch.bfloat16)
+        v_cache = torch.empty_like(k_cache)
+        k_cache[perm] = k.permute(0, 2, 1, 3).reshape(pages, page_size, heads_kv, head_dim)
+        v_cache[perm] = v.permute(0, 2, 1, 3).reshape(pages, page_size, heads_kv, head_dim)
+        kv_lens = torch.full((batch,), t_len, device="cuda", dtype=torch.int32)
+        # float32 reference
+        kf = k.float().repeat_interleave(heads_q // heads_kv, 1)
+        vf = v.float().repeat_interleave(heads_q // heads_kv, 1)
+        ref = torch.softmax((q.float()[:, :, None] @ kf.transpose(-1, -2)) / math.sqrt(head_dim), -1) @ vf
+        ref = ref[:, :, 0]
+        del kf, vf
+        record = {"bench": "decode", "B": batch, "T": t_len, "H_q": heads_q, "H_kv": heads_kv, "D": head_dim,
+                  "dtype": "bf16", "page_size": page_size, "kv_bytes": kv_bytes, "env": env,
+                  "spec_digest": ir.digest(program), "reference": "float32 softmax on GPU (all rows)",
+                  "tolerance_rel_l2": 1e-2}
+
+        def rel(o):
+            return ((o.float() - ref).norm() / ref.norm()).item()
+
+        for block_n, split_rule, warps, stages in configs:
+            base = int(np.clip(-(-2 * sms // (batch * heads_kv)), 1, 64))
+            splits = {None: None, "x2": min(2 * base, 128), "/2": max(base // 2, 1)}[split_rule]
+            plan = kernel.decode_plan({"k_cache": k_cache, "v_cache": v_cache, "block_table": table,
+                                       "kv_lens": kv_lens}, block_n=block_n, splits=splits, num_sms=sms)
+            args = {n: torch.as_tensor(np.ascontiguousarray(plan[n]), device="cuda", dtype=torch.int32)
+                    for n in ("kv_lens", "entry_ptr", "blocks")}
+            args["table"] = table
+            args["base"] = torch.as_tensor(plan["base"], device="cuda", dtype=torch.int64)
+            args["partial"] = torch.as_tensor(plan["partial"], device="cuda", dtype=torch.int8)
+            launch = {**plan, **args}
+            fn = lambda: kernel.module.decode(q, k_cache, v_cache, launch, num_warps=warps, num_stages=stages)  # noqa: E731
+            try:
+                o, _ = fn()
+                torch.cuda.synchronize()
+            except Exception as e:
+                rows.append({**record, "impl": "attnc_paged", "config": [block_n, splits, warps, stages],
+                             "error": str(e)[-1500:]})
+                print(f"decode B={batch} T={t_len} attnc ERROR {str(e)[-300:]}", flush=True)
+                continue
+            err = rel(o)
+            samples = triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="all") if err < 1e-2 else []
+            med = float(np.median(samples)) if samples else float("nan")
+            rows.append({**record, "impl": "attnc_paged", "config": {"BLOCK_N": block_n, "splits": plan["splits"],
+                                                                     "num_warps": warps, "num_stages": stages},
+                         "rel_l2_error": err, "pass": err < 1e-2, "samples_ms": samples, "median_ms": med,
+                         "TBps": kv_bytes / med / 1e9 if samples else None})
+            print(f"decode B={batch:3} T={t_len:6} attnc bn={block_n} splits={plan['splits']:3} w{warps} s{stages}: "
+                  f"err {err:.1e} {med * 1e3:.1f} us {kv_bytes / med / 1e9:.2f} TB/s", flush=True)
+        q4 = q[:, :, None]
+        for name, backend in (("sdpa_default", None), ("sdpa_flash", SDPBackend.FLASH_ATTENTION),
+                              ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa_efficient", SDPBackend.EFFICIENT_ATTENTION)):
+            def fn(backend=backend):
+                if backend is None:
+                    return torch.nn.functional.scaled_dot_product_attention(q4, k, v, enable_gqa=True)
+                with sdpa_kernel(backend):
+                    return torch.nn.functional.scaled_dot_product_attention(q4, k, v, enable_gqa=True)
+            try:
+                o = fn()[:, :, 0]
+                torch.cuda.synchronize()
+            except Exception as e:
+                rows.append({**record, "impl": name, "error": str(e)[-300:]})
+                continue
+            err = rel(o)
+            samples = triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="all")
+            med = float(np.median(samples))
+            rows.append({**record, "impl": name, "rel_l2_error": err, "pass": err < 1e-2, "samples_ms": samples,
+                         "median_ms": med, "TBps": kv_bytes / med / 1e9})
+            print(f"decode B={batch:3} T={t_len:6} {name}: err {err:.1e} {med * 1e3:.1f} us "
+                  f"{kv_bytes / med / 1e9:.2f} TB/s", flush=True)
+        del k, v, k_cache, v_cache
+        torch.cuda.empty_cache()
+    return list(rows)

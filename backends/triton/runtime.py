@@ -8,7 +8,7 @@ import numpy as np
 
 from compiler import inputs, ir
 from compiler.errors import InputError, PlanError
-from compiler.plan import Plan, plan as make_plan
+from compiler.plan import Plan, decode_blocks, plan as make_plan
 from backends.common import load_module
 from .emit import Source, emit
 
@@ -108,8 +108,123 @@ class Kernel:
         return (o, lse) if return_lse else o
 
 
+    # ------------------------------------------------------------ decode
+    def decode_plan(self, arrays: dict, *, block_n: int = 64, splits: int | None = None,
+                    num_sms: int | None = None, tensors: dict | None = None) -> dict:
+        """The split-K/V decode plan for a call given by DESIGN §5's cache keys (numpy or torch
+        metadata; K/V arrays are only measured): validates the cache (page ids, lengths,
+        indptr...) through the layout analysis, then lists every (request, split)'s blocks."""
+        from compiler.analysis import layout as kvl
+        p = self.program
+        meta = {n: (_shape_only(a) if n in ("k", "v", "k_cache", "v_cache") else _to_numpy(a))
+                for n, a in arrays.items()}
+        lay = kvl.from_inputs(p.cache, meta, heads_q=p.heads_q, heads_kv=p.heads_kv)
+        if lay.cache_batch_idx is not None:
+            raise PlanError("the Triton decode kernel does not take cache_batch_idx yet")
+        kv_lens = np.asarray(lay.kv_lens, np.int64)
+        batch = len(kv_lens)
+        if splits is None:  # enough programs for two waves, never more splits than blocks
+            most = int(-(-kv_lens.max(initial=1) // block_n))
+            splits = int(np.clip(-(-2 * (num_sms or 132) // max(batch * p.heads_kv, 1)), 1, min(most, 64)))
+        tensors = {n: _to_numpy(t) for n, t in (tensors or {}).items()}
+        blocks = decode_blocks(p, kv_lens, {n: t.astype(np.int64) if t.dtype.kind in "iu" else t
+                                            for n, t in tensors.items()}, block_n, splits)
+        k_key = "k_cache" if lay.kind == "paged" else "k"
+        ks, vs = _strides(arrays[k_key]), _strides(arrays["v_cache" if lay.kind == "paged" else "v"])
+        if lay.kind == "paged":
+            order = {"nhd": (0, 1, 2, 3), "hnd": (0, 2, 1, 3)}[lay.order]  # -> (page, token, head, dim)
+            k_str, v_str = tuple(ks[i] for i in order), tuple(vs[i] for i in order)
+            if lay.table == "csr":
+                cache, table, base, tstride = 2, lay.kv_indices, lay.kv_indptr[:-1], 0
+            else:
+                cache, table, base, tstride = 1, lay.block_table, np.zeros(batch), lay.block_table.shape[1]
+            page_size = lay.page_size
+        else:
+            if lay.kind == "ragged":  # [total, H_kv, d]
+                k_str, v_str = (0, ks[0], ks[1], ks[2]), (0, vs[0], vs[1], vs[2])
+                base = lay.indptr[:-1]
+            else:
+                t_ax, h_ax = (2, 1) if lay.order == "bhsd" else (1, 2)
+                k_str = (0, ks[t_ax], ks[h_ax], ks[3])
+                v_str = (0, vs[t_ax], vs[h_ax], vs[3])
+                if ks[0] % ks[t_ax] or vs[0] % vs[t_ax] or ks[0] // ks[t_ax] != vs[0] // vs[t_ax]:
+                    raise PlanError("contiguous K/V must share their batch/token stride ratio")
+                base = np.arange(batch) * (ks[0] // ks[t_ax])
+            cache, table, tstride, page_size = 0, np.zeros(1), 0, 1
+        return {"cache": cache, "page_size": int(page_size), "k_strides": k_str, "v_strides": v_str,
+                "kv_lens": kv_lens, "base": np.asarray(base, np.int64), "table": np.asarray(table),
+                "table_stride": int(tstride), "entry_ptr": blocks.entry_ptr, "blocks": blocks.blocks,
+                "partial": blocks.partial, "splits": blocks.splits, "block_n": block_n,
+                "abi": self.program.state.value, "skipped_blocks": blocks.skipped}
+
+    def decode(self, q, *, plan: dict | None = None, return_lse=False, block_n: int = 64,
+               splits: int | None = None, num_warps: int = 4, num_stages: int = 2, **arrays):
+        """One decode step: q [B, H_q, d_qk] (the new token of every request), the cache by
+        DESIGN §5's keys (k/v, k_cache/v_cache, block_table + kv_lens, kv_indptr + kv_indices +
+        kv_last_page_len, kv_indptr for ragged) and declared tensors by name.  Returns O
+        [B, H_q, d_v] (and LSE [B, H_q])."""
+        import torch
+        p = self.program
+        names = {t.name for t in p.tensors}
+        tensors = {n: arrays.pop(n) for n in list(arrays) if n in names}
+        missing = names - set(tensors)
+        if missing:
+            raise InputError(f"inputs: missing key '{sorted(missing)[0]}'")
+        from_numpy = isinstance(q, np.ndarray)
+        if plan is None:
+            plan = self.decode_plan(arrays, block_n=block_n, splits=splits, tensors=tensors)
+        dtype = getattr(torch, TORCH_DTYPES[p.dtype])
+        carry = torch.float32 if interpreted() and dtype == torch.bfloat16 else dtype
+        dev = self.device if from_numpy else q.device
+        if tuple(q.shape[1:]) != (p.heads_q, p.d_qk):
+            raise InputError(f"inputs: 'q' has shape {list(q.shape)}; expected [B, H_q={p.heads_q}, d_qk={p.d_qk}]")
+
+        def dev_tensor(a, dt=None):
+            t = a if isinstance(a, torch.Tensor) else torch.as_tensor(np.ascontiguousarray(a))
+            return t.to(dev, dt) if dt is not None else t.to(dev)
+
+        kv = {n: dev_tensor(np.asarray(a, np.float32), dtype).to(carry) if isinstance(a, np.ndarray) else a
+              for n, a in arrays.items() if n in ("k", "v", "k_cache", "v_cache")}
+        k_cache = kv.get("k_cache", kv.get("k"))
+        v_cache = kv.get("v_cache", kv.get("v"))
+        q_t = dev_tensor(np.asarray(q, np.float32), dtype).to(carry) if from_numpy else q
+        args = {n: dev_tensor(plan[n], torch.int32) for n in ("kv_lens", "entry_ptr", "blocks", "table")}
+        args["base"] = dev_tensor(plan["base"], torch.int64)
+        args["partial"] = dev_tensor(plan["partial"], torch.int8)
+        launch = {**plan, **args}
+        tens = {n: dev_tensor(_to_numpy(t).astype(np.int32) if _to_numpy(t).dtype.kind in "iu" else _to_numpy(t))
+                for n, t in tensors.items()}
+        o, lse = self.module.decode(q_t, k_cache, v_cache, launch, num_warps=num_warps, num_stages=num_stages,
+                                    **tens)
+        if carry != dtype:
+            o = o.to(dtype)
+        if from_numpy:
+            o, lse = o.float().cpu().numpy(), lse.cpu().numpy()
+        return (o, lse) if return_lse else o
+
+
+def _to_numpy(a):
+    return a.detach().cpu().numpy() if hasattr(a, "detach") else np.asarray(a)
+
+
+def _shape_only(a):
+    """A zero-cost stand-in with the array's shape and dtype (validation reads only those)."""
+    if hasattr(a, "detach"):
+        import torch
+        itemsize = torch.empty((), dtype=a.dtype).element_size()
+        return np.broadcast_to(np.zeros((), {1: np.int8, 2: np.float16, 4: np.float32, 8: np.float64}[itemsize]),
+                               tuple(a.shape))
+    return np.broadcast_to(np.zeros((), np.asarray(a).dtype), np.shape(a))
+
+
+def _strides(a) -> tuple[int, ...]:
+    if hasattr(a, "stride") and callable(a.stride):
+        return tuple(a.stride())
+    a = np.asarray(a)
+    return tuple(s // a.itemsize for s in a.strides)
+
+
 def load(program: ir.Program) -> Kernel:
-    if program.cache.kind is not ir.CacheKind.CONTIGUOUS:
-        raise PlanError(f"spec '{program.name}': the Triton prefill kernel reads contiguous K/V; "
-                        f"{program.cache.kind.value} caches are read by the split-K/V decode kernel")
+    """The kernel of a spec: ``kernel(q, k, v, ...)`` for prefill/append over contiguous K/V,
+    ``kernel.decode(q, ...)`` for split-K/V decode over any cache layout."""
     return Kernel(program, emit(program))

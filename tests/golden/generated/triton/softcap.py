@@ -6,8 +6,9 @@ Spec digest ecfd51be1a8765815f53d79e6f182ecce9b68704594593fc5115881276cc2757.
   score = 20.0 * tanh(score / 20.0)
 
 One program per (query tile, request * query head), heaviest query tiles first
-(the plan's order).  It walks the plan's tile lists as runs of consecutive K/V
-blocks: FULL blocks (no mask), then PARTIAL blocks (the element mask, from the interval vectors when
+(the plan's order).  It walks the plan's tile lists: FULL blocks (no mask; as
+runs of consecutive blocks with a pipelined loop per run when the runs are
+long, else block by block), then PARTIAL blocks (the element mask, from the interval vectors when
 MASK_FROM_INTERVALS else the predicate below, applied before the max/sum
 update).  SKIP blocks are never loaded.  Scores
 live in base 2 (exp2) inside the loop; LSE is written in natural log, -inf for
@@ -119,10 +120,11 @@ def _tile(q, K, V, desc_k, desc_v, kv_row0, s_kn, s_kd, s_vn, s_vd, start_n, m_i
 def _attn_fwd(Q, K, V, O, LSE, desc_k, desc_v,
               s_qb, s_qh, s_qm, s_qd, s_kb, s_kh, s_kn, s_kd, s_vb, s_vh, s_vn, s_vd,
               s_ob, s_oh, s_om, s_od,
-              ORDER, P_PTR, P_LO, P_HI, F_PTR, F_LO, F_HI, UTS, UTE, LTS, LTE,
+              ORDER, P_PTR, P_LO, P_HI, F_PTR, F_LO, F_HI, P_CSR, P_IDX, F_CSR, F_IDX,
+              UTS, UTE, LTS, LTE,
               S_Q, S_K, Q_OFF, PLAN_B, PLAN_H, Q_TILES, qk_scale,
               MASK_FROM_INTERVALS: tl.constexpr, HAS_SCORE: tl.constexpr, EVEN_N: tl.constexpr,
-              USE_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              USE_TMA: tl.constexpr, FULL_RUNS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               D_QK_PAD: tl.constexpr, D_V_PAD: tl.constexpr):
     pid_m = tl.load(ORDER + tl.program_id(0))  # the plan's order: heaviest query tiles first
     bh = tl.program_id(1)
@@ -144,19 +146,28 @@ def _attn_fwd(Q, K, V, O, LSE, desc_k, desc_v,
     acc = tl.zeros([BLOCK_M, D_V_PAD], tl.float32)
     row = (pb * PLAN_H + ph) * Q_TILES + pid_m
     vec_base = (pb * PLAN_H + ph) * S_K
-    # FULL blocks, then PARTIAL blocks, each as runs of consecutive blocks [lo, hi)
-    for r in range(tl.load(F_PTR + row), tl.load(F_PTR + row + 1)):
-        for start_n in tl.range(tl.load(F_LO + r) * BLOCK_N, tl.load(F_HI + r) * BLOCK_N, BLOCK_N):
+    # FULL blocks (no mask): as runs of consecutive blocks when runs are long (a pipelined
+    # loop per run), else block by block; PARTIAL blocks (short lists) block by block.
+    if FULL_RUNS:
+        for r in range(tl.load(F_PTR + row), tl.load(F_PTR + row + 1)):
+            for start_n in tl.range(tl.load(F_LO + r) * BLOCK_N, tl.load(F_HI + r) * BLOCK_N, BLOCK_N):
+                m_i, l_i, acc = _tile(q, K, V, desc_k, desc_v, kv_row0, s_kn, s_kd, s_vn, s_vd, start_n, m_i,
+                                      l_i, acc, b, h, q_pos, S_K, Q_OFF, vec_base, qk_scale, UTS, UTE, LTS,
+                                      LTE, False, MASK_FROM_INTERVALS, HAS_SCORE, EVEN_N, USE_TMA,
+                                      BLOCK_N, D_QK_PAD, D_V_PAD)
+    else:
+        for i in range(tl.load(F_CSR + row), tl.load(F_CSR + row + 1)):
+            start_n = tl.load(F_IDX + i) * BLOCK_N
             m_i, l_i, acc = _tile(q, K, V, desc_k, desc_v, kv_row0, s_kn, s_kd, s_vn, s_vd, start_n, m_i,
                                   l_i, acc, b, h, q_pos, S_K, Q_OFF, vec_base, qk_scale, UTS, UTE, LTS,
                                   LTE, False, MASK_FROM_INTERVALS, HAS_SCORE, EVEN_N, USE_TMA,
                                   BLOCK_N, D_QK_PAD, D_V_PAD)
-    for r in range(tl.load(P_PTR + row), tl.load(P_PTR + row + 1)):
-        for start_n in tl.range(tl.load(P_LO + r) * BLOCK_N, tl.load(P_HI + r) * BLOCK_N, BLOCK_N):
-            m_i, l_i, acc = _tile(q, K, V, desc_k, desc_v, kv_row0, s_kn, s_kd, s_vn, s_vd, start_n, m_i,
-                                  l_i, acc, b, h, q_pos, S_K, Q_OFF, vec_base, qk_scale, UTS, UTE, LTS,
-                                  LTE, True, MASK_FROM_INTERVALS, HAS_SCORE, EVEN_N, USE_TMA,
-                                  BLOCK_N, D_QK_PAD, D_V_PAD)
+    for i in range(tl.load(P_CSR + row), tl.load(P_CSR + row + 1)):
+        start_n = tl.load(P_IDX + i) * BLOCK_N
+        m_i, l_i, acc = _tile(q, K, V, desc_k, desc_v, kv_row0, s_kn, s_kd, s_vn, s_vd, start_n, m_i,
+                              l_i, acc, b, h, q_pos, S_K, Q_OFF, vec_base, qk_scale, UTS, UTE, LTS,
+                              LTE, True, MASK_FROM_INTERVALS, HAS_SCORE, EVEN_N, USE_TMA,
+                              BLOCK_N, D_QK_PAD, D_V_PAD)
     seen = l_i > 0
     l_safe = tl.where(seen, l_i, 1.0)
     out = tl.where(seen[:, None], acc / l_safe[:, None], 0.0)
@@ -167,7 +178,8 @@ def _attn_fwd(Q, K, V, O, LSE, desc_k, desc_v,
     tl.store(LSE + bh * S_Q + offs_m, lse, mask=offs_m < S_Q)
 
 
-def attention(q, k, v, plan, *, out=None, lse=None, num_warps=4, num_stages=2, use_tma=False, **tensors):
+def attention(q, k, v, plan, *, out=None, lse=None, num_warps=4, num_stages=2, use_tma=False, use_runs=None,
+              **tensors):
     """Launch on torch tensors in bhsd: q [B, H_q, S_q, d_qk], k/v [B, H_kv, S_k, d]; ``plan`` holds
     the tile plan's arrays as torch tensors on q's device (attnc's runtime builds it)."""
     import torch
@@ -197,10 +209,170 @@ def attention(q, k, v, plan, *, out=None, lse=None, num_warps=4, num_stages=2, u
     _attn_fwd[grid](
         q, k, v, out, lse, desc_k, desc_v, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         plan["q_tile_order"], plan["partial_run_ptr"], plan["partial_run_lo"], plan["partial_run_hi"],
-        plan["full_run_ptr"], plan["full_run_lo"], plan["full_run_hi"], *vecs, *ts,
+        plan["full_run_ptr"], plan["full_run_lo"], plan["full_run_hi"], plan["partial_indptr"],
+        plan["partial_indices"], plan["full_indptr"], plan["full_indices"], *vecs, *ts,
         s_q, s_k, s_k - s_q, plan["plan_b"], plan["plan_h"], plan["q_tiles"],
         LOG2E.value if HAS_SCORE else SCALE.value * LOG2E.value,  # the score program sees natural units
         MASK_FROM_INTERVALS=bool(plan["mask_from_intervals"]), HAS_SCORE=HAS_SCORE,
-        EVEN_N=(s_k % bn == 0), USE_TMA=use_tma, BLOCK_M=bm, BLOCK_N=bn, D_QK_PAD=D_QK_PAD, D_V_PAD=D_V_PAD,
+        EVEN_N=(s_k % bn == 0), USE_TMA=use_tma,
+        FULL_RUNS=plan["mean_full_run_blocks"] >= 16 if use_runs is None else use_runs, BLOCK_M=bm, BLOCK_N=bn, D_QK_PAD=D_QK_PAD, D_V_PAD=D_V_PAD,
         num_warps=num_warps, num_stages=num_stages)
     return out, lse
+
+
+# ----------------------------------------------------------------------------- split-K/V decode
+# One program per (split, request * K/V head).  The G query heads of the K/V head
+# form the rows of one tile, so each K/V block is loaded once for the group.  The
+# program walks its share of the request's visible K/V blocks (the plan removed
+# SKIP blocks and flags PARTIAL ones), reading the cache through the request's
+# page table, and writes its partial state in the declared workspace ABI; the
+# combine kernel merges the splits with the validity branch (M4.5 §0x02C).
+
+CACHE_CONTIGUOUS, CACHE_PAGED_DENSE, CACHE_PAGED_CSR = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+
+
+@triton.jit
+def _decode_split(Q, K, V, P_O, P_M, P_L, P_VALID,
+                  s_qb, s_qh, s_qd, s_kp, s_kt, s_kh, s_kd, s_vp, s_vt, s_vh, s_vd,
+                  KV_LENS, BASE, TABLE, s_tb, ENTRY_PTR, BLOCKS, PARTIAL,
+                  S_CAP, qk_scale,
+                  CACHE: tl.constexpr, PAGE_SIZE: tl.constexpr, ABI_MLU: tl.constexpr,
+                  HAS_SCORE: tl.constexpr, BLOCK_N: tl.constexpr, G_PAD: tl.constexpr,
+                  D_QK_PAD: tl.constexpr, D_V_PAD: tl.constexpr):
+    split = tl.program_id(0)
+    bk = tl.program_id(1)
+    b = bk // H_KV
+    kv_h = bk % H_KV
+    rows = tl.arange(0, G_PAD)
+    row_ok = rows < GROUP
+    h = kv_h * GROUP + rows  # the query heads of this K/V head, one per tile row
+    offs_dk = tl.arange(0, D_QK_PAD)
+    offs_dv = tl.arange(0, D_V_PAD)
+    q = tl.load(Q + b * s_qb + h[:, None] * s_qh + offs_dk[None, :] * s_qd,
+                mask=row_ok[:, None] & (offs_dk[None, :] < D_QK), other=0.0)
+    t_len = tl.load(KV_LENS + b)
+    q_pos = t_len - 1  # bottom-right: the new token is the last position
+    base = tl.load(BASE + b)
+    m_i = tl.full([G_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, D_V_PAD], tl.float32)
+    slot = b * S_CAP + split
+    for e in range(tl.load(ENTRY_PTR + slot), tl.load(ENTRY_PTR + slot + 1)):
+        t = tl.load(BLOCKS + e) * BLOCK_N + tl.arange(0, BLOCK_N)
+        live = t < t_len  # rows past the request's length are never read
+        if CACHE == CACHE_CONTIGUOUS:  # base = the request's first row (contiguous or ragged)
+            row = base + t
+            k_off = row.to(tl.int64) * s_kt
+            v_off = row.to(tl.int64) * s_vt
+        else:
+            if CACHE == CACHE_PAGED_DENSE:
+                page = tl.load(TABLE + b * s_tb + t // PAGE_SIZE, mask=live, other=0)
+            else:  # CSR: the request's pages start at kv_indptr[b] (= base)
+                page = tl.load(TABLE + base + t // PAGE_SIZE, mask=live, other=0)
+            k_off = page.to(tl.int64) * s_kp + (t % PAGE_SIZE) * s_kt
+            v_off = page.to(tl.int64) * s_vp + (t % PAGE_SIZE) * s_vt
+        kt = tl.load(K + k_off[None, :] + kv_h * s_kh + offs_dk[:, None] * s_kd,
+                     mask=live[None, :] & (offs_dk[:, None] < D_QK), other=0.0)
+        s = tl.dot(q, kt)
+        if HAS_SCORE:
+            s = score_program(s * SCALE, b, h[:, None], q_pos, t[None, :])
+        keep = live[None, :] & row_ok[:, None]
+        if tl.load(PARTIAL + e) != 0:
+            keep = keep & visible(b, h[:, None], q_pos, t[None, :])
+        s = tl.where(keep, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s * qk_scale - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        vt = tl.load(V + v_off[:, None] + kv_h * s_vh + offs_dv[None, :] * s_vd,
+                     mask=live[:, None] & (offs_dv[None, :] < D_V), other=0.0)
+        acc = tl.dot(p.to(vt.dtype), vt, acc * alpha[:, None])
+        m_i = m_new
+    valid = l_i > 0
+    state = (b * H_Q + h) * S_CAP + split  # workspace [B, H_q, S_cap, ...]
+    if ABI_MLU:  # (m, l, u): m in natural units, u unnormalized
+        tl.store(P_M + state, m_i * 0.6931471805599453, mask=row_ok)
+        tl.store(P_L + state, l_i, mask=row_ok)
+        tl.store(P_O + state[:, None] * D_V + offs_dv[None, :], acc,
+                 mask=row_ok[:, None] & (offs_dv[None, :] < D_V))
+    else:  # (LSE, O): O normalized, LSE natural; empty splits write LSE = -inf, O = 0
+        l_safe = tl.where(valid, l_i, 1.0)
+        tl.store(P_M + state, tl.where(valid, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf")),
+                 mask=row_ok)
+        tl.store(P_O + state[:, None] * D_V + offs_dv[None, :], acc / l_safe[:, None],
+                 mask=row_ok[:, None] & (offs_dv[None, :] < D_V))
+    tl.store(P_VALID + state, valid.to(tl.uint8), mask=row_ok)
+
+
+# ----------------------------------------------------------------------------- combine
+@triton.jit
+def _combine(P_O, P_M, P_L, P_VALID, O, LSE, s_ob, s_oh, s_od, S_CAP,
+             ABI_MLU: tl.constexpr, SPLITS_PAD: tl.constexpr, D_V_PAD: tl.constexpr):
+    """Merge the S_cap partial states of one (request, query head).  Invalid (empty or
+    inactive) slots are the identity: they are excluded before any exponential."""
+    bh = tl.program_id(0)
+    b = bh // H_Q
+    h = bh % H_Q
+    sp = tl.arange(0, SPLITS_PAD)
+    offs_dv = tl.arange(0, D_V_PAD)
+    in_cap = sp < S_CAP
+    state = bh * S_CAP + sp
+    valid = (tl.load(P_VALID + state, mask=in_cap, other=0) != 0) & in_cap
+    m = tl.load(P_M + state, mask=valid, other=float("-inf"))
+    m_max = tl.max(m, 0)
+    any_valid = m_max > float("-inf")
+    m_ref = tl.where(any_valid, m_max, 0.0)
+    w = tl.where(valid, tl.exp(m - m_ref), 0.0)
+    part = tl.load(P_O + state[:, None] * D_V + offs_dv[None, :], mask=valid[:, None] & (offs_dv[None, :] < D_V),
+                   other=0.0)
+    if ABI_MLU:  # l = sum alpha_s l_s, u = sum alpha_s u_s
+        l_s = tl.load(P_L + state, mask=valid, other=0.0)
+        denom = tl.sum(w * l_s, 0)
+        numer = tl.sum(w[:, None] * part, 0)
+    else:  # O = sum exp(LSE_s - LSE) O_s
+        denom = tl.sum(w, 0)
+        numer = tl.sum(w[:, None] * part, 0)
+    d_safe = tl.where(any_valid, denom, 1.0)
+    out = tl.where(any_valid, numer / d_safe, 0.0)
+    lse = tl.where(any_valid, m_ref + tl.log(d_safe), float("-inf"))
+    tl.store(O + b * s_ob + h * s_oh + offs_dv * s_od, out.to(O.dtype.element_ty), mask=offs_dv < D_V)
+    tl.store(LSE + bh, lse)
+
+
+def decode(q, k_cache, v_cache, plan, *, out=None, lse=None, num_warps=4, num_stages=2, **tensors):
+    """Split-K/V decode on torch tensors: q [B, H_q, d_qk]; the cache as described by ``plan``
+    (attnc's decode plan: cache kind, strides in (page, token, head, dim) order, per-request
+    bases, page table, the block lists of every (request, split))."""
+    import torch
+    batch = q.shape[0]
+    s_cap = plan["splits"]
+    dev = q.device
+    abi_mlu = plan["abi"] == "mlu"
+    p_o = torch.empty(batch, H_Q.value, s_cap, D_V.value, device=dev, dtype=torch.float32)
+    p_m = torch.empty(batch, H_Q.value, s_cap, device=dev, dtype=torch.float32)
+    p_l = torch.empty(batch, H_Q.value, s_cap, device=dev, dtype=torch.float32) if abi_mlu else p_m
+    p_valid = torch.empty(batch, H_Q.value, s_cap, device=dev, dtype=torch.uint8)
+    if out is None:
+        out = torch.empty(batch, H_Q.value, D_V.value, device=dev, dtype=q.dtype)
+    if lse is None:
+        lse = torch.empty(batch, H_Q.value, device=dev, dtype=torch.float32)
+    ts = []
+    for name in TENSORS:
+        t = tensors[name]
+        ts.append(t)
+        for i in range(t.dim()):
+            ts += [t.stride(i), t.shape[i]]
+    ks, vs = plan["k_strides"], plan["v_strides"]
+    _decode_split[(s_cap, batch * H_KV.value)](
+        q, k_cache, v_cache, p_o, p_m, p_l, p_valid, *q.stride(), *ks, *vs,
+        plan["kv_lens"], plan["base"], plan["table"], plan["table_stride"], plan["entry_ptr"], plan["blocks"],
+        plan["partial"], *ts, s_cap, LOG2E.value if HAS_SCORE else SCALE.value * LOG2E.value,
+        CACHE=plan["cache"], PAGE_SIZE=plan["page_size"], ABI_MLU=abi_mlu, HAS_SCORE=HAS_SCORE,
+        BLOCK_N=plan["block_n"], G_PAD=max(16, triton.next_power_of_2(GROUP.value)), D_QK_PAD=D_QK_PAD,
+        D_V_PAD=D_V_PAD, num_warps=num_warps, num_stages=num_stages)
+    _combine[(batch * H_Q.value,)](
+        p_o, p_m, p_l, p_valid, out, lse, *out.stride(), s_cap, ABI_MLU=abi_mlu,
+        SPLITS_PAD=max(2, triton.next_power_of_2(s_cap)), D_V_PAD=D_V_PAD, num_warps=4)
+    return out, lse
+
