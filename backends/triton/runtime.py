@@ -58,7 +58,8 @@ class Kernel:
         return cache[key]
 
     def __call__(self, q, k, v, *, plan: Plan | None = None, return_lse=False, block_m=None, block_n=None,
-                 num_warps: int = 4, num_stages: int = 2, **tensors):
+                 num_warps: int = 4, num_stages: int = 2, use_tma: bool = False, use_runs: bool | None = None,
+                 **tensors):
         import torch
         from_numpy = isinstance(q, np.ndarray)
         device = self.device
@@ -95,7 +96,8 @@ class Kernel:
             out = torch.empty(batch, s_q, self.program.heads_q, self.program.d_v, device=q.device,
                               dtype=q.dtype).transpose(1, 2)
         o, lse = self.module.attention(q, k, v, self.device_plan(plan, q.device), out=out,
-                                       num_warps=num_warps, num_stages=num_stages, **tensors)
+                                       num_warps=num_warps, num_stages=num_stages, use_tma=use_tma,
+                                       use_runs=use_runs, **tensors)
         if bshd:
             o = o.transpose(1, 2)
         if emulate_bf16:

@@ -1,0 +1,137 @@
+"""The Triton split-K/V decode kernel (CPU interpreter unless ATTNC_TEST_GPU=1): every cache
+layout × state ABI × MHA/GQA against the float64 oracle, with NaN in every cache row no
+request owns (the tails are never read), lengths that are not multiples of the page size,
+and masks that skip K/V blocks in decode."""
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch", reason="the Triton backend's tests need torch (pip install -e '.[test]')")
+pytest.importorskip("triton", reason="the Triton backend's tests need triton (pip install -e '.[test]')")
+
+from backends.numpy import oracle  # noqa: E402
+from backends.triton import runtime  # noqa: E402
+from compiler import inputs, ir, numerics  # noqa: E402
+from compiler.errors import PlanError  # noqa: E402
+from compiler.lower import compile_spec  # noqa: E402
+
+LENS = np.array([53, 16, 1, 37])
+PAGE = 8
+
+
+def _spec(mask, cache, heads="8 / 2", state="lse_o", decl=""):
+    return compile_spec(f"attention d {{ heads = {heads} head_dim = 16 dtype = f32 {decl} mask = {mask} "
+                        f"cache = {cache} state = {state} }}")
+
+
+def _logical(program, seed=0):
+    cont = replace(program, cache=ir.Cache())  # logical bhsd arrays for the reference
+    return cont, inputs.sample(cont, len(LENS), 1, int(LENS.max()), seed=seed)
+
+
+def _paged(x, rng, order):
+    """x [B, H, T, d] -> (cache [pages, P, H, d] or hnd, block table, csr arrays); unused rows are NaN."""
+    b_, h_, _, d_ = x.shape
+    npages = [-(-int(n) // PAGE) for n in LENS]
+    pool = sum(npages) + 2
+    ids = rng.permutation(pool)
+    cache = np.full((pool, PAGE, h_, d_), np.nan, np.float32)
+    table = np.full((b_, max(npages) + 1), 0, np.int32)
+    c = 0
+    for b in range(b_):
+        for j in range(npages[b]):
+            table[b, j] = ids[c]
+            n = min(PAGE, LENS[b] - j * PAGE)
+            cache[ids[c], :n] = x[b, :, j * PAGE:j * PAGE + n].transpose(1, 0, 2)
+            c += 1
+    if order == "hnd":
+        cache = np.ascontiguousarray(cache.transpose(0, 2, 1, 3))
+    csr = {"kv_indptr": np.r_[0, np.cumsum(npages)],
+           "kv_indices": np.concatenate([table[b, :npages[b]] for b in range(b_)]),
+           "kv_last_page_len": np.array([n - (p - 1) * PAGE for n, p in zip(LENS, npages)])}
+    return cache, table, csr
+
+
+def _check(program, cont, arrays, o, lse):
+    tens = {t.name: arrays[t.name] for t in program.tensors}
+    for b, n in enumerate(LENS):
+        call = inputs.validate(cont, {"q": arrays["q"][b:b + 1], "k": arrays["k"][b:b + 1, :, :n],
+                                      "v": arrays["v"][b:b + 1, :, :n],
+                                      **{k: v[b:b + 1, :n] for k, v in tens.items()}})
+        ref_o, ref_lse = oracle.reference(cont, call.q, call.k, call.v, call.tensors)
+        co, cl = numerics.compare_outputs(program.dtype, o[b:b + 1, :, None], lse[b:b + 1, :, None], ref_o, ref_lse)
+        assert co.ok and cl.ok, (b, str(co), str(cl))
+
+
+@pytest.mark.parametrize("heads", ["8 / 2", "4"])
+@pytest.mark.parametrize("state", ["lse_o", "mlu"])
+@pytest.mark.parametrize("table, order", [("dense", "nhd"), ("dense", "hnd"), ("csr", "nhd"), ("csr", "hnd")])
+def test_paged_decode_matches_oracle(table, order, state, heads):
+    program = _spec("causal", f"paged(page_size = {PAGE}, layout = {order}, table = {table})", heads, state)
+    cont, arrays = _logical(program)
+    rng = np.random.default_rng(1)
+    k_cache, block_table, csr = _paged(arrays["k"], rng, order)
+    v_cache, _, _ = _paged(arrays["v"], np.random.default_rng(1), order)
+    meta = {"block_table": block_table, "kv_lens": LENS} if table == "dense" else csr
+    kernel = runtime.load(program)
+    o, lse = kernel.decode(arrays["q"][:, :, 0], k_cache=k_cache, v_cache=v_cache, return_lse=True,
+                           block_n=8, splits=3, **meta)
+    assert np.isfinite(o).all()
+    _check(program, cont, arrays, o, lse)
+
+
+@pytest.mark.parametrize("cache", ["contiguous(layout = bhsd)", "contiguous(layout = bshd)", "ragged"])
+def test_contiguous_and_ragged_decode(cache):
+    program = _spec("causal & window(20)", cache)
+    cont, arrays = _logical(program, seed=2)
+    kernel = runtime.load(program)
+    if cache == "ragged":
+        k = np.concatenate([arrays["k"][b, :, :n].transpose(1, 0, 2) for b, n in enumerate(LENS)])
+        v = np.concatenate([arrays["v"][b, :, :n].transpose(1, 0, 2) for b, n in enumerate(LENS)])
+        meta = {"k": k, "v": v, "kv_indptr": np.r_[0, np.cumsum(LENS)]}
+    else:
+        k, v = arrays["k"].copy(), arrays["v"].copy()
+        for b, n in enumerate(LENS):  # past each request's length: NaN
+            k[b, :, n:] = np.nan
+            v[b, :, n:] = np.nan
+        if "bshd" in cache:
+            k, v = (np.ascontiguousarray(x.transpose(0, 2, 1, 3)) for x in (k, v))
+        meta = {"k": k, "v": v, "kv_lens": LENS}
+    plan = kernel.decode_plan(meta, block_n=8, splits=2)
+    assert plan["skipped_blocks"] > 0  # the window skips whole K/V blocks in decode
+    o, lse = kernel.decode(arrays["q"][:, :, 0], plan=plan, return_lse=True, **meta)
+    assert np.isfinite(o).all()
+    _check(program, cont, arrays, o, lse)
+
+
+def test_document_mask_decode_and_empty_splits():
+    program = _spec("causal & doc[b, q] == doc[b, k]", f"paged(page_size = {PAGE})", state="mlu",
+                    decl="tensor doc: i32[b, s] ~ segments(4, 20)")
+    cont, arrays = _logical(program, seed=4)
+    k_cache, block_table, _ = _paged(arrays["k"], np.random.default_rng(3), "nhd")
+    v_cache, _, _ = _paged(arrays["v"], np.random.default_rng(3), "nhd")
+    kernel = runtime.load(program)
+    o, lse = kernel.decode(arrays["q"][:, :, 0], k_cache=k_cache, v_cache=v_cache, block_table=block_table,
+                           kv_lens=LENS, doc=arrays["doc"], return_lse=True, block_n=8, splits=7)
+    _check(program, cont, arrays, o, lse)
+
+
+def test_bad_page_ids_are_plan_errors():
+    program = _spec("causal", f"paged(page_size = {PAGE})")
+    _, arrays = _logical(program)
+    k_cache, block_table, _ = _paged(arrays["k"], np.random.default_rng(0), "nhd")
+    block_table[0, 1] = 999
+    kernel = runtime.load(program)
+    with pytest.raises(PlanError, match="999"):
+        kernel.decode(arrays["q"][:, :, 0], k_cache=k_cache, v_cache=k_cache, block_table=block_table, kv_lens=LENS)
+
+
+@pytest.mark.parametrize("use_runs", [True, False])
+def test_prefill_full_blocks_as_runs_or_block_by_block(use_runs):
+    program = compile_spec("attention c { heads = 4 / 2 head_dim = 16 dtype = f32 mask = causal & window(40) }")
+    kernel = runtime.load(program)
+    arrays = inputs.sample(program, 1, 64, 64, seed=9)
+    o, lse = kernel(arrays["q"], arrays["k"], arrays["v"], return_lse=True, block_m=8, block_n=8, use_runs=use_runs)
+    ref_o, ref_lse = oracle.reference(program, arrays["q"], arrays["k"], arrays["v"])
+    assert all(c.ok for c in numerics.compare_outputs("f32", o, lse, ref_o, ref_lse))
