@@ -132,25 +132,20 @@ class Kernel:
         blocks = decode_blocks(p, kv_lens, {n: t.astype(np.int64) if t.dtype.kind in "iu" else t
                                             for n, t in tensors.items()}, block_n, splits)
         k_key = "k_cache" if lay.kind == "paged" else "k"
-        ks, vs = _strides(arrays[k_key]), _strides(arrays["v_cache" if lay.kind == "paged" else "v"])
+        v_key = "v_cache" if lay.kind == "paged" else "v"
+        k_str, v_str = cache_strides(lay.kind, lay.order, arrays[k_key], arrays[v_key])
         if lay.kind == "paged":
-            order = {"nhd": (0, 1, 2, 3), "hnd": (0, 2, 1, 3)}[lay.order]  # -> (page, token, head, dim)
-            k_str, v_str = tuple(ks[i] for i in order), tuple(vs[i] for i in order)
             if lay.table == "csr":
                 cache, table, base, tstride = 2, lay.kv_indices, lay.kv_indptr[:-1], 0
             else:
                 cache, table, base, tstride = 1, lay.block_table, np.zeros(batch), lay.block_table.shape[1]
             page_size = lay.page_size
         else:
-            if lay.kind == "ragged":  # [total, H_kv, d]
-                k_str, v_str = (0, ks[0], ks[1], ks[2]), (0, vs[0], vs[1], vs[2])
+            if lay.kind == "ragged":
                 base = lay.indptr[:-1]
-            else:
-                t_ax, h_ax = (2, 1) if lay.order == "bhsd" else (1, 2)
-                k_str = (0, ks[t_ax], ks[h_ax], ks[3])
-                v_str = (0, vs[t_ax], vs[h_ax], vs[3])
-                if ks[0] % ks[t_ax] or vs[0] % vs[t_ax] or ks[0] // ks[t_ax] != vs[0] // vs[t_ax]:
-                    raise PlanError("contiguous K/V must share their batch/token stride ratio")
+            else:  # request b starts b * (batch stride / token stride) token rows in
+                ks = _strides(arrays[k_key])
+                t_ax = 2 if lay.order == "bhsd" else 1
                 base = np.arange(batch) * (ks[0] // ks[t_ax])
             cache, table, tstride, page_size = 0, np.zeros(1), 0, 1
         return {"cache": cache, "page_size": int(page_size), "k_strides": k_str, "v_strides": v_str,
@@ -189,6 +184,14 @@ class Kernel:
               for n, a in arrays.items() if n in ("k", "v", "k_cache", "v_cache")}
         k_cache = kv.get("k_cache", kv.get("k"))
         v_cache = kv.get("v_cache", kv.get("v"))
+        # strides of the tensors the kernel actually reads (numpy inputs were made contiguous)
+        kind = p.cache.kind.value
+        plan = dict(plan)
+        plan["k_strides"], plan["v_strides"] = cache_strides(kind, p.cache.layout.value, k_cache, v_cache)
+        if kind == "contiguous":
+            st = _strides(k_cache)
+            t_ax = 2 if p.cache.layout.value == "bhsd" else 1
+            plan["base"] = np.arange(len(plan["kv_lens"])) * (st[0] // st[t_ax])
         q_t = dev_tensor(np.asarray(q, np.float32), dtype).to(carry) if from_numpy else q
         args = {n: dev_tensor(plan[n], torch.int32) for n in ("kv_lens", "entry_ptr", "blocks", "table")}
         args["base"] = dev_tensor(plan["base"], torch.int64)
@@ -203,6 +206,25 @@ class Kernel:
         if from_numpy:
             o, lse = o.float().cpu().numpy(), lse.cpu().numpy()
         return (o, lse) if return_lse else o
+
+
+def cache_strides(kind: str, order: str, k, v) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """K and V element strides in the decode kernel's (page, token, head, dim) order."""
+    out = []
+    for a in (k, v):
+        st = _strides(a)
+        if kind == "paged":
+            out.append(tuple(st[i] for i in {"nhd": (0, 1, 2, 3), "hnd": (0, 2, 1, 3)}[order]))
+        elif kind == "ragged":  # [total, H_kv, d]
+            out.append((0, st[0], st[1], st[2]))
+        else:
+            t_ax, h_ax = (2, 1) if order == "bhsd" else (1, 2)
+            if st[0] % st[t_ax]:
+                raise PlanError("contiguous K/V: the batch stride must be a multiple of the token stride")
+            out.append((0, st[t_ax], st[h_ax], st[3]))
+    if kind == "contiguous" and _strides(k)[0] * out[1][1] != _strides(v)[0] * out[0][1]:
+        raise PlanError("contiguous K and V must have the same batch/token stride ratio")
+    return out[0], out[1]
 
 
 def _to_numpy(a):
