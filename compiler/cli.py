@@ -65,11 +65,18 @@ def cmd_run(args) -> int:
     program = compile_file(args.spec)
     if args.inputs:
         arrays = _load_npz(args.inputs)
+    elif program.cache.kind.value != "contiguous":  # a sampled paged/ragged cache (shuffled pages)
+        arrays = inputs.sample_cache(program, [args.kv_len] * args.batch,
+                                     [args.q_len or args.kv_len] * args.batch, args.seed)
     else:
         s_k = args.kv_len
         arrays = inputs.sample(program, args.batch, args.q_len or s_k, s_k, args.seed)
+    if inputs.is_split_call(program, arrays):
+        return _run_split(args, program, arrays)
     call = inputs.validate(program, arrays)
-    kernel = backend(args.backend).load(program)
+    if (args.sp or args.report) and args.backend != "ahbm":
+        raise InputError("--sp and --report run on the AHBM mesh simulator: add --backend ahbm")
+    kernel = backend(args.backend).load(program, **({"sp": args.sp} if args.sp else {}))
     t0 = time.perf_counter()
     o, lse = kernel(arrays["q"], arrays["k"], arrays["v"], return_lse=True,
                     **{t.name: arrays[t.name] for t in program.tensors})
@@ -79,6 +86,8 @@ def cmd_run(args) -> int:
     print(f"{program.name} on {args.backend}: B={call.batch} S_q={call.s_q} S_k={call.s_k} "
           f"o {list(o.shape)} {o.dtype}, lse {list(lse.shape)} in {elapsed * 1e3:.1f} ms"
           + (f" -> {args.out}" if args.out else ""))
+    if args.report:  # the simulated latency per engine and the op-log counters
+        sys.stdout.write(kernel.report())
     if args.check:
         ref_o, ref_lse = backend("numpy").oracle.reference(program, call.q, call.k, call.v, call.tensors)
         results = numerics.compare_outputs(program.dtype, inputs.output_bhsd(program, o), lse,
@@ -86,6 +95,71 @@ def cmd_run(args) -> int:
         for r in results:
             print(f"  vs float64 oracle: {r}")
         return 0 if all(r.ok for r in results) else 1
+    return 0
+
+
+def _run_split(args, program, arrays) -> int:
+    """`attnc run` over a paged/ragged cache or with per-request lengths (DESIGN §5 keys):
+    packed q, o [total_q, H_q, d_v], lse [total_q, H_q]."""
+    call = inputs.validate_cache(program, arrays)
+    kernel = backend(args.backend).load(program)
+    if not hasattr(kernel, "run"):
+        raise InputError(f"the {args.backend} backend does not run {inputs.cache_description(program)} "
+                         "calls yet; use --backend numpy")
+    t0 = time.perf_counter()
+    o, lse = kernel.run(arrays, return_lse=True)
+    elapsed = time.perf_counter() - t0
+    if args.out:
+        np.savez(args.out, o=o, lse=lse)
+    lens = call.kv_lens.tolist()
+    print(f"{program.name} on {args.backend}: B={call.batch} over a {inputs.cache_description(program)}, "
+          f"kv_lens {lens}, q_lens {call.q_lens.tolist()}: o {list(o.shape)} {o.dtype}, "
+          f"lse {list(lse.shape)} in {elapsed * 1e3:.1f} ms" + (f" -> {args.out}" if args.out else ""))
+    if args.check:
+        ref_o, ref_lse = backend("numpy").oracle.reference_cache(program, call)
+        results = numerics.compare_outputs(program.dtype, o, lse, ref_o, ref_lse)
+        for r in results:
+            print(f"  vs float64 oracle: {r}")
+        return 0 if all(r.ok for r in results) else 1
+    return 0
+
+
+def _lengths_arg(text: str) -> list[int]:
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not out or any(x < 0 for x in out):
+        raise argparse.ArgumentTypeError(f"expected non-negative lengths, got {text!r}")
+    return out
+
+
+def cmd_plan(args) -> int:
+    from .analysis import schedule
+    from .plan import logical_layout, plan_split
+    program = compile_file(args.spec)
+    kv = args.kv_lens
+    q = args.q_lens if args.q_lens is not None else [1 if t > 0 else 0 for t in kv]
+    if len(q) != len(kv):
+        raise InputError(f"--q-lens has {len(q)} entries, --kv-lens {len(kv)}")
+    plan = plan_split(program, logical_layout(program, kv), np.asarray(q, np.int64), num_sms=args.sms,
+                      block_rows=None)
+    if args.graph:
+        dot = Path(args.graph)
+        try:
+            dot.write_text(schedule.to_dot(plan.graph, program.name))
+            dot.with_suffix(".json").write_text(schedule.to_json(plan.graph, indent=1) + "\n")
+        except OSError as e:
+            raise InputError(f"cannot write {dot}: {e}") from None
+    if args.json:
+        report = plan.report()
+        if args.graph:
+            report["graph"] = {"dot": str(dot), "json": str(dot.with_suffix(".json"))}
+        print(json.dumps(report))
+    else:
+        sys.stdout.write(plan.text())
+        if args.graph:
+            print(f"schedule graph -> {dot}, {dot.with_suffix('.json')}")
     return 0
 
 
@@ -164,9 +238,88 @@ def _block(text: str) -> tuple[int, int]:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def cmd_bench(args) -> int:
+    try:
+        import torch
+    except ImportError:
+        raise AttncError("attnc bench needs torch and triton on a CUDA machine (pip install 'attnc[gpu]')") from None
+    if not torch.cuda.is_available():
+        raise AttncError("attnc bench measures GPU kernels; no CUDA device is visible")
+    bench = backend("triton").bench
+    if args.what == "decode":
+        bench.run_decode(out=args.out)
+        return 0
+    configs = None
+    if args.configs:
+        configs = [(*(int(x) for x in c.rstrip("t").split("x")), c.endswith("t")) for c in args.configs.split(",")]
+    bench.run_prefill(masks=args.masks.split(",") if args.masks else None, configs=configs, out=args.out,
+                      flex_modes=tuple(args.flex_modes.split(",")))
+    return 0
+
+
 def cmd_demo(args) -> int:
     from .demo import run_demo
     return run_demo(args.spec, args.backend, length=args.length, batch=args.batch, seed=args.seed)
+
+
+def _load_call(path: str) -> dict:
+    try:
+        call = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise InputError(f"cannot read call file {path}: {e}") from None
+    if not isinstance(call, dict):
+        raise InputError(f"call file {path}: expected one JSON object of call fields")
+    return call
+
+
+def cmd_dispatch(args) -> int:
+    from .dispatch import CALL_ALIASES, DispatchKey, select
+    program = compile_file(args.spec)
+    call = _load_call(args.call)
+    if args.force:  # the command line's request replaces the file's, whatever its spelling
+        call = {n: v for n, v in call.items() if CALL_ALIASES.get(n, n) != "backend_request"}
+        call["backend_request"] = args.force
+    sel = select(DispatchKey.from_call(program, call))
+    sys.stdout.write(json.dumps(sel.to_json()) + "\n" if args.json else sel.text())
+    return 0 if sel.selected else 1
+
+
+def cmd_tune(args) -> int:
+    from . import evidence, tune
+    program = compile_file(args.spec)
+    shapes = tune.parse_shapes(args.shapes)
+    if args.evidence and args.repeats < evidence.MIN_SAMPLES:
+        raise InputError(f"--evidence rows need at least {evidence.MIN_SAMPLES} raw samples; "
+                         f"--repeats is {args.repeats}")
+    cache = tune.TuneCache(args.cache)
+    results = tune.tune(program, shapes, args.backend, cache=cache, warmup=args.warmup, repeats=args.repeats,
+                        seed=args.seed, retune=args.retune)
+    if args.evidence:
+        rows = [r for res in results for r in res.rows]
+        for r in rows:
+            evidence.check_row(r)
+        with open(args.evidence, "a") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+    if args.json:
+        print(json.dumps({"spec": program.name, "backend": args.backend, "cache": str(cache.path),
+                          "results": [{"shape": str(r.shape), "digest": r.key.digest, "cached": r.cached,
+                                       "config": r.config, "median_ms": r.entry["median_ms"],
+                                       "untuned": r.entry["untuned"],
+                                       "speedup_vs_untuned": r.entry["speedup_vs_untuned"]} for r in results]}))
+        return 0
+    print(f"{program.name} on {args.backend}: tuning cache {cache.path}")
+    print(f"  {'B:S_q:S_k':14} {'key':12}  {'median ms':>10} {'untuned ms':>10} {'speedup':>7}  winner")
+    for r in results:
+        e = r.entry
+        base = e["untuned"].get("median_ms")
+        sp = f"{e['speedup_vs_untuned']:.2f}x" if e.get("speedup_vs_untuned") else "-"
+        cfg = " ".join(f"{k}={v}" for k, v in e["config"].items())
+        print(f"  {str(r.shape):14} {r.key.digest[:12]}  {e['median_ms']:10.4g} "
+              f"{base if base is None else format(base, '10.4g'):>10} {sp:>7}  {cfg}"
+              + ("  (cached)" if r.cached else ""))
+    if args.evidence:
+        print(f"evidence rows -> {args.evidence}")
+    return 0
 
 
 # ---------------------------------------------------------------- parser
@@ -202,6 +355,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--q-len", type=int, default=None, help="sampled inputs: S_q (default S_k)")
     p.add_argument("--kv-len", type=int, default=128, help="sampled inputs: S_k")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sp", type=int, default=None, metavar="N",
+                   help="ahbm: N PEs per (request, K/V head): decode round-robin + tree, prefill ring")
+    p.add_argument("--report", action="store_true",
+                   help="ahbm: print the simulated latency per engine and PE, and the op-log counters")
     p.set_defaults(fn=cmd_run)
 
     p = sub.add_parser("explain", help="FlashMask intervals, representability, tile classes and "
@@ -228,6 +385,63 @@ def build_parser() -> argparse.ArgumentParser:
                                                      "(paddle: or .npy) instead of listing them")
     p.add_argument("--png", metavar="FILE", help="tile-class map of (b=0, h=0) as a PNG (needs attnc[plot])")
     p.set_defaults(fn=cmd_explain)
+
+    p = sub.add_parser("plan", help="split bounds, launch grids, workspace bytes and ledgers of a "
+                                    "split call; the schedule graph",
+                       description="Plan a split-K/V call of B requests (bottom-right positions): the "
+                                   "spec's split policy and state ABI, its heads, head_dim, dtype and "
+                                   "cache (pages are allocated in request order).")
+    p.add_argument("spec")
+    p.add_argument("--kv-lens", type=_lengths_arg, required=True, metavar="T0,T1,...",
+                   help="visible K/V length of each request (its query rows included)")
+    p.add_argument("--q-lens", type=_lengths_arg, default=None, metavar="C0,C1,...",
+                   help="query rows of each request (default 1 per non-empty request: decode)")
+    p.add_argument("--sms", type=int, default=132, help="SMs the heuristic/auto split plans for (default 132)")
+    p.add_argument("--json", action="store_true", help="one JSON object (DESIGN §7 field names)")
+    p.add_argument("--graph", metavar="FILE.dot", help="write the schedule graph as DOT, and as JSON beside it")
+    p.set_defaults(fn=cmd_plan)
+
+    p = sub.add_parser("dispatch", help="the dispatch key of a call, every backend's admission "
+                                        "and the selection (or every reason there is none)",
+                       description="Freeze the dispatch key of the call in CALL.json (B, S_q, S_k per "
+                                   "request, device, phase, graph_mode, ...: M4.5 §0x07A names or the "
+                                   "seed's teaching names) against the spec, check its semantics, and "
+                                   "apply the policy: auto takes the first eligible backend by priority, "
+                                   "--force fails closed.  Exit 1 when no backend is selected.")
+    p.add_argument("spec")
+    p.add_argument("--call", required=True, metavar="CALL.json", help="one JSON object of call fields")
+    p.add_argument("--force", metavar="BACKEND", help="forced policy: this backend or an error with every reason")
+    p.add_argument("--json", action="store_true", help="one JSON object: key, digest, candidates, selection")
+    p.set_defaults(fn=cmd_dispatch)
+
+    p = sub.add_parser("tune", help="search a backend's launch configs per dispatch key; store the "
+                                    "winners with raw samples in the tuning cache",
+                       description="For each B:S_q:S_k shape, check every candidate config against the "
+                                   "float64 oracle before timing it, time the passing ones (synchronized "
+                                   "raw samples) and store the winner in the JSON cache keyed by the "
+                                   "dispatch key's digest.  Progress goes to stderr.")
+    p.add_argument("spec")
+    p.add_argument("--shapes", required=True, metavar="B:S_q:S_k,...", help="call shapes to tune")
+    p.add_argument("--backend", default="triton", help="backend whose space is searched (default triton)")
+    p.add_argument("--cache", metavar="FILE", default=None,
+                   help="tuning cache (default $ATTNC_TUNE_CACHE or ~/.cache/attnc/tune.json)")
+    p.add_argument("--warmup", type=int, default=5, help="untimed calls before the samples (default 5)")
+    p.add_argument("--repeats", type=int, default=20, help="raw samples per candidate (default 20)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the sampled inputs")
+    p.add_argument("--retune", action="store_true", help="tune keys the cache already has again")
+    p.add_argument("--evidence", metavar="FILE.jsonl", help="append one validated evidence row per candidate")
+    p.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    p.set_defaults(fn=cmd_tune)
+
+    p = sub.add_parser("bench", help="GPU: our Triton kernels against FlexAttention and SDPA in one "
+                                     "process; JSON lines with correctness and raw samples")
+    p.add_argument("what", choices=["prefill", "decode"])
+    p.add_argument("--out", required=True, metavar="FILE.jsonl")
+    p.add_argument("--masks", default=None, help="prefill: comma-separated subset of "
+                                                 "causal,sliding_window_1024,causal_document,prefix_lm_2048,full")
+    p.add_argument("--configs", default=None, help="prefill: BMxBNxWxS[t],... (t: TMA loads)")
+    p.add_argument("--flex-modes", default="default,max-autotune-no-cudagraphs")
+    p.set_defaults(fn=cmd_bench)
 
     p = sub.add_parser("demo", help="compile and run examples for prefill, append and decode "
                                     "against the float64 oracle")

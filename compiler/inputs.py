@@ -129,7 +129,11 @@ def check_shapes(program: ir.Program, metas: dict[str, tuple[tuple[int, ...], st
                          "S_q <= S_k (query rows are the last S_q positions)")
     if s_q == 0 or s_k == 0 or batch == 0:
         raise InputError(f"inputs: empty call (B = {batch}, S_q = {s_q}, S_k = {s_k})")
-    sizes = {"b": batch, "h": program.heads_q, "s": s_k}
+    _check_tensors(program, metas, {"b": batch, "h": program.heads_q, "s": s_k})
+    return batch, s_q, s_k
+
+
+def _check_tensors(program: ir.Program, metas, sizes: dict[str, int]) -> None:
     for t in program.tensors:
         shape, kind, dtype_name = metas[t.name]
         want_shape = tuple(sizes[x] if isinstance(x, str) else x for x in t.axes)
@@ -139,7 +143,20 @@ def check_shapes(program: ir.Program, metas: dict[str, tuple[tuple[int, ...], st
             decl = _fmt([f"{x}={sizes[x]}" if isinstance(x, str) else x for x in t.axes])
             raise InputError(f"inputs: tensor '{t.name}' has shape {_fmt(shape)}; expected {decl} "
                              f"(declared {t.signature()})")
-    return batch, s_q, s_k
+
+
+def _convert_tensors(program: ir.Program, arrays) -> dict[str, np.ndarray]:
+    tensors = {}
+    for t in program.tensors:
+        a = arrays[t.name]
+        if t.dtype is ir.I32:
+            if a.size and (a.min() < -2**31 or a.max() >= 2**31):
+                raise InputError(f"inputs: tensor '{t.name}' has values outside the i32 range")
+            a = a.astype(np.int64)
+        elif t.dtype is ir.F32:
+            a = a.astype(np.float32)
+        tensors[t.name] = a
+    return tensors
 
 
 def validate(program: ir.Program, arrays: dict[str, np.ndarray]) -> Call:
@@ -151,17 +168,251 @@ def validate(program: ir.Program, arrays: dict[str, np.ndarray]) -> Call:
     check_shapes(program, {n: (a.shape, a.dtype.kind, str(a.dtype)) for n, a in arrays.items()})
     qkv = {n: arrays[n] if _layout(program) == "bhsd" else arrays[n].transpose(0, 2, 1, 3)
            for n in ("q", "k", "v")}
-    tensors = {}
-    for t in program.tensors:
-        a = arrays[t.name]
-        if t.dtype is ir.I32:
-            if a.size and (a.min() < -2**31 or a.max() >= 2**31):
-                raise InputError(f"inputs: tensor '{t.name}' has values outside the i32 range")
-            a = a.astype(np.int64)
-        elif t.dtype is ir.F32:
-            a = a.astype(np.float32)
-        tensors[t.name] = a
-    return Call(*(qkv[n].astype(np.float32) for n in ("q", "k", "v")), tensors)
+    return Call(*(qkv[n].astype(np.float32) for n in ("q", "k", "v")), _convert_tensors(program, arrays))
+
+
+# ---------------------------------------------------------------- K/V caches (split calls)
+# DESIGN §5: the keys of a call over a ragged or paged cache, or over a contiguous cache with
+# per-request lengths.  The query is packed, ``q [total_q, H_q, d_qk]``: request b owns rows
+# qo_indptr[b]:qo_indptr[b+1] (from ``q_lens`` or ``qo_indptr``; one row each by default).
+SPLIT_KEYS = ("kv_lens", "cache_batch_idx", "q_lens", "qo_indptr")
+ROW_KEYS = ("q_lens", "qo_indptr")
+
+
+def cache_keys(program: ir.Program) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(required, optional) input keys of a split call of ``program``, besides its tensors."""
+    c = program.cache
+    if c.kind is ir.CacheKind.CONTIGUOUS:
+        return ("q", "k", "v"), ("kv_lens", "cache_batch_idx", *ROW_KEYS)
+    if c.kind is ir.CacheKind.RAGGED:
+        return ("q", "k", "v", "kv_indptr"), ROW_KEYS
+    if (c.table or "dense") == "csr":
+        return ("q", "k_cache", "v_cache", "kv_indptr", "kv_indices", "kv_last_page_len"), ROW_KEYS
+    return ("q", "k_cache", "v_cache", "block_table", "kv_lens"), ("cache_batch_idx", *ROW_KEYS)
+
+
+def is_split_call(program: ir.Program, keys) -> bool:
+    """Whether a call with these input keys runs as a split call: always over a ragged or paged
+    cache; over a contiguous one when it names per-request lengths or packed query rows."""
+    return program.cache.kind is not ir.CacheKind.CONTIGUOUS or any(k in keys for k in SPLIT_KEYS)
+
+
+def cache_description(program: ir.Program) -> str:
+    c = program.cache
+    if c.kind is ir.CacheKind.PAGED:
+        return f"paged {c.layout.value} cache (page_size {c.page_size}, {c.table or 'dense'} table)"
+    if c.kind is ir.CacheKind.RAGGED:
+        return "ragged cache"
+    return f"contiguous {c.layout.value} cache"
+
+
+def storage_shapes(program: ir.Program) -> dict[str, list]:
+    """The K/V storage shapes of the spec's cache (symbolic where the call decides)."""
+    p, c = program, program.cache
+    hk, dk, dv = f"H_kv={p.heads_kv}", f"d_qk={p.d_qk}", f"d_v={p.d_v}"
+    if c.kind is ir.CacheKind.CONTIGUOUS:
+        lead = (["B_c", "T_c", hk] if c.layout is ir.Layout.BSHD else ["B_c", hk, "T_c"])
+        return {"k": lead + [dk], "v": lead + [dv]}
+    if c.kind is ir.CacheKind.RAGGED:
+        return {"k": ["total", hk, dk], "v": ["total", hk, dv]}
+    page = f"page_size={c.page_size}"
+    lead = ["pages", page, hk] if c.layout is ir.Layout.NHD else ["pages", hk, page]
+    return {"k_cache": lead + [dk], "v_cache": lead + [dv]}
+
+
+@dataclass(frozen=True)
+class CacheCall:
+    """A validated split call: the K/V layout (metadata checked by
+    compiler.analysis.layout), the packed query, the storage tensors and the per-request
+    query rows.  Arrays are float32 containers holding storage-dtype values."""
+
+    layout: object               # compiler.analysis.layout.KVLayout
+    q: np.ndarray                # [total_q, H_q, d_qk]
+    k: np.ndarray                # K storage, the layout's tensor_shape('k')
+    v: np.ndarray                # V storage
+    q_lens: np.ndarray           # int64 [B]
+    qo_indptr: np.ndarray        # int64 [B + 1]
+    tensors: dict[str, np.ndarray]
+
+    @property
+    def batch(self) -> int:
+        return int(self.q_lens.size)
+
+    @property
+    def kv_lens(self) -> np.ndarray:
+        return self.layout.kv_lens
+
+    @property
+    def s_k(self) -> int:
+        """The size of a declared tensor's ``s`` axis: the longest request's K/V length."""
+        return int(self.kv_lens.max(initial=0))
+
+    def storage(self) -> dict[str, np.ndarray]:
+        keys = self.layout.array_keys
+        return {keys[0]: self.k, keys[1]: self.v}
+
+    def kv(self, b: int) -> tuple[np.ndarray, np.ndarray]:
+        """Request b's logical K [T_b, H_kv, d_qk] and V [T_b, H_kv, d_v] (visible rows only)."""
+        from .analysis.layout import gather_kv
+        return gather_kv(self.layout, self.storage(), b)
+
+    def q_rows(self, b: int) -> np.ndarray:
+        """Request b's query rows [C_b, H_q, d_qk], at positions kv_lens[b] - C_b + i."""
+        return self.q[self.qo_indptr[b]:self.qo_indptr[b + 1]]
+
+
+def _query_rows(arrays, batch: int, total_q: int) -> tuple[np.ndarray, np.ndarray]:
+    """(q_lens, qo_indptr) from the keys that name them, checked against q's packed rows."""
+    from .analysis.layout import _check_indptr, _ints
+    from .errors import PlanError
+    q_lens = qo = None
+    if "q_lens" in arrays:
+        q_lens = _ints("q_lens", arrays["q_lens"], 1)
+        if q_lens.size != batch:
+            raise InputError(f"inputs: 'q_lens' has {q_lens.size} entries; the cache holds B = {batch} requests")
+        neg = np.flatnonzero(q_lens < 0)
+        if len(neg):
+            raise PlanError(f"q_lens[{neg[0]}] = {int(q_lens[neg[0]])} is negative")
+    if "qo_indptr" in arrays:
+        qo = _ints("qo_indptr", arrays["qo_indptr"], 1)
+        if qo.size != batch + 1:
+            raise InputError(f"inputs: 'qo_indptr' has {qo.size} entries; expected B + 1 = {batch + 1}")
+        _check_indptr("qo_indptr", qo, total_q, "the packed query rows (q.shape[0])")
+        if q_lens is not None and not np.array_equal(np.diff(qo), q_lens):
+            b = int(np.flatnonzero(np.diff(qo) != q_lens)[0])
+            raise InputError(f"inputs: q_lens[{b}] = {int(q_lens[b])} disagrees with qo_indptr "
+                             f"(qo_indptr[{b + 1}] - qo_indptr[{b}] = {int(qo[b + 1] - qo[b])})")
+        q_lens = np.diff(qo)
+    if q_lens is None:
+        if total_q != batch:
+            raise InputError(f"inputs: 'q' has {total_q} packed rows for B = {batch} requests; give "
+                             "'q_lens' or 'qo_indptr' when a request has other than one query row")
+        q_lens = np.ones(batch, np.int64)
+    if int(q_lens.sum()) != total_q:
+        raise InputError(f"inputs: 'q' has {total_q} packed rows but q_lens sums to {int(q_lens.sum())}")
+    out = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int64)
+    return q_lens.astype(np.int64), out
+
+
+def validate_cache(program: ir.Program, arrays: dict[str, np.ndarray]) -> CacheCall:
+    """Check a split call's keys, dtypes, shapes and cache metadata (DESIGN §5); every
+    contract break is an InputError or a PlanError naming the key, the index and the value."""
+    from .analysis import layout as lay
+    from .analysis.ledger import dtype_bytes
+    arrays = {n: np.asarray(a) for n, a in arrays.items()}
+    p = program
+    required, optional = cache_keys(p)
+    names = [t.name for t in p.tensors]
+    expected = ", ".join(sorted([*required, *names])) + (f" (optional: {', '.join(optional)})" if optional else "")
+    for n in [*required, *names]:
+        if n not in arrays:
+            raise InputError(f"inputs: missing key '{n}' for a {cache_description(p)} "
+                             f"(expected keys: {expected})")
+    unknown = sorted(set(arrays) - {*required, *optional, *names})
+    if unknown:
+        raise InputError(f"inputs: unknown key '{unknown[0]}' for a {cache_description(p)} "
+                         f"(expected keys: {expected})")
+    kv_keys = [n for n in required if n in ("k", "v", "k_cache", "v_cache")]
+    shapes = storage_shapes(p)
+    for n in ["q", *kv_keys]:
+        a = arrays[n]
+        if a.dtype.kind != "f":
+            raise InputError(f"inputs: '{n}' has dtype {a.dtype}; expected a floating dtype")
+    q = arrays["q"]
+    want_q = ["total_q", f"H_q={p.heads_q}", f"d_qk={p.d_qk}"]
+    if q.ndim != 3 or q.shape[1:] != (p.heads_q, p.d_qk):
+        raise InputError(f"inputs: 'q' has shape {_fmt(q.shape)}; a split call packs its query rows "
+                         f"as {_fmt(want_q)}")
+    for n in kv_keys:
+        a, want = arrays[n], shapes[n]
+        fixed = [(i, int(x.split("=")[1])) for i, x in enumerate(want) if "=" in str(x)]
+        if a.ndim != len(want) or any(a.shape[i] != x for i, x in fixed):
+            raise InputError(f"inputs: '{n}' has shape {_fmt(a.shape)}; expected {_fmt(want)} "
+                             f"for a {cache_description(p)}")
+    layout = lay.from_inputs(p.cache, arrays, heads_q=p.heads_q, heads_kv=p.heads_kv,
+                             elem_bytes=dtype_bytes(p.dtype))
+    k, v = lay.check_arrays(layout, arrays)
+    if layout.batch == 0:
+        raise InputError("inputs: empty call (the cache metadata describes B = 0 requests)")
+    q_lens, qo_indptr = _query_rows(arrays, layout.batch, q.shape[0])
+    short = np.flatnonzero(layout.kv_lens < q_lens)
+    if len(short):
+        b = int(short[0])
+        raise InputError(f"inputs: request {b} has q_lens[{b}] = {int(q_lens[b])} query rows but only "
+                         f"kv_len = {int(layout.kv_lens[b])} keys; a query row is a token whose own key is "
+                         "in the cache, so kv_len >= q_len (a request with no keys has no query rows)")
+    sizes = {"b": layout.batch, "h": p.heads_q, "s": int(layout.kv_lens.max(initial=0))}
+    _check_tensors(p, {t: (arrays[t].shape, arrays[t].dtype.kind, str(arrays[t].dtype)) for t in names}, sizes)
+    return CacheCall(layout, q.astype(np.float32), k.astype(np.float32), v.astype(np.float32),
+                     q_lens, qo_indptr, _convert_tensors(p, arrays))
+
+
+def sample_cache(program: ir.Program, kv_lens, q_lens=None, seed: int = 0, *, spare_pages: int = 3,
+                 cache_rows: int | None = None, poison: bool = True) -> dict[str, np.ndarray]:
+    """Example inputs of a split call over the spec's cache, with DESIGN §5's keys.
+
+    Each request's logical K/V rows ~ N(0, 1) (rounded to the storage dtype) are scattered into
+    the spec's storage: a paged cache gets a pool of ``sum ceil(T_b / P) + spare_pages`` pages
+    handed out in shuffled order (a dense ``block_table`` is ``-1`` past a request's pages);
+    a contiguous cache gets ``cache_rows`` rows (default B) of ``max T_b + 3`` slots, requests
+    in shuffled rows named by ``cache_batch_idx`` when there are spare rows.  With ``poison``,
+    every stored element that is no request's visible row (page tails, unused pages, slots past
+    a length) is NaN: a kernel that reads one cannot hide it.  ``q`` is packed
+    ``[sum q_lens, H_q, d_qk]``; ``q_lens`` defaults to one row per non-empty request."""
+    rng = np.random.default_rng(seed)
+    p, c = program, program.cache
+    kv = np.asarray(kv_lens, np.int64)
+    q_lens = (kv > 0).astype(np.int64) if q_lens is None else np.asarray(q_lens, np.int64)
+    B, fill = kv.size, np.nan if poison else 0.0
+    store = np.float16 if p.dtype == "f16" else np.float32
+    q = to_storage(rng.standard_normal((int(q_lens.sum()), p.heads_q, p.d_qk), np.float32), p.dtype)
+    ks = [to_storage(rng.standard_normal((int(t), p.heads_kv, p.d_qk), np.float32), p.dtype) for t in kv]
+    vs = [to_storage(rng.standard_normal((int(t), p.heads_kv, p.d_v), np.float32), p.dtype) for t in kv]
+    out: dict[str, np.ndarray] = {"q": q}
+    if c.kind is ir.CacheKind.RAGGED:
+        out.update(k=np.concatenate(ks).reshape(-1, p.heads_kv, p.d_qk),
+                   v=np.concatenate(vs).reshape(-1, p.heads_kv, p.d_v),
+                   kv_indptr=np.concatenate([[0], np.cumsum(kv)]).astype(np.int32))
+    elif c.kind is ir.CacheKind.CONTIGUOUS:
+        rows = B if cache_rows is None else cache_rows
+        order = rng.permutation(rows)[:B] if rows > B else np.arange(B)
+        t_c = int(kv.max(initial=0)) + 3
+        k = np.full((rows, t_c, p.heads_kv, p.d_qk), fill, store)
+        v = np.full((rows, t_c, p.heads_kv, p.d_v), fill, store)
+        for b, r in enumerate(order):
+            k[r, :kv[b]], v[r, :kv[b]] = ks[b], vs[b]
+        if c.layout is ir.Layout.BHSD:
+            k, v = (np.ascontiguousarray(x.transpose(0, 2, 1, 3)) for x in (k, v))
+        out.update(k=k, v=v, kv_lens=kv.astype(np.int32))
+        if rows > B:
+            out["cache_batch_idx"] = order.astype(np.int32)
+    else:
+        P = c.page_size
+        n_pages = -(-kv // P)
+        pool = int(n_pages.sum()) + spare_pages
+        ids = rng.permutation(pool)
+        first = np.concatenate([[0], np.cumsum(n_pages)])
+        pages = [ids[first[b]:first[b + 1]] for b in range(B)]
+        k = np.full((pool, P, p.heads_kv, p.d_qk), fill, store)
+        v = np.full((pool, P, p.heads_kv, p.d_v), fill, store)
+        for b in range(B):
+            t = np.arange(kv[b])
+            k[pages[b][t // P], t % P], v[pages[b][t // P], t % P] = ks[b], vs[b]
+        if c.layout is ir.Layout.HND:
+            k, v = (np.ascontiguousarray(x.transpose(0, 2, 1, 3)) for x in (k, v))
+        out.update(k_cache=k, v_cache=v)
+        if (c.table or "dense") == "csr":
+            last = np.where(n_pages > 0, kv - P * (n_pages - 1), 0)
+            out.update(kv_indptr=first.astype(np.int32), kv_indices=ids[:first[-1]].astype(np.int32),
+                       kv_last_page_len=last.astype(np.int32))
+        else:
+            table = np.full((B, int(n_pages.max(initial=0)) + 1), -1, np.int32)
+            for b in range(B):
+                table[b, :n_pages[b]] = pages[b]
+            out.update(block_table=table, kv_lens=kv.astype(np.int32))
+    out["q_lens"] = q_lens.astype(np.int32)
+    out.update(_sample_tensors(p, rng, {"b": B, "h": p.heads_q, "s": int(kv.max(initial=0))}, out))
+    return out
 
 
 # ---------------------------------------------------------------- samples
@@ -200,7 +451,14 @@ def sample(program: ir.Program, batch: int, s_q: int, s_k: int, seed: int = 0) -
     arrays = {n: to_storage(a, p.dtype) for n, a in arrays.items()}
     if _layout(p) == "bshd":
         arrays = {n: np.ascontiguousarray(a.transpose(0, 2, 1, 3)) for n, a in arrays.items()}
-    sizes = {"b": batch, "h": p.heads_q, "s": s_k}
+    arrays.update(_sample_tensors(p, rng, {"b": batch, "h": p.heads_q, "s": s_k}, arrays))
+    return arrays
+
+
+def _sample_tensors(p: ir.Program, rng, sizes: dict[str, int], arrays: dict) -> dict[str, np.ndarray]:
+    """Every declared tensor drawn from its ``~ kind(args)`` (``arrays`` holds earlier draws)."""
+    arrays = dict(arrays)
+    out = {}
     for t in p.tensors:
         shape = tuple(sizes[x] if isinstance(x, str) else x for x in t.axes)
         if t.sample is None:
@@ -221,5 +479,5 @@ def sample(program: ir.Program, batch: int, s_q: int, s_k: int, seed: int = 0) -
             a = np.full(shape, args[0], np.int32 if t.dtype is ir.I32 else np.float32)
         else:  # the checker admits only the kinds above
             raise AssertionError(kind)
-        arrays[t.name] = a
-    return arrays
+        arrays[t.name] = out[t.name] = a
+    return out

@@ -219,9 +219,9 @@ class SplitPlan:
     positions ``T .. T + C - 1`` over ``kv_lens[b] = T + C`` visible keys.  ``bounds`` splits
     every request's ``[0, kv_lens[b])``; ``graph`` is the schedule (producer tasks
     ``(b, kv_head, s)``, workspace buffers, reducers ``(b, h_q)``), already validated for exact
-    coverage.  ``segments`` lists, per producer slot ``(b, s)``, the storage runs its K/V range
-    lives in (:func:`compiler.analysis.layout.storage_segments`): the program reads exactly
-    those rows and nothing past a request's length."""
+    coverage.  The ``seg_*`` arrays list, per producer slot ``(b, s)``, the storage runs its
+    K/V range lives in (:func:`compiler.analysis.layout.storage_segments`): the program reads
+    exactly those rows and nothing past a request's length."""
 
     program_digest: str
     layout: object            # compiler.analysis.layout.KVLayout
@@ -406,7 +406,7 @@ def split_policy(program: ir.Program):
     return from_ir(program.split)
 
 
-def occupancy(program: ir.Program, q_lens, num_sms: int = DEFAULT_SMS, **overrides):
+def split_occupancy(program: ir.Program, q_lens, num_sms: int = DEFAULT_SMS, **overrides):
     """What the split heuristic reads (compiler.analysis.splits.Occupancy) for this call."""
     from .analysis.splits import Occupancy
     q = np.asarray(q_lens, np.int64)
@@ -415,12 +415,12 @@ def occupancy(program: ir.Program, q_lens, num_sms: int = DEFAULT_SMS, **overrid
     return Occupancy(**{**base, **overrides})
 
 
-def plan_split(program: ir.Program, layout, q_lens=None, *, policy=None, occupancy_=None,
+def plan_split(program: ir.Program, layout, q_lens=None, *, policy=None, occupancy=None,
                num_sms: int = DEFAULT_SMS, block_rows: int | None = SPLIT_BLOCK_ROWS) -> SplitPlan:
     """Plan a split-K/V call of ``program`` over ``layout`` (a validated KVLayout).
 
     ``q_lens`` (default: one query row per non-empty request) gives each request's new query
-    rows; ``policy`` overrides the spec's ``split =``; ``occupancy_`` (or ``num_sms``) is what
+    rows; ``policy`` overrides the spec's ``split =``; ``occupancy`` (or ``num_sms``) is what
     ``heuristic``/``auto`` read.  Every contract break is a PlanError, before any arithmetic."""
     from .analysis import layout as lay
     from .analysis import schedule
@@ -435,7 +435,7 @@ def plan_split(program: ir.Program, layout, q_lens=None, *, policy=None, occupan
     q = (kv > 0).astype(np.int64) if q_lens is None else q_lens
     manifest = Manifest.from_lens(kv, q)
     policy = split_policy(p) if policy is None else policy
-    occ = occupancy_ if occupancy_ is not None else occupancy(p, manifest.C, num_sms)
+    occ = occupancy if occupancy is not None else split_occupancy(p, manifest.C, num_sms)
     bounds = policy.bounds(kv, occ)
     call = DecodeCall.from_program(p)
     graph = schedule.build(bounds, call, layout, manifest.C)

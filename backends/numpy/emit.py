@@ -55,9 +55,39 @@ class Source:
     text: str
     module_stem: str
     entry: str = "attention"
+    family: str = "attention"
 
 
-def emit(program: ir.Program, block_m: int = BLOCK_M, block_n: int = BLOCK_N) -> Source:
+# Kernel families (one template each): the tiled prefill/append program over a contiguous
+# cache, and the two-launch split program over any cache with per-request lengths.
+FAMILIES = ("attention", "decode_split")
+
+
+def default_family(program: ir.Program) -> str:
+    """A ragged or paged spec compiles to the split program; a contiguous one to the tiled one
+    (it can still run split calls: :func:`emit` with ``family="decode_split"``)."""
+    return "attention" if program.cache.kind is ir.CacheKind.CONTIGUOUS else "decode_split"
+
+
+def _spec_context(p: ir.Program) -> dict:
+    """What every family prints about the spec: header, constants, mask and score code."""
+    return dict(
+        name=p.name, version=__version__, digest=ir.digest(p),
+        heads_q=p.heads_q, heads_kv=p.heads_kv, group=p.group, d_qk=p.d_qk, d_v=p.d_v,
+        dtype=p.dtype, scale=repr(p.scale),
+        tensors=[{"name": t.name, "dtype": t.dtype.value, "axes": tuple(t.axes)} for t in p.tensors],
+        mask_source=ir.format_expr(p.mask), score_source=[ir.format_expr(s) for s in p.score],
+        mask_code=numpy_expr(p.mask), score_code=[numpy_expr(s) for s in p.score],
+    )
+
+
+def emit(program: ir.Program, block_m: int = BLOCK_M, block_n: int = BLOCK_N,
+         family: str | None = None) -> Source:
+    family = family or default_family(program)
+    if family == "decode_split":
+        return emit_split(program)
+    if family != "attention":
+        raise ValueError(f"unknown numpy kernel family {family!r}; expected one of {FAMILIES}")
     layout = program.cache.layout.value if program.cache.kind is ir.CacheKind.CONTIGUOUS else "bhsd"
     p = program
     shapes = {"q": ("B", p.heads_q, "S_q", p.d_qk), "k": ("B", p.heads_kv, "S_k", p.d_qk),
@@ -66,14 +96,39 @@ def emit(program: ir.Program, block_m: int = BLOCK_M, block_n: int = BLOCK_N) ->
         shapes = {n: (s[0], s[2], s[1], s[3]) for n, s in shapes.items()}
     fmt = lambda s: "[" + ", ".join(str(x) for x in s) + "]"  # noqa: E731
     text = render(
-        "numpy", "attention.py.j2",
-        name=p.name, version=__version__, digest=ir.digest(p),
-        heads_q=p.heads_q, heads_kv=p.heads_kv, group=p.group, d_qk=p.d_qk, d_v=p.d_v,
-        dtype=p.dtype, layout=layout, scale=repr(p.scale),
-        tensors=[{"name": t.name, "dtype": t.dtype.value, "axes": tuple(t.axes)} for t in p.tensors],
-        mask_source=ir.format_expr(p.mask), score_source=[ir.format_expr(s) for s in p.score],
-        mask_code=numpy_expr(p.mask), score_code=[numpy_expr(s) for s in p.score],
+        "numpy", "attention.py.j2", **_spec_context(p), layout=layout,
         block_m=block_m, block_n=block_n,
         q_shape=fmt(shapes["q"]), k_shape=fmt(shapes["k"]), v_shape=fmt(shapes["v"]),
     )
     return Source(text, f"{p.name}_numpy")
+
+
+_IDENTITY = {"partial_u": "0.0", "partial_o": "0.0", "partial_m": "-np.inf", "partial_lse": "-np.inf",
+             "partial_l": "0.0", "partial_valid": "0"}
+
+
+def emit_split(program: ir.Program) -> Source:
+    """The two-launch split program (templates/numpy/decode_split.py.j2) for the spec's cache
+    and state ABI; split bounds, segments and workspace shapes come with each call's plan."""
+    from compiler.analysis.ledger import DecodeCall
+    from compiler.analysis.splits import from_ir
+    from compiler.inputs import cache_description, storage_shapes
+    p = program
+    fields = DecodeCall.from_program(p).state_fields()
+    for f in fields:  # the program stores float fields as f32 or as the spec's storage dtype
+        if f.dtype not in ("f32", "u8", p.dtype):
+            raise ValueError(f"workspace field {f.name} of dtype {f.dtype} has no numpy storage here")
+    kind = p.cache.kind.value
+    shapes = storage_shapes(p)
+    k_shape, v_shape = (shapes[n] for n in (("k_cache", "v_cache") if kind == "paged" else ("k", "v")))
+    fmt = lambda s: "[" + ", ".join(str(x).split("=")[-1] for x in s) + "]"  # noqa: E731
+    text = render(
+        "numpy", "decode_split.py.j2", **_spec_context(p),
+        cache=kind, order=p.cache.layout.value, cache_desc=cache_description(p),
+        block_name={"paged": "page", "ragged": "request's packed rows", "contiguous": "cache row"}[kind],
+        split=str(from_ir(p.split)), state=p.state.value,
+        fields=[f"{f.name} {f.dtype}" for f in fields],
+        workspace=[{"name": f.name, "dtype": f.dtype, "identity": _IDENTITY[f.name]} for f in fields],
+        k_shape=fmt(k_shape), v_shape=fmt(v_shape),
+    )
+    return Source(text, f"{p.name}_numpy_split", family="decode_split")

@@ -38,24 +38,53 @@ def reference(program: ir.Program, q, k, v, tensors: dict | None = None):
     """Float64 attention: returns (O [B,H_q,S_q,d_v], LSE [B,H_q,S_q]).
 
     q [B,H_q,S_q,d_qk], k [B,H_kv,S_k,d_qk], v [B,H_kv,S_k,d_v] (bhsd)."""
-    tensors = tensors or {}
-    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    q = np.asarray(q)
     batch, _, s_q, _ = q.shape
-    s_k = k.shape[2]
+    return _attend(program, q, k, v, positions(batch, program.heads_q, s_q, np.asarray(k).shape[2]),
+                   tensors or {})
+
+
+def reference_request(program: ir.Program, b: int, q, k, v, tensors: dict | None = None):
+    """Float64 attention of request ``b`` of a batch: ``q [C, H_q, d_qk]`` are its query rows,
+    ``k [T, H_kv, d_qk]`` and ``v [T, H_kv, d_v]`` its logical K/V rows (``T >= C``), ``tensors``
+    the batch's (``b`` indexes them).  Row i is at position ``T - C + i``.  Returns
+    ``(O [C, H_q, d_v], LSE [C, H_q])``."""
+    q, k, v = (np.asarray(x).transpose(1, 0, 2)[None] for x in (q, k, v))
+    env = positions(1, program.heads_q, q.shape[2], k.shape[2])
+    env["b"] = np.full((1, 1, 1, 1), b)
+    o, lse = _attend(program, q, k, v, env, tensors or {})
+    return o[0].transpose(1, 0, 2), lse[0].T
+
+
+def reference_cache(program: ir.Program, call):
+    """Float64 attention of a validated split call (compiler.inputs.CacheCall), request by
+    request on its gathered logical K/V: ``(O [total_q, H_q, d_v], LSE [total_q, H_q])``."""
+    o = np.zeros((call.q.shape[0], program.heads_q, program.d_v))
+    lse = np.full((call.q.shape[0], program.heads_q), -np.inf)
+    for b in range(call.batch):
+        rows = slice(call.qo_indptr[b], call.qo_indptr[b + 1])
+        if rows.stop > rows.start:
+            k, v = call.kv(b)
+            o[rows], lse[rows] = reference_request(program, b, call.q_rows(b), k, v, call.tensors)
+    return o, lse
+
+
+def _attend(program: ir.Program, q, k, v, env: dict, tensors: dict):
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
     kv_head = np.arange(program.heads_q) // program.group
     k, v = k[:, kv_head], v[:, kv_head]  # GQA: query head h reads K/V head h // G
     scores = np.einsum("bhid,bhjd->bhij", q, k) * program.scale
-    env = positions(batch, program.heads_q, s_q, s_k)
     for stmt in program.score:
         scores = np.broadcast_to(evaluate(stmt, {**env, "score": scores}, tensors), scores.shape)
-    visible = dense_mask(program, batch, s_q, s_k, tensors)
+    visible = np.broadcast_to(evaluate(program.mask, env, tensors), scores.shape)
     bad = visible & ~np.isfinite(scores)
     if bad.any():
-        b, h, i, j = (int(x[0]) for x in np.nonzero(bad))
-        raise PlanError(f"the score program produced {scores[b, h, i, j]} at visible cell "
-                        f"(b={b}, h={h}, q={s_k - s_q + i}, k={j})")
+        idx = tuple(int(x[0]) for x in np.nonzero(bad))
+        b, q_pos = (int(np.broadcast_to(env[n], scores.shape)[idx]) for n in ("b", "q"))
+        raise PlanError(f"the score program produced {scores[idx]} at visible cell "
+                        f"(b={b}, h={idx[1]}, q={q_pos}, k={idx[3]})")
     scores = np.where(visible, scores, -np.inf)
-    m = scores.max(axis=-1, keepdims=True)
+    m = scores.max(axis=-1, keepdims=True, initial=-np.inf)
     valid = np.isfinite(m)
     p = np.exp(scores - np.where(valid, m, 0.0))
     l = p.sum(axis=-1, keepdims=True)  # noqa: E741

@@ -511,6 +511,35 @@ def page_segments(layout: KVLayout, b: int, start: int, end: int) -> tuple[Segme
     return tuple(Segment(int(pg), int(o), int(n)) for pg, o, n in zip(pages, lo - j * p, hi - lo))
 
 
+def storage_segments(layout: KVLayout, b: int, start: int, end: int,
+                     max_rows: int | None = None) -> tuple[Segment, ...]:
+    """Request ``b``'s logical rows ``[start, end)`` as the storage runs a kernel reads with
+    one slice each, in logical order.  ``Segment.page`` names the storage *block* and
+    ``offset`` the first row inside it:
+
+    * paged: :func:`page_segments` (the physical page, the row inside the page);
+    * contiguous: the cache row ``c`` and the token slot ``t``;
+    * ragged: block 0 (the packed tensor) and the packed row ``indptr[b] + t``.
+
+    ``max_rows`` caps every segment (a K/V tile width); pages are never merged.  The
+    segments cover the range exactly, so a reader never touches a row past ``kv_lens[b]``."""
+    b = layout._request(b)
+    start, end = int(start), int(end)
+    _check_range(layout, b, start, end)
+    if layout.kind == PAGED:
+        segs = page_segments(layout, b, start, end)
+    elif start == end:
+        segs = ()
+    elif layout.kind == CONTIGUOUS:
+        segs = (Segment(layout.cache_row(b), start, end - start),)
+    else:
+        segs = (Segment(0, int(layout.indptr[b]) + start, end - start),)
+    if max_rows is None:
+        return segs
+    cap = _positive("max_rows", max_rows)
+    return tuple(Segment(blk, off + i, min(cap, n - i)) for blk, off, n in segs for i in range(0, n, cap))
+
+
 def invisible_tail(layout: KVLayout, b: int) -> tuple[int, tuple[int, ...]] | None:
     """The last page of request ``b`` and its allocated-but-invisible offsets (§0x04F), or
     None when the request is empty or its last page is full."""

@@ -347,3 +347,35 @@ def test_gather_kv_of_a_poisoned_paged_cache_is_the_logical_kv(L, seed):
         ks, vs = lay.gather_segments(L, arrays, b, a, n)
         np.testing.assert_array_equal(ks, kk[a:])
         np.testing.assert_array_equal(vs, vv[a:])
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.one_of(paged_caches(),
+                 st.lists(st.integers(0, 30), min_size=1, max_size=4).map(
+                     lambda lens: lay.ragged(np.concatenate([[0], np.cumsum(lens)]), heads_q=2, heads_kv=1, d_qk=2)),
+                 st.lists(st.integers(0, 30), min_size=1, max_size=4).map(
+                     lambda lens: lay.contiguous(lens, order="bshd", heads_q=2, heads_kv=1, d_qk=2,
+                                                 batch_capacity=len(lens) + 1, token_capacity=31,
+                                                 cache_batch_idx=list(range(len(lens)))[::-1]))),
+       st.integers(1, 7), st.data())
+def test_storage_segments_cover_a_range_in_order(L, cap, data):
+    """Every storage run lies inside its block, is at most ``max_rows`` long, and the runs
+    list the range's rows in logical order, exactly (pages, cache rows or packed rows)."""
+    b = data.draw(st.integers(0, L.batch - 1))
+    n = int(L.kv_lens[b])
+    a = data.draw(st.integers(0, n))
+    e = data.draw(st.integers(a, n))
+    segs = lay.storage_segments(L, b, a, e, cap)
+    assert all(0 < s.count <= cap for s in segs) and sum(s.count for s in segs) == e - a
+    rows = [(s.page, s.offset + i) for s in segs for i in range(s.count)]
+    if L.kind == lay.PAGED:
+        expect = [(lay.address(L, b, t, 0, 0).page, t % L.page_size) for t in range(a, e)]
+        assert all(s.offset + s.count <= L.page_size for s in segs)
+    elif L.kind == lay.RAGGED:
+        expect = [(0, int(L.indptr[b]) + t) for t in range(a, e)]
+    else:
+        expect = [(L.cache_row(b), t) for t in range(a, e)]
+    assert rows == expect
+    whole = lay.storage_segments(L, b, a, e)                 # uncapped: pages, or one run
+    assert whole == (lay.page_segments(L, b, a, e) if L.kind == lay.PAGED else
+                     ((rows[0][0], rows[0][1], e - a),) if e > a else ())
