@@ -58,8 +58,8 @@ class Kernel:
         return cache[key]
 
     def __call__(self, q, k, v, *, plan: Plan | None = None, return_lse=False, block_m=None, block_n=None,
-                 num_warps: int = 4, num_stages: int = 2, use_tma: bool = False, use_runs: bool | None = None,
-                 **tensors):
+                 num_warps: int | None = None, num_stages: int | None = None, use_tma: bool | None = None,
+                 use_runs: bool | None = None, **tensors):
         import torch
         from_numpy = isinstance(q, np.ndarray)
         device = self.device
@@ -88,6 +88,14 @@ class Kernel:
                 q, k, v = (x.transpose(1, 2) for x in (q, k, v))
         batch, _, s_q, _ = q.shape
         s_k = k.shape[2]
+        tuned = {}
+        if plan is None and block_m is None and block_n is None:  # `attnc tune`'s winner for this key
+            from compiler import tune
+            tuned = tune.tuned_tiles(self.program, batch, s_q, s_k, "triton") or {}
+            block_m, block_n = tuned.get("BLOCK_M"), tuned.get("BLOCK_N")
+        num_warps = num_warps if num_warps is not None else tuned.get("num_warps", 4)
+        num_stages = num_stages if num_stages is not None else tuned.get("num_stages", 2)
+        use_tma = use_tma if use_tma is not None else tuned.get("use_tma", False)
         if plan is None:
             plan = self.plan(batch, s_q, s_k, tensors, block_m, block_n)
         plan.check_call(self.program, batch, s_q, s_k)
