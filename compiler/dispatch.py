@@ -39,7 +39,7 @@ from .errors import Diagnostic  # noqa: E402
 
 KEY_VERSION = 1
 PHASES = ("prefill", "append", "decode", "mixed")
-DEVICE_TYPES = ("cpu", "cuda")
+DEVICE_TYPES = ("cpu", "cuda", "ahbm")  # ahbm: the mesh simulator (backends/ahbm/sim)
 CACHE_LAYOUTS = ("contiguous_bhsd", "contiguous_bshd", "ragged", "paged_nhd", "paged_hnd")
 _CACHE_ALIASES = {"contiguous": "contiguous_bhsd", "contiguous_hnd": "contiguous_bhsd",
                   "contiguous_nhd": "contiguous_bshd"}
@@ -738,6 +738,18 @@ ADMISSION: dict[str, BackendSpec] = {
                  detail="K/V in the query dtype"),
             *_FORWARD_ONLY,
             requires("C", "graph_mode", False, detail="host code cannot be captured in a CUDA graph"),
+        )),
+    "ahbm": BackendSpec(
+        "ahbm", platforms=("ahbm",), phases=("prefill", "append", "decode"),
+        description="greenlet tl programs on the AHBM mesh simulator (ADR-0060): decode with or without "
+                    "SP, prefill without SP or as a ring",
+        admission=(
+            installed("greenlet"),
+            allowed("D", "q_dtype", _STORAGE),
+            rule("L", "contiguous K/V", _contiguous, detail="the mesh programs read contiguous K/V"),
+            rule("L", "one S_q and S_k for the batch", _uniform, detail="one call shape per launch"),
+            *_FORWARD_ONLY,
+            requires("C", "graph_mode", False, detail="a simulator has no CUDA graphs"),
         )),
 }
 

@@ -182,7 +182,11 @@ def test_default_backends_admission_vectors():
     sel = d.dispatch(p, {"B": 2, "S_q": 64, "S_k": 64}, H200)
     assert sel.selected == "triton" and not sel.fallback
     sel = d.dispatch(p, {"B": 2, "S_q": 64, "S_k": 64, "graph_mode": True}, H200)
-    assert sel.selected is None and len(sel.candidates) == 2 and all(c.rejections for c in sel.candidates)
+    assert sel.selected is None and [c.name for c in sel.candidates] == ["triton", "numpy", "ahbm"]
+    assert all(c.rejections for c in sel.candidates if c.in_domain)
+    assert not sel.candidates[2].in_domain  # ahbm: the mesh simulator is its only platform
+    mesh = Environment(device_type="ahbm")
+    assert d.dispatch(p, {"B": 2, "S_q": 64, "S_k": 64}, mesh).selected == "ahbm"
     big = compile_spec("attention t { heads = 4 head_dim = 512 mask = causal }")
     sel = d.dispatch(big, {"S_q": 16, "S_k": 16}, H200)
     assert sel.selected == "numpy" and sel.fallbacks == ("triton",)
