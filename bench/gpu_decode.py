@@ -22,4 +22,4 @@ if __name__ == "__main__":
             if key not in best or r["TBps"] > best[key]["TBps"]:
                 best[key] = r
     for (b, t, impl), r in sorted(best.items()):
-        print(f"B={b:3} T={t:6} {impl:16} {r['TBps']:.2f} TB/s  cfg={r.get('config', '')}")
+        print(f"B={b:3} T={t:6} {impl:16} {r['TBps']:.2f} TB/s  cfg={r.get('dispatch', {}).get('config', '')}")

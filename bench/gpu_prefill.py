@@ -41,7 +41,7 @@ def main(argv=None):
             if key not in best or r["TFLOPs"] > best[key]["TFLOPs"]:
                 best[key] = r
     for (mask, impl), r in sorted(best.items()):
-        print(f"{mask:22} {impl:32} {r['TFLOPs']:7.1f}  cfg={r.get('config', '')}")
+        print(f"{mask:22} {impl:32} {r['TFLOPs']:7.1f}  cfg={r.get('dispatch', {}).get('config', '')}")
 
 
 if __name__ == "__main__":

@@ -32,6 +32,17 @@ CONFIGS = [(128, 128, 8, 2, False), (128, 128, 8, 3, False), (128, 64, 4, 3, Fal
            (64, 64, 4, 3, True), (128, 64, 8, 3, True)]
 
 
+def _call_key(program, batch, s_q, s_k):
+    from compiler import tune
+    return tune.call_key(program, batch, s_q, s_k, "triton")
+
+
+def _environment() -> dict:
+    from compiler import evidence
+    from compiler.dispatch import Environment
+    return evidence.environment_record(Environment.detect())
+
+
 def spec_text(name: str, heads: int, head_dim: int, mask: str, decls: str) -> str:
     return (f"attention bench_{name} {{ heads = {heads} head_dim = {head_dim} dtype = bf16 {decls} "
             f"mask = {mask} }}")
@@ -107,7 +118,9 @@ def run_prefill(batch=4, heads=16, seq=8192, head_dim=128, masks=None, configs=N
             errs = [((o[b, h].float() - refs[(b, h)]).norm() / refs[(b, h)].norm()).item() for b, h in bh]
             return max(errs)
 
-        record = {"bench": "prefill", "mask": name, "B": batch, "H": heads, "S": seq, "D": head_dim,
+        record = {"_key": _call_key(program, batch, seq, seq), "_environment": _environment(),
+                  "_warmup": {"warmup_ms": 100, "rep_ms": 500},
+                  "bench": "prefill", "mask": name, "B": batch, "H": heads, "S": seq, "D": head_dim,
                   "dtype": "bf16", "visible_cells": visible, "density": visible / (batch * heads * seq * seq),
                   "spec_digest": ir.digest(program), "plan_ms": plan_ms, "env": env, "ceilings": ceil,
                   "reference": "float32 dense softmax on GPU, (b,h) in " + str(bh), "tolerance_rel_l2": 1e-2}
@@ -160,15 +173,42 @@ def run_prefill(batch=4, heads=16, seq=8192, head_dim=128, masks=None, configs=N
     return list(rows)
 
 
+def evidence_row(row: dict, key, environment: dict, warmup: dict) -> dict:
+    """A measurement as an evidence row (compiler/evidence.py, M4.5 §0x0BI): environment,
+    dispatch key + digest, the implementation and its config, the correctness check, raw
+    samples; the validator's verdict is recorded in the row (``validation``), so a row that
+    skips a level says so instead of passing for evidence."""
+    from compiler import evidence
+    row = dict(row)
+    correctness = None
+    if "rel_l2_error" in row:
+        correctness = {"reference": row["reference"], "rel_error": row["rel_l2_error"],
+                       "tolerance": {"rel_l2": row["tolerance_rel_l2"]}, "pass": bool(row.get("pass"))}
+    config = row.pop("config", None) or {}
+    if not isinstance(config, dict):
+        config = {"config": list(config)}
+    samples = row.pop("samples_ms", None) or None  # raw samples live in measurement.samples
+    out = evidence.make_row(environment=environment, key=key, selected=row["impl"], config=config,
+                            policy="forced", correctness=correctness, samples_ms=samples, warmup=warmup,
+                            synchronization="CUDA events around each call (triton.testing.do_bench)", **row)
+    report = evidence.validate_row(out)
+    out["validation"] = {"level": report.level, "claim": report.claim, "errors": report.errors,
+                         "missing": report.missing}
+    return out
+
+
 class _Rows(list):
     """Rows, each appended to the JSON-lines file as soon as it exists (a run cut short by a
-    time limit keeps what it measured)."""
+    time limit keeps what it measured).  Rows that carry ``_key`` become evidence rows."""
 
     def __init__(self, path):
         super().__init__()
         self.path = path
 
     def append(self, row):
+        if "_key" in row:
+            row = dict(row)
+            row = evidence_row(row, row.pop("_key"), row.pop("_environment"), row.pop("_warmup"))
         super().append(row)
         if self.path:
             with open(self.path, "a") as f:
@@ -266,7 +306,9 @@ def run_decode(cases=None, heads_q=32, heads_kv=8, head_dim=128, page_size=16, o
         ref = torch.softmax((q.float()[:, :, None] @ kf.transpose(-1, -2)) / math.sqrt(head_dim), -1) @ vf
         ref = ref[:, :, 0]
         del kf, vf
-        record = {"bench": "decode", "B": batch, "T": t_len, "H_q": heads_q, "H_kv": heads_kv, "D": head_dim,
+        record = {"_key": _call_key(program, batch, 1, [t_len] * batch), "_environment": _environment(),
+                  "_warmup": {"warmup_ms": 50, "rep_ms": 300},
+                  "bench": "decode", "B": batch, "T": t_len, "H_q": heads_q, "H_kv": heads_kv, "D": head_dim,
                   "dtype": "bf16", "page_size": page_size, "kv_bytes": kv_bytes, "env": env,
                   "spec_digest": ir.digest(program), "reference": "float32 softmax on GPU (all rows)",
                   "tolerance_rel_l2": 1e-2}
