@@ -409,18 +409,16 @@ class _Analyzer:
         length = f.table.shape[1]
         for m, row in enumerate(f.table):
             cols = np.flatnonzero(f.row_of == m)
-            values, key = row, c[cols]
-            if np.all(row[1:] >= row[:-1]):
-                pass
-            elif np.all(row[1:] <= row[:-1]):
-                values, key, op_m = -row, -key, _FLIP[op]
-                lo[cols], hi[cols] = _sorted_range(values, key, op_m, length)
-                continue
-            elif op in ("eq", "ne"):
-                values, key = _run_ranks(f.tensor, row, key)
+            op_m = op
+            if np.all(row[1:] >= row[:-1]):  # non-decreasing: search as it is
+                values, key = row, c[cols]
+            elif np.all(row[1:] <= row[:-1]):  # non-increasing: negate both sides
+                values, key, op_m = -row, -c[cols], _FLIP[op]
+            elif op in ("eq", "ne"):  # equal values in contiguous runs: search run ranks
+                values, key = _run_ranks(f.tensor, row, c[cols])
             else:
                 raise NotInterval(f"'{f.tensor}' is not monotone along s, so '{op}' on it has no single run")
-            lo[cols], hi[cols] = _sorted_range(values, key, op, length)
+            lo[cols], hi[cols] = _sorted_range(values, key, op_m, length)
         # positions p = q + off  ->  rows i = p - off - q0
         runs = Runs.between(lo - f.off - self.q0, hi - f.off - self.q0, self.rows, self.n)
         if op == "ne":
