@@ -21,7 +21,7 @@ from . import ir
 from .dispatch import PLAN_DYNAMIC_FIELDS, PLAN_KEY_FIELDS, PlanKey
 from .analysis.intervals import MaskIntervals, analyze
 from .analysis.tiles import TilePlan, plan_tiles
-from .errors import PlanError
+from .errors import AttncError, PlanError
 
 
 @dataclass(frozen=True)
@@ -434,7 +434,13 @@ def plan_split(program: ir.Program, layout, q_lens=None, *, policy=None, occupan
     kv = layout.kv_lens
     q = (kv > 0).astype(np.int64) if q_lens is None else q_lens
     manifest = Manifest.from_lens(kv, q)
-    policy = split_policy(p) if policy is None else policy
+    if policy is None:  # `split = auto` takes `attnc tune`'s split count for this key, if cached
+        from . import tune
+        try:
+            key = tune.call_key(p, len(kv), [int(x) for x in q], [int(x) for x in kv], "numpy")
+        except AttncError:
+            key = None
+        policy = tune.tuned_split_policy(p, key) if key is not None else split_policy(p)
     occ = occupancy if occupancy is not None else split_occupancy(p, manifest.C, num_sms)
     bounds = policy.bounds(kv, occ)
     call = DecodeCall.from_program(p)

@@ -133,7 +133,11 @@ class Kernel:
             raise PlanError("the Triton decode kernel does not take cache_batch_idx yet")
         kv_lens = np.asarray(lay.kv_lens, np.int64)
         batch = len(kv_lens)
-        if splits is None:  # enough programs for two waves, never more splits than blocks
+        if splits is None:  # `attnc tune`'s winner for this dispatch key, if the cache has it
+            from compiler import tune
+            tuned = tune.tuned_tiles(p, batch, 1, [int(x) for x in kv_lens], "triton") or {}
+            splits, block_n = tuned.get("splits"), tuned.get("BLOCK_N", block_n)
+        if splits is None:  # the heuristic: enough programs for two waves, never more splits than blocks
             most = int(-(-kv_lens.max(initial=1) // block_n))
             splits = int(np.clip(-(-2 * (num_sms or 132) // max(batch * p.heads_kv, 1)), 1, min(most, 64)))
         tensors = {n: _to_numpy(t) for n, t in (tensors or {}).items()}
@@ -161,6 +165,22 @@ class Kernel:
                 "table_stride": int(tstride), "entry_ptr": blocks.entry_ptr, "blocks": blocks.blocks,
                 "partial": blocks.partial, "splits": blocks.splits, "block_n": block_n,
                 "abi": self.program.state.value, "skipped_blocks": blocks.skipped}
+
+    def run(self, arrays: dict, *, return_lse=False, **options):
+        """A split call given by DESIGN §5's keys (what `attnc run` reads from an npz): packed
+        q [total_q, H_q, d_qk] with one query row per request, i.e. decode; returns packed
+        o [B, H_q, d_v] (and lse [B, H_q]).  Mixed batches (several rows per request) run on
+        the numpy backend."""
+        arrays = dict(arrays)
+        q = arrays.pop("q")
+        q_lens = arrays.pop("q_lens", None)
+        qo_indptr = arrays.pop("qo_indptr", None)
+        if qo_indptr is not None:
+            q_lens = np.diff(np.asarray(qo_indptr))
+        if q_lens is not None and np.any(np.asarray(q_lens) != 1):
+            raise InputError("the Triton backend runs split calls with one query row per request "
+                             f"(decode); q_lens = {np.asarray(q_lens).tolist()} needs --backend numpy")
+        return self.decode(q, return_lse=return_lse, **arrays, **options)
 
     def decode(self, q, *, plan: dict | None = None, return_lse=False, block_n: int = 64,
                splits: int | None = None, num_warps: int = 4, num_stages: int = 2, **arrays):
