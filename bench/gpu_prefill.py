@@ -28,7 +28,9 @@ def main(argv=None):
     from backends.triton import bench
     configs = None
     if args.configs:  # BMxBNxWxS[t]: a trailing t asks for TMA loads
-        configs = [(*(int(x) for x in c.rstrip("t").split("x")), c.endswith("t")) for c in args.configs.split(",")]
+        # BMxBNxWxS, then optional flags: t = TMA loads, w = warp-specialized FULL runs
+        configs = [(*(int(x) for x in c.rstrip("tw").split("x")), "t" in c.split("x")[-1],
+                    "w" in c.split("x")[-1]) for c in args.configs.split(",")]
     masks = args.masks.split(",") if args.masks else None
     rows = bench.run_prefill(args.batch, args.heads, args.seq, 128, masks=masks, configs=configs, out=args.out,
                              flex=not args.no_flex, sdpa=not args.no_sdpa,

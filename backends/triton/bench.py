@@ -125,11 +125,12 @@ def run_prefill(batch=4, heads=16, seq=8192, head_dim=128, masks=None, configs=N
                   "spec_digest": ir.digest(program), "plan_ms": plan_ms, "env": env, "ceilings": ceil,
                   "reference": "float32 dense softmax on GPU, (b,h) in " + str(bh), "tolerance_rel_l2": 1e-2}
         best = None
-        for bm, bn, warps, stages, tma in configs:
+        for bm, bn, warps, stages, tma, *ws in configs:
+            ws = bool(ws and ws[0])
             plan = kernel.plan(batch, seq, seq, tensors_np, bm, bn)
             args = kernel.device_plan(plan, q.device)
             fn = lambda: kernel.module.attention(q, k, v, args, num_warps=warps, num_stages=stages,  # noqa: E731
-                                                 use_tma=tma, **tensors)
+                                                 use_tma=tma, warp_specialize=ws, **tensors)
             try:
                 o, _ = fn()
                 torch.cuda.synchronize()
@@ -142,11 +143,12 @@ def run_prefill(batch=4, heads=16, seq=8192, head_dim=128, masks=None, configs=N
             samples = triton.testing.do_bench(fn, warmup=100, rep=500, return_mode="all") if ok else []
             med = float(np.median(samples)) if samples else float("nan")
             row = {**record, "impl": "attnc", "config": {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps,
-                                                          "num_stages": stages, "use_tma": tma},
+                                                          "num_stages": stages, "use_tma": tma,
+                                                          "warp_specialize": ws},
                    "tiles": plan.tiles.counts(), "rel_l2_error": err, "pass": ok, "samples_ms": samples,
                    "median_ms": med, "TFLOPs": flops / med / 1e9 if samples else None}
             rows.append(row)
-            print(f"{name:22} attnc {bm}x{bn} w{warps} s{stages} tma={tma}: err {err:.1e} "
+            print(f"{name:22} attnc {bm}x{bn} w{warps} s{stages} tma={tma} ws={ws}: err {err:.1e} "
                   f"{med:.3f} ms {row['TFLOPs'] or 0:.0f} TFLOP/s", flush=True)
             if ok and (best is None or med < best["median_ms"]):
                 best = row

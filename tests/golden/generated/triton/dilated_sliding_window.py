@@ -122,7 +122,8 @@ def _attn_fwd(Q, K, V, O, LSE, desc_k, desc_v,
               UTS, UTE, LTS, LTE,
               S_Q, S_K, Q_OFF, PLAN_B, PLAN_H, Q_TILES, qk_scale,
               MASK_FROM_INTERVALS: tl.constexpr, HAS_SCORE: tl.constexpr, EVEN_N: tl.constexpr,
-              USE_TMA: tl.constexpr, FULL_RUNS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              USE_TMA: tl.constexpr, FULL_RUNS: tl.constexpr,
+              WARP_SPECIALIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               D_QK_PAD: tl.constexpr, D_V_PAD: tl.constexpr):
     pid_m = tl.load(ORDER + tl.program_id(0))  # the plan's order: heaviest query tiles first
     bh = tl.program_id(1)
@@ -146,7 +147,15 @@ def _attn_fwd(Q, K, V, O, LSE, desc_k, desc_v,
     vec_base = (pb * PLAN_H + ph) * S_K
     # FULL blocks (no mask): as runs of consecutive blocks when runs are long (a pipelined
     # loop per run), else block by block; PARTIAL blocks (short lists) block by block.
-    if FULL_RUNS:
+    if FULL_RUNS and WARP_SPECIALIZE:  # Hopper+: producer/consumer warps for the long FULL runs
+        for r in range(tl.load(F_PTR + row), tl.load(F_PTR + row + 1)):
+            for start_n in tl.range(tl.load(F_LO + r) * BLOCK_N, tl.load(F_HI + r) * BLOCK_N, BLOCK_N,
+                                    warp_specialize=True):
+                m_i, l_i, acc = _tile(q, K, V, desc_k, desc_v, kv_row0, s_kn, s_kd, s_vn, s_vd, start_n, m_i,
+                                      l_i, acc, b, h, q_pos, S_K, Q_OFF, vec_base, qk_scale, UTS, UTE, LTS,
+                                      LTE, False, MASK_FROM_INTERVALS, HAS_SCORE, EVEN_N, USE_TMA,
+                                      BLOCK_N, D_QK_PAD, D_V_PAD)
+    elif FULL_RUNS:
         for r in range(tl.load(F_PTR + row), tl.load(F_PTR + row + 1)):
             for start_n in tl.range(tl.load(F_LO + r) * BLOCK_N, tl.load(F_HI + r) * BLOCK_N, BLOCK_N):
                 m_i, l_i, acc = _tile(q, K, V, desc_k, desc_v, kv_row0, s_kn, s_kd, s_vn, s_vd, start_n, m_i,
@@ -177,7 +186,7 @@ def _attn_fwd(Q, K, V, O, LSE, desc_k, desc_v,
 
 
 def attention(q, k, v, plan, *, out=None, lse=None, num_warps=4, num_stages=2, use_tma=False, use_runs=None,
-              **tensors):
+              warp_specialize=False, **tensors):
     """Launch on torch tensors in bhsd: q [B, H_q, S_q, d_qk], k/v [B, H_kv, S_k, d]; ``plan`` holds
     the tile plan's arrays as torch tensors on q's device (attnc's runtime builds it)."""
     import torch
@@ -213,7 +222,8 @@ def attention(q, k, v, plan, *, out=None, lse=None, num_warps=4, num_stages=2, u
         LOG2E.value if HAS_SCORE else SCALE.value * LOG2E.value,  # the score program sees natural units
         MASK_FROM_INTERVALS=bool(plan["mask_from_intervals"]), HAS_SCORE=HAS_SCORE,
         EVEN_N=(s_k % bn == 0), USE_TMA=use_tma,
-        FULL_RUNS=plan["mean_full_run_blocks"] >= 16 if use_runs is None else use_runs, BLOCK_M=bm, BLOCK_N=bn, D_QK_PAD=D_QK_PAD, D_V_PAD=D_V_PAD,
+        FULL_RUNS=plan["mean_full_run_blocks"] >= 16 if use_runs is None else use_runs,
+        WARP_SPECIALIZE=warp_specialize, BLOCK_M=bm, BLOCK_N=bn, D_QK_PAD=D_QK_PAD, D_V_PAD=D_V_PAD,
         num_warps=num_warps, num_stages=num_stages)
     return out, lse
 
