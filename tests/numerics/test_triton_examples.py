@@ -55,3 +55,14 @@ def test_all_masked_rows_and_torch_inputs():
     assert o.dtype == torch.float16 and (o[:, :, :20] == 0).all() and torch.isneginf(lse[:, :, :20]).all()
     ref_o, ref_lse = oracle.reference(program, q.float().numpy(), k.float().numpy(), v.float().numpy())
     assert all(c.ok for c in numerics.compare_outputs("f16", o.float().numpy(), lse.numpy(), ref_o, ref_lse))
+
+
+@pytest.mark.parametrize("head_dim", ["64", "256", "192 / 128"])
+def test_head_dims_64_256_and_unequal(head_dim):
+    from compiler.lower import compile_spec
+    program = compile_spec(f"attention hd {{ heads = 4 / 2 head_dim = {head_dim} dtype = bf16 mask = causal }}")
+    kernel = runtime.load(program)
+    arrays = inputs.sample(program, 1, 7, 20, seed=5)
+    o, lse = kernel(arrays["q"], arrays["k"], arrays["v"], return_lse=True)
+    ref_o, ref_lse = oracle.reference(program, arrays["q"], arrays["k"], arrays["v"])
+    assert all(c.ok for c in numerics.compare_outputs("bf16", o, lse, ref_o, ref_lse))
