@@ -584,16 +584,9 @@ class _TritonRunner(_Runner):
         self.tensors = {n: self._upload(arrays[n]) for n in names}
 
     def _prepare_decode(self, cfg):
-        torch = self.torch
         plan = self.kernel.decode_plan(self.cache, block_n=cfg["BLOCK_N"], splits=cfg.get("splits"),
                                        tensors=self.tensors)
-        # the launch arguments the runtime's decode() uploads per call, uploaded once here
-        dev = self.q.device
-        args = {n: torch.as_tensor(np.array(plan[n]), device=dev).to(torch.int32)
-                for n in ("kv_lens", "entry_ptr", "blocks", "table")}
-        args["base"] = torch.as_tensor(np.array(plan["base"]), device=dev).to(torch.int64)
-        args["partial"] = torch.as_tensor(np.array(plan["partial"]), device=dev).to(torch.int8)
-        launch_args = {**plan, **args}
+        launch_args = self.kernel.decode_args(plan, self.q.device)  # uploaded once, launched per sample
         k = self.cache.get("k_cache", self.cache.get("k"))
         v = self.cache.get("v_cache", self.cache.get("v"))
 

@@ -323,12 +323,7 @@ def run_decode(cases=None, heads_q=32, heads_kv=8, head_dim=128, page_size=16, o
             splits = {None: None, "x2": min(2 * base, 128), "/2": max(base // 2, 1)}[split_rule]
             plan = kernel.decode_plan({"k_cache": k_cache, "v_cache": v_cache, "block_table": table,
                                        "kv_lens": kv_lens}, block_n=block_n, splits=splits, num_sms=sms)
-            args = {n: torch.as_tensor(np.ascontiguousarray(plan[n]), device="cuda", dtype=torch.int32)
-                    for n in ("kv_lens", "entry_ptr", "blocks")}
-            args["table"] = table
-            args["base"] = torch.as_tensor(plan["base"], device="cuda", dtype=torch.int64)
-            args["partial"] = torch.as_tensor(plan["partial"], device="cuda", dtype=torch.int8)
-            launch = {**plan, **args}
+            launch = kernel.decode_args(plan, "cuda")
             fn = lambda: kernel.module.decode(q, k_cache, v_cache, launch, num_warps=warps, num_stages=stages)  # noqa: E731
             try:
                 o, _ = fn()

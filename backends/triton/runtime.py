@@ -166,6 +166,21 @@ class Kernel:
                 "partial": blocks.partial, "splits": blocks.splits, "block_n": block_n,
                 "abi": self.program.state.value, "skipped_blocks": blocks.skipped}
 
+    @staticmethod
+    def decode_args(plan: dict, device) -> dict:
+        """A decode plan with its arrays as torch tensors on ``device``: what the generated
+        ``decode`` launcher reads (upload once, launch many times)."""
+        import torch
+
+        def up(a, dtype):
+            t = a if isinstance(a, torch.Tensor) else torch.as_tensor(np.ascontiguousarray(a))
+            return t.to(device=device, dtype=dtype)
+
+        args = {n: up(plan[n], torch.int32) for n in ("kv_lens", "entry_ptr", "blocks", "table")}
+        args["base"] = up(plan["base"], torch.int64)
+        args["partial"] = up(plan["partial"], torch.int8)
+        return {**plan, **args}
+
     def run(self, arrays: dict, *, return_lse=False, **options):
         """A split call given by DESIGN §5's keys (what `attnc run` reads from an npz): packed
         q [total_q, H_q, d_qk] with one query row per request, i.e. decode; returns packed
@@ -221,10 +236,7 @@ class Kernel:
             t_ax = 2 if p.cache.layout.value == "bhsd" else 1
             plan["base"] = np.arange(len(plan["kv_lens"])) * (st[0] // st[t_ax])
         q_t = dev_tensor(np.asarray(q, np.float32), dtype).to(carry) if from_numpy else q
-        args = {n: dev_tensor(plan[n], torch.int32) for n in ("kv_lens", "entry_ptr", "blocks", "table")}
-        args["base"] = dev_tensor(plan["base"], torch.int64)
-        args["partial"] = dev_tensor(plan["partial"], torch.int8)
-        launch = {**plan, **args}
+        launch = self.decode_args(plan, dev)
         tens = {n: dev_tensor(_to_numpy(t).astype(np.int32) if _to_numpy(t).dtype.kind in "iu" else _to_numpy(t))
                 for n, t in tensors.items()}
         o, lse = self.module.decode(q_t, k_cache, v_cache, launch, num_warps=num_warps, num_stages=num_stages,
