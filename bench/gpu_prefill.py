@@ -20,19 +20,18 @@ def main(argv=None):
     ap.add_argument("--seq", type=int, default=8192)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--heads", type=int, default=16)
-    ap.add_argument("--configs", default=None, help="BMxBNxWxS[t],... e.g. 128x64x4x3,128x128x8x2t")
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--configs", default=None, help="BMxBNxWxS[twrbgmpis],... e.g. 128x64x4x3,128x128x8x2t")
     ap.add_argument("--no-flex", action="store_true")
     ap.add_argument("--no-sdpa", action="store_true")
     ap.add_argument("--flex-modes", default="default,max-autotune-no-cudagraphs")
     args = ap.parse_args(argv)
     from backends.triton import bench
     configs = None
-    if args.configs:  # BMxBNxWxS[t]: a trailing t asks for TMA loads
-        # BMxBNxWxS, then optional flags: t = TMA loads, w = warp-specialized FULL runs
-        configs = [(*(int(x) for x in c.rstrip("tw").split("x")), "t" in c.split("x")[-1],
-                    "w" in c.split("x")[-1]) for c in args.configs.split(",")]
+    if args.configs:  # BMxBNxWxS[flags]: backends/triton/bench.parse_configs
+        configs = bench.parse_configs(args.configs)
     masks = args.masks.split(",") if args.masks else None
-    rows = bench.run_prefill(args.batch, args.heads, args.seq, 128, masks=masks, configs=configs, out=args.out,
+    rows = bench.run_prefill(args.batch, args.heads, args.seq, args.head_dim, masks=masks, configs=configs, out=args.out,
                              flex=not args.no_flex, sdpa=not args.no_sdpa,
                              flex_modes=tuple(args.flex_modes.split(",")))
     print("\nsummary (visible-cell TFLOP/s; best passing config per implementation)")

@@ -251,7 +251,10 @@ def cmd_bench(args) -> int:
         return 0
     configs = None
     if args.configs:
-        configs = [(*(int(x) for x in c.rstrip("t").split("x")), c.endswith("t")) for c in args.configs.split(",")]
+        try:
+            configs = bench.parse_configs(args.configs)
+        except ValueError as e:
+            raise AttncError(f"--configs: {e}") from None
     bench.run_prefill(masks=args.masks.split(",") if args.masks else None, configs=configs, out=args.out,
                       flex_modes=tuple(args.flex_modes.split(",")))
     return 0

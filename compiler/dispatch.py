@@ -704,8 +704,10 @@ _FORWARD_ONLY = (requires("N", "training", False, detail="forward only"),
 # The backends' declarations (DESIGN §6), in priority order: `auto` takes the first eligible.
 ADMISSION: dict[str, BackendSpec] = {
     "triton": BackendSpec(
-        "triton", platforms=("cuda", "interpreter"), phases=("prefill", "append", "decode"),
-        description="generated Triton kernels: prefill/append over the tile CSR, split-K/V decode",
+        "triton", platforms=("cuda", "interpreter"), phases=("prefill", "append", "decode", "mixed"),
+        description="generated Triton kernels: prefill/append over the tile CSR on contiguous K/V; "
+                    "split-K/V producer + combine for decode, append and mixed batches over paged, "
+                    "ragged or per-request contiguous caches",
         admission=(
             installed("triton", "triton"), installed("torch", "torch"),
             rule("H", "compute capability >= 80 on CUDA",
@@ -717,11 +719,6 @@ ADMISSION: dict[str, BackendSpec] = {
                  lambda k: None if k.kv_dtype == k.q_dtype else f"kv_dtype={k.kv_dtype} unsupported",
                  detail="K/V in the query dtype"),
             bounded("Q", "d_qk", 1, 256), bounded("Q", "d_v", 1, 256),
-            when("prefill/append", lambda k: k.phase != "decode",
-                 rule("L", "contiguous K/V", _contiguous, detail="prefill/append read contiguous K/V; "
-                                                                "paged and ragged caches go through decode")),
-            when("prefill/append", lambda k: k.phase != "decode",
-                 rule("L", "one S_q and S_k for the batch", _uniform, detail="prefill/append take [B, H, S, d]")),
             requires("L", "last_dim_contiguous", True, detail="unit stride in the head dim"),
             *_FORWARD_ONLY,
             requires("C", "graph_mode", False, detail="the launcher allocates outputs and plan tensors per call"),

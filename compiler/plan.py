@@ -60,6 +60,8 @@ class Plan:
             args.update({f"{cls}_run_ptr": ptr, f"{cls}_run_lo": lo, f"{cls}_run_hi": hi})
         runs = len(args["full_run_lo"])
         args["mean_full_run_blocks"] = len(args["full_indices"]) / runs if runs else 0.0
+        args.update(_merged_runs(args["partial_indptr"], args["partial_indices"], args["full_indptr"],
+                                 args["full_indices"]))
         if self.mask_from_intervals:
             args.update({n: v for n, v in self.intervals.vectors().items()})
         return args
@@ -142,6 +144,26 @@ def _block_runs(indptr: np.ndarray, indices: np.ndarray):
     return ptr, lo, hi
 
 
+def _merged_runs(p_ptr: np.ndarray, p_idx: np.ndarray, f_ptr: np.ndarray, f_idx: np.ndarray) -> dict:
+    """Every computed block of a row (FULL and PARTIAL together, ascending) as runs, with one
+    PARTIAL flag per block: a kernel walks a row in one pipelined loop per run and applies the
+    element mask only where the flag says so (a causal row is one run), or, when runs are short
+    (documents), in one pipelined loop over the row's merged block list."""
+    rows = len(p_ptr) - 1
+    row_of = np.r_[np.repeat(np.arange(rows), np.diff(p_ptr)), np.repeat(np.arange(rows), np.diff(f_ptr))]
+    idx = np.r_[p_idx, f_idx].astype(np.int64)
+    flag = np.r_[np.ones(len(p_idx), np.int32), np.zeros(len(f_idx), np.int32)]
+    order = np.lexsort((idx, row_of))
+    ptr = np.zeros(rows + 1, np.int64)
+    np.cumsum(np.bincount(row_of, minlength=rows), out=ptr[1:])
+    run_ptr, lo, hi = _block_runs(ptr, idx[order])
+    base = np.r_[0, np.cumsum(hi - lo)[:-1]].astype(np.int32) if len(lo) else np.zeros(0, np.int32)
+    return {"merged_run_ptr": run_ptr, "merged_run_lo": lo, "merged_run_hi": hi, "merged_run_base": base,
+            "merged_partial": flag[order], "merged_indptr": ptr.astype(np.int32),
+            "merged_indices": idx[order].astype(np.int32),
+            "mean_merged_run_blocks": len(idx) / len(lo) if len(lo) else 0.0}
+
+
 def plan(program: ir.Program, batch: int, s_q: int, s_k: int, tensors: dict | None = None,
          block_m: int = 64, block_n: int = 64, method: str = "auto", *, device: str | None = None,
          workspace_device: str | None = None, graph_mode: bool = False) -> Plan:
@@ -158,49 +180,82 @@ def plan(program: ir.Program, batch: int, s_q: int, s_k: int, tensors: dict | No
 
 @dataclass(frozen=True)
 class DecodeBlocks:
-    """For a decode call (one new query row per request): which K/V blocks of each request
-    are visited (SKIP removed, the union over query heads) and which of those need the
-    element mask (PARTIAL for some head), split into ``splits`` balanced shares per request."""
+    """For a split call over a K/V cache: the query tiles (``block_q`` consecutive query rows
+    of one request; decode: one tile per request, its one new row), which K/V blocks each tile
+    visits (SKIP removed; the union over the tile's rows and the query heads) and which of those
+    need the element mask (PARTIAL for some row or head), split into ``splits`` balanced shares
+    per tile."""
 
     block_n: int
     splits: int
-    entry_ptr: np.ndarray  # int32 [B * splits + 1]: request b's split s owns entries [ptr, ptr')
+    entry_ptr: np.ndarray  # int32 [tiles * splits + 1]: tile i's split s owns entries [ptr, ptr')
     blocks: np.ndarray  # int32 [entries]: K/V block index
     partial: np.ndarray  # int8 [entries]: 1 where the element mask applies
-    skipped: int  # blocks within the requests' lengths that no split reads
+    skipped: int  # blocks within the requests' lengths that no split of a tile reads (summed over tiles)
+    block_q: int = 1
+    tile_req: np.ndarray | None = None  # int32 [tiles]: the request of each query tile
+    tile_row0: np.ndarray | None = None  # int32 [tiles]: its first query row, counted within the request
+
+    @property
+    def tiles(self) -> int:
+        return len(self.tile_req)
 
 
-def decode_blocks(program: ir.Program, kv_lens, tensors: dict | None, block_n: int, splits: int) -> DecodeBlocks:
+def decode_blocks(program: ir.Program, kv_lens, tensors: dict | None, block_n: int, splits: int,
+                  q_lens=None, block_q: int = 1) -> DecodeBlocks:
+    """The block lists of a split call.  ``q_lens`` (default: one row per request, decode) gives
+    each request's query rows, the last of its ``kv_lens[b]`` keys (bottom-right: row i is at
+    position ``kv_lens[b] - q_lens[b] + i``); a request with no rows has no tile.  The mask
+    analysis runs once per distinct (q_len, kv_len) with the tile plan's rows = ``block_q``."""
     tensors = tensors or {}
     kv_lens = np.asarray(kv_lens, np.int64)
+    batch = len(kv_lens)
     if splits < 1:
         raise PlanError(f"split count must be at least 1, got {splits}")
-    per_request: list[tuple[np.ndarray, np.ndarray]] = [None] * len(kv_lens)  # type: ignore[list-item]
+    if block_q < 1:
+        raise PlanError(f"query tile rows must be at least 1, got block_q = {block_q}")
+    q_lens = np.ones(batch, np.int64) if q_lens is None else np.asarray(q_lens, np.int64)
+    if q_lens.shape != (batch,):
+        raise PlanError(f"q_lens has {q_lens.size} entries; the cache holds B = {batch} requests")
+    for name, bad in (("is negative", q_lens < 0), ("exceeds kv_lens", (q_lens > kv_lens) & (kv_lens > 0))):
+        if bad.any():
+            b = int(np.flatnonzero(bad)[0])
+            raise PlanError(f"q_lens[{b}] = {int(q_lens[b])} {name} (kv_lens[{b}] = {int(kv_lens[b])})")
+    n_tiles = -(-q_lens // block_q)
+    # per request, its tiles' (block indices, partial flags)
+    per_tile: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in range(batch)]
     skipped = 0
-    for t_len in np.unique(kv_lens):
-        rows = np.flatnonzero(kv_lens == t_len)
-        if t_len == 0:
+    empty = (np.zeros(0, np.int32), np.zeros(0, np.int8))
+    for t_len, c_len in sorted({(int(t), int(c)) for t, c in zip(kv_lens, q_lens) if c > 0}):
+        rows = np.flatnonzero((kv_lens == t_len) & (q_lens == c_len))
+        if t_len == 0:  # decode's default row over an empty request: nothing to read
             for b in rows:
-                per_request[b] = (np.zeros(0, np.int32), np.zeros(0, np.int8))
+                per_tile[b] = [empty] * int(n_tiles[b])
             continue
-        mi = analyze(program, len(kv_lens), 1, int(t_len), tensors)
-        classes = plan_tiles(mi, 1, block_n).classes[:, :, 0, :]  # [B', H', T_c]
+        mi = analyze(program, batch, c_len, t_len, tensors)
+        classes = plan_tiles(mi, block_q, block_n).classes  # [B', H', T_q, T_k]
         for b in rows:
             c = classes[b if classes.shape[0] > 1 else 0]
-            visited = ~(c == 0).all(axis=0)
+            visited = ~(c == 0).all(axis=0)  # [T_q, T_k]
             partial = ~(c == 2).all(axis=0) & visited
             skipped += int((~visited).sum())
-            idx = np.flatnonzero(visited).astype(np.int32)
-            per_request[b] = (idx, partial[idx].astype(np.int8))
+            for j in range(int(n_tiles[b])):
+                idx = np.flatnonzero(visited[j]).astype(np.int32)
+                per_tile[b].append((idx, partial[j, idx].astype(np.int8)))
+    tiles = [t for req in per_tile for t in req]
     counts = []
-    for idx, _ in per_request:
+    for idx, _ in tiles:
         q, r = divmod(len(idx), splits)  # balanced: the first r splits take one more block
         counts += [q + (s < r) for s in range(splits)]
     entry_ptr = np.zeros(len(counts) + 1, np.int32)
     np.cumsum(counts, out=entry_ptr[1:])
-    blocks = np.concatenate([idx for idx, _ in per_request]) if per_request else np.zeros(0, np.int32)
-    partial = np.concatenate([p for _, p in per_request]) if per_request else np.zeros(0, np.int8)
-    return DecodeBlocks(block_n, splits, entry_ptr, blocks.astype(np.int32), partial.astype(np.int8), skipped)
+    blocks = np.concatenate([idx for idx, _ in tiles]) if tiles else np.zeros(0, np.int32)
+    partial = np.concatenate([p for _, p in tiles]) if tiles else np.zeros(0, np.int8)
+    tile_req = np.repeat(np.arange(batch), n_tiles).astype(np.int32)
+    first = np.concatenate([[0], np.cumsum(n_tiles)])[:-1]
+    tile_row0 = ((np.arange(len(tile_req)) - np.repeat(first, n_tiles)) * block_q).astype(np.int32)
+    return DecodeBlocks(block_n, splits, entry_ptr, blocks.astype(np.int32), partial.astype(np.int8), skipped,
+                        block_q, tile_req, tile_row0)
 
 
 # ---------------------------------------------------------------- split plans (decode, append, mixed batches)

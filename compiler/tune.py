@@ -125,9 +125,9 @@ def _splits_fit(cfg, key):
 
 
 def _triton_prefill_default(key: DispatchKey) -> dict:
-    from backends.triton.runtime import DEFAULT_TILES
-    bm, bn = DEFAULT_TILES["interpreter" if key.interpreter else "gpu"]
-    return {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": 4, "num_stages": 2, "use_tma": False}
+    from backends.triton.runtime import default_prefill_config
+    return default_prefill_config(key.d_qk, key.d_v, key.interpreter, key.compute_capability,
+                                  key.mask_kind == "tensor")
 
 
 def _triton_decode_default(key: DispatchKey) -> dict:

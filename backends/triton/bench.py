@@ -25,11 +25,36 @@ PREFILL_MASKS = {
     "causal_document": ("causal & doc[b, q] == doc[b, k]", "tensor doc: i32[b, s] ~ segments(256, 2048)"),
     "prefix_lm_2048": ("causal | k < 2048", ""),
     "full": ("true", ""),
+    # not a goal mask: documents of 1024 aligned to the tiles, a predicate (bench diagnostics)
+    "chunked_causal_1024": ("causal & q // 1024 == k // 1024", ""),
 }
+GOAL_MASKS = ["causal", "sliding_window_1024", "causal_document", "prefix_lm_2048", "full"]
 # (BLOCK_M, BLOCK_N, num_warps, num_stages, use_tma)
-CONFIGS = [(128, 128, 8, 2, False), (128, 128, 8, 3, False), (128, 64, 4, 3, False), (64, 64, 4, 3, False),
-           (128, 64, 8, 3, False), (128, 128, 8, 2, True), (128, 128, 8, 3, True), (128, 64, 4, 3, True),
-           (64, 64, 4, 3, True), (128, 64, 8, 3, True)]
+CONFIGS = [(128, 128, 8, 3, True), (128, 128, 8, 2, True), (128, 128, 8, 3, False), (64, 64, 4, 3, True),
+           (64, 64, 4, 3, False), (128, 64, 8, 3, True), (64, 128, 4, 3, False)]
+
+
+WALK_LETTERS = {"r": "runs", "b": "blocks", "g": "merged", "m": "merged_blocks"}
+
+
+def parse_configs(text: str) -> list[tuple]:
+    """``BMxBNxWxS[flags],...`` -> config tuples.  Flags: t = TMA loads, w = warp-specialized FULL
+    runs, p = the mask as a predicate even where interval vectors exist (the default already),
+    i = from the interval vectors; a walk letter (r = FULL runs then PARTIAL blocks, b = block
+    by block, g = merged runs, m = merged block list), else the kernel's own choice; s =
+    persistent with one program per SM, ss two per SM, and so on."""
+    out = []
+    for c in text.split(","):
+        head, _, last = c.strip().rpartition("x")
+        digits = last.rstrip("twrbgmpis")
+        flags = last[len(digits):]
+        if not digits.isdigit() or len(head.split("x")) != 3 or not all(x.isdigit() for x in head.split("x")):
+            raise ValueError(f"config {c!r}: expected BMxBNxWxS followed by flags from 'twrbgmpis'")
+        walk = next((w for f, w in WALK_LETTERS.items() if f in flags), None)
+        source = "intervals" if "i" in flags else "predicate" if "p" in flags else None
+        out.append((*(int(x) for x in head.split("x")), int(digits), "t" in flags, "w" in flags, walk, source,
+                    flags.count("s")))
+    return out
 
 
 def _call_key(program, batch, s_q, s_k):
@@ -76,7 +101,7 @@ def run_prefill(batch=4, heads=16, seq=8192, head_dim=128, masks=None, configs=N
     from backends.triton import runtime
     from compiler import inputs
 
-    masks = masks or list(PREFILL_MASKS)
+    masks = masks or GOAL_MASKS
     configs = configs or CONFIGS
     rows = _Rows(out)
     torch.manual_seed(seed)
@@ -125,12 +150,18 @@ def run_prefill(batch=4, heads=16, seq=8192, head_dim=128, masks=None, configs=N
                   "spec_digest": ir.digest(program), "plan_ms": plan_ms, "env": env, "ceilings": ceil,
                   "reference": "float32 dense softmax on GPU, (b,h) in " + str(bh), "tolerance_rel_l2": 1e-2}
         best = None
-        for bm, bn, warps, stages, tma, *ws in configs:
-            ws = bool(ws and ws[0])
+        for bm, bn, warps, stages, tma, *extra in configs:
+            ws = bool(extra and extra[0])
+            walk = extra[1] if len(extra) > 1 else None
+            source = extra[2] if len(extra) > 2 else None
+            per_sm = extra[3] if len(extra) > 3 else 0
+            programs = per_sm * torch.cuda.get_device_properties(0).multi_processor_count if per_sm else None
             plan = kernel.plan(batch, seq, seq, tensors_np, bm, bn)
             args = kernel.device_plan(plan, q.device)
+            walk_used = walk or kernel.module.default_walk(args, None, source)
             fn = lambda: kernel.module.attention(q, k, v, args, num_warps=warps, num_stages=stages,  # noqa: E731
-                                                 use_tma=tma, warp_specialize=ws, **tensors)
+                                                 use_tma=tma, warp_specialize=ws, walk=walk,
+                                                 mask_source=source, programs=programs, **tensors)
             try:
                 o, _ = fn()
                 torch.cuda.synchronize()
@@ -144,11 +175,14 @@ def run_prefill(batch=4, heads=16, seq=8192, head_dim=128, masks=None, configs=N
             med = float(np.median(samples)) if samples else float("nan")
             row = {**record, "impl": "attnc", "config": {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps,
                                                           "num_stages": stages, "use_tma": tma,
-                                                          "warp_specialize": ws},
+                                                          "warp_specialize": ws, "walk": walk_used,
+                                                          "mask_source": source or ("intervals" if
+                                                          plan.mask_from_intervals else "predicate"),
+                                                          "programs": programs},
                    "tiles": plan.tiles.counts(), "rel_l2_error": err, "pass": ok, "samples_ms": samples,
                    "median_ms": med, "TFLOPs": flops / med / 1e9 if samples else None}
             rows.append(row)
-            print(f"{name:22} attnc {bm}x{bn} w{warps} s{stages} tma={tma} ws={ws}: err {err:.1e} "
+            print(f"{name:22} attnc {bm}x{bn} w{warps} s{stages} tma={tma} ws={ws} {walk_used} {source or ''} {f'persistent {programs}' if programs else ''}: err {err:.1e} "
                   f"{med:.3f} ms {row['TFLOPs'] or 0:.0f} TFLOP/s", flush=True)
             if ok and (best is None or med < best["median_ms"]):
                 best = row
@@ -236,12 +270,17 @@ def _flex_rows(torch, triton, name, q, k, v, tensors, check, record, flops, mode
 
         def mask_mod(b, h, qi, ki):
             return (qi >= ki) & (doc[b, qi] == doc[b, ki])
+    elif name == "chunked_causal_1024":
+        def mask_mod(b, h, qi, ki):
+            return (ki <= qi) & (qi // 1024 == ki // 1024)
     elif name == "prefix_lm_2048":
         def mask_mod(b, h, qi, ki):
             return (qi >= ki) | (ki < 2048)
-    else:
-        def mask_mod(b, h, qi, ki):  # full: an explicit all-visible BlockMask (every block full)
+    elif name == "full":
+        def mask_mod(b, h, qi, ki):  # an explicit all-visible BlockMask (every block full)
             return qi >= 0
+    else:
+        raise ValueError(f"no FlexAttention mask_mod for bench mask {name!r}")
     rows = []
     t0 = time.perf_counter()
     torch._dynamo.reset()  # each mask compiles afresh: past dynamo's recompile limit Flex runs eager

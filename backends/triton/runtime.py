@@ -13,7 +13,34 @@ from backends.common import load_module
 from .emit import Source, emit
 
 TORCH_DTYPES = {"f16": "float16", "bf16": "bfloat16", "f32": "float32"}
-DEFAULT_TILES = {"gpu": (128, 64), "interpreter": (16, 16)}
+DEFAULT_TILES = {"gpu": (128, 128), "interpreter": (16, 16)}
+
+
+def default_prefill_config(d_qk: int, d_v: int, interpreter: bool, capability: int | None = None,
+                           reads_tensors: bool = False) -> dict:
+    """The untuned prefill launch, as measured on the H200 (bench/results/prefill_h200_r12_*,
+    r13_*, r15_*): up to head dim 128, 128x128 tiles, 8 warps, 3 stages, TMA bulk copies
+    (causal 499, full 535 TFLOP/s) — but 64x64, 4 warps, 3 stages, TMA for masks that read
+    tensors (documents: 296 against 251 at 128x128, their rows are short); above 128, 64x64, 4 warps,
+    3 stages without TMA (d=256: causal 431, full 458).  TMA needs Hopper (capability >= 90)
+    and power-of-two head dims; the call drops it for strided K/V."""
+    if interpreter:
+        bm, bn = DEFAULT_TILES["interpreter"]
+        return {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": 4, "num_stages": 2, "use_tma": False}
+    tma = all(d & (d - 1) == 0 for d in (d_qk, d_v)) and (capability or 0) >= 90
+    if max(d_qk, d_v) > 128:
+        return {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "use_tma": False}
+    if reads_tensors:
+        return {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "use_tma": tma}
+    return {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3, "use_tma": tma}
+
+
+def _capability() -> int:
+    import torch
+    if interpreted() or not torch.cuda.is_available():
+        return 0
+    major, minor = torch.cuda.get_device_capability()
+    return 10 * major + minor
 
 
 def interpreted() -> bool:
@@ -41,7 +68,9 @@ class Kernel:
 
     def plan(self, batch: int, s_q: int, s_k: int, tensors: dict | None = None,
              block_m: int | None = None, block_n: int | None = None) -> Plan:
-        dm, dn = DEFAULT_TILES["interpreter" if interpreted() else "gpu"]
+        default = default_prefill_config(self.program.d_qk, self.program.d_v, interpreted(),
+                                         reads_tensors=bool(ir.loads(self.program.mask)))
+        dm, dn = default["BLOCK_M"], default["BLOCK_N"]
         tensors = {n: (t.cpu().numpy() if hasattr(t, "cpu") else np.asarray(t)) for n, t in (tensors or {}).items()}
         tensors = {n: t.astype(np.int64) if t.dtype.kind in "iu" else t for n, t in tensors.items()}
         return make_plan(self.program, batch, s_q, s_k, tensors, block_m or dm, block_n or dn)
@@ -59,7 +88,8 @@ class Kernel:
 
     def __call__(self, q, k, v, *, plan: Plan | None = None, return_lse=False, block_m=None, block_n=None,
                  num_warps: int | None = None, num_stages: int | None = None, use_tma: bool | None = None,
-                 use_runs: bool | None = None, **tensors):
+                 use_runs: bool | None = None, walk: str | None = None, mask_source: str | None = None,
+                 programs: int | None = None, **tensors):
         import torch
         from_numpy = isinstance(q, np.ndarray)
         device = self.device
@@ -93,9 +123,13 @@ class Kernel:
             from compiler import tune
             tuned = tune.tuned_tiles(self.program, batch, s_q, s_k, "triton") or {}
             block_m, block_n = tuned.get("BLOCK_M"), tuned.get("BLOCK_N")
-        num_warps = num_warps if num_warps is not None else tuned.get("num_warps", 4)
-        num_stages = num_stages if num_stages is not None else tuned.get("num_stages", 2)
-        use_tma = use_tma if use_tma is not None else tuned.get("use_tma", False)
+        default = default_prefill_config(self.program.d_qk, self.program.d_v, interpreted(), _capability(),
+                                         bool(ir.loads(self.program.mask)))
+        chosen_stages = num_stages is not None or "num_stages" in tuned
+        num_warps = num_warps if num_warps is not None else tuned.get("num_warps", default["num_warps"])
+        num_stages = num_stages if num_stages is not None else tuned.get("num_stages", default["num_stages"])
+        if use_tma is None:
+            use_tma = tuned.get("use_tma", default["use_tma"] and k.is_contiguous() and v.is_contiguous())
         if plan is None:
             plan = self.plan(batch, s_q, s_k, tensors, block_m, block_n)
         plan.check_call(self.program, batch, s_q, s_k)
@@ -103,9 +137,17 @@ class Kernel:
         if bshd:
             out = torch.empty(batch, s_q, self.program.heads_q, self.program.d_v, device=q.device,
                               dtype=q.dtype).transpose(1, 2)
-        o, lse = self.module.attention(q, k, v, self.device_plan(plan, q.device), out=out,
-                                       num_warps=num_warps, num_stages=num_stages, use_tma=use_tma,
-                                       use_runs=use_runs, **tensors)
+        args = self.device_plan(plan, q.device)
+        while True:
+            try:
+                o, lse = self.module.attention(q, k, v, args, out=out, num_warps=num_warps, num_stages=num_stages,
+                                               use_tma=use_tma, walk=walk, use_runs=use_runs,
+                                               mask_source=mask_source, programs=programs, **tensors)
+                break
+            except Exception as e:  # the untuned default may not fit a mask's extra loads: one stage fewer
+                if chosen_stages or num_stages <= 1 or type(e).__name__ != "OutOfResources":
+                    raise
+                num_stages -= 1
         if bshd:
             o = o.transpose(1, 2)
         if emulate_bf16:
@@ -118,51 +160,77 @@ class Kernel:
         return (o, lse) if return_lse else o
 
 
-    # ------------------------------------------------------------ decode
+    # ------------------------------------------------------------ split calls (decode, append, mixed)
     def decode_plan(self, arrays: dict, *, block_n: int = 64, splits: int | None = None,
-                    num_sms: int | None = None, tensors: dict | None = None) -> dict:
-        """The split-K/V decode plan for a call given by DESIGN §5's cache keys (numpy or torch
-        metadata; K/V arrays are only measured): validates the cache (page ids, lengths,
-        indptr...) through the layout analysis, then lists every (request, split)'s blocks."""
+                    num_sms: int | None = None, tensors: dict | None = None, block_q: int | None = None,
+                    total_q: int | None = None) -> dict:
+        """The split-K/V plan for a call given by DESIGN §5's cache keys (numpy or torch
+        metadata; K/V arrays are only measured), with optional ``q_lens`` / ``qo_indptr`` (default:
+        one query row per request, decode) and ``total_q`` (q's packed rows, when known): validates
+        the cache (page ids, lengths, indptr...) through the layout analysis and the query rows
+        as ``compiler.inputs.validate_cache`` does, cuts every request's rows into query tiles of
+        ``block_q`` rows, then lists every (tile, split)'s blocks."""
         from compiler.analysis import layout as kvl
         p = self.program
         meta = {n: (_shape_only(a) if n in ("k", "v", "k_cache", "v_cache") else _to_numpy(a))
                 for n, a in arrays.items()}
         lay = kvl.from_inputs(p.cache, meta, heads_q=p.heads_q, heads_kv=p.heads_kv)
-        if lay.cache_batch_idx is not None:
-            raise PlanError("the Triton decode kernel does not take cache_batch_idx yet")
+        kvl.check_arrays(lay, meta)
+        if (lay.d_qk, lay.d_v) != (p.d_qk, p.d_v):
+            raise InputError(f"inputs: the cache has head_dim {lay.d_qk}/{lay.d_v}; spec '{p.name}' "
+                             f"declares {p.d_qk}/{p.d_v}")
         kv_lens = np.asarray(lay.kv_lens, np.int64)
         batch = len(kv_lens)
+        q_lens, qo_indptr = _query_rows(meta, batch, total_q)
+        short = np.flatnonzero(kv_lens < q_lens)
+        if len(short):  # compiler.inputs.validate_cache's words
+            b = int(short[0])
+            raise InputError(f"inputs: request {b} has q_lens[{b}] = {int(q_lens[b])} query rows but only "
+                             f"kv_len = {int(kv_lens[b])} keys; a query row is a token whose own key is "
+                             "in the cache, so kv_len >= q_len (a request with no keys has no query rows)")
+        one_row = bool(np.all(q_lens == 1))
         if splits is None:  # `attnc tune`'s winner for this dispatch key, if the cache has it
             from compiler import tune
-            tuned = tune.tuned_tiles(p, batch, 1, [int(x) for x in kv_lens], "triton") or {}
+            s_q = 1 if one_row else [int(x) for x in q_lens]
+            tuned = tune.tuned_tiles(p, batch, s_q, [int(x) for x in kv_lens], "triton") or {}
             splits, block_n = tuned.get("splits"), tuned.get("BLOCK_N", block_n)
+            block_q = block_q if block_q is not None else tuned.get("BLOCK_Q")
+        if block_q is None:
+            block_q = default_block_q(p.group, q_lens, interpreted())
+        if block_q < 1 or block_q & (block_q - 1):
+            raise PlanError(f"block_q = {block_q} must be a positive power of two")
+        n_tiles = int((-(-q_lens // block_q)).sum())
         if splits is None:  # the heuristic: enough programs for two waves, never more splits than blocks
             most = int(-(-kv_lens.max(initial=1) // block_n))
-            splits = int(np.clip(-(-2 * (num_sms or 132) // max(batch * p.heads_kv, 1)), 1, min(most, 64)))
+            splits = int(np.clip(-(-2 * (num_sms or 132) // max(n_tiles * p.heads_kv, 1)), 1, min(most, 64)))
         tensors = {n: _to_numpy(t) for n, t in (tensors or {}).items()}
         blocks = decode_blocks(p, kv_lens, {n: t.astype(np.int64) if t.dtype.kind in "iu" else t
-                                            for n, t in tensors.items()}, block_n, splits)
+                                            for n, t in tensors.items()}, block_n, splits, q_lens, block_q)
         k_key = "k_cache" if lay.kind == "paged" else "k"
         v_key = "v_cache" if lay.kind == "paged" else "v"
         k_str, v_str = cache_strides(lay.kind, lay.order, arrays[k_key], arrays[v_key])
+        rows = (np.asarray(lay.cache_batch_idx, np.int64) if lay.cache_batch_idx is not None
+                else np.arange(batch, dtype=np.int64))  # the cache row of each request
         if lay.kind == "paged":
             if lay.table == "csr":
                 cache, table, base, tstride = 2, lay.kv_indices, lay.kv_indptr[:-1], 0
-            else:
-                cache, table, base, tstride = 1, lay.block_table, np.zeros(batch), lay.block_table.shape[1]
+            else:  # the table's rows in request order (cache_batch_idx gathered here, not in the kernel)
+                cache, table, base = 1, np.ascontiguousarray(lay.block_table[rows]), np.zeros(batch)
+                tstride = table.shape[1]
             page_size = lay.page_size
         else:
             if lay.kind == "ragged":
                 base = lay.indptr[:-1]
-            else:  # request b starts b * (batch stride / token stride) token rows in
-                ks = _strides(arrays[k_key])
-                t_ax = 2 if lay.order == "bhsd" else 1
-                base = np.arange(batch) * (ks[0] // ks[t_ax])
+            else:  # request b starts cache_row(b) * (batch stride / token stride) token rows in
+                base = rows * _rows_per_batch(lay.order, arrays[k_key])
             cache, table, tstride, page_size = 0, np.zeros(1), 0, 1
         return {"cache": cache, "page_size": int(page_size), "k_strides": k_str, "v_strides": v_str,
-                "kv_lens": kv_lens, "base": np.asarray(base, np.int64), "table": np.asarray(table),
-                "table_stride": int(tstride), "entry_ptr": blocks.entry_ptr, "blocks": blocks.blocks,
+                "kv_lens": kv_lens, "q_lens": q_lens, "qo_indptr": qo_indptr, "total_q": int(qo_indptr[-1]),
+                "cache_rows": rows, "base": np.asarray(base, np.int64), "table": np.asarray(table),
+                "table_stride": int(tstride),
+                "tiles": blocks.tiles, "tile_req": blocks.tile_req, "tile_row0": blocks.tile_row0,
+                "block_q": int(block_q), "one_row": bool(one_row and block_q == 1),
+                "entry_ptr": blocks.entry_ptr, "blocks": blocks.blocks,
                 "partial": blocks.partial, "splits": blocks.splits, "block_n": block_n,
                 "abi": self.program.state.value, "skipped_blocks": blocks.skipped}
 
@@ -173,36 +241,42 @@ class Kernel:
         import torch
 
         def up(a, dtype):
-            t = a if isinstance(a, torch.Tensor) else torch.as_tensor(np.ascontiguousarray(a))
-            return t.to(device=device, dtype=dtype)
+            t = a if isinstance(a, torch.Tensor) else torch.as_tensor(np.array(a, copy=True, order="C"))
+            return t.to(device=device, dtype=dtype).contiguous()
 
-        args = {n: up(plan[n], torch.int32) for n in ("kv_lens", "entry_ptr", "blocks", "table")}
+        args = {n: up(plan[n], torch.int32) for n in ("kv_lens", "entry_ptr", "blocks", "table", "qo_indptr",
+                                                     "tile_req", "tile_row0")}
         args["base"] = up(plan["base"], torch.int64)
         args["partial"] = up(plan["partial"], torch.int8)
         return {**plan, **args}
 
     def run(self, arrays: dict, *, return_lse=False, **options):
         """A split call given by DESIGN §5's keys (what `attnc run` reads from an npz): packed
-        q [total_q, H_q, d_qk] with one query row per request, i.e. decode; returns packed
-        o [B, H_q, d_v] (and lse [B, H_q]).  Mixed batches (several rows per request) run on
-        the numpy backend."""
+        q [total_q, H_q, d_qk] with ``q_lens`` / ``qo_indptr`` (default: one query row per
+        request, decode) over any cache; returns packed o [total_q, H_q, d_v] (and
+        lse [total_q, H_q]).  Prefill, append, decode and mixed batches are one call."""
         arrays = dict(arrays)
+        if "q" not in arrays:
+            raise InputError("inputs: missing key 'q'")
+        required, optional = inputs.cache_keys(self.program)
+        names = {t.name for t in self.program.tensors}
+        unknown = sorted(set(arrays) - {*required, *optional, *names})
+        if unknown:
+            raise InputError(f"inputs: unknown key '{unknown[0]}' for a {inputs.cache_description(self.program)} "
+                             f"(expected keys: {', '.join(sorted([*required, *names]))}; optional: "
+                             f"{', '.join(optional)})")
         q = arrays.pop("q")
-        q_lens = arrays.pop("q_lens", None)
-        qo_indptr = arrays.pop("qo_indptr", None)
-        if qo_indptr is not None:
-            q_lens = np.diff(np.asarray(qo_indptr))
-        if q_lens is not None and np.any(np.asarray(q_lens) != 1):
-            raise InputError("the Triton backend runs split calls with one query row per request "
-                             f"(decode); q_lens = {np.asarray(q_lens).tolist()} needs --backend numpy")
         return self.decode(q, return_lse=return_lse, **arrays, **options)
 
     def decode(self, q, *, plan: dict | None = None, return_lse=False, block_n: int = 64,
-               splits: int | None = None, num_warps: int = 4, num_stages: int = 2, **arrays):
-        """One decode step: q [B, H_q, d_qk] (the new token of every request), the cache by
-        DESIGN §5's keys (k/v, k_cache/v_cache, block_table + kv_lens, kv_indptr + kv_indices +
-        kv_last_page_len, kv_indptr for ragged) and declared tensors by name.  Returns O
-        [B, H_q, d_v] (and LSE [B, H_q])."""
+               splits: int | None = None, block_q: int | None = None, num_warps: int = 4, num_stages: int = 2,
+               **arrays):
+        """One split call: packed q [total_q, H_q, d_qk] (decode: [B, H_q, d_qk], the new token of
+        every request), the cache by DESIGN §5's keys (k/v, k_cache/v_cache, block_table + kv_lens,
+        kv_indptr + kv_indices + kv_last_page_len, kv_indptr for ragged, cache_batch_idx),
+        optional ``q_lens`` / ``qo_indptr`` (request b's rows are q[qo_indptr[b]:qo_indptr[b+1]],
+        at positions kv_lens[b] - q_lens[b] + i) and declared tensors by name.  Returns O
+        [total_q, H_q, d_v] (and LSE [total_q, H_q])."""
         import torch
         p = self.program
         names = {t.name for t in p.tensors}
@@ -211,13 +285,18 @@ class Kernel:
         if missing:
             raise InputError(f"inputs: missing key '{sorted(missing)[0]}'")
         from_numpy = isinstance(q, np.ndarray)
+        if len(q.shape) != 3 or tuple(q.shape[1:]) != (p.heads_q, p.d_qk):
+            raise InputError(f"inputs: 'q' has shape {list(q.shape)}; a split call packs its query rows "
+                             f"as [total_q, H_q={p.heads_q}, d_qk={p.d_qk}]")
         if plan is None:
-            plan = self.decode_plan(arrays, block_n=block_n, splits=splits, tensors=tensors)
+            plan = self.decode_plan(arrays, block_n=block_n, splits=splits, tensors=tensors, block_q=block_q,
+                                    total_q=int(q.shape[0]))
+        elif int(q.shape[0]) != plan["total_q"]:
+            raise InputError(f"inputs: 'q' has {int(q.shape[0])} packed rows; the plan was made for "
+                             f"{plan['total_q']} (q_lens {np.asarray(_to_numpy(plan['q_lens'])).tolist()})")
         dtype = getattr(torch, TORCH_DTYPES[p.dtype])
         carry = torch.float32 if interpreted() and dtype == torch.bfloat16 else dtype
         dev = self.device if from_numpy else q.device
-        if tuple(q.shape[1:]) != (p.heads_q, p.d_qk):
-            raise InputError(f"inputs: 'q' has shape {list(q.shape)}; expected [B, H_q={p.heads_q}, d_qk={p.d_qk}]")
 
         def dev_tensor(a, dt=None):
             t = a if isinstance(a, torch.Tensor) else torch.as_tensor(np.ascontiguousarray(a))
@@ -232,9 +311,8 @@ class Kernel:
         plan = dict(plan)
         plan["k_strides"], plan["v_strides"] = cache_strides(kind, p.cache.layout.value, k_cache, v_cache)
         if kind == "contiguous":
-            st = _strides(k_cache)
-            t_ax = 2 if p.cache.layout.value == "bhsd" else 1
-            plan["base"] = np.arange(len(plan["kv_lens"])) * (st[0] // st[t_ax])
+            plan["base"] = np.asarray(_to_numpy(plan["cache_rows"]), np.int64) * _rows_per_batch(
+                p.cache.layout.value, k_cache)
         q_t = dev_tensor(np.asarray(q, np.float32), dtype).to(carry) if from_numpy else q
         launch = self.decode_args(plan, dev)
         tens = {n: dev_tensor(_to_numpy(t).astype(np.int32) if _to_numpy(t).dtype.kind in "iu" else _to_numpy(t))
@@ -246,6 +324,42 @@ class Kernel:
         if from_numpy:
             o, lse = o.float().cpu().numpy(), lse.cpu().numpy()
         return (o, lse) if return_lse else o
+
+
+def default_block_q(group: int, q_lens, interpreter: bool = False) -> int:
+    """Query rows per tile of a split call: 1 when every request has one row (decode: the tile
+    is the request); else enough rows that a tile of rows x the G heads of a K/V head fills a
+    16-row dot (64 rows on a GPU, so each K/V block serves more queries), never more than the
+    longest request needs."""
+    q_lens = np.asarray(q_lens, np.int64)
+    if q_lens.size and np.all(q_lens == 1):
+        return 1
+    g_pad = 1 << max(int(group) - 1, 0).bit_length()
+    target = 16 if interpreter else 64
+    longest = 1 << max(int(q_lens.max(initial=1)) - 1, 0).bit_length()
+    return max(16 // g_pad, 1, min(target // g_pad, longest))
+
+
+def _query_rows(meta: dict, batch: int, total_q: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """(q_lens, qo_indptr) of a split call, checked as ``compiler.inputs.validate_cache`` does:
+    q_lens / qo_indptr agree with each other and with q's packed rows, and no request has more
+    query rows than keys (an InputError naming the request)."""
+    rows = {n: meta[n] for n in ("q_lens", "qo_indptr") if n in meta}
+    if total_q is None:  # q is not at hand: the metadata says how many rows it packs
+        if "qo_indptr" in rows and np.asarray(rows["qo_indptr"]).size:
+            total_q = int(np.asarray(rows["qo_indptr"]).reshape(-1)[-1])
+        elif "q_lens" in rows:
+            total_q = int(np.asarray(rows["q_lens"]).sum())
+        else:
+            total_q = batch
+    q_lens, qo_indptr = inputs._query_rows(rows, batch, total_q)
+    return q_lens, qo_indptr
+
+
+def _rows_per_batch(order: str, k) -> int:
+    """Token rows between two cache rows of a contiguous K (its batch stride / token stride)."""
+    st = _strides(k)
+    return st[0] // st[2 if order == "bhsd" else 1]
 
 
 def cache_strides(kind: str, order: str, k, v) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -290,5 +404,6 @@ def _strides(a) -> tuple[int, ...]:
 
 def load(program: ir.Program) -> Kernel:
     """The kernel of a spec: ``kernel(q, k, v, ...)`` for prefill/append over contiguous K/V,
-    ``kernel.decode(q, ...)`` for split-K/V decode over any cache layout."""
+    ``kernel.decode(q, ...)`` / ``kernel.run(arrays)`` for split-K/V calls (decode, append,
+    mixed batches: packed query rows with q_lens / qo_indptr) over any cache layout."""
     return Kernel(program, emit(program))

@@ -40,11 +40,14 @@ def test_dispatch_prints_selection_and_every_rejection(tmp_path):
 
 
 def test_dispatch_force_fails_closed_and_json(tmp_path):
-    call = _call(tmp_path, B=1, S_q=64, S_k=64, device="cuda", compute_capability=90)
+    hopper = _call(tmp_path, B=1, S_q=64, S_k=64, device="cuda", compute_capability=90)
+    r = attnc("dispatch", PAGED, "--call", hopper, "--force", "triton")  # prefill over pages: the split kernels
+    assert r.returncode == 0 and "selected: triton" in r.stdout
+    call = _call(tmp_path, B=1, S_q=64, S_k=64, device="cuda", compute_capability=75)
     r = attnc("dispatch", PAGED, "--call", call, "--force", "triton")
     assert r.returncode == 1
     assert "policy: forced triton (fail closed)" in r.stdout
-    assert "[L] cache_layout=paged_nhd unsupported" in r.stdout and "numpy" not in r.stdout.split("policy:")[1]
+    assert "[H] compute_capability=75 unsupported" in r.stdout and "numpy" not in r.stdout.split("policy:")[1]
     r = attnc("dispatch", PAGED, "--call", call, "--json")
     assert r.returncode == 0
     obj = json.loads(r.stdout)

@@ -127,14 +127,70 @@ def test_bad_page_ids_are_plan_errors():
         kernel.decode(arrays["q"][:, :, 0], k_cache=k_cache, v_cache=k_cache, block_table=block_table, kv_lens=LENS)
 
 
-@pytest.mark.parametrize("use_runs", [True, False])
-def test_prefill_full_blocks_as_runs_or_block_by_block(use_runs):
-    program = compile_spec("attention c { heads = 4 / 2 head_dim = 16 dtype = f32 mask = causal & window(40) }")
+WALK_SPECS = {
+    "window": "attention c { heads = 4 / 2 head_dim = 16 dtype = f32 mask = causal & window(40) }",
+    "document": "attention d { heads = 2 head_dim = 16 dtype = f32 tensor doc: i32[b, s] ~ segments(5, 30) "
+                "mask = causal & doc[b, q] == doc[b, k] }",
+    "document_predicate": "attention e { heads = 2 head_dim = 16 dtype = f32 tensor doc: i32[b, s] ~ segments(5, 30) "
+                          "mask = causal & (doc[b, q] == doc[b, k] | k % 7 == 0) }",
+}
+
+
+@pytest.mark.parametrize("walk", ["merged", "merged_blocks", "runs", "blocks", None])
+@pytest.mark.parametrize("spec", sorted(WALK_SPECS))
+def test_prefill_walks_agree_with_the_oracle(walk, spec):
+    """The three ways the prefill kernel walks the plan: merged runs with per-block PARTIAL flags
+    (interval or predicate masks), FULL runs then PARTIAL blocks, and block by block."""
+    program = compile_spec(WALK_SPECS[spec])
     kernel = runtime.load(program)
-    arrays = inputs.sample(program, 1, 64, 64, seed=9)
-    o, lse = kernel(arrays["q"], arrays["k"], arrays["v"], return_lse=True, block_m=8, block_n=8, use_runs=use_runs)
-    ref_o, ref_lse = oracle.reference(program, arrays["q"], arrays["k"], arrays["v"])
+    arrays = inputs.sample(program, 2, 64, 64, seed=9)
+    tensors = {n: a for n, a in arrays.items() if n not in ("q", "k", "v")}
+    plan = kernel.plan(2, 64, 64, tensors, 8, 8)
+    args = plan.kernel_args()
+    assert args["merged_partial"].sum() == len(args["partial_indices"])
+    assert len(args["merged_partial"]) == len(args["partial_indices"]) + len(args["full_indices"])
+    o, lse = kernel(arrays["q"], arrays["k"], arrays["v"], return_lse=True, plan=plan, walk=walk, **tensors)
+    ref_o, ref_lse = oracle.reference(program, arrays["q"], arrays["k"], arrays["v"], tensors)
     assert all(c.ok for c in numerics.compare_outputs("f32", o, lse, ref_o, ref_lse))
+
+
+@pytest.mark.parametrize("walk", ["merged", "blocks", None])
+def test_prefill_document_mask_as_predicate_or_intervals(walk):
+    program = compile_spec(WALK_SPECS["document"])
+    kernel = runtime.load(program)
+    arrays = inputs.sample(program, 2, 48, 48, seed=4)
+    tensors = {n: a for n, a in arrays.items() if n not in ("q", "k", "v")}
+    plan = kernel.plan(2, 48, 48, tensors, 8, 8)
+    assert plan.mask_from_intervals
+    ref_o, ref_lse = oracle.reference(program, arrays["q"], arrays["k"], arrays["v"], tensors)
+    for source in ("predicate", "intervals"):
+        o, lse = kernel(arrays["q"], arrays["k"], arrays["v"], return_lse=True, plan=plan, walk=walk,
+                        mask_source=source, **tensors)
+        assert all(c.ok for c in numerics.compare_outputs("f32", o, lse, ref_o, ref_lse)), source
+
+
+@pytest.mark.parametrize("walk", ["merged", "merged_blocks", "blocks"])
+def test_prefill_persistent_programs(walk):
+    """A fixed number of programs looping over (query tile, head) pairs, fewer and more than there are."""
+    program = compile_spec(WALK_SPECS["document"])
+    kernel = runtime.load(program)
+    arrays = inputs.sample(program, 2, 40, 40, seed=5)
+    tensors = {n: a for n, a in arrays.items() if n not in ("q", "k", "v")}
+    ref_o, ref_lse = oracle.reference(program, arrays["q"], arrays["k"], arrays["v"], tensors)
+    for programs in (3, 1000):
+        o, lse = kernel(arrays["q"], arrays["k"], arrays["v"], return_lse=True, block_m=8, block_n=8, walk=walk,
+                        programs=programs, **tensors)
+        assert all(c.ok for c in numerics.compare_outputs("f32", o, lse, ref_o, ref_lse)), programs
+
+
+def test_prefill_walk_must_be_known():
+    program = compile_spec(WALK_SPECS["window"])
+    kernel = runtime.load(program)
+    arrays = inputs.sample(program, 1, 16, 16, seed=9)
+    with pytest.raises(ValueError, match="walk must be one of"):
+        kernel(arrays["q"], arrays["k"], arrays["v"], walk="zigzag")
+    with pytest.raises(ValueError, match="no exact interval vectors"):
+        kernel(arrays["q"], arrays["k"], arrays["v"], mask_source="intervals")
 
 
 def test_attnc_run_triton_on_a_paged_spec(tmp_path):

@@ -1,5 +1,7 @@
 """GPU benchmark rows are evidence rows: the row builder the benchmarks use produces rows the
 evidence validator accepts, and flags rows that skip a level (runs on the CPU with fake samples)."""
+import pytest
+
 from backends.triton.bench import evidence_row
 from compiler import evidence, tune
 from compiler.dispatch import Environment
@@ -30,3 +32,14 @@ def test_rows_that_skip_a_level_are_flagged_not_passed():
     assert few["validation"]["errors"]
     failed = _row([2.5] * 40, err=0.5)  # timing after a failing correctness check
     assert failed["validation"]["errors"]
+
+
+def test_bench_config_strings():
+    from backends.triton.bench import parse_configs
+    assert parse_configs("128x128x8x3t,64x64x4x3tm,128x64x8x3,64x64x4x3tbp,128x128x8x2i,128x128x8x3tss") == [
+        (128, 128, 8, 3, True, False, None, None, 0), (64, 64, 4, 3, True, False, "merged_blocks", None, 0),
+        (128, 64, 8, 3, False, False, None, None, 0), (64, 64, 4, 3, True, False, "blocks", "predicate", 0),
+        (128, 128, 8, 2, False, False, None, "intervals", 0), (128, 128, 8, 3, True, False, None, None, 2)]
+    for bad in ("128x128x8", "128x128x8x3z", "ax128x8x3"):
+        with pytest.raises(ValueError, match="expected BMxBNxWxS"):
+            parse_configs(bad)

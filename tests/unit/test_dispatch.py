@@ -200,18 +200,22 @@ def test_default_backends_admission_vectors():
     assert reasons == ["triton not installed", "compute_capability=75 unsupported"]
 
 
-def test_paged_spec_decode_goes_to_triton_and_prefill_falls_back_with_reasons():
+def test_paged_spec_every_phase_goes_to_triton_and_old_gpus_fall_back_with_reasons():
     paged = compile_spec("attention t { heads = 8 / 2 head_dim = 64 mask = causal "
                          "cache = paged(page_size = 16, layout = nhd, table = csr) }")
     sel = d.dispatch(paged, {"B": 3, "S_q": 1, "S_k": [40, 2, 300]}, H200)
     assert sel.selected == "triton" and sel.key.paged
-    sel = d.dispatch(paged, {"B": 1, "S_q": 64, "S_k": 64}, H200)  # the Triton prefill kernel reads contiguous K/V
-    assert sel.selected == "numpy" and sel.fallbacks == ("triton",)
-    assert [r.reason for r in sel.rejections("triton")] == ["cache_layout=paged_nhd unsupported"]
-    forced = d.dispatch(paged, {"B": 1, "S_q": 64, "S_k": 64, "backend": "triton"}, H200)
-    assert forced.selected is None and "cache_layout=paged_nhd unsupported" in forced.error
+    # prefill and mixed batches over the paged cache: the split producer + combine kernels
+    sel = d.dispatch(paged, {"B": 1, "S_q": 64, "S_k": 64}, H200)
+    assert sel.selected == "triton" and not sel.fallbacks
     mixed = d.dispatch(paged, {"S_q": [1, 30], "S_k": [40, 30], "phase": "mixed"}, H200)
-    assert mixed.selected == "numpy" and not mixed.candidates[0].in_domain  # no mixed-batch Triton kernel
+    assert mixed.selected == "triton" and mixed.candidates[0].in_domain
+    turing = Environment(device_type="cuda", compute_capability=75, device_name="T4", torch="2", triton="3")
+    old = d.dispatch(paged, {"B": 1, "S_q": 64, "S_k": 64}, turing)
+    assert old.selected == "numpy" and old.fallbacks == ("triton",)
+    assert [r.reason for r in old.rejections("triton")] == ["compute_capability=75 unsupported"]
+    forced = d.dispatch(paged, {"B": 1, "S_q": 64, "S_k": 64, "backend": "triton"}, turing)
+    assert forced.selected is None and "compute_capability=75 unsupported" in forced.error
 
 
 def test_disabled_backend_is_an_enabled_factor_rejection():

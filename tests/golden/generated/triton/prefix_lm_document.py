@@ -5,11 +5,14 @@ Spec digest 21efdf2abaac9d4b66670f3adc5238f05cd0adc97d0eae2d71c9f516d19a1c20.
   mask  = doc[b, q] == doc[b, k] & (k < pfx[b, k] | k <= q)
 
 One program per (query tile, request * query head), heaviest query tiles first
-(the plan's order).  It walks the plan's tile lists: FULL blocks (no mask; as
-runs of consecutive blocks with a pipelined loop per run when the runs are
-long, else block by block), then PARTIAL blocks (the element mask, from the interval vectors when
-MASK_FROM_INTERVALS else the predicate below, applied before the max/sum
-update).  SKIP blocks are never loaded.  Scores
+(the plan's order).  It walks the plan's computed blocks, FULL and PARTIAL
+together in ascending order: as runs of consecutive blocks, one pipelined loop
+per run (WALK = 2, when runs are long), or as one pipelined loop over the row's
+block list (WALK = 3, when runs are short, as in documents).  A block's PARTIAL
+flag decides at run time whether the element mask (from the interval vectors
+when MASK_FROM_INTERVALS, else the predicate below) is applied before the
+max/sum update; FULL blocks take no mask.  WALK = 1 walks FULL runs then
+PARTIAL blocks, WALK = 0 both lists block by block.  SKIP blocks are never loaded.  Scores
 live in base 2 (exp2) inside the loop; LSE is written in natural log, -inf for
 rows with no visible key, whose O is 0.  Positions are bottom-right aligned:
 query row i is at q = Q_OFF + i with Q_OFF = S_k - S_q.
@@ -23,6 +26,7 @@ D_QK, D_V = tl.constexpr(64), tl.constexpr(64)
 D_QK_PAD, D_V_PAD = tl.constexpr(64), tl.constexpr(64)
 SCALE = tl.constexpr(0.125)
 LOG2E = tl.constexpr(1.4426950408889634)
+WALKS = {"blocks": 0, "runs": 1, "merged": 2, "merged_blocks": 3}  # how the prefill kernel walks the plan
 HAS_SCORE = False
 TENSORS = {"doc": ("i32", ('b', 's')), "pfx": ("i32", ('b', 's'))}
 
@@ -60,12 +64,15 @@ def score_program(score, b, h, q, k, T_doc, doc_s0, doc_n0, doc_s1, doc_n1, T_pf
 @triton.jit
 def _tile(q, K, V, desc_k, desc_v, kv_row0, s_kn, s_kd, s_vn, s_vd, start_n, m_i, l_i, acc, b, h, q_pos,
           S_K, Q_OFF, vec_base, qk_scale, UTS, UTE, LTS, LTE, T_doc, doc_s0, doc_n0, doc_s1, doc_n1, T_pfx, pfx_s0, pfx_n0, pfx_s1, pfx_n1,
-          PARTIAL: tl.constexpr, MASK_FROM_INTERVALS: tl.constexpr, HAS_SCORE: tl.constexpr,
+          part, PARTIAL: tl.constexpr, DYNAMIC: tl.constexpr, MASK_FROM_INTERVALS: tl.constexpr,
+          HAS_SCORE: tl.constexpr,
           EVEN_N: tl.constexpr, USE_TMA: tl.constexpr, BLOCK_N: tl.constexpr,
           D_QK_PAD: tl.constexpr, D_V_PAD: tl.constexpr):
     """Absorb one K/V block into the row state (m in base-2 scaled units).  PARTIAL blocks set
     hidden scores to -inf before the max/sum update; FULL blocks take no mask and no -inf guard
-    (every cell is visible, so the running max is finite)."""
+    (every cell is visible, so the running max is finite).  DYNAMIC: the block's class is the
+    run-time flag ``part`` (the interval vectors are loaded either way, so the loop's loads do
+    not sit under a branch and stay pipelined)."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
     k_pos = offs_n[None, :]
     if USE_TMA:
@@ -80,7 +87,23 @@ def _tile(q, K, V, desc_k, desc_v, kv_row0, s_kn, s_kd, s_vn, s_vd, start_n, m_i
     s = tl.dot(q, kt)
     if HAS_SCORE:
         s = score_program(s * SCALE, b, h, q_pos, k_pos, T_doc, doc_s0, doc_n0, doc_s1, doc_n1, T_pfx, pfx_s0, pfx_n0, pfx_s1, pfx_n1)
-    if PARTIAL:
+    if DYNAMIC:
+        if MASK_FROM_INTERVALS:  # FlashMask: hidden iff the row is in [UTS, UTE) or [LTS, LTE)
+            inside = k_pos < S_K
+            uts = tl.load(UTS + vec_base + k_pos, mask=inside, other=0)
+            ute = tl.load(UTE + vec_base + k_pos, mask=inside, other=0)
+            lts = tl.load(LTS + vec_base + k_pos, mask=inside, other=0)
+            lte = tl.load(LTE + vec_base + k_pos, mask=inside, other=0)
+        if part != 0:
+            if MASK_FROM_INTERVALS:
+                row = q_pos - Q_OFF
+                keep = ~(((row >= uts) & (row < ute)) | ((row >= lts) & (row < lte)))
+            else:
+                keep = visible(b, h, q_pos, k_pos, T_doc, doc_s0, doc_n0, doc_s1, doc_n1, T_pfx, pfx_s0, pfx_n0, pfx_s1, pfx_n1)
+            s = tl.where(keep & (k_pos < S_K), s, float("-inf"))
+        elif not EVEN_N:
+            s = tl.where(k_pos < S_K, s, float("-inf"))
+    elif PARTIAL:
         if MASK_FROM_INTERVALS:  # FlashMask: hidden iff the row is in [UTS, UTE) or [LTS, LTE)
             row = q_pos - Q_OFF
             inside = k_pos < S_K
@@ -95,7 +118,7 @@ def _tile(q, K, V, desc_k, desc_v, kv_row0, s_kn, s_kd, s_vn, s_vd, start_n, m_i
     elif not EVEN_N:
         s = tl.where(k_pos < S_K, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-    if PARTIAL or not EVEN_N:  # a row may have seen nothing yet: keep exp2 away from -inf - -inf
+    if PARTIAL or DYNAMIC or not EVEN_N:  # a row may have seen nothing yet: keep exp2 away from -inf - -inf
         m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.math.exp2(s * qk_scale - m_new[:, None])
     alpha = tl.math.exp2(m_i - m_new)
@@ -112,21 +135,20 @@ def _tile(q, K, V, desc_k, desc_v, kv_row0, s_kn, s_kd, s_vn, s_vd, start_n, m_i
             v = tl.load(v_ptrs, mask=(offs_n[:, None] < S_K) & (offs_dv[None, :] < D_V), other=0.0)
     acc = tl.dot(p.to(v.dtype), v, acc)
     return m_new, l_i, acc
-
-
 @triton.jit
-def _attn_fwd(Q, K, V, O, LSE, desc_k, desc_v,
+def _attn_tile(tile, bh, Q, K, V, O, LSE, desc_k, desc_v,
               s_qb, s_qh, s_qm, s_qd, s_kb, s_kh, s_kn, s_kd, s_vb, s_vh, s_vn, s_vd,
               s_ob, s_oh, s_om, s_od,
-              ORDER, P_PTR, P_LO, P_HI, F_PTR, F_LO, F_HI, P_CSR, P_IDX, F_CSR, F_IDX,
+              ORDER, F_PTR, F_LO, F_HI, P_CSR, P_IDX, F_CSR, F_IDX, M_PTR, M_LO, M_HI, M_BASE, M_FLAG,
+              M_CSR, M_IDX,
               UTS, UTE, LTS, LTE, T_doc, doc_s0, doc_n0, doc_s1, doc_n1, T_pfx, pfx_s0, pfx_n0, pfx_s1, pfx_n1,
               S_Q, S_K, Q_OFF, PLAN_B, PLAN_H, Q_TILES, qk_scale,
-              MASK_FROM_INTERVALS: tl.constexpr, HAS_SCORE: tl.constexpr, EVEN_N: tl.constexpr,
-              USE_TMA: tl.constexpr, FULL_RUNS: tl.constexpr,
-              WARP_SPECIALIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              D_QK_PAD: tl.constexpr, D_V_PAD: tl.constexpr):
-    pid_m = tl.load(ORDER + tl.program_id(0))  # the plan's order: heaviest query tiles first
-    bh = tl.program_id(1)
+               MASK_FROM_INTERVALS: tl.constexpr, HAS_SCORE: tl.constexpr, EVEN_N: tl.constexpr,
+               USE_TMA: tl.constexpr, WALK: tl.constexpr,
+               WARP_SPECIALIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               D_QK_PAD: tl.constexpr, D_V_PAD: tl.constexpr):
+    """One query tile of one (request, query head): the ``tile``-th of the plan's order."""
+    pid_m = tl.load(ORDER + tile)  # the plan's order: heaviest query tiles first
     b = bh // H_Q
     h = bh % H_Q
     kv_h = h // GROUP
@@ -145,36 +167,53 @@ def _attn_fwd(Q, K, V, O, LSE, desc_k, desc_v,
     acc = tl.zeros([BLOCK_M, D_V_PAD], tl.float32)
     row = (pb * PLAN_H + ph) * Q_TILES + pid_m
     vec_base = (pb * PLAN_H + ph) * S_K
-    # FULL blocks (no mask): as runs of consecutive blocks when runs are long (a pipelined
-    # loop per run), else block by block; PARTIAL blocks (short lists) block by block.
-    if FULL_RUNS and WARP_SPECIALIZE:  # Hopper+: producer/consumer warps for the long FULL runs
+    # WALK 2: every computed block, as runs of consecutive blocks (a pipelined loop per run), the
+    # mask applied where the block's PARTIAL flag is set; WALK 3: the same blocks as one list.
+    # WALK 1: FULL blocks as runs, then PARTIAL blocks one by one.  WALK 0: both lists block by block.
+    if WALK == 3:
+        for i in tl.range(tl.load(M_CSR + row), tl.load(M_CSR + row + 1)):
+            m_i, l_i, acc = _tile(q, K, V, desc_k, desc_v, kv_row0, s_kn, s_kd, s_vn, s_vd,
+                                  tl.load(M_IDX + i) * BLOCK_N, m_i, l_i, acc, b, h, q_pos, S_K, Q_OFF, vec_base,
+                                  qk_scale, UTS, UTE, LTS, LTE, T_doc, doc_s0, doc_n0, doc_s1, doc_n1, T_pfx, pfx_s0, pfx_n0, pfx_s1, pfx_n1, tl.load(M_FLAG + i), False, True,
+                                  MASK_FROM_INTERVALS, HAS_SCORE, EVEN_N, USE_TMA, BLOCK_N, D_QK_PAD, D_V_PAD)
+    elif WALK == 2:
+        for r in range(tl.load(M_PTR + row), tl.load(M_PTR + row + 1)):
+            lo = tl.load(M_LO + r)
+            flags = M_FLAG + tl.load(M_BASE + r) - lo
+            for j in tl.range(lo, tl.load(M_HI + r)):
+                m_i, l_i, acc = _tile(q, K, V, desc_k, desc_v, kv_row0, s_kn, s_kd, s_vn, s_vd, j * BLOCK_N, m_i,
+                                      l_i, acc, b, h, q_pos, S_K, Q_OFF, vec_base, qk_scale, UTS, UTE, LTS,
+                                      LTE, T_doc, doc_s0, doc_n0, doc_s1, doc_n1, T_pfx, pfx_s0, pfx_n0, pfx_s1, pfx_n1, tl.load(flags + j), False, True, MASK_FROM_INTERVALS,
+                                      HAS_SCORE, EVEN_N, USE_TMA, BLOCK_N, D_QK_PAD, D_V_PAD)
+    elif WALK == 1 and WARP_SPECIALIZE:  # Hopper+: producer/consumer warps for the long FULL runs
         for r in range(tl.load(F_PTR + row), tl.load(F_PTR + row + 1)):
             for start_n in tl.range(tl.load(F_LO + r) * BLOCK_N, tl.load(F_HI + r) * BLOCK_N, BLOCK_N,
                                     warp_specialize=True):
                 m_i, l_i, acc = _tile(q, K, V, desc_k, desc_v, kv_row0, s_kn, s_kd, s_vn, s_vd, start_n, m_i,
                                       l_i, acc, b, h, q_pos, S_K, Q_OFF, vec_base, qk_scale, UTS, UTE, LTS,
-                                      LTE, T_doc, doc_s0, doc_n0, doc_s1, doc_n1, T_pfx, pfx_s0, pfx_n0, pfx_s1, pfx_n1, False, MASK_FROM_INTERVALS, HAS_SCORE, EVEN_N, USE_TMA,
+                                      LTE, T_doc, doc_s0, doc_n0, doc_s1, doc_n1, T_pfx, pfx_s0, pfx_n0, pfx_s1, pfx_n1, 0, False, False, MASK_FROM_INTERVALS, HAS_SCORE, EVEN_N, USE_TMA,
                                       BLOCK_N, D_QK_PAD, D_V_PAD)
-    elif FULL_RUNS:
+    elif WALK == 1:
         for r in range(tl.load(F_PTR + row), tl.load(F_PTR + row + 1)):
             for start_n in tl.range(tl.load(F_LO + r) * BLOCK_N, tl.load(F_HI + r) * BLOCK_N, BLOCK_N):
                 m_i, l_i, acc = _tile(q, K, V, desc_k, desc_v, kv_row0, s_kn, s_kd, s_vn, s_vd, start_n, m_i,
                                       l_i, acc, b, h, q_pos, S_K, Q_OFF, vec_base, qk_scale, UTS, UTE, LTS,
-                                      LTE, T_doc, doc_s0, doc_n0, doc_s1, doc_n1, T_pfx, pfx_s0, pfx_n0, pfx_s1, pfx_n1, False, MASK_FROM_INTERVALS, HAS_SCORE, EVEN_N, USE_TMA,
+                                      LTE, T_doc, doc_s0, doc_n0, doc_s1, doc_n1, T_pfx, pfx_s0, pfx_n0, pfx_s1, pfx_n1, 0, False, False, MASK_FROM_INTERVALS, HAS_SCORE, EVEN_N, USE_TMA,
                                       BLOCK_N, D_QK_PAD, D_V_PAD)
     else:
         for i in range(tl.load(F_CSR + row), tl.load(F_CSR + row + 1)):
             start_n = tl.load(F_IDX + i) * BLOCK_N
             m_i, l_i, acc = _tile(q, K, V, desc_k, desc_v, kv_row0, s_kn, s_kd, s_vn, s_vd, start_n, m_i,
                                   l_i, acc, b, h, q_pos, S_K, Q_OFF, vec_base, qk_scale, UTS, UTE, LTS,
-                                  LTE, T_doc, doc_s0, doc_n0, doc_s1, doc_n1, T_pfx, pfx_s0, pfx_n0, pfx_s1, pfx_n1, False, MASK_FROM_INTERVALS, HAS_SCORE, EVEN_N, USE_TMA,
+                                  LTE, T_doc, doc_s0, doc_n0, doc_s1, doc_n1, T_pfx, pfx_s0, pfx_n0, pfx_s1, pfx_n1, 0, False, False, MASK_FROM_INTERVALS, HAS_SCORE, EVEN_N, USE_TMA,
                                   BLOCK_N, D_QK_PAD, D_V_PAD)
-    for i in range(tl.load(P_CSR + row), tl.load(P_CSR + row + 1)):
-        start_n = tl.load(P_IDX + i) * BLOCK_N
-        m_i, l_i, acc = _tile(q, K, V, desc_k, desc_v, kv_row0, s_kn, s_kd, s_vn, s_vd, start_n, m_i,
-                              l_i, acc, b, h, q_pos, S_K, Q_OFF, vec_base, qk_scale, UTS, UTE, LTS,
-                              LTE, T_doc, doc_s0, doc_n0, doc_s1, doc_n1, T_pfx, pfx_s0, pfx_n0, pfx_s1, pfx_n1, True, MASK_FROM_INTERVALS, HAS_SCORE, EVEN_N, USE_TMA,
-                              BLOCK_N, D_QK_PAD, D_V_PAD)
+    if WALK < 2:
+        for i in range(tl.load(P_CSR + row), tl.load(P_CSR + row + 1)):
+            start_n = tl.load(P_IDX + i) * BLOCK_N
+            m_i, l_i, acc = _tile(q, K, V, desc_k, desc_v, kv_row0, s_kn, s_kd, s_vn, s_vd, start_n, m_i,
+                                  l_i, acc, b, h, q_pos, S_K, Q_OFF, vec_base, qk_scale, UTS, UTE, LTS,
+                                  LTE, T_doc, doc_s0, doc_n0, doc_s1, doc_n1, T_pfx, pfx_s0, pfx_n0, pfx_s1, pfx_n1, 1, True, False, MASK_FROM_INTERVALS, HAS_SCORE, EVEN_N,
+                                  USE_TMA, BLOCK_N, D_QK_PAD, D_V_PAD)
     seen = l_i > 0
     l_safe = tl.where(seen, l_i, 1.0)
     out = tl.where(seen[:, None], acc / l_safe[:, None], 0.0)
@@ -185,11 +224,80 @@ def _attn_fwd(Q, K, V, O, LSE, desc_k, desc_v,
     tl.store(LSE + bh * S_Q + offs_m, lse, mask=offs_m < S_Q)
 
 
-def attention(q, k, v, plan, *, out=None, lse=None, num_warps=4, num_stages=2, use_tma=False, use_runs=None,
-              warp_specialize=False, **tensors):
+
+@triton.jit
+def _attn_fwd(Q, K, V, O, LSE, desc_k, desc_v,
+              s_qb, s_qh, s_qm, s_qd, s_kb, s_kh, s_kn, s_kd, s_vb, s_vh, s_vn, s_vd,
+              s_ob, s_oh, s_om, s_od,
+              ORDER, F_PTR, F_LO, F_HI, P_CSR, P_IDX, F_CSR, F_IDX, M_PTR, M_LO, M_HI, M_BASE, M_FLAG,
+              M_CSR, M_IDX,
+              UTS, UTE, LTS, LTE, T_doc, doc_s0, doc_n0, doc_s1, doc_n1, T_pfx, pfx_s0, pfx_n0, pfx_s1, pfx_n1,
+              S_Q, S_K, Q_OFF, PLAN_B, PLAN_H, Q_TILES, qk_scale, BH,
+              MASK_FROM_INTERVALS: tl.constexpr, HAS_SCORE: tl.constexpr, EVEN_N: tl.constexpr,
+              USE_TMA: tl.constexpr, WALK: tl.constexpr,
+              WARP_SPECIALIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              D_QK_PAD: tl.constexpr, D_V_PAD: tl.constexpr, PERSISTENT: tl.constexpr):
+    """Grid (query tiles, B * H_q), or PERSISTENT: a fixed number of programs, each taking every
+    num_programs-th (query tile, head) of the heaviest-first order.  Measured on the H200 with
+    triton 3.6 (bench/results/prefill_h200_r17_persistent.jsonl) the persistent loop is slower
+    everywhere (causal 445 against 499, documents 235 against 297): Triton does not overlap one
+    tile's epilogue with the next tile's loads here, flattened or not.  Opt-in only."""
+    if PERSISTENT:
+        for t in tl.range(tl.program_id(0), tl.cdiv(S_Q, BLOCK_M) * BH, tl.num_programs(0), flatten=True):
+            _attn_tile(t // BH, t % BH, Q, K, V, O, LSE, desc_k, desc_v,
+              s_qb, s_qh, s_qm, s_qd, s_kb, s_kh, s_kn, s_kd, s_vb, s_vh, s_vn, s_vd,
+              s_ob, s_oh, s_om, s_od,
+              ORDER, F_PTR, F_LO, F_HI, P_CSR, P_IDX, F_CSR, F_IDX, M_PTR, M_LO, M_HI, M_BASE, M_FLAG,
+              M_CSR, M_IDX,
+              UTS, UTE, LTS, LTE, T_doc, doc_s0, doc_n0, doc_s1, doc_n1, T_pfx, pfx_s0, pfx_n0, pfx_s1, pfx_n1,
+              S_Q, S_K, Q_OFF, PLAN_B, PLAN_H, Q_TILES, qk_scale, MASK_FROM_INTERVALS, HAS_SCORE, EVEN_N, USE_TMA, WALK, WARP_SPECIALIZE, BLOCK_M, BLOCK_N,
+                   D_QK_PAD, D_V_PAD)
+    else:
+        _attn_tile(tl.program_id(0), tl.program_id(1), Q, K, V, O, LSE, desc_k, desc_v,
+              s_qb, s_qh, s_qm, s_qd, s_kb, s_kh, s_kn, s_kd, s_vb, s_vh, s_vn, s_vd,
+              s_ob, s_oh, s_om, s_od,
+              ORDER, F_PTR, F_LO, F_HI, P_CSR, P_IDX, F_CSR, F_IDX, M_PTR, M_LO, M_HI, M_BASE, M_FLAG,
+              M_CSR, M_IDX,
+              UTS, UTE, LTS, LTE, T_doc, doc_s0, doc_n0, doc_s1, doc_n1, T_pfx, pfx_s0, pfx_n0, pfx_s1, pfx_n1,
+              S_Q, S_K, Q_OFF, PLAN_B, PLAN_H, Q_TILES, qk_scale, MASK_FROM_INTERVALS, HAS_SCORE, EVEN_N, USE_TMA, WALK, WARP_SPECIALIZE, BLOCK_M, BLOCK_N,
+                   D_QK_PAD, D_V_PAD)
+
+
+def default_walk(plan, use_runs=None, mask_source=None):
+    """Measured on the H200 (bench/results/prefill_h200_r12_* to r15_*): merged runs when runs are
+    long (causal 499, sliding window 365 TFLOP/s), else the merged block list (documents 296); a
+    mask read from interval vectors walks FULL then PARTIAL blocks as lists (240 against 141-189
+    merged: the four vector loads do not pipeline well under the per-block flag)."""
+    if use_runs is not None:  # the older flag
+        return "runs" if use_runs else "blocks"
+    if plan["mask_from_intervals"] and mask_source == "intervals":
+        return "blocks"
+    return "merged" if plan["mean_merged_run_blocks"] >= 8 else "merged_blocks"
+
+
+def attention(q, k, v, plan, *, out=None, lse=None, num_warps=4, num_stages=2, use_tma=False, walk=None,
+              use_runs=None, warp_specialize=False, mask_source=None, programs=None, **tensors):
     """Launch on torch tensors in bhsd: q [B, H_q, S_q, d_qk], k/v [B, H_kv, S_k, d]; ``plan`` holds
-    the tile plan's arrays as torch tensors on q's device (attnc's runtime builds it)."""
+    the tile plan's arrays as torch tensors on q's device (attnc's runtime builds it).  ``walk``:
+    "merged" (all computed blocks as runs, the mask where flagged), "merged_blocks" (the same as
+    one block list), "runs" (FULL runs, then PARTIAL blocks) or "blocks" (both lists block by
+    block); None picks by mask and run length (``default_walk``); ``use_runs`` True/False is the
+    older spelling of "runs"/"blocks".  ``mask_source``: how PARTIAL blocks evaluate the mask —
+    "predicate" (the default: the mask expression, gathering the tensors it reads) or "intervals"
+    (FlashMask's four column vectors, where the plan has exact ones).  Measured on the H200
+    (bench/results/prefill_h200_r15_doc_diag.jsonl), the causal document mask runs at 296
+    TFLOP/s from the predicate against 239 from the intervals: one gather of doc[b, k] per block
+    against four vector loads.  ``programs``: run persistent with that many programs, each
+    looping over (query tile, head) pairs (None: one program per pair; measured faster)."""
     import torch
+    if walk is not None and walk not in WALKS:
+        raise ValueError(f"walk must be one of {sorted(WALKS)}, not {walk!r}")
+    if mask_source not in (None, "intervals", "predicate"):
+        raise ValueError(f"mask_source must be None, 'intervals' or 'predicate', not {mask_source!r}")
+    from_intervals = bool(plan["mask_from_intervals"])
+    if mask_source == "intervals" and not from_intervals:
+        raise ValueError("mask_source='intervals': this plan has no exact interval vectors for the mask")
+    from_intervals = from_intervals and mask_source == "intervals"
     batch, _, s_q, _ = q.shape
     s_k = k.shape[2]
     bm, bn = plan["block_m"], plan["block_n"]
@@ -212,59 +320,82 @@ def attention(q, k, v, plan, *, out=None, lse=None, num_warps=4, num_stages=2, u
             raise ValueError("use_tma needs contiguous bhsd K/V with power-of-two head dims")
         desc_k = TensorDescriptor.from_tensor(k.view(-1, D_QK.value), [bn, D_QK.value])
         desc_v = TensorDescriptor.from_tensor(v.view(-1, D_V.value), [bn, D_V.value])
-    grid = (triton.cdiv(s_q, bm), batch * H_Q.value)
+    bh = batch * H_Q.value
+    grid = (triton.cdiv(s_q, bm), bh) if programs is None else (max(1, min(programs, triton.cdiv(s_q, bm) * bh)),)
     _attn_fwd[grid](
         q, k, v, out, lse, desc_k, desc_v, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
-        plan["q_tile_order"], plan["partial_run_ptr"], plan["partial_run_lo"], plan["partial_run_hi"],
-        plan["full_run_ptr"], plan["full_run_lo"], plan["full_run_hi"], plan["partial_indptr"],
-        plan["partial_indices"], plan["full_indptr"], plan["full_indices"], *vecs, *ts,
+        plan["q_tile_order"], plan["full_run_ptr"], plan["full_run_lo"], plan["full_run_hi"],
+        plan["partial_indptr"], plan["partial_indices"], plan["full_indptr"], plan["full_indices"],
+        plan["merged_run_ptr"], plan["merged_run_lo"], plan["merged_run_hi"], plan["merged_run_base"],
+        plan["merged_partial"], plan["merged_indptr"], plan["merged_indices"], *vecs, *ts,
         s_q, s_k, s_k - s_q, plan["plan_b"], plan["plan_h"], plan["q_tiles"],
         LOG2E.value if HAS_SCORE else SCALE.value * LOG2E.value,  # the score program sees natural units
-        MASK_FROM_INTERVALS=bool(plan["mask_from_intervals"]), HAS_SCORE=HAS_SCORE,
+        bh,
+        MASK_FROM_INTERVALS=from_intervals, HAS_SCORE=HAS_SCORE,
         EVEN_N=(s_k % bn == 0), USE_TMA=use_tma,
-        FULL_RUNS=plan["mean_full_run_blocks"] >= 16 if use_runs is None else use_runs,
+        WALK=WALKS[walk or default_walk(plan, use_runs, mask_source)],
         WARP_SPECIALIZE=warp_specialize, BLOCK_M=bm, BLOCK_N=bn, D_QK_PAD=D_QK_PAD, D_V_PAD=D_V_PAD,
-        num_warps=num_warps, num_stages=num_stages)
+        PERSISTENT=programs is not None, num_warps=num_warps, num_stages=num_stages)
     return out, lse
 
 
-# ----------------------------------------------------------------------------- split-K/V decode
-# One program per (split, request * K/V head).  The G query heads of the K/V head
-# form the rows of one tile, so each K/V block is loaded once for the group.  The
-# program walks its share of the request's visible K/V blocks (the plan removed
-# SKIP blocks and flags PARTIAL ones), reading the cache through the request's
-# page table, and writes its partial state in the declared workspace ABI; the
-# combine kernel merges the splits with the validity branch (M4.5 §0x02C).
+# ----------------------------------------------------------------------------- split-K/V producer
+# One program per (split, query tile * K/V head).  A query tile is BLOCK_Q consecutive query
+# rows of one request (decode: the request's one new row); they and the G query heads of the
+# K/V head form the rows of one tile, row r = (query row r // G_PAD, head r % G_PAD), so each
+# K/V block is loaded once for the whole group and all the tile's positions.  Request b's query
+# row i is at position kv_lens[b] - q_lens[b] + i (bottom-right) and sits at packed row
+# qo_indptr[b] + i.  The program walks its share of the tile's visible K/V blocks (the plan
+# removed SKIP blocks, the union over the tile's rows and heads, and flags PARTIAL ones),
+# reading the cache through the request's page table, and writes one partial state per (packed
+# query row, query head) in the declared workspace ABI; the combine kernel merges the splits
+# with the validity branch (M4.5 §0x02C).  ONE_ROW (every request has one query row, decode)
+# is the tile = request special case: no tile or row metadata is read.
 
 CACHE_CONTIGUOUS, CACHE_PAGED_DENSE, CACHE_PAGED_CSR = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 
 
 @triton.jit
 def _decode_split(Q, K, V, P_O, P_M, P_L, P_VALID,
-                  s_qb, s_qh, s_qd, s_kp, s_kt, s_kh, s_kd, s_vp, s_vt, s_vh, s_vd,
-                  KV_LENS, BASE, TABLE, s_tb, ENTRY_PTR, BLOCKS, PARTIAL, T_doc, doc_s0, doc_n0, doc_s1, doc_n1, T_pfx, pfx_s0, pfx_n0, pfx_s1, pfx_n1,
+                  s_qt, s_qh, s_qd, s_kp, s_kt, s_kh, s_kd, s_vp, s_vt, s_vh, s_vd,
+                  KV_LENS, QO_INDPTR, TILE_REQ, TILE_ROW0, BASE, TABLE, s_tb, ENTRY_PTR, BLOCKS, PARTIAL, T_doc, doc_s0, doc_n0, doc_s1, doc_n1, T_pfx, pfx_s0, pfx_n0, pfx_s1, pfx_n1,
                   S_CAP, qk_scale,
                   CACHE: tl.constexpr, PAGE_SIZE: tl.constexpr, ABI_MLU: tl.constexpr,
-                  HAS_SCORE: tl.constexpr, BLOCK_N: tl.constexpr, G_PAD: tl.constexpr,
-                  D_QK_PAD: tl.constexpr, D_V_PAD: tl.constexpr):
+                  HAS_SCORE: tl.constexpr, ONE_ROW: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+                  G_PAD: tl.constexpr, D_QK_PAD: tl.constexpr, D_V_PAD: tl.constexpr):
     split = tl.program_id(0)
-    bk = tl.program_id(1)
-    b = bk // H_KV
-    kv_h = bk % H_KV
-    rows = tl.arange(0, G_PAD)
-    row_ok = rows < GROUP
-    h = kv_h * GROUP + rows  # the query heads of this K/V head, one per tile row
+    tk = tl.program_id(1)
+    tile = tk // H_KV
+    kv_h = tk % H_KV
+    rows = tl.arange(0, BLOCK_Q * G_PAD)
+    if ONE_ROW:  # decode: tile = request b, its one row at the last position, packed row b
+        b = tile
+        g = rows
+        row_ok = g < GROUP
+        t_len = tl.load(KV_LENS + b)
+        q_row = b
+        q_pos = t_len - 1
+    else:
+        b = tl.load(TILE_REQ + tile)
+        g = rows % G_PAD
+        row0 = tl.load(QO_INDPTR + b)
+        n_q = tl.load(QO_INDPTR + b + 1) - row0
+        i = tl.load(TILE_ROW0 + tile) + rows // G_PAD  # query row within the request
+        row_ok = (g < GROUP) & (i < n_q)
+        t_len = tl.load(KV_LENS + b)
+        q_row = row0 + i
+        q_pos = (t_len - n_q + i)[:, None]  # bottom-right
+    h = kv_h * GROUP + g  # the query heads of this K/V head
     offs_dk = tl.arange(0, D_QK_PAD)
     offs_dv = tl.arange(0, D_V_PAD)
-    q = tl.load(Q + b * s_qb + h[:, None] * s_qh + offs_dk[None, :] * s_qd,
+    q_off = q_row * s_qt + h * s_qh
+    q = tl.load(Q + q_off[:, None] + offs_dk[None, :] * s_qd,
                 mask=row_ok[:, None] & (offs_dk[None, :] < D_QK), other=0.0)
-    t_len = tl.load(KV_LENS + b)
-    q_pos = t_len - 1  # bottom-right: the new token is the last position
     base = tl.load(BASE + b)
-    m_i = tl.full([G_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([G_PAD], tl.float32)
-    acc = tl.zeros([G_PAD, D_V_PAD], tl.float32)
-    slot = b * S_CAP + split
+    m_i = tl.full([BLOCK_Q * G_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_Q * G_PAD], tl.float32)
+    acc = tl.zeros([BLOCK_Q * G_PAD, D_V_PAD], tl.float32)
+    slot = tile * S_CAP + split
     for e in range(tl.load(ENTRY_PTR + slot), tl.load(ENTRY_PTR + slot + 1)):
         t = tl.load(BLOCKS + e) * BLOCK_N + tl.arange(0, BLOCK_N)
         live = t < t_len  # rows past the request's length are never read
@@ -273,7 +404,7 @@ def _decode_split(Q, K, V, P_O, P_M, P_L, P_VALID,
             k_off = row.to(tl.int64) * s_kt
             v_off = row.to(tl.int64) * s_vt
         else:
-            if CACHE == CACHE_PAGED_DENSE:
+            if CACHE == CACHE_PAGED_DENSE:  # the table's rows are in request order (the plan gathered them)
                 page = tl.load(TABLE + b * s_tb + t // PAGE_SIZE, mask=live, other=0)
             else:  # CSR: the request's pages start at kv_indptr[b] (= base)
                 page = tl.load(TABLE + base + t // PAGE_SIZE, mask=live, other=0)
@@ -298,7 +429,7 @@ def _decode_split(Q, K, V, P_O, P_M, P_L, P_VALID,
         acc = tl.dot(p.to(vt.dtype), vt, acc * alpha[:, None])
         m_i = m_new
     valid = l_i > 0
-    state = (b * H_Q + h) * S_CAP + split  # workspace [B, H_q, S_cap, ...]
+    state = (q_row * H_Q + h) * S_CAP + split  # workspace [total_q, H_q, S_cap, ...]
     if ABI_MLU:  # (m, l, u): m in natural units, u unnormalized
         tl.store(P_M + state, m_i * 0.6931471805599453, mask=row_ok)
         tl.store(P_L + state, l_i, mask=row_ok)
@@ -315,17 +446,17 @@ def _decode_split(Q, K, V, P_O, P_M, P_L, P_VALID,
 
 # ----------------------------------------------------------------------------- combine
 @triton.jit
-def _combine(P_O, P_M, P_L, P_VALID, O, LSE, s_ob, s_oh, s_od, S_CAP,
+def _combine(P_O, P_M, P_L, P_VALID, O, LSE, s_ot, s_oh, s_od, S_CAP,
              ABI_MLU: tl.constexpr, SPLITS_PAD: tl.constexpr, D_V_PAD: tl.constexpr):
-    """Merge the S_cap partial states of one (request, query head).  Invalid (empty or
-    inactive) slots are the identity: they are excluded before any exponential."""
-    bh = tl.program_id(0)
-    b = bh // H_Q
-    h = bh % H_Q
+    """Merge the S_cap partial states of one (packed query row, query head).  Invalid (empty
+    or inactive) slots are the identity: they are excluded before any exponential."""
+    rh = tl.program_id(0)
+    row = rh // H_Q
+    h = rh % H_Q
     sp = tl.arange(0, SPLITS_PAD)
     offs_dv = tl.arange(0, D_V_PAD)
     in_cap = sp < S_CAP
-    state = bh * S_CAP + sp
+    state = rh * S_CAP + sp
     valid = (tl.load(P_VALID + state, mask=in_cap, other=0) != 0) & in_cap
     m = tl.load(P_M + state, mask=valid, other=float("-inf"))
     m_max = tl.max(m, 0)
@@ -344,27 +475,34 @@ def _combine(P_O, P_M, P_L, P_VALID, O, LSE, s_ob, s_oh, s_od, S_CAP,
     d_safe = tl.where(any_valid, denom, 1.0)
     out = tl.where(any_valid, numer / d_safe, 0.0)
     lse = tl.where(any_valid, m_ref + tl.log(d_safe), float("-inf"))
-    tl.store(O + b * s_ob + h * s_oh + offs_dv * s_od, out.to(O.dtype.element_ty), mask=offs_dv < D_V)
-    tl.store(LSE + bh, lse)
+    tl.store(O + row * s_ot + h * s_oh + offs_dv * s_od, out.to(O.dtype.element_ty), mask=offs_dv < D_V)
+    tl.store(LSE + rh, lse)
 
 
 def decode(q, k_cache, v_cache, plan, *, out=None, lse=None, num_warps=4, num_stages=2, **tensors):
-    """Split-K/V decode on torch tensors: q [B, H_q, d_qk]; the cache as described by ``plan``
-    (attnc's decode plan: cache kind, strides in (page, token, head, dim) order, per-request
-    bases, page table, the block lists of every (request, split))."""
+    """Split-K/V attention over a K/V cache on torch tensors: packed q [total_q, H_q, d_qk]
+    (request b's rows are qo_indptr[b]:qo_indptr[b + 1]; decode: [B, H_q, d_qk], one row per
+    request); the cache as described by ``plan`` (attnc's decode plan: cache kind, strides in
+    (page, token, head, dim) order, per-request bases, page table, the query tiles and the block
+    lists of every (query tile, split)).  Returns O [total_q, H_q, d_v] and LSE [total_q, H_q];
+    a row with no visible key gets O = 0 and LSE = -inf."""
     import torch
-    batch = q.shape[0]
+    total_q = q.shape[0]
+    if total_q != plan["total_q"]:
+        raise ValueError(f"q has {total_q} packed rows; the plan was made for {plan['total_q']}")
     s_cap = plan["splits"]
     dev = q.device
     abi_mlu = plan["abi"] == "mlu"
-    p_o = torch.empty(batch, H_Q.value, s_cap, D_V.value, device=dev, dtype=torch.float32)
-    p_m = torch.empty(batch, H_Q.value, s_cap, device=dev, dtype=torch.float32)
-    p_l = torch.empty(batch, H_Q.value, s_cap, device=dev, dtype=torch.float32) if abi_mlu else p_m
-    p_valid = torch.empty(batch, H_Q.value, s_cap, device=dev, dtype=torch.uint8)
     if out is None:
-        out = torch.empty(batch, H_Q.value, D_V.value, device=dev, dtype=q.dtype)
+        out = torch.empty(total_q, H_Q.value, D_V.value, device=dev, dtype=q.dtype)
     if lse is None:
-        lse = torch.empty(batch, H_Q.value, device=dev, dtype=torch.float32)
+        lse = torch.empty(total_q, H_Q.value, device=dev, dtype=torch.float32)
+    if total_q == 0:
+        return out, lse
+    p_o = torch.empty(total_q, H_Q.value, s_cap, D_V.value, device=dev, dtype=torch.float32)
+    p_m = torch.empty(total_q, H_Q.value, s_cap, device=dev, dtype=torch.float32)
+    p_l = torch.empty(total_q, H_Q.value, s_cap, device=dev, dtype=torch.float32) if abi_mlu else p_m
+    p_valid = torch.empty(total_q, H_Q.value, s_cap, device=dev, dtype=torch.uint8)
     ts = []
     for name in TENSORS:
         t = tensors[name]
@@ -372,14 +510,17 @@ def decode(q, k_cache, v_cache, plan, *, out=None, lse=None, num_warps=4, num_st
         for i in range(t.dim()):
             ts += [t.stride(i), t.shape[i]]
     ks, vs = plan["k_strides"], plan["v_strides"]
-    _decode_split[(s_cap, batch * H_KV.value)](
+    block_q = plan["block_q"]
+    _decode_split[(s_cap, plan["tiles"] * H_KV.value)](
         q, k_cache, v_cache, p_o, p_m, p_l, p_valid, *q.stride(), *ks, *vs,
-        plan["kv_lens"], plan["base"], plan["table"], plan["table_stride"], plan["entry_ptr"], plan["blocks"],
-        plan["partial"], *ts, s_cap, LOG2E.value if HAS_SCORE else SCALE.value * LOG2E.value,
+        plan["kv_lens"], plan["qo_indptr"], plan["tile_req"], plan["tile_row0"], plan["base"], plan["table"],
+        plan["table_stride"], plan["entry_ptr"], plan["blocks"], plan["partial"], *ts, s_cap,
+        LOG2E.value if HAS_SCORE else SCALE.value * LOG2E.value,
         CACHE=plan["cache"], PAGE_SIZE=plan["page_size"], ABI_MLU=abi_mlu, HAS_SCORE=HAS_SCORE,
-        BLOCK_N=plan["block_n"], G_PAD=max(16, triton.next_power_of_2(GROUP.value)), D_QK_PAD=D_QK_PAD,
+        ONE_ROW=bool(plan["one_row"]), BLOCK_Q=block_q, BLOCK_N=plan["block_n"],
+        G_PAD=max(triton.next_power_of_2(GROUP.value), 16 // block_q), D_QK_PAD=D_QK_PAD,
         D_V_PAD=D_V_PAD, num_warps=num_warps, num_stages=num_stages)
-    _combine[(batch * H_Q.value,)](
+    _combine[(total_q * H_Q.value,)](
         p_o, p_m, p_l, p_valid, out, lse, *out.stride(), s_cap, ABI_MLU=abi_mlu,
         SPLITS_PAD=max(2, triton.next_power_of_2(s_cap)), D_V_PAD=D_V_PAD, num_warps=4)
     return out, lse
