@@ -10,7 +10,7 @@ import numpy as np
 
 from . import inputs, numerics
 from .dispatch import backend
-from .errors import AttncError
+from .errors import AttncError, BackendUnavailable
 from .lower import compile_file
 
 PHASES = {  # name -> (S_q, S_k) for demo length S
@@ -77,6 +77,9 @@ def run_demo(specs, backend_name: str, length: int = 128, batch: int = 2, seed: 
                 paged = program.cache.kind.value == "paged"
                 note = f" ({inputs.cache_description(program)}" + (", shuffled pages, NaN-poisoned tails)"
                                                                    if paged else ")")
+        except BackendUnavailable as e:  # the same for every spec: say it once
+            print(e, file=sys.stderr)
+            return 1
         except AttncError as e:
             print(e, file=sys.stderr)
             failures += 1

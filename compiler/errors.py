@@ -101,6 +101,10 @@ class PlanError(AttncError):
     """A runtime input breaks its contract (names tensor, index, value)."""
 
 
+class BackendUnavailable(AttncError):
+    """A backend that cannot run on this machine (no device, no interpreter): one clear message."""
+
+
 class InputError(AttncError):
     """An input file (npz) does not match the spec (names key and shape)."""
 

@@ -261,7 +261,7 @@ class CacheCall:
         return self.q[self.qo_indptr[b]:self.qo_indptr[b + 1]]
 
 
-def _query_rows(arrays, batch: int, total_q: int) -> tuple[np.ndarray, np.ndarray]:
+def query_rows(arrays, batch: int, total_q: int) -> tuple[np.ndarray, np.ndarray]:
     """(q_lens, qo_indptr) from the keys that name them, checked against q's packed rows."""
     from .analysis.layout import _check_indptr, _ints
     from .errors import PlanError
@@ -334,7 +334,7 @@ def validate_cache(program: ir.Program, arrays: dict[str, np.ndarray]) -> CacheC
     k, v = lay.check_arrays(layout, arrays)
     if layout.batch == 0:
         raise InputError("inputs: empty call (the cache metadata describes B = 0 requests)")
-    q_lens, qo_indptr = _query_rows(arrays, layout.batch, q.shape[0])
+    q_lens, qo_indptr = query_rows(arrays, layout.batch, q.shape[0])
     short = np.flatnonzero(layout.kv_lens < q_lens)
     if len(short):
         b = int(short[0])

@@ -7,7 +7,7 @@ import os
 import numpy as np
 
 from compiler import inputs, ir
-from compiler.errors import InputError, PlanError
+from compiler.errors import BackendUnavailable, InputError, PlanError
 from compiler.plan import Plan, decode_blocks, plan as make_plan
 from backends.common import load_module
 from .emit import Source, emit
@@ -56,7 +56,10 @@ def _kind(t) -> str:
 
 class Kernel:
     def __init__(self, program: ir.Program, source: Source):
-        import torch  # noqa: F401  (the launcher needs it; fail here with a clear import error)
+        import torch  # (the launcher needs it; fail here with a clear import error)
+        if not interpreted() and not torch.cuda.is_available():
+            raise BackendUnavailable("the Triton backend runs on a CUDA GPU; on this machine (no CUDA device) "
+                             "set TRITON_INTERPRET=1 to run its kernels in Triton's CPU interpreter")
         self.program = program
         self.source = source
         self.module = load_module(source.text, source.module_stem)
@@ -352,7 +355,7 @@ def _query_rows(meta: dict, batch: int, total_q: int | None) -> tuple[np.ndarray
             total_q = int(np.asarray(rows["q_lens"]).sum())
         else:
             total_q = batch
-    q_lens, qo_indptr = inputs._query_rows(rows, batch, total_q)
+    q_lens, qo_indptr = inputs.query_rows(rows, batch, total_q)
     return q_lens, qo_indptr
 
 

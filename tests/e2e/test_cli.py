@@ -151,3 +151,15 @@ def test_demo_runs_examples_against_the_oracle():
 def test_unknown_backend_is_rejected():
     r = attnc("compile", CAUSAL_DOC, "--backend", "cuda")
     assert r.returncode == 2 and "invalid choice" in r.stderr
+
+
+def test_triton_without_a_gpu_or_the_interpreter_is_one_clear_error():
+    import os
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-m", "compiler.cli", "demo", "--backend", "triton"], cwd=ROOT,
+                       capture_output=True, text=True, env=env)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert r.stderr.count("set TRITON_INTERPRET=1") == 1, r.stderr

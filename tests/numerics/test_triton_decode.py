@@ -189,6 +189,8 @@ def test_prefill_walk_must_be_known():
     arrays = inputs.sample(program, 1, 16, 16, seed=9)
     with pytest.raises(ValueError, match="walk must be one of"):
         kernel(arrays["q"], arrays["k"], arrays["v"], walk="zigzag")
+    with pytest.raises(ValueError, match="at least one program"):
+        kernel(arrays["q"], arrays["k"], arrays["v"], programs=0)
     with pytest.raises(ValueError, match="no exact interval vectors"):
         kernel(arrays["q"], arrays["k"], arrays["v"], mask_source="intervals")
 

@@ -298,6 +298,8 @@ def attention(q, k, v, plan, *, out=None, lse=None, num_warps=4, num_stages=2, u
     if mask_source == "intervals" and not from_intervals:
         raise ValueError("mask_source='intervals': this plan has no exact interval vectors for the mask")
     from_intervals = from_intervals and mask_source == "intervals"
+    if programs is not None and programs < 1:
+        raise ValueError(f"programs = {programs}: a persistent launch needs at least one program")
     batch, _, s_q, _ = q.shape
     s_k = k.shape[2]
     bm, bn = plan["block_m"], plan["block_n"]
