@@ -264,15 +264,17 @@ def _attn_fwd(Q, K, V, O, LSE, desc_k, desc_v,
 
 
 def default_walk(plan, use_runs=None, mask_source=None):
-    """Measured on the H200 (bench/results/prefill_h200_r12_* to r15_*): merged runs when runs are
-    long (causal 499, sliding window 365 TFLOP/s), else the merged block list (documents 296); a
-    mask read from interval vectors walks FULL then PARTIAL blocks as lists (240 against 141-189
-    merged: the four vector loads do not pipeline well under the per-block flag)."""
+    """Measured on the H200 (bench/results/prefill_h200_r12_* to r17_*): merged runs when runs are
+    long (mean >= 24 blocks: causal 499 at 128x128; at 64x64 causal 448 against 439, full 467
+    against 459), else the merged block list (sliding window at 64x64, runs of ~17 blocks: 376
+    against 370; documents, ~9: 293 against 283); a mask read from interval vectors walks FULL
+    then PARTIAL blocks as lists (240 against 141-189 merged: the four vector loads do not
+    pipeline well under the per-block flag)."""
     if use_runs is not None:  # the older flag
         return "runs" if use_runs else "blocks"
     if plan["mask_from_intervals"] and mask_source == "intervals":
         return "blocks"
-    return "merged" if plan["mean_merged_run_blocks"] >= 8 else "merged_blocks"
+    return "merged" if plan["mean_merged_run_blocks"] >= 24 else "merged_blocks"
 
 
 def attention(q, k, v, plan, *, out=None, lse=None, num_warps=4, num_stages=2, use_tma=False, walk=None,
