@@ -164,8 +164,9 @@ class Kernel:
             short = short_row_config(plan) if untuned and not interpreted() else None
             if short:  # the default's tiles, chosen again now that the rows' lengths are known
                 plan = self.plan(batch, s_q, s_k, tensors, short["BLOCK_M"], short["BLOCK_N"])
-                num_warps = num_warps if chosen_warps else short["num_warps"]
                 num_stages = num_stages if chosen_stages else short["num_stages"]
+        if not chosen_warps and not interpreted():  # warps follow the tile the plan has (given or chosen)
+            num_warps = 8 if plan.block_m * plan.block_n >= 128 * 128 else 4
         plan.check_call(self.program, batch, s_q, s_k)
         out = None
         if bshd:
