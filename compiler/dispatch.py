@@ -6,6 +6,7 @@ policies, DESIGN §6, build on this registry.)
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 from types import ModuleType
 
@@ -136,14 +137,13 @@ def _detect(device_type: str | None) -> Environment:
             if torch.cuda.is_available():
                 device_type = "cuda"
     if device_type == "cuda" and env["torch"]:
-        try:
+        # a broken driver leaves the fields unknown, not a crash
+        with contextlib.suppress(Exception):
             import torch
             if torch.cuda.is_available():
                 major, minor = torch.cuda.get_device_capability()
                 env.update(compute_capability=10 * major + minor, device_name=torch.cuda.get_device_name(),
                            cuda_runtime=torch.version.cuda)
-        except Exception:  # noqa: BLE001 (a broken driver leaves the fields unknown, not a crash)
-            pass
     return Environment(device_type=device_type, **env)
 
 

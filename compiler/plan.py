@@ -13,7 +13,7 @@ fields (lengths, tensors such as doc ids or page lists) change only through ``pl
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -55,11 +55,9 @@ class Plan:
             "mask_from_intervals": self.mask_from_intervals,
             "q_tile_order": self.q_tile_order(),
         }
-        for cls in ("partial", "full"):
-            ptr, lo, hi = _block_runs(args[f"{cls}_indptr"], args[f"{cls}_indices"])
-            args.update({f"{cls}_run_ptr": ptr, f"{cls}_run_lo": lo, f"{cls}_run_hi": hi})
-        runs = len(args["full_run_lo"])
-        args["mean_full_run_blocks"] = len(args["full_indices"]) / runs if runs else 0.0
+        # FULL blocks as runs (walk "runs"); every computed block as merged runs / one list
+        ptr, lo, hi = _block_runs(args["full_indptr"], args["full_indices"])
+        args.update({"full_run_ptr": ptr, "full_run_lo": lo, "full_run_hi": hi})
         args.update(_merged_runs(args["partial_indptr"], args["partial_indices"], args["full_indptr"],
                                  args["full_indices"]))
         if self.mask_from_intervals:
@@ -71,6 +69,10 @@ class Plan:
         first, the longest rows finish with the rest instead of after them (LPT)."""
         work = (self.tiles.classes != 0).sum(axis=(0, 1, 3))
         return np.argsort(-work, kind="stable").astype(np.int32)
+
+    def retile(self, block_m: int, block_n: int, method: str = "auto") -> "Plan":
+        """The same call planned with other tiles: the mask analysis (the costly part) is reused."""
+        return replace(self, tiles=plan_tiles(self.intervals, block_m, block_n, method))
 
     def check_call(self, program: ir.Program, batch: int, s_q: int, s_k: int, *, device: str | None = None,
                    graph_mode: bool | None = None) -> None:

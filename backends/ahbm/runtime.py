@@ -19,6 +19,7 @@ as one tile; prefill tiles them by BLOCK_M.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
 
@@ -86,11 +87,9 @@ def mesh_config(items: int, n: int, kind: str) -> MeshConfig:
     every tree pair a neighbour, sim.tree_placement), the ring ("ring") or row-major."""
     cr, cc = cube_shape(n)
     local = tuple((r, c) for r in range(cr) for c in range(cc))
-    if kind == "tree":
-        try:
+    if kind == "tree":  # no such placement: row-major, and sends route over hops (and pay for them)
+        with contextlib.suppress(TopologyError):
             local = tree_placement(n, cr, cc)
-        except TopologyError:  # no such placement: sends route over hops (and pay for them)
-            pass
     elif kind == "ring":
         local = ring_placement(cr, cc)
     placement = tuple((r, w * cc + c) for w in range(items) for r, c in local)

@@ -12,6 +12,7 @@ import json
 import math
 import platform
 import time
+from typing import NamedTuple
 
 import numpy as np
 
@@ -29,16 +30,32 @@ PREFILL_MASKS = {
     "chunked_causal_1024": ("causal & q // 1024 == k // 1024", ""),
 }
 GOAL_MASKS = ["causal", "sliding_window_1024", "causal_document", "prefix_lm_2048", "full"]
-# (BLOCK_M, BLOCK_N, num_warps, num_stages, use_tma)
-CONFIGS = [(128, 128, 8, 3, True), (128, 128, 8, 2, True), (128, 128, 8, 3, False), (64, 64, 4, 3, True),
-           (64, 64, 4, 3, False), (128, 64, 8, 3, True), (64, 128, 4, 3, False)]
+
+
+class PrefillConfig(NamedTuple):
+    """One prefill launch the bench times (walk / mask_source None: the kernel's own choice;
+    per_sm > 0: persistent, that many programs per SM)."""
+    block_m: int
+    block_n: int
+    warps: int
+    stages: int
+    tma: bool
+    warp_specialize: bool = False
+    walk: str | None = None
+    mask_source: str | None = None
+    per_sm: int = 0
+
+
+CONFIGS = [PrefillConfig(*c) for c in ((128, 128, 8, 3, True), (128, 128, 8, 2, True), (128, 128, 8, 3, False),
+                                       (64, 64, 4, 3, True), (64, 64, 4, 3, False), (128, 64, 8, 3, True),
+                                       (64, 128, 4, 3, False))]
 
 
 WALK_LETTERS = {"r": "runs", "b": "blocks", "g": "merged", "m": "merged_blocks"}
 
 
-def parse_configs(text: str) -> list[tuple]:
-    """``BMxBNxWxS[flags],...`` -> config tuples.  Flags: t = TMA loads, w = warp-specialized FULL
+def parse_configs(text: str) -> list[PrefillConfig]:
+    """``BMxBNxWxS[flags],...`` -> configs.  Flags: t = TMA loads, w = warp-specialized FULL
     runs, p = the mask as a predicate even where interval vectors exist (the default already),
     i = from the interval vectors; a walk letter (r = FULL runs then PARTIAL blocks, b = block
     by block, g = merged runs, m = merged block list), else the kernel's own choice; s =
@@ -52,8 +69,8 @@ def parse_configs(text: str) -> list[tuple]:
             raise ValueError(f"config {c!r}: expected BMxBNxWxS followed by flags from 'twrbgmpis'")
         walk = next((w for f, w in WALK_LETTERS.items() if f in flags), None)
         source = "intervals" if "i" in flags else "predicate" if "p" in flags else None
-        out.append((*(int(x) for x in head.split("x")), int(digits), "t" in flags, "w" in flags, walk, source,
-                    flags.count("s")))
+        out.append(PrefillConfig(*(int(x) for x in head.split("x")), int(digits), "t" in flags, "w" in flags,
+                                 walk, source, flags.count("s")))
     return out
 
 
@@ -150,11 +167,8 @@ def run_prefill(batch=4, heads=16, seq=8192, head_dim=128, masks=None, configs=N
                   "spec_digest": ir.digest(program), "plan_ms": plan_ms, "env": env, "ceilings": ceil,
                   "reference": "float32 dense softmax on GPU, (b,h) in " + str(bh), "tolerance_rel_l2": 1e-2}
         best = None
-        for bm, bn, warps, stages, tma, *extra in configs:
-            ws = bool(extra and extra[0])
-            walk = extra[1] if len(extra) > 1 else None
-            source = extra[2] if len(extra) > 2 else None
-            per_sm = extra[3] if len(extra) > 3 else 0
+        for cfg in configs:
+            bm, bn, warps, stages, tma, ws, walk, source, per_sm = PrefillConfig(*cfg)
             programs = per_sm * torch.cuda.get_device_properties(0).multi_processor_count if per_sm else None
             plan = kernel.plan(batch, seq, seq, tensors_np, bm, bn)
             args = kernel.device_plan(plan, q.device)
@@ -176,8 +190,7 @@ def run_prefill(batch=4, heads=16, seq=8192, head_dim=128, masks=None, configs=N
             row = {**record, "impl": "attnc", "config": {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps,
                                                           "num_stages": stages, "use_tma": tma,
                                                           "warp_specialize": ws, "walk": walk_used,
-                                                          "mask_source": source or ("intervals" if
-                                                          plan.mask_from_intervals else "predicate"),
+                                                          "mask_source": source or "predicate",
                                                           "programs": programs},
                    "tiles": plan.tiles.counts(), "rel_l2_error": err, "pass": ok, "samples_ms": samples,
                    "median_ms": med, "TFLOPs": flops / med / 1e9 if samples else None}

@@ -41,7 +41,7 @@ def default_prefill_config(d_qk: int, d_v: int, interpreter: bool, capability: i
 # tile-aligned 1024-token chunks (4.5) 337 vs 310, documents (5.8) 297 vs 251; causal (32.5)
 # stays at 128x128, 503 vs 448.
 SHORT_ROW_BLOCKS = 16
-SHORT_ROW_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
+SHORT_ROW_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 64, "num_stages": 3}  # warps follow the tile: 4
 
 
 def mean_row_blocks(plan: Plan) -> float:
@@ -93,10 +93,14 @@ class Kernel:
         import torch
         return "cpu" if interpreted() or not torch.cuda.is_available() else "cuda"
 
+    def default_config(self, capability: int | None = None) -> dict:
+        """The untuned prefill launch for this spec (``default_prefill_config``)."""
+        p = self.program
+        return default_prefill_config(p.d_qk, p.d_v, interpreted(), capability, bool(ir.loads(p.mask)))
+
     def plan(self, batch: int, s_q: int, s_k: int, tensors: dict | None = None,
              block_m: int | None = None, block_n: int | None = None) -> Plan:
-        default = default_prefill_config(self.program.d_qk, self.program.d_v, interpreted(),
-                                         reads_tensors=bool(ir.loads(self.program.mask)))
+        default = self.default_config()
         dm, dn = default["BLOCK_M"], default["BLOCK_N"]
         tensors = {n: (t.cpu().numpy() if hasattr(t, "cpu") else np.asarray(t)) for n, t in (tensors or {}).items()}
         tensors = {n: t.astype(np.int64) if t.dtype.kind in "iu" else t for n, t in tensors.items()}
@@ -150,8 +154,7 @@ class Kernel:
             from compiler import tune
             tuned = tune.tuned_tiles(self.program, batch, s_q, s_k, "triton") or {}
             block_m, block_n = tuned.get("BLOCK_M"), tuned.get("BLOCK_N")
-        default = default_prefill_config(self.program.d_qk, self.program.d_v, interpreted(), _capability(),
-                                         bool(ir.loads(self.program.mask)))
+        default = self.default_config(_capability())
         chosen_stages = num_stages is not None or "num_stages" in tuned
         chosen_warps = num_warps is not None or "num_warps" in tuned
         num_warps = num_warps if num_warps is not None else tuned.get("num_warps", default["num_warps"])
@@ -163,7 +166,7 @@ class Kernel:
             plan = self.plan(batch, s_q, s_k, tensors, block_m, block_n)
             short = short_row_config(plan) if untuned and not interpreted() else None
             if short:  # the default's tiles, chosen again now that the rows' lengths are known
-                plan = self.plan(batch, s_q, s_k, tensors, short["BLOCK_M"], short["BLOCK_N"])
+                plan = plan.retile(short["BLOCK_M"], short["BLOCK_N"])
                 num_stages = num_stages if chosen_stages else short["num_stages"]
         if not chosen_warps and not interpreted():  # warps follow the tile the plan has (given or chosen)
             num_warps = 8 if plan.block_m * plan.block_n >= 128 * 128 else 4

@@ -62,6 +62,26 @@ def score_program(score, b, h, q, k, T_sri, sri_s0, sri_n0, sri_s1, sri_n1, sri_
     """The score statements, in order, on the scaled q.k (float32)."""
     return score
 @triton.jit
+def _interval_vectors(UTS, UTE, LTS, LTE, vec_base, k_pos, S_K):
+    """FlashMask's four column vectors for the block's keys."""
+    inside = k_pos < S_K
+    return (tl.load(UTS + vec_base + k_pos, mask=inside, other=0), tl.load(UTE + vec_base + k_pos, mask=inside, other=0),
+            tl.load(LTS + vec_base + k_pos, mask=inside, other=0), tl.load(LTE + vec_base + k_pos, mask=inside, other=0))
+
+
+@triton.jit
+def _hide(s, b, h, q_pos, k_pos, S_K, Q_OFF, uts, ute, lts, lte, T_sri, sri_s0, sri_n0, sri_s1, sri_n1, sri_s2, sri_n2, sri_s3, sri_n3, MASK_FROM_INTERVALS: tl.constexpr):
+    """Hidden cells and keys past S_K to -inf: from the interval vectors (hidden iff the row is
+    in [UTS, UTE) or [LTS, LTE)) when MASK_FROM_INTERVALS, else from the predicate."""
+    if MASK_FROM_INTERVALS:
+        row = q_pos - Q_OFF
+        keep = ~(((row >= uts) & (row < ute)) | ((row >= lts) & (row < lte)))
+    else:
+        keep = visible(b, h, q_pos, k_pos, T_sri, sri_s0, sri_n0, sri_s1, sri_n1, sri_s2, sri_n2, sri_s3, sri_n3)
+    return tl.where(keep & (k_pos < S_K), s, float("-inf"))
+
+
+@triton.jit
 def _tile(q, K, V, desc_k, desc_v, kv_row0, s_kn, s_kd, s_vn, s_vd, start_n, m_i, l_i, acc, b, h, q_pos,
           S_K, Q_OFF, vec_base, qk_scale, UTS, UTE, LTS, LTE, T_sri, sri_s0, sri_n0, sri_s1, sri_n1, sri_s2, sri_n2, sri_s3, sri_n3,
           part, PARTIAL: tl.constexpr, DYNAMIC: tl.constexpr, MASK_FROM_INTERVALS: tl.constexpr,
@@ -87,34 +107,16 @@ def _tile(q, K, V, desc_k, desc_v, kv_row0, s_kn, s_kd, s_vn, s_vd, start_n, m_i
     s = tl.dot(q, kt)
     if HAS_SCORE:
         s = score_program(s * SCALE, b, h, q_pos, k_pos, T_sri, sri_s0, sri_n0, sri_s1, sri_n1, sri_s2, sri_n2, sri_s3, sri_n3)
-    if DYNAMIC:
-        if MASK_FROM_INTERVALS:  # FlashMask: hidden iff the row is in [UTS, UTE) or [LTS, LTE)
-            inside = k_pos < S_K
-            uts = tl.load(UTS + vec_base + k_pos, mask=inside, other=0)
-            ute = tl.load(UTE + vec_base + k_pos, mask=inside, other=0)
-            lts = tl.load(LTS + vec_base + k_pos, mask=inside, other=0)
-            lte = tl.load(LTE + vec_base + k_pos, mask=inside, other=0)
-        if part != 0:
-            if MASK_FROM_INTERVALS:
-                row = q_pos - Q_OFF
-                keep = ~(((row >= uts) & (row < ute)) | ((row >= lts) & (row < lte)))
-            else:
-                keep = visible(b, h, q_pos, k_pos, T_sri, sri_s0, sri_n0, sri_s1, sri_n1, sri_s2, sri_n2, sri_s3, sri_n3)
-            s = tl.where(keep & (k_pos < S_K), s, float("-inf"))
+    if PARTIAL or DYNAMIC:
+        uts, ute, lts, lte = 0, 0, 0, 0
+        if MASK_FROM_INTERVALS:
+            uts, ute, lts, lte = _interval_vectors(UTS, UTE, LTS, LTE, vec_base, k_pos, S_K)
+        if PARTIAL:
+            s = _hide(s, b, h, q_pos, k_pos, S_K, Q_OFF, uts, ute, lts, lte, T_sri, sri_s0, sri_n0, sri_s1, sri_n1, sri_s2, sri_n2, sri_s3, sri_n3, MASK_FROM_INTERVALS)
+        elif part != 0:
+            s = _hide(s, b, h, q_pos, k_pos, S_K, Q_OFF, uts, ute, lts, lte, T_sri, sri_s0, sri_n0, sri_s1, sri_n1, sri_s2, sri_n2, sri_s3, sri_n3, MASK_FROM_INTERVALS)
         elif not EVEN_N:
             s = tl.where(k_pos < S_K, s, float("-inf"))
-    elif PARTIAL:
-        if MASK_FROM_INTERVALS:  # FlashMask: hidden iff the row is in [UTS, UTE) or [LTS, LTE)
-            row = q_pos - Q_OFF
-            inside = k_pos < S_K
-            uts = tl.load(UTS + vec_base + k_pos, mask=inside, other=0)
-            ute = tl.load(UTE + vec_base + k_pos, mask=inside, other=0)
-            lts = tl.load(LTS + vec_base + k_pos, mask=inside, other=0)
-            lte = tl.load(LTE + vec_base + k_pos, mask=inside, other=0)
-            keep = ~(((row >= uts) & (row < ute)) | ((row >= lts) & (row < lte)))
-        else:
-            keep = visible(b, h, q_pos, k_pos, T_sri, sri_s0, sri_n0, sri_s1, sri_n1, sri_s2, sri_n2, sri_s3, sri_n3)
-        s = tl.where(keep & (k_pos < S_K), s, float("-inf"))
     elif not EVEN_N:
         s = tl.where(k_pos < S_K, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
@@ -172,48 +174,39 @@ def _attn_tile(tile, bh, Q, K, V, O, LSE, desc_k, desc_v,
     # WALK 1: FULL blocks as runs, then PARTIAL blocks one by one.  WALK 0: both lists block by block.
     if WALK == 3:
         for i in tl.range(tl.load(M_CSR + row), tl.load(M_CSR + row + 1)):
-            m_i, l_i, acc = _tile(q, K, V, desc_k, desc_v, kv_row0, s_kn, s_kd, s_vn, s_vd,
-                                  tl.load(M_IDX + i) * BLOCK_N, m_i, l_i, acc, b, h, q_pos, S_K, Q_OFF, vec_base,
-                                  qk_scale, UTS, UTE, LTS, LTE, T_sri, sri_s0, sri_n0, sri_s1, sri_n1, sri_s2, sri_n2, sri_s3, sri_n3, tl.load(M_FLAG + i), False, True,
-                                  MASK_FROM_INTERVALS, HAS_SCORE, EVEN_N, USE_TMA, BLOCK_N, D_QK_PAD, D_V_PAD)
+            m_i, l_i, acc = _tile(q, K, V, desc_k, desc_v, kv_row0, s_kn, s_kd, s_vn, s_vd, tl.load(M_IDX + i) * BLOCK_N,
+                m_i, l_i, acc, b, h, q_pos, S_K, Q_OFF, vec_base, qk_scale, UTS, UTE, LTS, LTE, T_sri, sri_s0, sri_n0, sri_s1, sri_n1, sri_s2, sri_n2, sri_s3, sri_n3,
+                tl.load(M_FLAG + i), False, True, MASK_FROM_INTERVALS, HAS_SCORE, EVEN_N, USE_TMA, BLOCK_N,
+                D_QK_PAD, D_V_PAD)
     elif WALK == 2:
         for r in range(tl.load(M_PTR + row), tl.load(M_PTR + row + 1)):
             lo = tl.load(M_LO + r)
             flags = M_FLAG + tl.load(M_BASE + r) - lo
             for j in tl.range(lo, tl.load(M_HI + r)):
-                m_i, l_i, acc = _tile(q, K, V, desc_k, desc_v, kv_row0, s_kn, s_kd, s_vn, s_vd, j * BLOCK_N, m_i,
-                                      l_i, acc, b, h, q_pos, S_K, Q_OFF, vec_base, qk_scale, UTS, UTE, LTS,
-                                      LTE, T_sri, sri_s0, sri_n0, sri_s1, sri_n1, sri_s2, sri_n2, sri_s3, sri_n3, tl.load(flags + j), False, True, MASK_FROM_INTERVALS,
-                                      HAS_SCORE, EVEN_N, USE_TMA, BLOCK_N, D_QK_PAD, D_V_PAD)
-    elif WALK == 1 and WARP_SPECIALIZE:  # Hopper+: producer/consumer warps for the long FULL runs
+                m_i, l_i, acc = _tile(q, K, V, desc_k, desc_v, kv_row0, s_kn, s_kd, s_vn, s_vd, j * BLOCK_N,
+                    m_i, l_i, acc, b, h, q_pos, S_K, Q_OFF, vec_base, qk_scale, UTS, UTE, LTS, LTE, T_sri, sri_s0, sri_n0, sri_s1, sri_n1, sri_s2, sri_n2, sri_s3, sri_n3,
+                    tl.load(flags + j), False, True, MASK_FROM_INTERVALS, HAS_SCORE, EVEN_N, USE_TMA, BLOCK_N,
+                    D_QK_PAD, D_V_PAD)
+    elif WALK == 1:  # WARP_SPECIALIZE: producer/consumer warps for the FULL runs (Blackwell; no gain on Hopper)
         for r in range(tl.load(F_PTR + row), tl.load(F_PTR + row + 1)):
             for start_n in tl.range(tl.load(F_LO + r) * BLOCK_N, tl.load(F_HI + r) * BLOCK_N, BLOCK_N,
-                                    warp_specialize=True):
-                m_i, l_i, acc = _tile(q, K, V, desc_k, desc_v, kv_row0, s_kn, s_kd, s_vn, s_vd, start_n, m_i,
-                                      l_i, acc, b, h, q_pos, S_K, Q_OFF, vec_base, qk_scale, UTS, UTE, LTS,
-                                      LTE, T_sri, sri_s0, sri_n0, sri_s1, sri_n1, sri_s2, sri_n2, sri_s3, sri_n3, 0, False, False, MASK_FROM_INTERVALS, HAS_SCORE, EVEN_N, USE_TMA,
-                                      BLOCK_N, D_QK_PAD, D_V_PAD)
-    elif WALK == 1:
-        for r in range(tl.load(F_PTR + row), tl.load(F_PTR + row + 1)):
-            for start_n in tl.range(tl.load(F_LO + r) * BLOCK_N, tl.load(F_HI + r) * BLOCK_N, BLOCK_N):
-                m_i, l_i, acc = _tile(q, K, V, desc_k, desc_v, kv_row0, s_kn, s_kd, s_vn, s_vd, start_n, m_i,
-                                      l_i, acc, b, h, q_pos, S_K, Q_OFF, vec_base, qk_scale, UTS, UTE, LTS,
-                                      LTE, T_sri, sri_s0, sri_n0, sri_s1, sri_n1, sri_s2, sri_n2, sri_s3, sri_n3, 0, False, False, MASK_FROM_INTERVALS, HAS_SCORE, EVEN_N, USE_TMA,
-                                      BLOCK_N, D_QK_PAD, D_V_PAD)
+                                    warp_specialize=WARP_SPECIALIZE):
+                m_i, l_i, acc = _tile(q, K, V, desc_k, desc_v, kv_row0, s_kn, s_kd, s_vn, s_vd, start_n,
+                    m_i, l_i, acc, b, h, q_pos, S_K, Q_OFF, vec_base, qk_scale, UTS, UTE, LTS, LTE, T_sri, sri_s0, sri_n0, sri_s1, sri_n1, sri_s2, sri_n2, sri_s3, sri_n3,
+                    0, False, False, MASK_FROM_INTERVALS, HAS_SCORE, EVEN_N, USE_TMA, BLOCK_N,
+                    D_QK_PAD, D_V_PAD)
     else:
         for i in range(tl.load(F_CSR + row), tl.load(F_CSR + row + 1)):
-            start_n = tl.load(F_IDX + i) * BLOCK_N
-            m_i, l_i, acc = _tile(q, K, V, desc_k, desc_v, kv_row0, s_kn, s_kd, s_vn, s_vd, start_n, m_i,
-                                  l_i, acc, b, h, q_pos, S_K, Q_OFF, vec_base, qk_scale, UTS, UTE, LTS,
-                                  LTE, T_sri, sri_s0, sri_n0, sri_s1, sri_n1, sri_s2, sri_n2, sri_s3, sri_n3, 0, False, False, MASK_FROM_INTERVALS, HAS_SCORE, EVEN_N, USE_TMA,
-                                  BLOCK_N, D_QK_PAD, D_V_PAD)
+            m_i, l_i, acc = _tile(q, K, V, desc_k, desc_v, kv_row0, s_kn, s_kd, s_vn, s_vd, tl.load(F_IDX + i) * BLOCK_N,
+                m_i, l_i, acc, b, h, q_pos, S_K, Q_OFF, vec_base, qk_scale, UTS, UTE, LTS, LTE, T_sri, sri_s0, sri_n0, sri_s1, sri_n1, sri_s2, sri_n2, sri_s3, sri_n3,
+                0, False, False, MASK_FROM_INTERVALS, HAS_SCORE, EVEN_N, USE_TMA, BLOCK_N,
+                D_QK_PAD, D_V_PAD)
     if WALK < 2:
         for i in range(tl.load(P_CSR + row), tl.load(P_CSR + row + 1)):
-            start_n = tl.load(P_IDX + i) * BLOCK_N
-            m_i, l_i, acc = _tile(q, K, V, desc_k, desc_v, kv_row0, s_kn, s_kd, s_vn, s_vd, start_n, m_i,
-                                  l_i, acc, b, h, q_pos, S_K, Q_OFF, vec_base, qk_scale, UTS, UTE, LTS,
-                                  LTE, T_sri, sri_s0, sri_n0, sri_s1, sri_n1, sri_s2, sri_n2, sri_s3, sri_n3, 1, True, False, MASK_FROM_INTERVALS, HAS_SCORE, EVEN_N,
-                                  USE_TMA, BLOCK_N, D_QK_PAD, D_V_PAD)
+            m_i, l_i, acc = _tile(q, K, V, desc_k, desc_v, kv_row0, s_kn, s_kd, s_vn, s_vd, tl.load(P_IDX + i) * BLOCK_N,
+                m_i, l_i, acc, b, h, q_pos, S_K, Q_OFF, vec_base, qk_scale, UTS, UTE, LTS, LTE, T_sri, sri_s0, sri_n0, sri_s1, sri_n1, sri_s2, sri_n2, sri_s3, sri_n3,
+                1, True, False, MASK_FROM_INTERVALS, HAS_SCORE, EVEN_N, USE_TMA, BLOCK_N,
+                D_QK_PAD, D_V_PAD)
     seen = l_i > 0
     l_safe = tl.where(seen, l_i, 1.0)
     out = tl.where(seen[:, None], acc / l_safe[:, None], 0.0)
@@ -272,7 +265,7 @@ def default_walk(plan, use_runs=None, mask_source=None):
     pipeline well under the per-block flag)."""
     if use_runs is not None:  # the older flag
         return "runs" if use_runs else "blocks"
-    if plan["mask_from_intervals"] and mask_source == "intervals":
+    if mask_source == "intervals":
         return "blocks"
     return "merged" if plan["mean_merged_run_blocks"] >= 24 else "merged_blocks"
 
@@ -296,10 +289,9 @@ def attention(q, k, v, plan, *, out=None, lse=None, num_warps=4, num_stages=2, u
         raise ValueError(f"walk must be one of {sorted(WALKS)}, not {walk!r}")
     if mask_source not in (None, "intervals", "predicate"):
         raise ValueError(f"mask_source must be None, 'intervals' or 'predicate', not {mask_source!r}")
-    from_intervals = bool(plan["mask_from_intervals"])
-    if mask_source == "intervals" and not from_intervals:
+    from_intervals = mask_source == "intervals"
+    if from_intervals and not plan["mask_from_intervals"]:
         raise ValueError("mask_source='intervals': this plan has no exact interval vectors for the mask")
-    from_intervals = from_intervals and mask_source == "intervals"
     if programs is not None and programs < 1:
         raise ValueError(f"programs = {programs}: a persistent launch needs at least one program")
     batch, _, s_q, _ = q.shape
