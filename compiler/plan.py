@@ -65,10 +65,12 @@ class Plan:
         return args
 
     def q_tile_order(self) -> np.ndarray:
-        """Query tiles by descending work (computed K/V blocks summed over (b', h')): launched
-        first, the longest rows finish with the rest instead of after them (LPT)."""
-        work = (self.tiles.classes != 0).sum(axis=(0, 1, 3))
-        return np.argsort(-work, kind="stable").astype(np.int32)
+        """Each plane's (b', h') query tiles by descending work (computed K/V blocks), flattened
+        [b' * h' * q_tiles]: the kernel launches every head's heaviest tile first, so the
+        longest rows finish with the rest instead of after them (LPT)."""
+        work = (self.tiles.classes != 0).sum(axis=3)
+        order = np.argsort(-work, axis=2, kind="stable")
+        return order.reshape(-1).astype(np.int32)
 
     def retile(self, block_m: int, block_n: int, method: str = "auto") -> "Plan":
         """The same call planned with other tiles: the mask analysis (the costly part) is reused."""

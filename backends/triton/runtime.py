@@ -117,10 +117,40 @@ class Kernel:
                           if isinstance(v, np.ndarray) else v for n, v in args.items()}
         return cache[key]
 
+    def prefill_launch(self, batch: int, s_q: int, s_k: int, tensors: dict, *, plan: Plan | None = None,
+                       block_m=None, block_n=None, num_warps=None, num_stages=None, use_tma=None,
+                       contiguous: bool = True) -> tuple[Plan, dict, bool]:
+        """The plan and launch options a prefill call runs with: what the caller gave, else
+        `attnc tune`'s winner for the call's key, else the untuned default (``default_config``,
+        then ``short_row_config`` once the plan's rows are known; warps follow the plan's tile).
+        Returns (plan, {num_warps, num_stages, use_tma}, whether the stages were chosen)."""
+        tuned = {}
+        if plan is None and block_m is None and block_n is None:  # `attnc tune`'s winner for this key
+            from compiler import tune
+            tuned = tune.tuned_tiles(self.program, batch, s_q, s_k, "triton") or {}
+            block_m, block_n = tuned.get("BLOCK_M"), tuned.get("BLOCK_N")
+        default = self.default_config(_capability())
+        chosen_stages = num_stages is not None or "num_stages" in tuned
+        chosen_warps = num_warps is not None or "num_warps" in tuned
+        num_warps = num_warps if num_warps is not None else tuned.get("num_warps", default["num_warps"])
+        num_stages = num_stages if num_stages is not None else tuned.get("num_stages", default["num_stages"])
+        if use_tma is None:
+            use_tma = tuned.get("use_tma", default["use_tma"] and contiguous)
+        if plan is None:
+            untuned = block_m is None and block_n is None
+            plan = self.plan(batch, s_q, s_k, tensors, block_m, block_n)
+            short = short_row_config(plan) if untuned and not interpreted() else None
+            if short:  # the default's tiles, chosen again now that the rows' lengths are known
+                plan = plan.retile(short["BLOCK_M"], short["BLOCK_N"])
+                num_stages = num_stages if chosen_stages else short["num_stages"]
+        if not chosen_warps and not interpreted():  # warps follow the tile the plan has (given or chosen)
+            num_warps = 8 if plan.block_m * plan.block_n >= 128 * 128 else 4
+        return plan, {"num_warps": num_warps, "num_stages": num_stages, "use_tma": use_tma}, chosen_stages
+
     def __call__(self, q, k, v, *, plan: Plan | None = None, return_lse=False, block_m=None, block_n=None,
                  num_warps: int | None = None, num_stages: int | None = None, use_tma: bool | None = None,
                  use_runs: bool | None = None, walk: str | None = None, mask_source: str | None = None,
-                 programs: int | None = None, **tensors):
+                 programs: int | None = None, head_group: int | None = None, slots: int | None = None, **tensors):
         import torch
         from_numpy = isinstance(q, np.ndarray)
         device = self.device
@@ -149,27 +179,10 @@ class Kernel:
                 q, k, v = (x.transpose(1, 2) for x in (q, k, v))
         batch, _, s_q, _ = q.shape
         s_k = k.shape[2]
-        tuned = {}
-        if plan is None and block_m is None and block_n is None:  # `attnc tune`'s winner for this key
-            from compiler import tune
-            tuned = tune.tuned_tiles(self.program, batch, s_q, s_k, "triton") or {}
-            block_m, block_n = tuned.get("BLOCK_M"), tuned.get("BLOCK_N")
-        default = self.default_config(_capability())
-        chosen_stages = num_stages is not None or "num_stages" in tuned
-        chosen_warps = num_warps is not None or "num_warps" in tuned
-        num_warps = num_warps if num_warps is not None else tuned.get("num_warps", default["num_warps"])
-        num_stages = num_stages if num_stages is not None else tuned.get("num_stages", default["num_stages"])
-        if use_tma is None:
-            use_tma = tuned.get("use_tma", default["use_tma"] and k.is_contiguous() and v.is_contiguous())
-        if plan is None:
-            untuned = block_m is None and block_n is None
-            plan = self.plan(batch, s_q, s_k, tensors, block_m, block_n)
-            short = short_row_config(plan) if untuned and not interpreted() else None
-            if short:  # the default's tiles, chosen again now that the rows' lengths are known
-                plan = plan.retile(short["BLOCK_M"], short["BLOCK_N"])
-                num_stages = num_stages if chosen_stages else short["num_stages"]
-        if not chosen_warps and not interpreted():  # warps follow the tile the plan has (given or chosen)
-            num_warps = 8 if plan.block_m * plan.block_n >= 128 * 128 else 4
+        plan, launch, chosen_stages = self.prefill_launch(
+            batch, s_q, s_k, tensors, plan=plan, block_m=block_m, block_n=block_n, num_warps=num_warps,
+            num_stages=num_stages, use_tma=use_tma, contiguous=k.is_contiguous() and v.is_contiguous())
+        num_warps, num_stages, use_tma = launch["num_warps"], launch["num_stages"], launch["use_tma"]
         plan.check_call(self.program, batch, s_q, s_k)
         out = None
         if bshd:
@@ -180,7 +193,8 @@ class Kernel:
             try:
                 o, lse = self.module.attention(q, k, v, args, out=out, num_warps=num_warps, num_stages=num_stages,
                                                use_tma=use_tma, walk=walk, use_runs=use_runs,
-                                               mask_source=mask_source, programs=programs, **tensors)
+                                               mask_source=mask_source, programs=programs,
+                                               head_group=head_group, slots=slots, **tensors)
                 break
             except Exception as e:  # the untuned default may not fit a mask's extra loads: one stage fewer
                 if chosen_stages or num_stages <= 1 or type(e).__name__ != "OutOfResources":
