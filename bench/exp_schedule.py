@@ -3,10 +3,11 @@
     python bench/exp_schedule.py [--out FILE] [--rounds 7] [--masks causal,full,...]
 
 For each mask: the default tiles of ``Kernel.prefill_launch`` launched with (a) the order before
-r21 (one head after another, head_group 1, no tail split), (b) head groups of 8, longest tile
-first across the group, no tail split, (c) as (b) with the last wave split (``tail_split``),
-(d) head groups of 4 with the split.  Variants are timed in turns, ``--rounds`` times, so that
-clock and thermal drift fall on all of them alike; rows carry every round's samples.
+r21 (one head after another, head_group 1), (b) head groups of 8, longest tile first across the
+group, (c) head groups of 4 (the default since r23), (d) as (c) without the load of the plan's
+order (a patched copy of the module).  Variants are timed in turns, ``--rounds`` times, so that
+clock and thermal drift fall on all of them alike; rows carry every round's samples.  (r22/r23
+were made at commit 878a5a3, which also had a split of the last wave, since removed.)
 """
 from __future__ import annotations
 
@@ -19,8 +20,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-VARIANTS = {"old_order": (1, 0), "group8": (8, 0), "group8_tail": (8, None), "group4_tail": (4, None),
-            "group4_no_order_load": (4, 0)}
+VARIANTS = {"old_order": 1, "group8": 8, "group4": 4, "group4_no_order_load": 4}
 # the last variant runs a copy of the module whose tiles skip the plan's order (tile = last - rank,
 # no dependent load before the row's block list): what one fewer load in the prologue is worth
 NO_ORDER = ("pid_m = tl.load(ORDER + plane * Q_TILES + rank)", "pid_m = Q_TILES - 1 - rank")
@@ -43,7 +43,6 @@ def main(argv=None):
 
     batch, heads, seq, d = args.batch, args.heads, args.seq, 128
     q, k, v = (torch.randn(batch, heads, seq, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
     for name in args.masks.split(","):
         src, decls = bench.PREFILL_MASKS[name]
         program = compile_spec(bench.spec_text(name, heads, d, src, decls))
@@ -59,23 +58,17 @@ def main(argv=None):
         from backends.common import load_module
         assert NO_ORDER[0] in kernel.source.text
         patched = load_module(kernel.source.text.replace(*NO_ORDER), kernel.source.module_stem + "_no_order")
-        fns, splits = {}, {}
+        fns = {}
         ref = None
-        for var, (group, slots) in VARIANTS.items():
+        for var, group in VARIANTS.items():
             module = patched if var == "group4_no_order_load" else kernel.module
 
-            def fn(group=group, slots=slots, module=module):
-                return module.attention(q, k, v, plan_args, head_group=group, slots=slots, **launch, **tensors)
-            fn()  # learns the variant's occupancy
+            def fn(group=group, module=module):
+                return module.attention(q, k, v, plan_args, head_group=group, **launch, **tensors)
             o, _ = fn()
             torch.cuda.synchronize()
             ref = o if ref is None else ref
             err = ((o.float() - ref.float()).norm() / ref.float().norm()).item()
-            occ = [val for key, val in kernel.module._OCCUPANCY.items()]
-            slot_count = sms * occ[0] if occ else 0
-            split = kernel.module.tail_split(plan_args, batch * heads, slot_count, group) if slots is None else None
-            splits[var] = None if split is None else {"n_main": int(split[0]), "parts": int(len(split[1])),
-                                                      "jobs_split": int(len(split[4]) - 1)}
             assert err < 1e-2, (name, var, err)
             fns[var] = fn
         samples = {var: [] for var in fns}
@@ -87,11 +80,10 @@ def main(argv=None):
             meds = [float(np.median(s)) for s in samples[var]]
             tf = flops / float(np.median(meds)) / 1e9
             row = {"study": "prefill_schedule", "mask": name, "variant": var, "B": batch, "H": heads, "S": seq,
-                   "D": d, "tiles": [plan.block_m, plan.block_n], "launch": launch, "split": splits[var],
-                   "occupancy": dict((str(k_), v_) for k_, v_ in kernel.module._OCCUPANCY.items()),
+                   "D": d, "tiles": [plan.block_m, plan.block_n], "launch": launch,
                    "round_medians_ms": meds, "TFLOPs": tf, "gpu": torch.cuda.get_device_name(),
                    "torch": torch.__version__, "triton": triton.__version__, "samples_ms": samples[var]}
-            print(f"{name:22} {var:12} {tf:6.1f} TFLOP/s  rounds {min(meds):.3f}-{max(meds):.3f} ms  split {splits[var]}",
+            print(f"{name:22} {var:12} {tf:6.1f} TFLOP/s  rounds {min(meds):.3f}-{max(meds):.3f} ms",
                   flush=True)
             if args.out:
                 with open(args.out, "a") as f:

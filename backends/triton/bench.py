@@ -45,7 +45,6 @@ class PrefillConfig(NamedTuple):
     mask_source: str | None = None
     per_sm: int = 0
     head_group: int | None = None  # None: the kernel's HEAD_GROUP; 1: one head after another (the order before r21)
-    tail_split: bool = True  # False: never split the last wave (slots=0)
 
 
 DEFAULT = "default"  # a config string: time what the runtime picks untuned (Kernel.prefill_launch)
@@ -59,7 +58,7 @@ CONFIGS = [PrefillConfig(*c) for c in ((128, 128, 8, 3, True), (128, 128, 8, 2, 
 WALK_LETTERS = {"r": "runs", "b": "blocks", "g": "merged", "m": "merged_blocks"}
 
 
-FLAGS = "twrbgmpison"
+FLAGS = "twrbgmpiso"
 
 
 def parse_configs(text: str) -> list:
@@ -68,8 +67,7 @@ def parse_configs(text: str) -> list:
     interval vectors exist (the default already), i = from the interval vectors; a walk letter
     (r = FULL runs then PARTIAL blocks, b = block by block, g = merged runs, m = merged block
     list), else the kernel's own choice; s = persistent with one program per SM, ss two per SM,
-    and so on; o = the old launch order (one head after another, head_group 1); n = no split
-    of the last wave."""
+    and so on; o = the old launch order (one head after another, head_group 1)."""
     out = []
     for c in text.split(","):
         if c.strip() == DEFAULT:
@@ -83,7 +81,7 @@ def parse_configs(text: str) -> list:
         walk = next((w for f, w in WALK_LETTERS.items() if f in flags), None)
         source = "intervals" if "i" in flags else "predicate" if "p" in flags else None
         out.append(PrefillConfig(*(int(x) for x in head.split("x")), int(digits), "t" in flags, "w" in flags,
-                                 walk, source, flags.count("s"), 1 if "o" in flags else None, "n" not in flags))
+                                 walk, source, flags.count("s"), 1 if "o" in flags else None))
     return out
 
 
@@ -186,7 +184,7 @@ def run_prefill(batch=4, heads=16, seq=8192, head_dim=128, masks=None, configs=N
                 plan, launch, _ = kernel.prefill_launch(batch, seq, seq, tensors_np)
                 cfg = PrefillConfig(plan.block_m, plan.block_n, launch["num_warps"], launch["num_stages"],
                                     launch["use_tma"])
-            bm, bn, warps, stages, tma, ws, walk, source, per_sm, head_group, tail = PrefillConfig(*cfg)
+            bm, bn, warps, stages, tma, ws, walk, source, per_sm, head_group = PrefillConfig(*cfg)
             programs = per_sm * torch.cuda.get_device_properties(0).multi_processor_count if per_sm else None
             if not is_default:
                 plan = kernel.plan(batch, seq, seq, tensors_np, bm, bn)
@@ -195,9 +193,8 @@ def run_prefill(batch=4, heads=16, seq=8192, head_dim=128, masks=None, configs=N
             fn = lambda: kernel.module.attention(q, k, v, args, num_warps=warps, num_stages=stages,  # noqa: E731
                                                  use_tma=tma, warp_specialize=ws, walk=walk,
                                                  mask_source=source, programs=programs, head_group=head_group,
-                                                 slots=None if tail else 0, **tensors)
+                                                 **tensors)
             try:
-                fn()  # the first launch of a variant learns its occupancy (and never splits the tail)
                 o, _ = fn()
                 torch.cuda.synchronize()
             except Exception as e:  # a config that does not compile (e.g. shared memory) is recorded
@@ -213,14 +210,13 @@ def run_prefill(batch=4, heads=16, seq=8192, head_dim=128, masks=None, configs=N
                                                           "warp_specialize": ws, "walk": walk_used,
                                                           "mask_source": source or "predicate",
                                                           "programs": programs, "default": is_default,
-                                                          "head_group": head_group or kernel.module.HEAD_GROUP,
-                                                          "tail_split": tail},
+                                                          "head_group": head_group or kernel.module.HEAD_GROUP},
                    "tiles": plan.tiles.counts(), "rel_l2_error": err, "pass": ok, "samples_ms": samples,
                    "median_ms": med, "TFLOPs": flops / med / 1e9 if samples else None}
             rows.append(row)
             label = (f"{'default ' if is_default else ''}{bm}x{bn} w{warps} s{stages} tma={tma} ws={ws} {walk_used} "
                      f"{source or ''}{f' persistent {programs}' if programs else ''}"
-                     f"{' old-order' if head_group == 1 else ''}{'' if tail else ' no-tail-split'}")
+                     f"{' old-order' if head_group == 1 else ''}")
             print(f"{name:22} attnc {label}: err {err:.1e} "
                   f"{med:.3f} ms {row['TFLOPs'] or 0:.0f} TFLOP/s", flush=True)
             if ok and (best is None or med < best["median_ms"]):

@@ -150,7 +150,7 @@ class Kernel:
     def __call__(self, q, k, v, *, plan: Plan | None = None, return_lse=False, block_m=None, block_n=None,
                  num_warps: int | None = None, num_stages: int | None = None, use_tma: bool | None = None,
                  use_runs: bool | None = None, walk: str | None = None, mask_source: str | None = None,
-                 programs: int | None = None, head_group: int | None = None, slots: int | None = None, **tensors):
+                 programs: int | None = None, head_group: int | None = None, **tensors):
         import torch
         from_numpy = isinstance(q, np.ndarray)
         device = self.device
@@ -194,7 +194,7 @@ class Kernel:
                 o, lse = self.module.attention(q, k, v, args, out=out, num_warps=num_warps, num_stages=num_stages,
                                                use_tma=use_tma, walk=walk, use_runs=use_runs,
                                                mask_source=mask_source, programs=programs,
-                                               head_group=head_group, slots=slots, **tensors)
+                                               head_group=head_group, **tensors)
                 break
             except Exception as e:  # the untuned default may not fit a mask's extra loads: one stage fewer
                 if chosen_stages or num_stages <= 1 or type(e).__name__ != "OutOfResources":

@@ -17,7 +17,6 @@ live in base 2 (exp2) inside the loop; LSE is written in natural log, -inf for
 rows with no visible key, whose O is 0.  Positions are bottom-right aligned:
 query row i is at q = Q_OFF + i with Q_OFF = S_k - S_q.
 """
-import numpy as np
 import triton
 import triton.language as tl
 
@@ -161,20 +160,18 @@ def _tile_of(rank, bh, ORDER, PLAN_B, PLAN_H, Q_TILES):
 
 
 @triton.jit
-def _attn_tile(rank, bh, part, part_lo, part_hi, Q, K, V, O, LSE, desc_k, desc_v,
+def _attn_tile(rank, bh, Q, K, V, O, LSE, desc_k, desc_v,
               s_qb, s_qh, s_qm, s_qd, s_kb, s_kh, s_kn, s_kd, s_vb, s_vh, s_vn, s_vd,
               s_ob, s_oh, s_om, s_od,
               ORDER, F_PTR, F_LO, F_HI, P_CSR, P_IDX, F_CSR, F_IDX, M_PTR, M_LO, M_HI, M_BASE, M_FLAG,
               M_CSR, M_IDX,
-              UTS, UTE, LTS, LTE, OWS, LWS,
+              UTS, UTE, LTS, LTE,
               S_Q, S_K, Q_OFF, PLAN_B, PLAN_H, Q_TILES, qk_scale,
                MASK_FROM_INTERVALS: tl.constexpr, HAS_SCORE: tl.constexpr, EVEN_N: tl.constexpr,
                USE_TMA: tl.constexpr, WALK: tl.constexpr,
                WARP_SPECIALIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               D_QK_PAD: tl.constexpr, D_V_PAD: tl.constexpr, SPLIT: tl.constexpr):
-    """One query tile of one (request, query head): head bh's ``rank``-th heaviest in the plan's
-    order.  SPLIT: only entries [part_lo, part_hi) of the row's merged block list, the partial
-    state (O normalized, LSE in base 2) written to workspace slot ``part`` for _tail_combine."""
+               D_QK_PAD: tl.constexpr, D_V_PAD: tl.constexpr):
+    """One query tile of one (request, query head): head bh's ``rank``-th heaviest in the plan's order."""
     pid_m, b, h, row = _tile_of(rank, bh, ORDER, PLAN_B, PLAN_H, Q_TILES)
     kv_h = h // GROUP
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -192,13 +189,7 @@ def _attn_tile(rank, bh, part, part_lo, part_hi, Q, K, V, O, LSE, desc_k, desc_v
     # WALK 2: every computed block, as runs of consecutive blocks (a pipelined loop per run), the
     # mask applied where the block's PARTIAL flag is set; WALK 3: the same blocks as one list.
     # WALK 1: FULL blocks as runs, then PARTIAL blocks one by one.  WALK 0: both lists block by block.
-    if SPLIT:
-        for i in tl.range(part_lo, part_hi):
-            m_i, l_i, acc = _tile(q, K, V, desc_k, desc_v, kv_row0, s_kn, s_kd, s_vn, s_vd, tl.load(M_IDX + i) * BLOCK_N,
-                m_i, l_i, acc, b, h, q_pos, S_K, Q_OFF, vec_base, qk_scale, UTS, UTE, LTS, LTE,
-                tl.load(M_FLAG + i), False, True, MASK_FROM_INTERVALS, HAS_SCORE, EVEN_N, USE_TMA, BLOCK_N,
-                D_QK_PAD, D_V_PAD)
-    elif WALK == 3:
+    if WALK == 3:
         for i in tl.range(tl.load(M_CSR + row), tl.load(M_CSR + row + 1)):
             m_i, l_i, acc = _tile(q, K, V, desc_k, desc_v, kv_row0, s_kn, s_kd, s_vn, s_vd, tl.load(M_IDX + i) * BLOCK_N,
                 m_i, l_i, acc, b, h, q_pos, S_K, Q_OFF, vec_base, qk_scale, UTS, UTE, LTS, LTE,
@@ -227,7 +218,7 @@ def _attn_tile(rank, bh, part, part_lo, part_hi, Q, K, V, O, LSE, desc_k, desc_v
                 m_i, l_i, acc, b, h, q_pos, S_K, Q_OFF, vec_base, qk_scale, UTS, UTE, LTS, LTE,
                 0, False, False, MASK_FROM_INTERVALS, HAS_SCORE, EVEN_N, USE_TMA, BLOCK_N,
                 D_QK_PAD, D_V_PAD)
-    if WALK < 2 and not SPLIT:
+    if WALK < 2:
         for i in range(tl.load(P_CSR + row), tl.load(P_CSR + row + 1)):
             m_i, l_i, acc = _tile(q, K, V, desc_k, desc_v, kv_row0, s_kn, s_kd, s_vn, s_vd, tl.load(P_IDX + i) * BLOCK_N,
                 m_i, l_i, acc, b, h, q_pos, S_K, Q_OFF, vec_base, qk_scale, UTS, UTE, LTS, LTE,
@@ -236,16 +227,11 @@ def _attn_tile(rank, bh, part, part_lo, part_hi, Q, K, V, O, LSE, desc_k, desc_v
     seen = l_i > 0
     l_safe = tl.where(seen, l_i, 1.0)
     out = tl.where(seen[:, None], acc / l_safe[:, None], 0.0)
-    lse2 = tl.where(seen, m_i + tl.log2(l_safe), float("-inf"))
+    lse = tl.where(seen, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
     offs_dv = tl.arange(0, D_V_PAD)
-    if SPLIT:
-        slot = part * BLOCK_M + tl.arange(0, BLOCK_M)
-        tl.store(OWS + slot[:, None] * D_V_PAD + offs_dv[None, :], out)
-        tl.store(LWS + slot, lse2)
-    else:
-        o_ptrs = O + b * s_ob + h * s_oh + offs_m[:, None] * s_om + offs_dv[None, :] * s_od
-        tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=(offs_m[:, None] < S_Q) & (offs_dv[None, :] < D_V))
-        tl.store(LSE + bh * S_Q + offs_m, lse2 * 0.6931471805599453, mask=offs_m < S_Q)
+    o_ptrs = O + b * s_ob + h * s_oh + offs_m[:, None] * s_om + offs_dv[None, :] * s_od
+    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=(offs_m[:, None] < S_Q) & (offs_dv[None, :] < D_V))
+    tl.store(LSE + bh * S_Q + offs_m, lse, mask=offs_m < S_Q)
 
 
 
@@ -255,99 +241,39 @@ def _attn_fwd(Q, K, V, O, LSE, desc_k, desc_v,
               s_ob, s_oh, s_om, s_od,
               ORDER, F_PTR, F_LO, F_HI, P_CSR, P_IDX, F_CSR, F_IDX, M_PTR, M_LO, M_HI, M_BASE, M_FLAG,
               M_CSR, M_IDX,
-              UTS, UTE, LTS, LTE, OWS, LWS,
-              S_Q, S_K, Q_OFF, PLAN_B, PLAN_H, Q_TILES, qk_scale, BH, N_MAIN, T_JOB, T_LO, T_HI,
+              UTS, UTE, LTS, LTE,
+              S_Q, S_K, Q_OFF, PLAN_B, PLAN_H, Q_TILES, qk_scale, BH,
               MASK_FROM_INTERVALS: tl.constexpr, HAS_SCORE: tl.constexpr, EVEN_N: tl.constexpr,
               USE_TMA: tl.constexpr, WALK: tl.constexpr,
               WARP_SPECIALIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               D_QK_PAD: tl.constexpr, D_V_PAD: tl.constexpr, PERSISTENT: tl.constexpr,
-              HEAD_GROUP: tl.constexpr, HAS_TAIL: tl.constexpr):
-    """One program per (query tile, request * query head) in ``_job``'s order; with HAS_TAIL,
-    programs from N_MAIN on each take one part of a split tail job (``tail_split``).  Or
-    PERSISTENT: a fixed number of programs, each taking every num_programs-th job.  Measured on
-    the H200 with triton 3.6 (bench/results/prefill_h200_r17_persistent.jsonl) the persistent
-    loop is slower everywhere (causal 445 against 499, documents 235 against 297): Triton does
-    not overlap one tile's epilogue with the next tile's loads here, flattened or not.  Opt-in."""
+              HEAD_GROUP: tl.constexpr):
+    """One program per (query tile, request * query head), in ``_job``'s order.  Or PERSISTENT:
+    a fixed number of programs, each taking every num_programs-th job.  Measured on the H200
+    with triton 3.6 (bench/results/prefill_h200_r17_persistent.jsonl) the persistent loop is
+    slower everywhere (causal 445 against 499, documents 235 against 297): Triton does not
+    overlap one tile's epilogue with the next tile's loads here, flattened or not.  Opt-in."""
     if PERSISTENT:
         for t in tl.range(tl.program_id(0), Q_TILES * BH, tl.num_programs(0), flatten=True):
             rank, bh = _job(t, BH, Q_TILES, HEAD_GROUP)
-            _attn_tile(rank, bh, 0, 0, 0, Q, K, V, O, LSE, desc_k, desc_v,
+            _attn_tile(rank, bh, Q, K, V, O, LSE, desc_k, desc_v,
               s_qb, s_qh, s_qm, s_qd, s_kb, s_kh, s_kn, s_kd, s_vb, s_vh, s_vn, s_vd,
               s_ob, s_oh, s_om, s_od,
               ORDER, F_PTR, F_LO, F_HI, P_CSR, P_IDX, F_CSR, F_IDX, M_PTR, M_LO, M_HI, M_BASE, M_FLAG,
               M_CSR, M_IDX,
-              UTS, UTE, LTS, LTE, OWS, LWS,
+              UTS, UTE, LTS, LTE,
               S_Q, S_K, Q_OFF, PLAN_B, PLAN_H, Q_TILES, qk_scale, MASK_FROM_INTERVALS, HAS_SCORE, EVEN_N, USE_TMA, WALK, WARP_SPECIALIZE, BLOCK_M, BLOCK_N,
-                   D_QK_PAD, D_V_PAD, False)
+                   D_QK_PAD, D_V_PAD)
     else:
-        t = tl.program_id(0)
-        if HAS_TAIL:
-            if t < N_MAIN:
-                rank, bh = _job(t, BH, Q_TILES, HEAD_GROUP)
-                _attn_tile(rank, bh, 0, 0, 0, Q, K, V, O, LSE, desc_k, desc_v,
+        rank, bh = _job(tl.program_id(0), BH, Q_TILES, HEAD_GROUP)
+        _attn_tile(rank, bh, Q, K, V, O, LSE, desc_k, desc_v,
               s_qb, s_qh, s_qm, s_qd, s_kb, s_kh, s_kn, s_kd, s_vb, s_vh, s_vn, s_vd,
               s_ob, s_oh, s_om, s_od,
               ORDER, F_PTR, F_LO, F_HI, P_CSR, P_IDX, F_CSR, F_IDX, M_PTR, M_LO, M_HI, M_BASE, M_FLAG,
               M_CSR, M_IDX,
-              UTS, UTE, LTS, LTE, OWS, LWS,
+              UTS, UTE, LTS, LTE,
               S_Q, S_K, Q_OFF, PLAN_B, PLAN_H, Q_TILES, qk_scale, MASK_FROM_INTERVALS, HAS_SCORE, EVEN_N, USE_TMA, WALK, WARP_SPECIALIZE, BLOCK_M, BLOCK_N,
-                   D_QK_PAD, D_V_PAD, False)
-            else:
-                part = t - N_MAIN
-                rank, bh = _job(tl.load(T_JOB + part), BH, Q_TILES, HEAD_GROUP)
-                _attn_tile(rank, bh, part, tl.load(T_LO + part), tl.load(T_HI + part),
-                           Q, K, V, O, LSE, desc_k, desc_v,
-              s_qb, s_qh, s_qm, s_qd, s_kb, s_kh, s_kn, s_kd, s_vb, s_vh, s_vn, s_vd,
-              s_ob, s_oh, s_om, s_od,
-              ORDER, F_PTR, F_LO, F_HI, P_CSR, P_IDX, F_CSR, F_IDX, M_PTR, M_LO, M_HI, M_BASE, M_FLAG,
-              M_CSR, M_IDX,
-              UTS, UTE, LTS, LTE, OWS, LWS,
-              S_Q, S_K, Q_OFF, PLAN_B, PLAN_H, Q_TILES, qk_scale, MASK_FROM_INTERVALS, HAS_SCORE, EVEN_N, USE_TMA, WALK, WARP_SPECIALIZE, BLOCK_M, BLOCK_N,
-                   D_QK_PAD, D_V_PAD, True)
-        else:
-            rank, bh = _job(t, BH, Q_TILES, HEAD_GROUP)
-            _attn_tile(rank, bh, 0, 0, 0, Q, K, V, O, LSE, desc_k, desc_v,
-              s_qb, s_qh, s_qm, s_qd, s_kb, s_kh, s_kn, s_kd, s_vb, s_vh, s_vn, s_vd,
-              s_ob, s_oh, s_om, s_od,
-              ORDER, F_PTR, F_LO, F_HI, P_CSR, P_IDX, F_CSR, F_IDX, M_PTR, M_LO, M_HI, M_BASE, M_FLAG,
-              M_CSR, M_IDX,
-              UTS, UTE, LTS, LTE, OWS, LWS,
-              S_Q, S_K, Q_OFF, PLAN_B, PLAN_H, Q_TILES, qk_scale, MASK_FROM_INTERVALS, HAS_SCORE, EVEN_N, USE_TMA, WALK, WARP_SPECIALIZE, BLOCK_M, BLOCK_N,
-                   D_QK_PAD, D_V_PAD, False)
-
-
-@triton.jit
-def _tail_combine(O, LSE, OWS, LWS, T_PTR, T_JOB, ORDER, s_ob, s_oh, s_om, s_od, S_Q, BH, PLAN_B, PLAN_H,
-                  Q_TILES, HEAD_GROUP: tl.constexpr, BLOCK_M: tl.constexpr, D_V_PAD: tl.constexpr):
-    """Split tail job j: merge its parts' states (O normalized, LSE base 2; a part whose rows
-    saw no visible key has -inf and weighs 0) into O and the natural-log LSE."""
-    j = tl.program_id(0)
-    p0 = tl.load(T_PTR + j)
-    rank, bh = _job(tl.load(T_JOB + p0), BH, Q_TILES, HEAD_GROUP)
-    pid_m, b, h, row = _tile_of(rank, bh, ORDER, PLAN_B, PLAN_H, Q_TILES)
-    rows = tl.arange(0, BLOCK_M)
-    offs_dv = tl.arange(0, D_V_PAD)
-    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, D_V_PAD], tl.float32)
-    for p in range(p0, tl.load(T_PTR + j + 1)):
-        lse_p = tl.load(LWS + p * BLOCK_M + rows)
-        m_new = tl.maximum(m, lse_p)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.math.exp2(m - m_safe)
-        w = tl.math.exp2(lse_p - m_safe)
-        o_p = tl.load(OWS + (p * BLOCK_M + rows)[:, None] * D_V_PAD + offs_dv[None, :])
-        acc = acc * alpha[:, None] + o_p * w[:, None]
-        l = l * alpha + w
-        m = m_new
-    seen = l > 0
-    l_safe = tl.where(seen, l, 1.0)
-    out = tl.where(seen[:, None], acc / l_safe[:, None], 0.0)
-    offs_m = pid_m * BLOCK_M + rows
-    o_ptrs = O + b * s_ob + h * s_oh + offs_m[:, None] * s_om + offs_dv[None, :] * s_od
-    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=(offs_m[:, None] < S_Q) & (offs_dv[None, :] < D_V))
-    tl.store(LSE + bh * S_Q + offs_m, tl.where(seen, (m + tl.log2(l_safe)) * 0.6931471805599453, float("-inf")),
-             mask=offs_m < S_Q)
+                   D_QK_PAD, D_V_PAD)
 
 
 def default_walk(plan, use_runs=None, mask_source=None):
@@ -364,64 +290,12 @@ def default_walk(plan, use_runs=None, mask_source=None):
     return "merged" if plan["mean_merged_run_blocks"] >= 24 else "merged_blocks"
 
 
-HEAD_GROUP = 8  # heads whose tiles interleave, longest first (``_job``)
-MIN_PART_BLOCKS = 4  # the fewest K/V blocks a split tail part takes (a tile costs ~4 blocks of set-up)
-_OCCUPANCY = {}  # compiled launch variant -> programs one SM runs at once (learned at its first launch)
-
-
-def tail_split(plan, bh, slots, head_group=HEAD_GROUP, min_part_blocks=None):
-    """Balance the launch's last wave: with ``slots`` programs running at once, the last
-    ``r = jobs % slots`` jobs (in ``_job``'s order) run in a wave of their own.  When they are
-    few (r <= slots / 2) and long (on average at least half the mean job), each is cut into
-    up to slots / r parts of at least ``min_part_blocks`` blocks of its merged block list (a
-    shorter job stays one part), so that the parts fill the wave; ``_tail_combine`` merges
-    them.  Returns None (no split) or (n_main, job, lo, hi, ptr) as numpy arrays: part i runs
-    entries [lo[i], hi[i]) of job[i]'s row; split job j owns parts [ptr[j], ptr[j + 1])."""
-    min_part_blocks = min_part_blocks or MIN_PART_BLOCKS
-    host = plan.setdefault("_host", {})
-    if not host:
-        for n in ("q_tile_order", "merged_indptr"):
-            host[n] = plan[n].cpu().numpy().astype(np.int64)
-    q_tiles, plan_b, plan_h = plan["q_tiles"], plan["plan_b"], plan["plan_h"]
-    jobs = q_tiles * bh
-    r = jobs % slots if slots else 0
-    if r == 0 or 2 * r > slots:
-        return None
-    t = np.arange(jobs - r, jobs)
-    base = t // (head_group * q_tiles) * head_group
-    g = np.minimum(bh - base, head_group)
-    rank, head = (t - base * q_tiles) // g, base + (t - base * q_tiles) % g
-    b, h = head // H_Q.value, head % H_Q.value
-    plane = np.where(plan_b > 1, b, 0) * plan_h + np.where(plan_h > 1, h, 0)
-    row = plane * q_tiles + host["q_tile_order"][plane * q_tiles + rank]
-    ptr = host["merged_indptr"]
-    lo, n = ptr[row], ptr[row + 1] - ptr[row]
-    mean_job = ptr[-1] / max(len(ptr) - 1, 1)
-    parts = np.clip(n // min_part_blocks, 1, slots // r)  # a short job stays whole (one part)
-    if parts.max() < 2 or n.mean() < 0.5 * mean_job:
-        return None
-    owner = np.repeat(np.arange(r), parts)
-    k = np.arange(len(owner)) - np.repeat(np.cumsum(parts) - parts, parts)
-    cut = lambda k: lo[owner] + n[owner] * k // parts[owner]  # noqa: E731
-    return (jobs - r, t[owner], cut(k), cut(k + 1), np.r_[0, np.cumsum(parts)])
-
-
-def _occupancy(kernel, device):
-    """Programs of a compiled kernel that one SM holds at once (threads, registers, shared memory)."""
-    import torch
-    props = torch.cuda.get_device_properties(device)
-    warps = kernel.metadata.num_warps
-    regs = -(-kernel.n_regs * 32 // 256) * 256 * warps  # allocated per warp in units of 256
-    smem = getattr(props, "shared_memory_per_multiprocessor", 233472)
-    fit = [getattr(props, "max_threads_per_multi_processor", 2048) // (32 * warps),
-           getattr(props, "regs_per_multiprocessor", 65536) // max(regs, 1),
-           smem // (kernel.metadata.shared + 1024)]
-    return max(1, min(fit))
+HEAD_GROUP = 4  # heads whose tiles interleave, longest first (``_job``)
 
 
 def attention(q, k, v, plan, *, out=None, lse=None, num_warps=4, num_stages=2, use_tma=False, walk=None,
               use_runs=None, warp_specialize=False, mask_source=None, programs=None, head_group=None,
-              slots=None, **tensors):
+              **tensors):
     """Launch on torch tensors in bhsd: q [B, H_q, S_q, d_qk], k/v [B, H_kv, S_k, d]; ``plan`` holds
     the tile plan's arrays as torch tensors on q's device (attnc's runtime builds it).  ``walk``:
     "merged" (all computed blocks as runs, the mask where flagged), "merged_blocks" (the same as
@@ -434,10 +308,9 @@ def attention(q, k, v, plan, *, out=None, lse=None, num_warps=4, num_stages=2, u
     TFLOP/s from the predicate against 239 from the intervals: one gather of doc[b, k] per block
     against four vector loads.  ``programs``: run persistent with that many programs, each
     looping over (query tile, head) pairs (None: one program per pair; measured faster).
-    ``head_group``: heads whose tiles interleave longest first (``_job``; default HEAD_GROUP).
-    ``slots``: programs the GPU runs at once, for ``tail_split`` (None: SMs times the compiled
-    kernel's occupancy, known from this variant's first launch, which never splits; 0: never
-    split)."""
+    ``head_group``: heads whose tiles interleave longest first (``_job``; default HEAD_GROUP,
+    measured in bench/results/studies/prefill_schedule_h200_r23.jsonl: causal 504 TFLOP/s
+    against 485 for one head after another, head_group 1, and 496 for groups of 8)."""
     import torch
     if walk is not None and walk not in WALKS:
         raise ValueError(f"walk must be one of {sorted(WALKS)}, not {walk!r}")
@@ -448,7 +321,7 @@ def attention(q, k, v, plan, *, out=None, lse=None, num_warps=4, num_stages=2, u
         raise ValueError("mask_source='intervals': this plan has no exact interval vectors for the mask")
     if programs is not None and programs < 1:
         raise ValueError(f"programs = {programs}: a persistent launch needs at least one program")
-    head_group = head_group or HEAD_GROUP
+    head_group = HEAD_GROUP if head_group is None else head_group
     if head_group < 1:
         raise ValueError(f"head_group = {head_group}: must be at least 1")
     batch, _, s_q, _ = q.shape
@@ -475,40 +348,21 @@ def attention(q, k, v, plan, *, out=None, lse=None, num_warps=4, num_stages=2, u
         desc_v = TensorDescriptor.from_tensor(v.view(-1, D_V.value), [bn, D_V.value])
     bh = batch * H_Q.value
     jobs = plan["q_tiles"] * bh
-    walk_id = WALKS[walk or default_walk(plan, use_runs, mask_source)]
-    variant = (str(q.device), bm, bn, num_warps, num_stages, use_tma, walk_id, from_intervals, warp_specialize)
-    if slots is None:
-        slots = 0 if programs is not None or variant not in _OCCUPANCY else (
-            torch.cuda.get_device_properties(q.device).multi_processor_count * _OCCUPANCY[variant])
-    split = tail_split(plan, bh, slots, head_group) if slots and programs is None else None
-    n_main, tables = jobs, [plan["q_tile_order"]] * 3
-    ows = lws = lse
-    if split is not None:
-        n_main, job, lo, hi, ptr = split
-        tables = [torch.as_tensor(a.astype(np.int32), device=q.device) for a in (job, lo, hi, ptr)]
-        ows = torch.empty(len(job), bm, D_V_PAD.value, device=q.device, dtype=torch.float32)
-        lws = torch.empty(len(job), bm, device=q.device, dtype=torch.float32)
-    grid = (n_main + (len(split[1]) if split else 0),) if programs is None else (max(1, min(programs, jobs)),)
-    compiled = _attn_fwd[grid](
+    grid = (jobs,) if programs is None else (max(1, min(programs, jobs)),)
+    _attn_fwd[grid](
         q, k, v, out, lse, desc_k, desc_v, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         plan["q_tile_order"], plan["full_run_ptr"], plan["full_run_lo"], plan["full_run_hi"],
         plan["partial_indptr"], plan["partial_indices"], plan["full_indptr"], plan["full_indices"],
         plan["merged_run_ptr"], plan["merged_run_lo"], plan["merged_run_hi"], plan["merged_run_base"],
-        plan["merged_partial"], plan["merged_indptr"], plan["merged_indices"], *vecs, *ts, ows, lws,
+        plan["merged_partial"], plan["merged_indptr"], plan["merged_indices"], *vecs, *ts,
         s_q, s_k, s_k - s_q, plan["plan_b"], plan["plan_h"], plan["q_tiles"],
         LOG2E.value if HAS_SCORE else SCALE.value * LOG2E.value,  # the score program sees natural units
-        bh, n_main, *tables[:3],
+        bh,
         MASK_FROM_INTERVALS=from_intervals, HAS_SCORE=HAS_SCORE,
-        EVEN_N=(s_k % bn == 0), USE_TMA=use_tma, WALK=walk_id,
-        WARP_SPECIALIZE=warp_specialize, BLOCK_M=bm, BLOCK_N=bn, D_QK_PAD=D_QK_PAD, D_V_PAD=D_V_PAD,
-        PERSISTENT=programs is not None, HEAD_GROUP=head_group, HAS_TAIL=split is not None,
-        num_warps=num_warps, num_stages=num_stages)
-    if split is not None:
-        _tail_combine[(len(ptr) - 1,)](out, lse, ows, lws, tables[3], tables[0], plan["q_tile_order"],
-                                       *out.stride(), s_q, bh, plan["plan_b"], plan["plan_h"], plan["q_tiles"],
-                                       HEAD_GROUP=head_group, BLOCK_M=bm, D_V_PAD=D_V_PAD, num_warps=4)
-    if variant not in _OCCUPANCY and programs is None and hasattr(compiled, "n_regs") and q.is_cuda:
-        _OCCUPANCY[variant] = _occupancy(compiled, q.device)
+        EVEN_N=(s_k % bn == 0), USE_TMA=use_tma,
+        WALK=WALKS[walk or default_walk(plan, use_runs, mask_source)],
+        WARP_SPECIALIZE=warp_specialize, BLOCK_M=bm, BLOCK_N=bn, D_QK_PAD=D_QK_PAD.value, D_V_PAD=D_V_PAD.value,
+        PERSISTENT=programs is not None, HEAD_GROUP=head_group, num_warps=num_warps, num_stages=num_stages)
     return out, lse
 
 
@@ -672,10 +526,16 @@ def decode(q, k_cache, v_cache, plan, *, out=None, lse=None, num_warps=4, num_st
         lse = torch.empty(total_q, H_Q.value, device=dev, dtype=torch.float32)
     if total_q == 0:
         return out, lse
-    p_o = torch.empty(total_q, H_Q.value, s_cap, D_V.value, device=dev, dtype=torch.float32)
-    p_m = torch.empty(total_q, H_Q.value, s_cap, device=dev, dtype=torch.float32)
-    p_l = torch.empty(total_q, H_Q.value, s_cap, device=dev, dtype=torch.float32) if abi_mlu else p_m
-    p_valid = torch.empty(total_q, H_Q.value, s_cap, device=dev, dtype=torch.uint8)
+    # the workspace ABI's arrays as views of one allocation (a decode call's host time is most
+    # of its cost at small batch: bench/results/studies/decode_launch_h200_r25.jsonl)
+    n = total_q * H_Q.value * s_cap
+    f32 = n * (D_V.value + (2 if abi_mlu else 1))
+    ws = torch.empty(4 * f32 + n, device=dev, dtype=torch.uint8)
+    ws32 = ws[:4 * f32].view(torch.float32)
+    p_o = ws32[:n * D_V.value]
+    p_m = ws32[n * D_V.value:n * (D_V.value + 1)]
+    p_l = ws32[n * (D_V.value + 1):] if abi_mlu else p_m
+    p_valid = ws[4 * f32:]
     ts = []
     for name in TENSORS:
         t = tensors[name]
@@ -691,10 +551,10 @@ def decode(q, k_cache, v_cache, plan, *, out=None, lse=None, num_warps=4, num_st
         LOG2E.value if HAS_SCORE else SCALE.value * LOG2E.value,
         CACHE=plan["cache"], PAGE_SIZE=plan["page_size"], ABI_MLU=abi_mlu, HAS_SCORE=HAS_SCORE,
         ONE_ROW=bool(plan["one_row"]), BLOCK_Q=block_q, BLOCK_N=plan["block_n"],
-        G_PAD=max(triton.next_power_of_2(GROUP.value), 16 // block_q), D_QK_PAD=D_QK_PAD,
-        D_V_PAD=D_V_PAD, num_warps=num_warps, num_stages=num_stages)
+        G_PAD=max(triton.next_power_of_2(GROUP.value), 16 // block_q), D_QK_PAD=D_QK_PAD.value,
+        D_V_PAD=D_V_PAD.value, num_warps=num_warps, num_stages=num_stages)
     _combine[(total_q * H_Q.value,)](
         p_o, p_m, p_l, p_valid, out, lse, *out.stride(), s_cap, ABI_MLU=abi_mlu,
-        SPLITS_PAD=max(2, triton.next_power_of_2(s_cap)), D_V_PAD=D_V_PAD, num_warps=4)
+        SPLITS_PAD=max(2, triton.next_power_of_2(s_cap)), D_V_PAD=D_V_PAD.value, num_warps=4)
     return out, lse
 
