@@ -28,27 +28,16 @@ def main(argv=None):
     args = ap.parse_args(argv)
     import torch
     import triton
-    from backends.triton import runtime
+    from backends.triton import bench, runtime
     from compiler.lower import compile_spec
 
     batch, t_len, hq, hkv, d, page = args.batch, args.seq, 32, 8, 128, 16
-    program = compile_spec(f"attention decode_bench {{ heads = {hq} / {hkv} head_dim = {d} dtype = bf16 mask = causal "
-                           f"cache = paged(page_size = {page}, layout = nhd) state = lse_o }}")
-    kernel = runtime.load(program)
+    kernel = runtime.load(compile_spec(bench.decode_spec(hq, hkv, d, page)))
     g = torch.Generator(device="cuda").manual_seed(0)
-    q = torch.randn(batch, hq, d, device="cuda", dtype=torch.bfloat16, generator=g)
-    pages = batch * t_len // page
-    perm = torch.randperm(pages, device="cuda", generator=g)
-    table = perm.view(batch, t_len // page).to(torch.int32)
-    k_cache = torch.randn(pages, page, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g)
-    v_cache = torch.randn_like(k_cache)
-    kv_lens = torch.full((batch,), t_len, device="cuda", dtype=torch.int32)
+    q, k, v, k_cache, v_cache, table, kv_lens = bench.decode_case(batch, t_len, hq, hkv, d, page, g)
     kv_bytes = 2 * batch * t_len * hkv * d * 2
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     q4 = q[:, :, None]
-    k = k_cache[perm.argsort()].view(batch, t_len // page, page, hkv, d).reshape(batch, t_len, hkv, d).transpose(1, 2)
-    v = v_cache[perm.argsort()].view(batch, t_len // page, page, hkv, d).reshape(batch, t_len, hkv, d).transpose(1, 2)
-    k, v = k.contiguous(), v.contiguous()
     fns = {}
     for block_n, stages in ((64, 2), (64, 3), (128, 2)):
         plan = kernel.decode_plan({"k_cache": k_cache, "v_cache": v_cache, "block_table": table, "kv_lens": kv_lens},

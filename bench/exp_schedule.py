@@ -38,23 +38,15 @@ def main(argv=None):
     import torch
     import triton
     from backends.triton import bench, runtime
-    from compiler import inputs
-    from compiler.lower import compile_spec
 
     batch, heads, seq, d = args.batch, args.heads, args.seq, 128
     q, k, v = (torch.randn(batch, heads, seq, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     for name in args.masks.split(","):
-        src, decls = bench.PREFILL_MASKS[name]
-        program = compile_spec(bench.spec_text(name, heads, d, src, decls))
-        tensors_np = {n: a for n, a in inputs.sample(program, batch, seq, seq, 0).items() if n not in ("q", "k", "v")} \
-            if program.tensors else {}
-        tensors = {n: torch.as_tensor(a.astype(np.int32), device="cuda") for n, a in tensors_np.items()}
+        program, tensors_np, tensors = bench.prefill_case(name, batch, heads, seq, d)
         kernel = runtime.load(program)
         plan, launch, _ = kernel.prefill_launch(batch, seq, seq, tensors_np)
         plan_args = kernel.device_plan(plan, q.device)
-        runs = plan.intervals.visible.must
-        visible = int(np.broadcast_to(runs.cells_in(0, seq).reshape(plan.intervals.shape).sum(-1),
-                                      (batch, heads)).sum())
+        visible = bench.visible_cells(plan, batch, heads)
         from backends.common import load_module
         assert NO_ORDER[0] in kernel.source.text
         patched = load_module(kernel.source.text.replace(*NO_ORDER), kernel.source.module_stem + "_no_order")

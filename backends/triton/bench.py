@@ -101,6 +101,27 @@ def spec_text(name: str, heads: int, head_dim: int, mask: str, decls: str) -> st
             f"mask = {mask} }}")
 
 
+def prefill_case(name: str, batch: int, heads: int, seq: int, head_dim: int, seed: int = 0):
+    """A bench mask's program and the tensors its mask reads (numpy, and int32 on the GPU)."""
+    import torch
+    from compiler import inputs
+    mask_src, decls = PREFILL_MASKS[name]
+    program = compile_spec(spec_text(name, heads, head_dim, mask_src, decls))
+    tensors_np = {}
+    if program.tensors:
+        tensors_np = {t: a for t, a in inputs.sample(program, batch, seq, seq, seed).items()
+                      if t not in ("q", "k", "v")}
+    tensors = {n: torch.as_tensor(a.astype(np.int32), device="cuda") for n, a in tensors_np.items()}
+    return program, tensors_np, tensors
+
+
+def visible_cells(plan, batch: int, heads: int) -> int:
+    """Visible (query, key) cells over every (b, h), exactly, from the analysis' row sets (no
+    S x S evaluation)."""
+    per_column = plan.intervals.visible.must.cells_in(0, plan.s_q).reshape(plan.intervals.shape)
+    return int(np.broadcast_to(per_column.sum(-1), (batch, heads)).sum())
+
+
 def ceilings(torch, triton):
     """Measured here, now: device copy bandwidth (read + write) and bf16 GEMM rate."""
     n = 1 << 30  # 1 GiB
@@ -127,7 +148,6 @@ def run_prefill(batch=4, heads=16, seq=8192, head_dim=128, masks=None, configs=N
     import triton
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from backends.triton import runtime
-    from compiler import inputs
 
     masks = masks or GOAL_MASKS
     configs = configs or CONFIGS
@@ -142,21 +162,12 @@ def run_prefill(batch=4, heads=16, seq=8192, head_dim=128, masks=None, configs=N
     v = torch.randn_like(q)
     scale = 1 / math.sqrt(head_dim)
     for name in masks:
-        mask_src, decls = PREFILL_MASKS[name]
-        program = compile_spec(spec_text(name, heads, head_dim, mask_src, decls))
-        tensors_np = {}
-        if program.tensors:
-            tensors_np = {t: a for t, a in inputs.sample(program, batch, seq, seq, seed).items()
-                          if t not in ("q", "k", "v")}
-        tensors = {n: torch.as_tensor(a.astype(np.int32), device="cuda") for n, a in tensors_np.items()}
+        program, tensors_np, tensors = prefill_case(name, batch, heads, seq, head_dim, seed)
         kernel = runtime.load(program)
-        # visible cells, exactly, from the analysis' row sets (no S x S evaluation)
         t0 = time.perf_counter()
         plan0 = kernel.plan(batch, seq, seq, tensors_np, 128, 128)
         plan_ms = (time.perf_counter() - t0) * 1e3
-        runs = plan0.intervals.visible.must
-        per_column = runs.cells_in(0, seq).reshape(plan0.intervals.shape)
-        visible = int(np.broadcast_to(per_column.sum(-1), (batch, heads)).sum())
+        visible = visible_cells(plan0, batch, heads)
         flops = 4.0 * head_dim * visible
         # reference for (b=0, h in {0, heads-1})
         bh = [(0, 0), (batch - 1, heads - 1)]
@@ -343,6 +354,30 @@ def _flex_rows(torch, triton, name, q, k, v, tensors, check, record, flops, mode
 DECODE_CASES = [(8, 8192), (32, 8192), (1, 131072)]
 
 
+def decode_spec(heads_q=32, heads_kv=8, head_dim=128, page_size=16) -> str:
+    return (f"attention decode_bench {{ heads = {heads_q} / {heads_kv} head_dim = {head_dim} dtype = bf16 "
+            f"mask = causal cache = paged(page_size = {page_size}, layout = nhd) state = lse_o }}")
+
+
+def decode_case(batch, t_len, heads_q, heads_kv, head_dim, page_size, generator):
+    """One decode call on the GPU: q [B, H_q, d], contiguous k/v [B, H_kv, T, d], and the same
+    K/V in a paged nhd cache with shuffled page ids (table, kv_lens)."""
+    import torch
+    g = generator
+    q = torch.randn(batch, heads_q, head_dim, device="cuda", dtype=torch.bfloat16, generator=g)
+    k = torch.randn(batch, heads_kv, t_len, head_dim, device="cuda", dtype=torch.bfloat16, generator=g)
+    v = torch.randn(batch, heads_kv, t_len, head_dim, device="cuda", dtype=torch.bfloat16, generator=g)
+    pages = batch * t_len // page_size
+    perm = torch.randperm(pages, device="cuda", generator=g)
+    table = perm.view(batch, t_len // page_size).to(torch.int32)
+    k_cache = torch.empty(pages, page_size, heads_kv, head_dim, device="cuda", dtype=torch.bfloat16)
+    v_cache = torch.empty_like(k_cache)
+    k_cache[perm] = k.permute(0, 2, 1, 3).reshape(pages, page_size, heads_kv, head_dim)
+    v_cache[perm] = v.permute(0, 2, 1, 3).reshape(pages, page_size, heads_kv, head_dim)
+    kv_lens = torch.full((batch,), t_len, device="cuda", dtype=torch.int32)
+    return q, k, v, k_cache, v_cache, table, kv_lens
+
+
 def run_decode(cases=None, heads_q=32, heads_kv=8, head_dim=128, page_size=16, out=None, seed=0,
                configs=((64, None, 4, 2), (64, None, 4, 3), (128, None, 4, 2), (64, "x2", 4, 2), (64, "/2", 4, 2))):
     """Decode: GQA heads_q/heads_kv, bf16, our split-K/V kernel on a paged cache (page_size,
@@ -358,24 +393,13 @@ def run_decode(cases=None, heads_q=32, heads_kv=8, head_dim=128, page_size=16, o
     env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
            "attnc": __version__}
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    program = compile_spec(f"attention decode_bench {{ heads = {heads_q} / {heads_kv} head_dim = {head_dim} "
-                           f"dtype = bf16 mask = causal cache = paged(page_size = {page_size}, layout = nhd) "
-                           f"state = lse_o }}")
+    program = compile_spec(decode_spec(heads_q, heads_kv, head_dim, page_size))
     kernel = runtime.load(program)
     g = torch.Generator(device="cuda").manual_seed(seed)
     for batch, t_len in cases:
         kv_bytes = 2 * batch * t_len * heads_kv * head_dim * 2
-        q = torch.randn(batch, heads_q, head_dim, device="cuda", dtype=torch.bfloat16, generator=g)
-        k = torch.randn(batch, heads_kv, t_len, head_dim, device="cuda", dtype=torch.bfloat16, generator=g)
-        v = torch.randn(batch, heads_kv, t_len, head_dim, device="cuda", dtype=torch.bfloat16, generator=g)
-        pages = batch * t_len // page_size
-        perm = torch.randperm(pages, device="cuda", generator=g)
-        table = perm.view(batch, t_len // page_size).to(torch.int32)
-        k_cache = torch.empty(pages, page_size, heads_kv, head_dim, device="cuda", dtype=torch.bfloat16)
-        v_cache = torch.empty_like(k_cache)
-        k_cache[perm] = k.permute(0, 2, 1, 3).reshape(pages, page_size, heads_kv, head_dim)
-        v_cache[perm] = v.permute(0, 2, 1, 3).reshape(pages, page_size, heads_kv, head_dim)
-        kv_lens = torch.full((batch,), t_len, device="cuda", dtype=torch.int32)
+        q, k, v, k_cache, v_cache, table, kv_lens = decode_case(batch, t_len, heads_q, heads_kv, head_dim,
+                                                                page_size, g)
         # float32 reference
         kf = k.float().repeat_interleave(heads_q // heads_kv, 1)
         vf = v.float().repeat_interleave(heads_q // heads_kv, 1)
