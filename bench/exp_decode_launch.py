@@ -1,6 +1,5 @@
 """Study: is short decode CPU-bound?  GQA 32/8 paged decode (bench.run_decode's case), each
-config (the combine fused into the split launch, and for one config as a second launch, as
-before r27) timed four ways: triton do_bench (CUDA events around each call, as the bench does), the
+config timed four ways: triton do_bench (CUDA events around each call, as the bench does), the
 host time of one launch (perf_counter over 200 calls without synchronizing), back-to-back
 calls (200 queued, one event pair: GPU-bound if the queue stays ahead), and one CUDA-graph
 replay (pure GPU time).
@@ -40,13 +39,13 @@ def main(argv=None):
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     q4 = q[:, :, None]
     fns = {}
-    for block_n, stages, fused in ((64, 2, True), (64, 3, True), (128, 2, True), (128, 2, False)):
+    for block_n, stages in ((64, 2), (64, 3), (128, 2)):
         plan = kernel.decode_plan({"k_cache": k_cache, "v_cache": v_cache, "block_table": table, "kv_lens": kv_lens},
                                   block_n=block_n, num_sms=sms)
         launch = kernel.decode_args(plan, "cuda")
-        name = f"attnc bn{block_n} s{stages} splits{plan['splits']}{'' if fused else ' 2 launches'}"
-        fns[name] = (lambda launch=launch, stages=stages, fused=fused: kernel.module.decode(
-            q, k_cache, v_cache, launch, num_warps=4, num_stages=stages, fused=fused))
+        fns[f"attnc bn{block_n} s{stages} splits{plan['splits']}"] = (
+            lambda launch=launch, stages=stages: kernel.module.decode(q, k_cache, v_cache, launch, num_warps=4,
+                                                                      num_stages=stages))
     fns["sdpa"] = lambda: torch.nn.functional.scaled_dot_product_attention(q4, k, v, enable_gqa=True)
     for fn in fns.values():
         fn()

@@ -322,13 +322,12 @@ class Kernel:
 
     def decode(self, q, *, plan: dict | None = None, return_lse=False, block_n: int = 64,
                splits: int | None = None, block_q: int | None = None, num_warps: int = 4, num_stages: int = 2,
-               fused: bool = True, **arrays):
+               **arrays):
         """One split call: packed q [total_q, H_q, d_qk] (decode: [B, H_q, d_qk], the new token of
         every request), the cache by DESIGN §5's keys (k/v, k_cache/v_cache, block_table + kv_lens,
         kv_indptr + kv_indices + kv_last_page_len, kv_indptr for ragged, cache_batch_idx),
         optional ``q_lens`` / ``qo_indptr`` (request b's rows are q[qo_indptr[b]:qo_indptr[b+1]],
-        at positions kv_lens[b] - q_lens[b] + i) and declared tensors by name.  ``fused``: the
-        combine inside the split launch (default) or as a second kernel.  Returns O
+        at positions kv_lens[b] - q_lens[b] + i) and declared tensors by name.  Returns O
         [total_q, H_q, d_v] (and LSE [total_q, H_q])."""
         import torch
         p = self.program
@@ -371,7 +370,7 @@ class Kernel:
         tens = {n: dev_tensor(_to_numpy(t).astype(np.int32) if _to_numpy(t).dtype.kind in "iu" else _to_numpy(t))
                 for n, t in tensors.items()}
         o, lse = self.module.decode(q_t, k_cache, v_cache, launch, num_warps=num_warps, num_stages=num_stages,
-                                    fused=fused, **tens)
+                                    **tens)
         if carry != dtype:
             o = o.to(dtype)
         if from_numpy:

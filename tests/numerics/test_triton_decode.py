@@ -235,20 +235,3 @@ def test_merged_walks_on_examples_with_ragged_tails(name, walk):
     ref_o, ref_lse = oracle.reference(program, call.q, call.k, call.v, call.tensors)
     co, cl = numerics.compare_outputs(program.dtype, inputs.output_bhsd(program, o), lse, ref_o, ref_lse)
     assert co.ok and cl.ok, (str(co), str(cl))
-
-
-@pytest.mark.parametrize("state", ["lse_o", "mlu"])
-@pytest.mark.parametrize("q_lens", [[1, 1, 1, 1], [5, 1, 1, 9]])
-def test_fused_combine_equals_the_combine_kernel(state, q_lens):
-    """The last split to finish merges in place (one launch) exactly as the combine kernel does:
-    decode and append rows, splits with no visible key (documents), both state ABIs."""
-    program = _spec("causal & doc[b, q] == doc[b, k]", f"paged(page_size = {PAGE}, table = csr)", state=state,
-                    decl="tensor doc: i32[b, s] ~ segments(4, 20)")
-    call = inputs.sample_cache(program, [int(n) for n in LENS], q_lens, seed=6)
-    kernel = runtime.load(program)
-    plan = kernel.decode_plan({n: a for n, a in call.items() if n != "q"}, block_n=8, splits=4,
-                              tensors={"doc": call["doc"]})
-    assert plan["splits"] == 4
-    fused, second = (kernel.run(call, plan=plan, return_lse=True, fused=f) for f in (True, False))
-    assert all(np.array_equal(a, b) for a, b in zip(fused, second))
-    assert np.isfinite(fused[0]).all()

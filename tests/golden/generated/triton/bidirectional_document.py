@@ -376,23 +376,20 @@ def attention(q, k, v, plan, *, out=None, lse=None, num_warps=4, num_stages=2, u
 # removed SKIP blocks, the union over the tile's rows and heads, and flags PARTIAL ones),
 # reading the cache through the request's page table, and writes one partial state per (packed
 # query row, query head) in the declared workspace ABI; the combine kernel merges the splits
-# with the validity branch (M4.5 §0x02C): FUSED, the last program of a (tile, K/V head) to
-# finish (an atomic count) merges the tile's rows in place, else a second kernel does.  ONE_ROW
-# (every request has one query row, decode) is the tile = request special case: no tile or row
-# metadata is read.
+# with the validity branch (M4.5 §0x02C).  ONE_ROW (every request has one query row, decode)
+# is the tile = request special case: no tile or row metadata is read.
 
 CACHE_CONTIGUOUS, CACHE_PAGED_DENSE, CACHE_PAGED_CSR = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 
 
 @triton.jit
-def _decode_split(Q, K, V, P_O, P_M, P_L, P_VALID, O, LSE, COUNTER,
-                  s_qt, s_qh, s_qd, s_kp, s_kt, s_kh, s_kd, s_vp, s_vt, s_vh, s_vd, s_ot, s_oh, s_od,
+def _decode_split(Q, K, V, P_O, P_M, P_L, P_VALID,
+                  s_qt, s_qh, s_qd, s_kp, s_kt, s_kh, s_kd, s_vp, s_vt, s_vh, s_vd,
                   KV_LENS, QO_INDPTR, TILE_REQ, TILE_ROW0, BASE, TABLE, s_tb, ENTRY_PTR, BLOCKS, PARTIAL, T_doc, doc_s0, doc_n0, doc_s1, doc_n1,
                   S_CAP, qk_scale,
                   CACHE: tl.constexpr, PAGE_SIZE: tl.constexpr, ABI_MLU: tl.constexpr,
                   HAS_SCORE: tl.constexpr, ONE_ROW: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-                  G_PAD: tl.constexpr, D_QK_PAD: tl.constexpr, D_V_PAD: tl.constexpr,
-                  FUSED: tl.constexpr, SPLITS_PAD: tl.constexpr):
+                  G_PAD: tl.constexpr, D_QK_PAD: tl.constexpr, D_V_PAD: tl.constexpr):
     split = tl.program_id(0)
     tk = tl.program_id(1)
     tile = tk // H_KV
@@ -405,14 +402,12 @@ def _decode_split(Q, K, V, P_O, P_M, P_L, P_VALID, O, LSE, COUNTER,
         t_len = tl.load(KV_LENS + b)
         q_row = b
         q_pos = t_len - 1
-        row0, i0, n_q = b, 0, 1
     else:
         b = tl.load(TILE_REQ + tile)
         g = rows % G_PAD
         row0 = tl.load(QO_INDPTR + b)
         n_q = tl.load(QO_INDPTR + b + 1) - row0
-        i0 = tl.load(TILE_ROW0 + tile)
-        i = i0 + rows // G_PAD  # query row within the request
+        i = tl.load(TILE_ROW0 + tile) + rows // G_PAD  # query row within the request
         row_ok = (g < GROUP) & (i < n_q)
         t_len = tl.load(KV_LENS + b)
         q_row = row0 + i
@@ -474,47 +469,31 @@ def _decode_split(Q, K, V, P_O, P_M, P_L, P_VALID, O, LSE, COUNTER,
         tl.store(P_O + state[:, None] * D_V + offs_dv[None, :], acc / l_safe[:, None],
                  mask=row_ok[:, None] & (offs_dv[None, :] < D_V))
     tl.store(P_VALID + state, valid.to(tl.uint8), mask=row_ok)
-    if FUSED:  # every thread's states are stored before the count; the last of S_CAP merges
-        tl.debug_barrier()
-        if tl.atomic_add(COUNTER + tk, 1, sem="acq_rel") == S_CAP - 1:
-            for r in range(BLOCK_Q * G_PAD):
-                g_r = r % G_PAD
-                i_r = i0 + r // G_PAD
-                if (g_r < GROUP) & (i_r < n_q):
-                    _merge((row0 + i_r) * H_Q + kv_h * GROUP + g_r, P_O, P_M, P_L, P_VALID, O, LSE,
-                           s_ot, s_oh, s_od, S_CAP, ABI_MLU, SPLITS_PAD, D_V_PAD)
 
 
 # ----------------------------------------------------------------------------- combine
 @triton.jit
 def _combine(P_O, P_M, P_L, P_VALID, O, LSE, s_ot, s_oh, s_od, S_CAP,
              ABI_MLU: tl.constexpr, SPLITS_PAD: tl.constexpr, D_V_PAD: tl.constexpr):
-    """The combine as a kernel of its own: one program per (packed query row, query head)."""
-    _merge(tl.program_id(0), P_O, P_M, P_L, P_VALID, O, LSE, s_ot, s_oh, s_od, S_CAP, ABI_MLU, SPLITS_PAD, D_V_PAD)
-
-
-@triton.jit
-def _merge(rh, P_O, P_M, P_L, P_VALID, O, LSE, s_ot, s_oh, s_od, S_CAP,
-           ABI_MLU: tl.constexpr, SPLITS_PAD: tl.constexpr, D_V_PAD: tl.constexpr):
-    """Merge the S_cap partial states of (packed query row, query head) ``rh``.  Invalid (empty
-    or inactive) slots are the identity: they are excluded before any exponential.  The loads
-    skip L1 (.cg): in the fused combine other SMs wrote the states during this launch."""
+    """Merge the S_cap partial states of one (packed query row, query head).  Invalid (empty
+    or inactive) slots are the identity: they are excluded before any exponential."""
+    rh = tl.program_id(0)
     row = rh // H_Q
     h = rh % H_Q
     sp = tl.arange(0, SPLITS_PAD)
     offs_dv = tl.arange(0, D_V_PAD)
     in_cap = sp < S_CAP
     state = rh * S_CAP + sp
-    valid = (tl.load(P_VALID + state, mask=in_cap, other=0, cache_modifier=".cg") != 0) & in_cap
-    m = tl.load(P_M + state, mask=valid, other=float("-inf"), cache_modifier=".cg")
+    valid = (tl.load(P_VALID + state, mask=in_cap, other=0) != 0) & in_cap
+    m = tl.load(P_M + state, mask=valid, other=float("-inf"))
     m_max = tl.max(m, 0)
     any_valid = m_max > float("-inf")
     m_ref = tl.where(any_valid, m_max, 0.0)
     w = tl.where(valid, tl.exp(m - m_ref), 0.0)
     part = tl.load(P_O + state[:, None] * D_V + offs_dv[None, :], mask=valid[:, None] & (offs_dv[None, :] < D_V),
-                   other=0.0, cache_modifier=".cg")
+                   other=0.0)
     if ABI_MLU:  # l = sum alpha_s l_s, u = sum alpha_s u_s
-        l_s = tl.load(P_L + state, mask=valid, other=0.0, cache_modifier=".cg")
+        l_s = tl.load(P_L + state, mask=valid, other=0.0)
         denom = tl.sum(w * l_s, 0)
         numer = tl.sum(w[:, None] * part, 0)
     else:  # O = sum exp(LSE_s - LSE) O_s
@@ -527,17 +506,13 @@ def _merge(rh, P_O, P_M, P_L, P_VALID, O, LSE, s_ot, s_oh, s_od, S_CAP,
     tl.store(LSE + rh, lse)
 
 
-def decode(q, k_cache, v_cache, plan, *, out=None, lse=None, num_warps=4, num_stages=2, fused=True, **tensors):
+def decode(q, k_cache, v_cache, plan, *, out=None, lse=None, num_warps=4, num_stages=2, **tensors):
     """Split-K/V attention over a K/V cache on torch tensors: packed q [total_q, H_q, d_qk]
     (request b's rows are qo_indptr[b]:qo_indptr[b + 1]; decode: [B, H_q, d_qk], one row per
     request); the cache as described by ``plan`` (attnc's decode plan: cache kind, strides in
     (page, token, head, dim) order, per-request bases, page table, the query tiles and the block
     lists of every (query tile, split)).  Returns O [total_q, H_q, d_v] and LSE [total_q, H_q];
-    a row with no visible key gets O = 0 and LSE = -inf.  ``fused``: the last split of each
-    (query tile, K/V head) to finish merges the tile's states (counted by an atomic), so a call
-    is one launch; else the combine runs as a second kernel.  A call's host time is most of its
-    cost at small batch (bench/results/studies/decode_launch_h200_r25.jsonl: two launches took
-    94-170 us of host time against 84-93 us of GPU work at B=8)."""
+    a row with no visible key gets O = 0 and LSE = -inf."""
     import torch
     total_q = q.shape[0]
     if total_q != plan["total_q"]:
@@ -561,7 +536,6 @@ def decode(q, k_cache, v_cache, plan, *, out=None, lse=None, num_warps=4, num_st
     p_m = ws32[n * D_V.value:n * (D_V.value + 1)]
     p_l = ws32[n * (D_V.value + 1):] if abi_mlu else p_m
     p_valid = ws[4 * f32:]
-    counter = torch.zeros(plan["tiles"] * H_KV.value if fused else 1, device=dev, dtype=torch.int32)
     ts = []
     for name in TENSORS:
         t = tensors[name]
@@ -570,19 +544,17 @@ def decode(q, k_cache, v_cache, plan, *, out=None, lse=None, num_warps=4, num_st
             ts += [t.stride(i), t.shape[i]]
     ks, vs = plan["k_strides"], plan["v_strides"]
     block_q = plan["block_q"]
-    splits_pad = max(2, triton.next_power_of_2(s_cap))
     _decode_split[(s_cap, plan["tiles"] * H_KV.value)](
-        q, k_cache, v_cache, p_o, p_m, p_l, p_valid, out, lse, counter, *q.stride(), *ks, *vs, *out.stride(),
+        q, k_cache, v_cache, p_o, p_m, p_l, p_valid, *q.stride(), *ks, *vs,
         plan["kv_lens"], plan["qo_indptr"], plan["tile_req"], plan["tile_row0"], plan["base"], plan["table"],
         plan["table_stride"], plan["entry_ptr"], plan["blocks"], plan["partial"], *ts, s_cap,
         LOG2E.value if HAS_SCORE else SCALE.value * LOG2E.value,
         CACHE=plan["cache"], PAGE_SIZE=plan["page_size"], ABI_MLU=abi_mlu, HAS_SCORE=HAS_SCORE,
         ONE_ROW=bool(plan["one_row"]), BLOCK_Q=block_q, BLOCK_N=plan["block_n"],
         G_PAD=max(triton.next_power_of_2(GROUP.value), 16 // block_q), D_QK_PAD=D_QK_PAD.value,
-        D_V_PAD=D_V_PAD.value, FUSED=fused, SPLITS_PAD=splits_pad, num_warps=num_warps, num_stages=num_stages)
-    if not fused:
-        _combine[(total_q * H_Q.value,)](
-            p_o, p_m, p_l, p_valid, out, lse, *out.stride(), s_cap, ABI_MLU=abi_mlu,
-            SPLITS_PAD=splits_pad, D_V_PAD=D_V_PAD.value, num_warps=4)
+        D_V_PAD=D_V_PAD.value, num_warps=num_warps, num_stages=num_stages)
+    _combine[(total_q * H_Q.value,)](
+        p_o, p_m, p_l, p_valid, out, lse, *out.stride(), s_cap, ABI_MLU=abi_mlu,
+        SPLITS_PAD=max(2, triton.next_power_of_2(s_cap)), D_V_PAD=D_V_PAD.value, num_warps=4)
     return out, lse
 
