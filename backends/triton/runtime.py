@@ -93,6 +93,14 @@ class Kernel:
         import torch
         return "cpu" if interpreted() or not torch.cuda.is_available() else "cuda"
 
+    def _check_device(self, named: dict) -> None:
+        """Torch inputs must be where the kernel runs (numpy inputs are copied there for the caller)."""
+        import torch
+        for n, t in named.items():
+            if isinstance(t, torch.Tensor) and t.device.type != self.device:
+                raise InputError(f"inputs: '{n}' is a torch tensor on {t.device}; this Triton kernel runs on "
+                                 f"{self.device}: move the torch inputs there (numpy inputs are copied for you)")
+
     def default_config(self, capability: int | None = None) -> dict:
         """The untuned prefill launch for this spec (``default_prefill_config``)."""
         p = self.program
@@ -104,6 +112,7 @@ class Kernel:
         dm, dn = default["BLOCK_M"], default["BLOCK_N"]
         tensors = {n: (t.cpu().numpy() if hasattr(t, "cpu") else np.asarray(t)) for n, t in (tensors or {}).items()}
         tensors = {n: t.astype(np.int64) if t.dtype.kind in "iu" else t for n, t in tensors.items()}
+        _check_gpu_tile(block_m or dm, block_n or dn)
         return make_plan(self.program, batch, s_q, s_k, tensors, block_m or dm, block_n or dn)
 
     def device_plan(self, plan: Plan, device) -> dict:
@@ -167,6 +176,7 @@ class Kernel:
                 t.astype(np.int32) if t.dtype.kind in "iu" else t), device=device) for n, t in call.tensors.items()}
             bshd = False
         else:
+            self._check_device({"q": q, "k": k, "v": v, **tensors})
             metas = {n: (tuple(t.shape), _kind(t), str(t.dtype)) for n, t in {"q": q, "k": k, "v": v, **tensors}.items()}
             inputs.check_shapes(self.program, metas)
             if any(x.dtype != dtype for x in (q, k, v)):
@@ -251,6 +261,7 @@ class Kernel:
             block_q = default_block_q(p.group, q_lens, interpreted())
         if block_q < 1 or block_q & (block_q - 1):
             raise PlanError(f"block_q = {block_q} must be a positive power of two")
+        _check_gpu_tile(None, block_n)
         n_tiles = int((-(-q_lens // block_q)).sum())
         if splits is None:  # the heuristic: enough programs for two waves, never more splits than blocks
             most = int(-(-kv_lens.max(initial=1) // block_n))
@@ -337,6 +348,9 @@ class Kernel:
         if missing:
             raise InputError(f"inputs: missing key '{sorted(missing)[0]}'")
         from_numpy = isinstance(q, np.ndarray)
+        if not from_numpy:
+            self._check_device({"q": q, **{n: a for n, a in arrays.items() if n in ("k", "v", "k_cache", "v_cache")},
+                                **tensors})
         if len(q.shape) != 3 or tuple(q.shape[1:]) != (p.heads_q, p.d_qk):
             raise InputError(f"inputs: 'q' has shape {list(q.shape)}; a split call packs its query rows "
                              f"as [total_q, H_q={p.heads_q}, d_qk={p.d_qk}]")
@@ -376,6 +390,19 @@ class Kernel:
         if from_numpy:
             o, lse = o.float().cpu().numpy(), lse.cpu().numpy()
         return (o, lse) if return_lse else o
+
+
+GPU_MIN_TILE = 16  # tl.dot on a GPU multiplies at least 16 x 16 x 16; the interpreter takes any size
+
+
+def _check_gpu_tile(block_m: int | None, block_n: int) -> None:
+    """Refuse, before any compile, tiles a GPU's tl.dot cannot take (the interpreter can)."""
+    if interpreted():
+        return
+    for name, v in (("block_m", block_m), ("block_n", block_n)):
+        if v is not None and v < GPU_MIN_TILE:
+            raise PlanError(f"{name} = {v}: on a GPU a tile needs at least {GPU_MIN_TILE} rows and keys "
+                            f"(tl.dot's smallest shape); smaller tiles run only under TRITON_INTERPRET=1")
 
 
 def default_block_q(group: int, q_lens, interpreter: bool = False) -> int:

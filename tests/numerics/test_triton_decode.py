@@ -16,6 +16,9 @@ from compiler import inputs, ir, numerics  # noqa: E402
 from compiler.errors import PlanError  # noqa: E402
 from compiler.lower import compile_spec  # noqa: E402
 
+# 8-key tiles exercise many blocks under the interpreter; a GPU's tl.dot needs 16 (runtime.GPU_MIN_TILE)
+TILE = 8 if runtime.interpreted() else runtime.GPU_MIN_TILE
+
 LENS = np.array([53, 16, 1, 37])
 PAGE = 8
 
@@ -76,7 +79,7 @@ def test_paged_decode_matches_oracle(table, order, state, heads):
     meta = {"block_table": block_table, "kv_lens": LENS} if table == "dense" else csr
     kernel = runtime.load(program)
     o, lse = kernel.decode(arrays["q"][:, :, 0], k_cache=k_cache, v_cache=v_cache, return_lse=True,
-                           block_n=8, splits=3, **meta)
+                           block_n=TILE, splits=3, **meta)
     assert np.isfinite(o).all()
     _check(program, cont, arrays, o, lse)
 
@@ -98,7 +101,7 @@ def test_contiguous_and_ragged_decode(cache):
         if "bshd" in cache:
             k, v = (np.ascontiguousarray(x.transpose(0, 2, 1, 3)) for x in (k, v))
         meta = {"k": k, "v": v, "kv_lens": LENS}
-    plan = kernel.decode_plan(meta, block_n=8, splits=2)
+    plan = kernel.decode_plan(meta, block_n=TILE, splits=2)
     assert plan["skipped_blocks"] > 0  # the window skips whole K/V blocks in decode
     o, lse = kernel.decode(arrays["q"][:, :, 0], plan=plan, return_lse=True, **meta)
     assert np.isfinite(o).all()
@@ -113,7 +116,7 @@ def test_document_mask_decode_and_empty_splits():
     v_cache, _, _ = _paged(arrays["v"], np.random.default_rng(3), "nhd")
     kernel = runtime.load(program)
     o, lse = kernel.decode(arrays["q"][:, :, 0], k_cache=k_cache, v_cache=v_cache, block_table=block_table,
-                           kv_lens=LENS, doc=arrays["doc"], return_lse=True, block_n=8, splits=7)
+                           kv_lens=LENS, doc=arrays["doc"], return_lse=True, block_n=TILE, splits=7)
     _check(program, cont, arrays, o, lse)
 
 
@@ -145,7 +148,7 @@ def test_prefill_walks_agree_with_the_oracle(walk, spec):
     kernel = runtime.load(program)
     arrays = inputs.sample(program, 2, 64, 64, seed=9)
     tensors = {n: a for n, a in arrays.items() if n not in ("q", "k", "v")}
-    plan = kernel.plan(2, 64, 64, tensors, 8, 8)
+    plan = kernel.plan(2, 64, 64, tensors, TILE, TILE)
     args = plan.kernel_args()
     assert args["merged_partial"].sum() == len(args["partial_indices"])
     assert len(args["merged_partial"]) == len(args["partial_indices"]) + len(args["full_indices"])
@@ -160,7 +163,7 @@ def test_prefill_document_mask_as_predicate_or_intervals(walk):
     kernel = runtime.load(program)
     arrays = inputs.sample(program, 2, 48, 48, seed=4)
     tensors = {n: a for n, a in arrays.items() if n not in ("q", "k", "v")}
-    plan = kernel.plan(2, 48, 48, tensors, 8, 8)
+    plan = kernel.plan(2, 48, 48, tensors, TILE, TILE)
     assert plan.mask_from_intervals
     ref_o, ref_lse = oracle.reference(program, arrays["q"], arrays["k"], arrays["v"], tensors)
     for source in ("predicate", "intervals"):
@@ -178,7 +181,7 @@ def test_prefill_persistent_programs(walk):
     tensors = {n: a for n, a in arrays.items() if n not in ("q", "k", "v")}
     ref_o, ref_lse = oracle.reference(program, arrays["q"], arrays["k"], arrays["v"], tensors)
     for programs in (3, 1000):
-        o, lse = kernel(arrays["q"], arrays["k"], arrays["v"], return_lse=True, block_m=8, block_n=8, walk=walk,
+        o, lse = kernel(arrays["q"], arrays["k"], arrays["v"], return_lse=True, block_m=TILE, block_n=TILE, walk=walk,
                         programs=programs, **tensors)
         assert all(c.ok for c in numerics.compare_outputs("f32", o, lse, ref_o, ref_lse)), programs
 
@@ -230,8 +233,19 @@ def test_merged_walks_on_examples_with_ragged_tails(name, walk):
     arrays = inputs.sample(program, 2, 21, 37, seed=3)  # append: 21 rows over 37 keys, tiles of 8
     call = inputs.validate(program, arrays)
     tensors = {t.name: arrays[t.name] for t in program.tensors}
-    o, lse = kernel(arrays["q"], arrays["k"], arrays["v"], return_lse=True, block_m=8, block_n=8, walk=walk,
+    o, lse = kernel(arrays["q"], arrays["k"], arrays["v"], return_lse=True, block_m=TILE, block_n=TILE, walk=walk,
                     **tensors)
     ref_o, ref_lse = oracle.reference(program, call.q, call.k, call.v, call.tensors)
     co, cl = numerics.compare_outputs(program.dtype, inputs.output_bhsd(program, o), lse, ref_o, ref_lse)
     assert co.ok and cl.ok, (str(co), str(cl))
+
+
+def test_gpu_tiles_below_16_are_plan_errors(monkeypatch):
+    """On a GPU, tl.dot's smallest shape is 16: smaller tiles are refused before any compile
+    (the interpreter runs them, which is how the tests above use 8-key blocks)."""
+    monkeypatch.setattr(runtime, "interpreted", lambda: False)
+    with pytest.raises(PlanError, match="block_n = 8: on a GPU a tile needs at least 16 rows and keys"):
+        runtime._check_gpu_tile(None, 8)
+    with pytest.raises(PlanError, match="block_m = 4: on a GPU"):
+        runtime._check_gpu_tile(4, 64)
+    runtime._check_gpu_tile(16, 16)

@@ -9,6 +9,7 @@ pytest.importorskip("triton", reason="the Triton backend's tests need triton (pi
 from backends.numpy import oracle  # noqa: E402
 from backends.triton import runtime  # noqa: E402
 from compiler import inputs, numerics  # noqa: E402
+from compiler.errors import InputError  # noqa: E402
 from compiler.lower import compile_file  # noqa: E402
 from tests.conftest import EXAMPLES  # noqa: E402
 
@@ -50,11 +51,16 @@ def test_all_masked_rows_and_torch_inputs():
     from compiler.lower import compile_spec
     program = compile_spec("attention e { heads = 2 head_dim = 16 dtype = f16 mask = q >= 20 & causal }")
     kernel = runtime.load(program)
-    q, k, v = (torch.randn(1, 2, 24, 16).to(torch.float16) for _ in range(3))
+    q, k, v = (torch.randn(1, 2, 24, 16).to(torch.float16).to(kernel.device) for _ in range(3))
     o, lse = kernel(q, k, v, return_lse=True)
     assert o.dtype == torch.float16 and (o[:, :, :20] == 0).all() and torch.isneginf(lse[:, :, :20]).all()
-    ref_o, ref_lse = oracle.reference(program, q.float().numpy(), k.float().numpy(), v.float().numpy())
-    assert all(c.ok for c in numerics.compare_outputs("f16", o.float().numpy(), lse.numpy(), ref_o, ref_lse))
+    ref_o, ref_lse = oracle.reference(program, *(x.float().cpu().numpy() for x in (q, k, v)))
+    assert all(c.ok for c in numerics.compare_outputs("f16", o.float().cpu().numpy(), lse.cpu().numpy(),
+                                                      ref_o, ref_lse))
+    wrong = "meta" if kernel.device == "cpu" else "cpu"  # torch inputs elsewhere: named, never launched
+    with pytest.raises(InputError, match=f"'k' is a torch tensor on {wrong}; this Triton kernel runs on "
+                                         f"{kernel.device}"):
+        kernel(q, k.to(wrong), v, return_lse=True)
 
 
 @pytest.mark.parametrize("head_dim", ["64", "256", "192 / 128"])

@@ -25,6 +25,9 @@ H_Q, H_KV, GROUP = tl.constexpr(8), tl.constexpr(2), tl.constexpr(4)
 D_QK, D_V = tl.constexpr(64), tl.constexpr(64)
 D_QK_PAD, D_V_PAD = tl.constexpr(64), tl.constexpr(64)
 SCALE = tl.constexpr(0.125)
+# f32 storage multiplies in full f32 (Triton's default rounds f32 dot inputs to TF32, ~1e-3 relative,
+# outside the f32 tolerance); f16 / bf16 inputs are exact either way
+DOT_PRECISION = tl.constexpr("tf32")
 LOG2E = tl.constexpr(1.4426950408889634)
 WALKS = {"blocks": 0, "runs": 1, "merged": 2, "merged_blocks": 3}  # how the prefill kernel walks the plan
 HAS_SCORE = False
@@ -104,7 +107,7 @@ def _tile(q, K, V, desc_k, desc_v, kv_row0, s_kn, s_kd, s_vn, s_vd, start_n, m_i
             kt = tl.load(k_ptrs)
         else:
             kt = tl.load(k_ptrs, mask=(k_pos < S_K) & (offs_dk[:, None] < D_QK), other=0.0)
-    s = tl.dot(q, kt)
+    s = tl.dot(q, kt, input_precision=DOT_PRECISION)
     if HAS_SCORE:
         s = score_program(s * SCALE, b, h, q_pos, k_pos, T_sri, sri_s0, sri_n0, sri_s1, sri_n1, sri_s2, sri_n2, sri_s3, sri_n3)
     if PARTIAL or DYNAMIC:
@@ -113,10 +116,12 @@ def _tile(q, K, V, desc_k, desc_v, kv_row0, s_kn, s_kd, s_vn, s_vd, start_n, m_i
             uts, ute, lts, lte = _interval_vectors(UTS, UTE, LTS, LTE, vec_base, k_pos, S_K)
         if PARTIAL:
             s = _hide(s, b, h, q_pos, k_pos, S_K, Q_OFF, uts, ute, lts, lte, T_sri, sri_s0, sri_n0, sri_s1, sri_n1, sri_s2, sri_n2, sri_s3, sri_n3, MASK_FROM_INTERVALS)
-        elif part != 0:
-            s = _hide(s, b, h, q_pos, k_pos, S_K, Q_OFF, uts, ute, lts, lte, T_sri, sri_s0, sri_n0, sri_s1, sri_n1, sri_s2, sri_n2, sri_s3, sri_n3, MASK_FROM_INTERVALS)
-        elif not EVEN_N:
-            s = tl.where(k_pos < S_K, s, float("-inf"))
+        else:
+            hide = part != 0
+            if not EVEN_N:  # the block across S_K takes the mask path (it hides keys past S_K); a
+                hide = hide | (start_n + BLOCK_N > S_K)  # run-time if/else on s breaks Triton 3.6's pipeliner
+            if hide:
+                s = _hide(s, b, h, q_pos, k_pos, S_K, Q_OFF, uts, ute, lts, lte, T_sri, sri_s0, sri_n0, sri_s1, sri_n1, sri_s2, sri_n2, sri_s3, sri_n3, MASK_FROM_INTERVALS)
     elif not EVEN_N:
         s = tl.where(k_pos < S_K, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
@@ -135,7 +140,7 @@ def _tile(q, K, V, desc_k, desc_v, kv_row0, s_kn, s_kd, s_vn, s_vd, start_n, m_i
             v = tl.load(v_ptrs)
         else:
             v = tl.load(v_ptrs, mask=(offs_n[:, None] < S_K) & (offs_dv[None, :] < D_V), other=0.0)
-    acc = tl.dot(p.to(v.dtype), v, acc)
+    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 @triton.jit
 def _job(t, BH, Q_TILES, HEAD_GROUP: tl.constexpr):
@@ -439,7 +444,7 @@ def _decode_split(Q, K, V, P_O, P_M, P_L, P_VALID,
             v_off = page.to(tl.int64) * s_vp + (t % PAGE_SIZE) * s_vt
         kt = tl.load(K + k_off[None, :] + kv_h * s_kh + offs_dk[:, None] * s_kd,
                      mask=live[None, :] & (offs_dk[:, None] < D_QK), other=0.0)
-        s = tl.dot(q, kt)
+        s = tl.dot(q, kt, input_precision=DOT_PRECISION)
         if HAS_SCORE:
             s = score_program(s * SCALE, b, h[:, None], q_pos, t[None, :], T_sri, sri_s0, sri_n0, sri_s1, sri_n1, sri_s2, sri_n2, sri_s3, sri_n3)
         keep = live[None, :] & row_ok[:, None]
@@ -453,7 +458,7 @@ def _decode_split(Q, K, V, P_O, P_M, P_L, P_VALID,
         l_i = l_i * alpha + tl.sum(p, 1)
         vt = tl.load(V + v_off[:, None] + kv_h * s_vh + offs_dv[None, :] * s_vd,
                      mask=live[:, None] & (offs_dv[None, :] < D_V), other=0.0)
-        acc = tl.dot(p.to(vt.dtype), vt, acc * alpha[:, None])
+        acc = tl.dot(p.to(vt.dtype), vt, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
     valid = l_i > 0
     state = (q_row * H_Q + h) * S_CAP + split  # workspace [total_q, H_q, S_cap, ...]
