@@ -73,6 +73,9 @@ def cmd_run(args) -> int:
         arrays = inputs.sample(program, args.batch, args.q_len or s_k, s_k, args.seed)
     if inputs.is_split_call(program, arrays):
         return _run_split(args, program, arrays)
+    if args.cuda_graph:
+        raise InputError("--cuda-graph replays split calls (a paged or ragged cache, or per-request lengths); "
+                         "this is a prefill over a contiguous cache, which the launcher runs directly")
     call = inputs.validate(program, arrays)
     if (args.sp or args.report) and args.backend != "ahbm":
         raise InputError("--sp and --report run on the AHBM mesh simulator: add --backend ahbm")
@@ -106,15 +109,18 @@ def _run_split(args, program, arrays) -> int:
     if not hasattr(kernel, "run"):
         raise InputError(f"the {args.backend} backend does not run {inputs.cache_description(program)} "
                          "calls yet; use --backend numpy")
+    if args.cuda_graph and args.backend != "triton":
+        raise InputError(f"--cuda-graph: the {args.backend} backend has no CUDA graphs; use --backend triton")
     t0 = time.perf_counter()
-    o, lse = kernel.run(arrays, return_lse=True)
+    o, lse = kernel.run(arrays, return_lse=True, **({"cuda_graph": True} if args.cuda_graph else {}))
     elapsed = time.perf_counter() - t0
     if args.out:
         np.savez(args.out, o=o, lse=lse)
     lens = call.kv_lens.tolist()
     print(f"{program.name} on {args.backend}: B={call.batch} over a {inputs.cache_description(program)}, "
           f"kv_lens {lens}, q_lens {call.q_lens.tolist()}: o {list(o.shape)} {o.dtype}, "
-          f"lse {list(lse.shape)} in {elapsed * 1e3:.1f} ms" + (f" -> {args.out}" if args.out else ""))
+          f"lse {list(lse.shape)} in {elapsed * 1e3:.1f} ms" + (" (captured, replayed)" if args.cuda_graph else "")
+          + (f" -> {args.out}" if args.out else ""))
     if args.check:
         ref_o, ref_lse = backend("numpy").oracle.reference_cache(program, call)
         results = numerics.compare_outputs(program.dtype, o, lse, ref_o, ref_lse)
@@ -362,6 +368,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ahbm: N PEs per (request, K/V head): decode round-robin + tree, prefill ring")
     p.add_argument("--report", action="store_true",
                    help="ahbm: print the simulated latency per engine and PE, and the op-log counters")
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="triton on a GPU, split calls (paged or ragged cache, per-request lengths): capture the "
+                        "call in a CUDA graph and replay it (graph_mode; Kernel.decode_graph)")
     p.set_defaults(fn=cmd_run)
 
     p = sub.add_parser("explain", help="FlashMask intervals, representability, tile classes and "

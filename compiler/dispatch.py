@@ -701,6 +701,18 @@ _STORAGE = ("f16", "bf16", "f32")
 _FORWARD_ONLY = (requires("N", "training", False, detail="forward only"),
                  requires("N", "dropout_p", 0.0, detail="no dropout"))
 
+def _triton_graph(k: DispatchKey) -> str | None:
+    """graph_mode: the split kernels replay from a CUDA graph (backends/triton/graph.py); the
+    interpreter has no graphs and the contiguous prefill launcher is not captured."""
+    if not k.graph_mode:
+        return None
+    if k.device_type != "cuda" or k.interpreter:
+        return "graph_mode=true unsupported without a CUDA device"
+    if k.phase == "prefill" and k.cache_layout.startswith("contiguous"):
+        return "graph_mode=true unsupported for prefill on a contiguous cache"
+    return None
+
+
 # The backends' declarations (DESIGN §6), in priority order: `auto` takes the first eligible.
 ADMISSION: dict[str, BackendSpec] = {
     "triton": BackendSpec(
@@ -721,7 +733,9 @@ ADMISSION: dict[str, BackendSpec] = {
             bounded("Q", "d_qk", 1, 256), bounded("Q", "d_v", 1, 256),
             requires("L", "last_dim_contiguous", True, detail="unit stride in the head dim"),
             *_FORWARD_ONLY,
-            requires("C", "graph_mode", False, detail="the launcher allocates outputs and plan tensors per call"),
+            rule("C", "graph_mode: split calls on a CUDA device", _triton_graph,
+                 detail="Kernel.decode_graph captures the split-K/V calls (decode, append, mixed, prefill "
+                        "over pages) on a GPU; the contiguous prefill launcher allocates per call"),
         )),
     "numpy": BackendSpec(
         "numpy", platforms=("cpu", "cuda"), phases=("prefill", "append", "decode", "mixed"),

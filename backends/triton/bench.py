@@ -378,11 +378,30 @@ def decode_case(batch, t_len, heads_q, heads_kv, head_dim, page_size, generator)
     return q, k, v, k_cache, v_cache, table, kv_lens
 
 
+def _graphed(torch, fn):
+    """``fn`` captured once in a CUDA graph (after a warm-up call on a side stream): its replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return lambda: (graph.replay(), out)[1]
+
+
+DECODE_CONFIGS = ((64, None, 4, 2), (64, None, 4, 3), (128, None, 4, 2), (64, "x2", 4, 2), (64, "/2", 4, 2))
+
+
 def run_decode(cases=None, heads_q=32, heads_kv=8, head_dim=128, page_size=16, out=None, seed=0,
-               configs=((64, None, 4, 2), (64, None, 4, 3), (128, None, 4, 2), (64, "x2", 4, 2), (64, "/2", 4, 2))):
+               configs=DECODE_CONFIGS, graph=True):
     """Decode: GQA heads_q/heads_kv, bf16, our split-K/V kernel on a paged cache (page_size,
     shuffled page ids) against SDPA on the same K/V stored contiguously.  Bandwidth counts
-    the K/V bytes that must be read once: 2 * B * T * H_kv * d * 2 bytes."""
+    the K/V bytes that must be read once: 2 * B * T * H_kv * d * 2 bytes.  ``graph``: also time
+    every config and every SDPA backend replayed from a CUDA graph (attnc: ``Kernel.decode_graph``,
+    the query rows copied into the graph's buffer in each timed call; SDPA: its call captured), the
+    way serving engines run decode when the host cannot keep up (impl names end in ``_graph``)."""
     import torch
     import triton
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -416,30 +435,45 @@ def run_decode(cases=None, heads_q=32, heads_kv=8, head_dim=128, page_size=16, o
         def rel(o):
             return ((o.float() - ref).norm() / ref.norm()).item()
 
-        for block_n, split_rule, warps, stages in configs:
-            base = int(np.clip(-(-2 * sms // (batch * heads_kv)), 1, 64))
-            splits = {None: None, "x2": min(2 * base, 128), "/2": max(base // 2, 1)}[split_rule]
-            plan = kernel.decode_plan({"k_cache": k_cache, "v_cache": v_cache, "block_table": table,
-                                       "kv_lens": kv_lens}, block_n=block_n, splits=splits, num_sms=sms)
-            launch = kernel.decode_args(plan, "cuda")
-            fn = lambda: kernel.module.decode(q, k_cache, v_cache, launch, num_warps=warps, num_stages=stages)  # noqa: E731
+        def timed(impl, fn, config=None, label=None):
+            """Check, then time ``fn``; one row (or an error row)."""
+            extra = {} if config is None else {"config": config}
             try:
-                o, _ = fn()
+                o = fn()
+                o = o[0] if isinstance(o, tuple) else o
+                o = o[:, :, 0] if o.dim() == 4 else o
                 torch.cuda.synchronize()
             except Exception as e:
-                rows.append({**record, "impl": "attnc_paged", "config": [block_n, splits, warps, stages],
-                             "error": str(e)[-1500:]})
-                print(f"decode B={batch} T={t_len} attnc ERROR {str(e)[-300:]}", flush=True)
-                continue
+                rows.append({**record, "impl": impl, **extra, "error": str(e)[-1500:]})
+                print(f"decode B={batch} T={t_len} {label or impl} ERROR {str(e)[-300:]}", flush=True)
+                return
             err = rel(o)
             samples = triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="all") if err < 1e-2 else []
             med = float(np.median(samples)) if samples else float("nan")
-            rows.append({**record, "impl": "attnc_paged", "config": {"BLOCK_N": block_n, "splits": plan["splits"],
-                                                                     "num_warps": warps, "num_stages": stages},
-                         "rel_l2_error": err, "pass": err < 1e-2, "samples_ms": samples, "median_ms": med,
-                         "TBps": kv_bytes / med / 1e9 if samples else None})
-            print(f"decode B={batch:3} T={t_len:6} attnc bn={block_n} splits={plan['splits']:3} w{warps} s{stages}: "
-                  f"err {err:.1e} {med * 1e3:.1f} us {kv_bytes / med / 1e9:.2f} TB/s", flush=True)
+            rows.append({**record, "impl": impl, **extra, "rel_l2_error": err, "pass": err < 1e-2,
+                         "samples_ms": samples, "median_ms": med, "TBps": kv_bytes / med / 1e9 if samples else None})
+            print(f"decode B={batch:3} T={t_len:6} {label or impl}: err {err:.1e} {med * 1e3:.1f} us "
+                  f"{kv_bytes / med / 1e9:.2f} TB/s", flush=True)
+
+        cache = {"k_cache": k_cache, "v_cache": v_cache, "block_table": table, "kv_lens": kv_lens}
+        for block_n, split_rule, warps, stages in configs:
+            base = int(np.clip(-(-2 * sms // (batch * heads_kv)), 1, 64))
+            splits = {None: None, "x2": min(2 * base, 128), "/2": max(base // 2, 1)}[split_rule]
+            plan = kernel.decode_plan(cache, block_n=block_n, splits=splits, num_sms=sms)
+            launch = kernel.decode_args(plan, "cuda")
+            config = {"BLOCK_N": block_n, "splits": plan["splits"], "num_warps": warps, "num_stages": stages}
+            label = f"attnc bn={block_n} splits={plan['splits']:3} w{warps} s{stages}"
+            timed("attnc_paged", lambda: kernel.module.decode(q, k_cache, v_cache, launch, num_warps=warps,
+                                                              num_stages=stages), config, label)
+            if graph:
+                try:
+                    replay = kernel.decode_graph(q, **cache, block_n=block_n, splits=plan["splits"],
+                                                 num_warps=warps, num_stages=stages)
+                except Exception as e:
+                    rows.append({**record, "impl": "attnc_paged_graph", "config": config, "error": str(e)[-1500:]})
+                    continue
+                timed("attnc_paged_graph", lambda: replay(q), config, label + " graph")
+                del replay
         q4 = q[:, :, None]
         for name, backend in (("sdpa_default", None), ("sdpa_flash", SDPBackend.FLASH_ATTENTION),
                               ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa_efficient", SDPBackend.EFFICIENT_ATTENTION)):
@@ -448,19 +482,14 @@ def run_decode(cases=None, heads_q=32, heads_kv=8, head_dim=128, page_size=16, o
                     return torch.nn.functional.scaled_dot_product_attention(q4, k, v, enable_gqa=True)
                 with sdpa_kernel(backend):
                     return torch.nn.functional.scaled_dot_product_attention(q4, k, v, enable_gqa=True)
-            try:
-                o = fn()[:, :, 0]
-                torch.cuda.synchronize()
-            except Exception as e:
-                rows.append({**record, "impl": name, "error": str(e)[-300:]})
-                continue
-            err = rel(o)
-            samples = triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="all")
-            med = float(np.median(samples))
-            rows.append({**record, "impl": name, "rel_l2_error": err, "pass": err < 1e-2, "samples_ms": samples,
-                         "median_ms": med, "TBps": kv_bytes / med / 1e9})
-            print(f"decode B={batch:3} T={t_len:6} {name}: err {err:.1e} {med * 1e3:.1f} us "
-                  f"{kv_bytes / med / 1e9:.2f} TB/s", flush=True)
+            timed(name, fn)
+            if graph:
+                try:
+                    replay = _graphed(torch, fn)
+                except Exception as e:
+                    rows.append({**record, "impl": name + "_graph", "error": str(e)[-300:]})
+                    continue
+                timed(name + "_graph", replay)
         del k, v, k_cache, v_cache
         torch.cuda.empty_cache()
     return list(rows)

@@ -313,11 +313,12 @@ class Kernel:
         args["partial"] = up(plan["partial"], torch.int8)
         return {**plan, **args}
 
-    def run(self, arrays: dict, *, return_lse=False, **options):
+    def run(self, arrays: dict, *, return_lse=False, cuda_graph=False, **options):
         """A split call given by DESIGN §5's keys (what `attnc run` reads from an npz): packed
         q [total_q, H_q, d_qk] with ``q_lens`` / ``qo_indptr`` (default: one query row per
         request, decode) over any cache; returns packed o [total_q, H_q, d_v] (and
-        lse [total_q, H_q]).  Prefill, append, decode and mixed batches are one call."""
+        lse [total_q, H_q]).  Prefill, append, decode and mixed batches are one call.
+        ``cuda_graph``: capture the call (``decode_graph``) and replay it."""
         arrays = dict(arrays)
         if "q" not in arrays:
             raise InputError("inputs: missing key 'q'")
@@ -329,7 +330,38 @@ class Kernel:
                              f"(expected keys: {', '.join(sorted([*required, *names]))}; optional: "
                              f"{', '.join(optional)})")
         q = arrays.pop("q")
+        if cuda_graph:
+            return self._run_graph(q, arrays, return_lse, options)
         return self.decode(q, return_lse=return_lse, **arrays, **options)
+
+    def _run_graph(self, q, arrays: dict, return_lse: bool, options: dict):
+        """``run`` through a captured graph: host arrays go to the GPU in the spec's dtype (the
+        cache the graph reads, the query rows it copies in), metadata stays on the host."""
+        import torch
+        dtype = getattr(torch, TORCH_DTYPES[self.program.dtype])
+
+        def dev(a):
+            t = a if isinstance(a, torch.Tensor) else torch.as_tensor(np.ascontiguousarray(a, np.float32))
+            return t.to(self.device, dtype)
+        kv = {n: dev(a) for n, a in arrays.items() if n in ("k", "v", "k_cache", "v_cache")}
+        meta = {n: a for n, a in arrays.items() if n not in kv}
+        q_t = dev(q)
+        graph = self.decode_graph(q_t, **kv, **meta, capture=True, **options)
+        o, lse = graph(q_t)
+        if isinstance(q, np.ndarray):
+            o, lse = o.float().cpu().numpy(), lse.cpu().numpy()
+        return (o, lse) if return_lse else o
+
+    def decode_graph(self, q, *, max_kv_len: int | None = None, block_n: int = 64, splits: int | None = None,
+                     block_q: int | None = None, num_warps: int = 4, num_stages: int = 2,
+                     capture: bool | None = None, **arrays):
+        """The split call ``decode(q, **arrays)`` captured as a CUDA graph over buffers it owns
+        (``graph.DecodeGraph``): ``g.update(kv_lens=..., block_table=...)`` plans the next step,
+        ``g(q)`` replays and returns (O, LSE).  ``max_kv_len``: the longest request a later
+        update may bring (default: this call's longest)."""
+        from .graph import DecodeGraph
+        return DecodeGraph(self, q, max_kv_len=max_kv_len, block_n=block_n, splits=splits, block_q=block_q,
+                           num_warps=num_warps, num_stages=num_stages, capture=capture, **arrays)
 
     def decode(self, q, *, plan: dict | None = None, return_lse=False, block_n: int = 64,
                splits: int | None = None, block_q: int | None = None, num_warps: int = 4, num_stages: int = 2,

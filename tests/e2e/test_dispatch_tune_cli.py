@@ -31,11 +31,20 @@ def test_dispatch_prints_selection_and_every_rejection(tmp_path):
     out = r.stdout
     assert out.startswith("dispatch key ") and "phase=decode" in out and "S_k=4096,100" in out
     assert "1. triton         eligible  <- selected" in out and out.rstrip().endswith("selected: triton")
+    # graph mode: the split kernels replay from a CUDA graph (Kernel.decode_graph); the numpy
+    # backend's host code cannot be captured, the interpreter has no graphs
     graph = _call(tmp_path, B=2, q_len=1, kv_lens=[4096, 100], device="cuda", compute_capability=90,
                   cuda_graph=True)
-    r = attnc("dispatch", PAGED, "--call", graph)
-    assert r.returncode == 1
-    assert "[C] graph_mode=true unsupported" in r.stdout and r.stdout.count("[C] graph_mode=true") == 2
+    real = {n: v for n, v in os.environ.items() if n != "TRITON_INTERPRET"}
+    r = attnc("dispatch", PAGED, "--call", graph, env=real)
+    assert r.returncode == 0 and "1. triton         eligible  <- selected" in r.stdout
+    assert "[C] graph_mode=true unsupported (host code cannot be captured in a CUDA graph)" in r.stdout
+    r = attnc("dispatch", PAGED, "--call", graph, env={**real, "TRITON_INTERPRET": "1"})
+    assert r.returncode == 1 and "[C] graph_mode=true unsupported without a CUDA device" in r.stdout
+    prefill = _call(tmp_path, B=1, S_q=64, S_k=64, device="cuda", compute_capability=90, cuda_graph=True)
+    r = attnc("dispatch", CAUSAL, "--call", prefill, env=real)
+    assert r.returncode == 1 and r.stdout.count("[C] graph_mode=true") == 2
+    assert "[C] graph_mode=true unsupported for prefill on a contiguous cache" in r.stdout
     assert "error: every candidate rejects the call" in r.stdout
 
 

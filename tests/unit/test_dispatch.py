@@ -185,6 +185,13 @@ def test_default_backends_admission_vectors():
     assert sel.selected is None and [c.name for c in sel.candidates] == ["triton", "numpy", "ahbm"]
     assert all(c.rejections for c in sel.candidates if c.in_domain)
     assert not sel.candidates[2].in_domain  # ahbm: the mesh simulator is its only platform
+    assert [r.reason for r in sel.rejections("triton")] == ["graph_mode=true unsupported for prefill on a "
+                                                           "contiguous cache"]
+    decode = {"B": 2, "S_q": 1, "S_k": [4096, 100], "graph_mode": True}  # the split kernels are captured
+    assert d.dispatch(p, decode, H200).selected == "triton"
+    interp = Environment(device_type="cpu", interpreter=True, torch="2.13.0", triton="3.9.0")
+    assert [r.reason for r in d.dispatch(p, decode, interp).rejections("triton")] == [
+        "graph_mode=true unsupported without a CUDA device"]
     mesh = Environment(device_type="ahbm")
     assert d.dispatch(p, {"B": 2, "S_q": 64, "S_k": 64}, mesh).selected == "ahbm"
     big = compile_spec("attention t { heads = 4 head_dim = 512 mask = causal }")

@@ -513,13 +513,26 @@ def _combine(P_O, P_M, P_L, P_VALID, O, LSE, s_ot, s_oh, s_od, S_CAP,
     tl.store(LSE + rh, lse)
 
 
-def decode(q, k_cache, v_cache, plan, *, out=None, lse=None, num_warps=4, num_stages=2, **tensors):
+def decode_workspace(total_q, splits, abi, device):
+    """The workspace ABI's arrays (partial O, m, l when the ABI is (m, l, u), valid flags) for
+    ``total_q`` packed rows and ``splits`` slots, in one allocation (a decode call's host time is
+    most of its cost at small batch: bench/results/studies/decode_launch_h200_r25.jsonl)."""
+    import torch
+    n = total_q * H_Q.value * splits
+    f32 = n * (D_V.value + (2 if abi == "mlu" else 1))
+    return torch.empty(4 * f32 + n, device=device, dtype=torch.uint8)
+
+
+def decode(q, k_cache, v_cache, plan, *, out=None, lse=None, workspace=None, num_warps=4, num_stages=2,
+           **tensors):
     """Split-K/V attention over a K/V cache on torch tensors: packed q [total_q, H_q, d_qk]
     (request b's rows are qo_indptr[b]:qo_indptr[b + 1]; decode: [B, H_q, d_qk], one row per
     request); the cache as described by ``plan`` (attnc's decode plan: cache kind, strides in
     (page, token, head, dim) order, per-request bases, page table, the query tiles and the block
     lists of every (query tile, split)).  Returns O [total_q, H_q, d_v] and LSE [total_q, H_q];
-    a row with no visible key gets O = 0 and LSE = -inf."""
+    a row with no visible key gets O = 0 and LSE = -inf.  ``out``, ``lse`` and ``workspace``
+    (``decode_workspace``'s bytes, or more) are written in place when given: with them a call
+    allocates nothing, so it can be captured in a CUDA graph (attnc's DecodeGraph)."""
     import torch
     total_q = q.shape[0]
     if total_q != plan["total_q"]:
@@ -533,11 +546,11 @@ def decode(q, k_cache, v_cache, plan, *, out=None, lse=None, num_warps=4, num_st
         lse = torch.empty(total_q, H_Q.value, device=dev, dtype=torch.float32)
     if total_q == 0:
         return out, lse
-    # the workspace ABI's arrays as views of one allocation (a decode call's host time is most
-    # of its cost at small batch: bench/results/studies/decode_launch_h200_r25.jsonl)
     n = total_q * H_Q.value * s_cap
     f32 = n * (D_V.value + (2 if abi_mlu else 1))
-    ws = torch.empty(4 * f32 + n, device=dev, dtype=torch.uint8)
+    ws = decode_workspace(total_q, s_cap, plan["abi"], dev) if workspace is None else workspace
+    if ws.dtype != torch.uint8 or ws.numel() < 4 * f32 + n:
+        raise ValueError(f"workspace: {ws.numel()} {ws.dtype} elements; this call needs {4 * f32 + n} uint8")
     ws32 = ws[:4 * f32].view(torch.float32)
     p_o = ws32[:n * D_V.value]
     p_m = ws32[n * D_V.value:n * (D_V.value + 1)]
