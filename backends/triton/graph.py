@@ -135,6 +135,7 @@ class DecodeGraph:
             if plan[n] != self.plan[n]:
                 raise PlanError(f"DecodeGraph.update: the plan has {n} = {plan[n]}; the graph was captured "
                                 f"with {n} = {self.plan[n]} (capture a new graph for this call)")
+        staged = {}  # every array is checked before any is copied: a refused plan changes nothing
         for n in _ARRAYS:
             a = np.asarray(plan[n])
             buf = self.buffers[n]
@@ -153,8 +154,9 @@ class DecodeGraph:
                 raise PlanError(f"DecodeGraph.update: '{n}' needs {a.size} {what}; the graph holds {buf.numel()} "
                                 f"(max_kv_len = {self.max_kv_len} keys per request at capture); the longest "
                                 f"request now: kv_lens[{b}] = {int(plan['kv_lens'][b])}")
-            src = torch.as_tensor(np.ascontiguousarray(a.reshape(-1)).astype(np.dtype(str(buf.dtype).split(".")[1])))
-            buf.view(-1)[:src.numel()].copy_(src, non_blocking=False)
+            staged[n] = torch.as_tensor(np.ascontiguousarray(a.reshape(-1)).astype(str(buf.dtype).split(".")[1]))
+        for n, src in staged.items():
+            self.buffers[n].view(-1)[:src.numel()].copy_(src)
 
     def _launch(self):
         return self.kernel.module.decode(self.q, self.kv.get("k_cache", self.kv.get("k")),

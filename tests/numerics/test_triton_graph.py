@@ -128,11 +128,11 @@ def test_csr_table_capacity_and_refusals():
     assert torch.equal(o, eo) and torch.equal(lse, el)
     _oracle_check(program, arrays, q.cpu().numpy(), lens, o, lse)
     g.update(**csr(np.array([32, 40, 1, 1]), tables[0]))  # capacity is a total: one request may outgrow 32
+    g.update(**csr(lens, tables[1]))
     with pytest.raises(PlanError, match=r"'blocks' needs 10 block-list entries; the graph holds 8 "
                                         r"\(max_kv_len = 32 keys per request at capture\); the longest request "
                                         r"now: kv_lens\[0\] = 48"):
-        g.update(**csr(np.array([48, 48, 48, 8]), tables[0]))
-    g.update(**csr(lens, tables[1]))
+        g.update(**csr(np.array([48, 48, 48, 8]), tables[0]))  # refused: the graph keeps the last plan
     other = k_cache.clone()
     with pytest.raises(InputError, match="'k_cache' is not the tensor the graph captured"):
         g.update(k_cache=other, **csr(lens, tables[0]))
