@@ -29,6 +29,7 @@ def main(argv=None):
     import torch
     import triton
     from backends.triton import bench, runtime
+    from backends.triton.graph import capture
     from compiler.lower import compile_spec
 
     batch, t_len, hq, hkv, d, page = args.batch, args.seq, 32, 8, 128, 16
@@ -66,14 +67,7 @@ def main(argv=None):
             e1.record()
             torch.cuda.synchronize()
             queued_us = e0.elapsed_time(e1) / 200 * 1e3
-            graph = torch.cuda.CUDAGraph()
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                fn()
-                with torch.cuda.graph(graph, stream=s):
-                    fn()
-            torch.cuda.current_stream().wait_stream(s)
+            graph, _ = capture(fn)
             graph_ms = float(np.median(triton.testing.do_bench(graph.replay, warmup=25, rep=100, return_mode="all")))
             row = {"study": "decode_launch", "B": batch, "T": t_len, "impl": name, "round": rnd,
                    "do_bench_us": bench * 1e3, "host_us_per_call": host_us, "queued_us_per_call": queued_us,

@@ -86,10 +86,7 @@ def main(argv=None):
             if var == "lazy":
                 assert errs[var][0] < 1e-2 and errs[var][1] < 1e-3, (name, errs[var])
             fns[var] = fn
-        samples = {var: [] for var in fns}
-        for _ in range(args.rounds):
-            for var, fn in fns.items():
-                samples[var].append(triton.testing.do_bench(fn, warmup=25, rep=150, return_mode="all"))
+        samples = bench.time_in_turns(fns, args.rounds)
         flops = 4.0 * d * visible
         for var in fns:
             meds = [float(np.median(s)) for s in samples[var]]

@@ -63,10 +63,7 @@ def main(argv=None):
             err = ((o.float() - ref.float()).norm() / ref.float().norm()).item()
             assert err < 1e-2, (name, var, err)
             fns[var] = fn
-        samples = {var: [] for var in fns}
-        for _ in range(args.rounds):
-            for var, fn in fns.items():
-                samples[var].append(triton.testing.do_bench(fn, warmup=25, rep=150, return_mode="all"))
+        samples = bench.time_in_turns(fns, args.rounds)
         flops = 4.0 * d * visible
         for var in fns:
             meds = [float(np.median(s)) for s in samples[var]]

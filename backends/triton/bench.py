@@ -115,6 +115,17 @@ def prefill_case(name: str, batch: int, heads: int, seq: int, head_dim: int, see
     return program, tensors_np, tensors
 
 
+def time_in_turns(fns: dict, rounds: int, warmup: int = 25, rep: int = 150) -> dict:
+    """Studies' A/B timing: every variant in turn, ``rounds`` times, so that clock and thermal
+    drift fall on all of them alike; {name: [one round's raw do_bench samples (ms), ...]}."""
+    import triton
+    samples = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            samples[name].append(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="all"))
+    return samples
+
+
 def visible_cells(plan, batch: int, heads: int) -> int:
     """Visible (query, key) cells over every (b, h), exactly, from the analysis' row sets (no
     S x S evaluation)."""
@@ -378,19 +389,6 @@ def decode_case(batch, t_len, heads_q, heads_kv, head_dim, page_size, generator)
     return q, k, v, k_cache, v_cache, table, kv_lens
 
 
-def _graphed(torch, fn):
-    """``fn`` captured once in a CUDA graph (after a warm-up call on a side stream): its replay."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    return lambda: (graph.replay(), out)[1]
-
-
 DECODE_CONFIGS = ((64, None, 4, 2), (64, None, 4, 3), (128, None, 4, 2), (64, "x2", 4, 2), (64, "/2", 4, 2))
 
 
@@ -406,6 +404,7 @@ def run_decode(cases=None, heads_q=32, heads_kv=8, head_dim=128, page_size=16, o
     import triton
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from backends.triton import runtime
+    from backends.triton.graph import capture
 
     cases = cases or DECODE_CASES
     rows = _Rows(out)
@@ -457,9 +456,11 @@ def run_decode(cases=None, heads_q=32, heads_kv=8, head_dim=128, page_size=16, o
 
         cache = {"k_cache": k_cache, "v_cache": v_cache, "block_table": table, "kv_lens": kv_lens}
         for block_n, split_rule, warps, stages in configs:
-            base = int(np.clip(-(-2 * sms // (batch * heads_kv)), 1, 64))
-            splits = {None: None, "x2": min(2 * base, 128), "/2": max(base // 2, 1)}[split_rule]
-            plan = kernel.decode_plan(cache, block_n=block_n, splits=splits, num_sms=sms)
+            plan = kernel.decode_plan(cache, block_n=block_n, num_sms=sms)  # the runtime's own split count
+            if split_rule is not None:
+                base = plan["splits"]
+                splits = {"x2": min(2 * base, 128), "/2": max(base // 2, 1)}[split_rule]
+                plan = kernel.decode_plan(cache, block_n=block_n, splits=splits, num_sms=sms)
             launch = kernel.decode_args(plan, "cuda")
             config = {"BLOCK_N": block_n, "splits": plan["splits"], "num_warps": warps, "num_stages": stages}
             label = f"attnc bn={block_n} splits={plan['splits']:3} w{warps} s{stages}"
@@ -485,7 +486,8 @@ def run_decode(cases=None, heads_q=32, heads_kv=8, head_dim=128, page_size=16, o
             timed(name, fn)
             if graph:
                 try:
-                    replay = _graphed(torch, fn)
+                    sdpa_graph, sdpa_out = capture(fn)
+                    replay = lambda g=sdpa_graph, o=sdpa_out: (g.replay(), o)[1]  # noqa: E731
                 except Exception as e:
                     rows.append({**record, "impl": name + "_graph", "error": str(e)[-300:]})
                     continue

@@ -27,9 +27,24 @@ import numpy as np
 
 from compiler.errors import InputError, PlanError
 
-# the plan arrays the launch reads, with their device dtype (runtime.Kernel.decode_args)
-_ARRAYS = {"kv_lens": "int32", "qo_indptr": "int32", "tile_req": "int32", "tile_row0": "int32",
-           "entry_ptr": "int32", "base": "int64", "blocks": "int32", "partial": "int8", "table": "int32"}
+from .runtime import DECODE_ARRAYS, device_tensor
+
+
+def capture(fn):
+    """``fn`` captured in a CUDA graph on the current device: one call on a side stream first (it
+    compiles the kernels and warms the allocator outside the capture), then the captured call.
+    Returns (graph, what the captured call returned: its outputs, rewritten by every replay)."""
+    import torch
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
 # plan fields the captured launch bakes in: an update must keep them
 _FIXED = ("cache", "page_size", "splits", "block_n", "block_q", "one_row", "tiles", "total_q", "abi",
           "k_strides", "v_strides", "table_stride")
@@ -61,11 +76,7 @@ class DecodeGraph:
                              + " (capture=False runs the same launch without a graph)")
         if interpreted() and dtype == torch.bfloat16:
             raise InputError("DecodeGraph: the Triton interpreter has no bf16 loads; use an f16 or f32 spec there")
-        names = {t.name for t in p.tensors}
-        tensors = {n: arrays.pop(n) for n in list(arrays) if n in names}
-        missing = names - set(tensors)
-        if missing:
-            raise InputError(f"inputs: missing key '{sorted(missing)[0]}'")
+        tensors = kernel.split_tensors(arrays)
         self._kv_keys = [n for n in ("k", "v", "k_cache", "v_cache") if n in arrays]
         for n in self._kv_keys:
             t = arrays[n]
@@ -90,12 +101,12 @@ class DecodeGraph:
         self.plan = {n: plan[n] for n in _FIXED}
         # the buffers the launch reads and writes (contents replaced by update, addresses fixed)
         self.buffers = {}
-        for n, dt in _ARRAYS.items():
+        for n, dt in DECODE_ARRAYS.items():
             a = np.asarray(plan[n])
             size = self.capacity[n] if n in self.capacity else a.size
             shape = (size,) if a.ndim <= 1 or n != "table" else a.shape
             self.buffers[n] = torch.zeros(shape, dtype=getattr(torch, dt), device=self.device)
-        self.tensors = {n: self._device_tensor(t) for n, t in tensors.items()}
+        self.tensors = {n: device_tensor(t, self.device) for n, t in tensors.items()}
         self.q = q.detach().clone()
         self.out = torch.empty(q.shape[0], p.heads_q, p.d_v, device=self.device, dtype=q.dtype)
         self.lse = torch.empty(q.shape[0], p.heads_q, device=self.device, dtype=torch.float32)
@@ -120,12 +131,6 @@ class DecodeGraph:
             cap["table"] = max(1, len(plan["kv_lens"]) * -(-self.max_kv_len // plan["page_size"]))
         return cap
 
-    def _device_tensor(self, t):
-        import torch
-        a = t.detach().cpu().numpy() if isinstance(t, torch.Tensor) else np.asarray(t)
-        a = a.astype(np.int32) if a.dtype.kind in "iu" else a
-        return torch.as_tensor(np.ascontiguousarray(a)).to(self.device)
-
     def _load(self, plan) -> None:
         """Copy a plan's arrays into the buffers; refuse what the captured launch cannot run."""
         import torch
@@ -136,7 +141,7 @@ class DecodeGraph:
                 raise PlanError(f"DecodeGraph.update: the plan has {n} = {plan[n]}; the graph was captured "
                                 f"with {n} = {self.plan[n]} (capture a new graph for this call)")
         staged = {}  # every array is checked before any is copied: a refused plan changes nothing
-        for n in _ARRAYS:
+        for n in DECODE_ARRAYS:
             a = np.asarray(plan[n])
             buf = self.buffers[n]
             if n == "table" and buf.dim() == 2:
@@ -165,15 +170,7 @@ class DecodeGraph:
                                          num_warps=self._warps, num_stages=self._stages, **self.tensors)
 
     def _capture(self) -> None:
-        import torch
-        side = torch.cuda.Stream(device=self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            self._launch()  # compiles both kernels outside the capture
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self._launch()
+        self.graph, _ = capture(self._launch)
 
     # ------------------------------------------------------------------ use
     def update(self, **arrays) -> None:
@@ -190,7 +187,7 @@ class DecodeGraph:
         meta = {n: a for n, a in call.items() if n not in names}
         plan = self.kernel.decode_plan({**meta, **self.kv}, tensors=tensors, total_q=self.plan["total_q"],
                                        **self._options)
-        new = {n: self._device_tensor(t) for n, t in tensors.items()}
+        new = {n: device_tensor(t, self.device) for n, t in tensors.items()}
         for n, t in new.items():
             if t.shape != self.tensors[n].shape:
                 raise InputError(f"DecodeGraph.update: tensor '{n}' has shape {list(t.shape)}; the graph "

@@ -307,11 +307,16 @@ class Kernel:
             t = a if isinstance(a, torch.Tensor) else torch.as_tensor(np.array(a, copy=True, order="C"))
             return t.to(device=device, dtype=dtype).contiguous()
 
-        args = {n: up(plan[n], torch.int32) for n in ("kv_lens", "entry_ptr", "blocks", "table", "qo_indptr",
-                                                     "tile_req", "tile_row0")}
-        args["base"] = up(plan["base"], torch.int64)
-        args["partial"] = up(plan["partial"], torch.int8)
-        return {**plan, **args}
+        return {**plan, **{n: up(plan[n], getattr(torch, dt)) for n, dt in DECODE_ARRAYS.items()}}
+
+    def split_tensors(self, arrays: dict) -> dict:
+        """Pop the spec's declared tensors out of a split call's keyword arrays (all must be there)."""
+        names = {t.name for t in self.program.tensors}
+        tensors = {n: arrays.pop(n) for n in list(arrays) if n in names}
+        missing = names - set(tensors)
+        if missing:
+            raise InputError(f"inputs: missing key '{sorted(missing)[0]}'")
+        return tensors
 
     def run(self, arrays: dict, *, return_lse=False, cuda_graph=False, **options):
         """A split call given by DESIGN §5's keys (what `attnc run` reads from an npz): packed
@@ -374,11 +379,7 @@ class Kernel:
         [total_q, H_q, d_v] (and LSE [total_q, H_q])."""
         import torch
         p = self.program
-        names = {t.name for t in p.tensors}
-        tensors = {n: arrays.pop(n) for n in list(arrays) if n in names}
-        missing = names - set(tensors)
-        if missing:
-            raise InputError(f"inputs: missing key '{sorted(missing)[0]}'")
+        tensors = self.split_tensors(arrays)
         from_numpy = isinstance(q, np.ndarray)
         if not from_numpy:
             self._check_device({"q": q, **{n: a for n, a in arrays.items() if n in ("k", "v", "k_cache", "v_cache")},
@@ -413,8 +414,7 @@ class Kernel:
                 p.cache.layout.value, k_cache)
         q_t = dev_tensor(np.asarray(q, np.float32), dtype).to(carry) if from_numpy else q
         launch = self.decode_args(plan, dev)
-        tens = {n: dev_tensor(_to_numpy(t).astype(np.int32) if _to_numpy(t).dtype.kind in "iu" else _to_numpy(t))
-                for n, t in tensors.items()}
+        tens = {n: device_tensor(t, dev) for n, t in tensors.items()}
         o, lse = self.module.decode(q_t, k_cache, v_cache, launch, num_warps=num_warps, num_stages=num_stages,
                                     **tens)
         if carry != dtype:
@@ -422,6 +422,19 @@ class Kernel:
         if from_numpy:
             o, lse = o.float().cpu().numpy(), lse.cpu().numpy()
         return (o, lse) if return_lse else o
+
+
+# the decode plan's arrays the generated ``decode`` launcher reads, with their device dtypes
+DECODE_ARRAYS = {"kv_lens": "int32", "qo_indptr": "int32", "tile_req": "int32", "tile_row0": "int32",
+                 "entry_ptr": "int32", "base": "int64", "blocks": "int32", "partial": "int8", "table": "int32"}
+
+
+def device_tensor(t, device):
+    """A declared tensor (numpy or torch) as the kernels read it: integers as int32, on ``device``."""
+    import torch
+    a = _to_numpy(t)
+    a = a.astype(np.int32) if a.dtype.kind in "iu" else a
+    return torch.as_tensor(np.ascontiguousarray(a)).to(device)
 
 
 GPU_MIN_TILE = 16  # tl.dot on a GPU multiplies at least 16 x 16 x 16; the interpreter takes any size

@@ -55,8 +55,8 @@ def _oracle_check(program, arrays, q, lens, o, lse, tensors=()):
     """Under the interpreter: row b against the oracle over the request's first lens[b] keys."""
     if not runtime.interpreted():
         return
-    cont = compile_spec(f"attention g {{ heads = {HQ} / {HKV} head_dim = {D} dtype = f32 "
-                        f"{' '.join(d for d in [_DECL] if tensors)} mask = {_MASK if tensors else 'causal'} }}")
+    decl, mask = (_DECL, _MASK) if tensors else ("", "causal")
+    cont = compile_spec(f"attention g {{ heads = {HQ} / {HKV} head_dim = {D} dtype = f32 {decl} mask = {mask} }}")
     o, lse = o.cpu().numpy(), lse.cpu().numpy()
     for b, n in enumerate(lens):
         if n == 0:
@@ -73,7 +73,7 @@ _DECL = "tensor doc: i32[b, s] ~ segments(4, 20)"
 _MASK = "causal & doc[b, q] == doc[b, k]"
 
 
-def _sample(program, seed):
+def _sample(seed):
     cont = compile_spec(f"attention g {{ heads = {HQ} / {HKV} head_dim = {D} dtype = f32 mask = causal }}")
     return inputs.sample(cont, B, 1, T, seed=seed)
 
@@ -82,7 +82,7 @@ def _sample(program, seed):
 def test_decode_steps_replay_what_the_eager_call_computes(state):
     program = _spec(state=state)
     kernel, dev = _kernel(program)
-    arrays = _sample(program, 0)
+    arrays = _sample(0)
     k_cache, v_cache, tables = _pool(arrays["k"], arrays["v"], dev)
     lens = np.array([20, 9, 1, 33])
     rng = np.random.default_rng(5)
@@ -106,7 +106,7 @@ def test_decode_steps_replay_what_the_eager_call_computes(state):
 def test_csr_table_capacity_and_refusals():
     program = _spec(cache=f"paged(page_size = {PAGE}, table = csr)")
     kernel, dev = _kernel(program)
-    arrays = _sample(program, 1)
+    arrays = _sample(1)
     k_cache, v_cache, tables = _pool(arrays["k"], arrays["v"], dev, seed=2)
 
     def csr(lens, table):
@@ -190,7 +190,7 @@ def test_capture_needs_a_cuda_device():
     """Host tensors cannot be captured, on any machine (the GPU run captures in the tests above)."""
     program = _spec()
     kernel, _ = _kernel(program)
-    arrays = _sample(program, 0)
+    arrays = _sample(0)
     k_cache, v_cache, tables = _pool(arrays["k"], arrays["v"], "cpu")
     q = torch.zeros(B, HQ, D)
     with pytest.raises(InputError, match="a CUDA graph needs a CUDA device and no TRITON_INTERPRET"):
