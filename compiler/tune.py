@@ -557,6 +557,8 @@ class _TritonRunner(_Runner):
         plan = self.kernel.plan(c.batch, c.s_q, c.s_k, c.tensors, cfg["BLOCK_M"], cfg["BLOCK_N"])
         args = self.kernel.device_plan(plan, self.q.device)
         extra = {"use_tma": True} if cfg.get("use_tma") else {}  # older launchers lack the argument
+        if hasattr(self.kernel.module, "gluon_reason"):  # the configs are the Triton kernel's
+            extra["engine"] = "triton"
 
         def launch():
             out = None

@@ -45,6 +45,7 @@ class PrefillConfig(NamedTuple):
     mask_source: str | None = None
     per_sm: int = 0
     head_group: int | None = None  # None: the kernel's HEAD_GROUP; 1: one head after another (the order before r21)
+    engine: str = "triton"  # or "gluon": the module's warp-specialized Hopper program (its stages; warps/TMA unused)
 
 
 DEFAULT = "default"  # a config string: time what the runtime picks untuned (Kernel.prefill_launch)
@@ -58,7 +59,7 @@ CONFIGS = [PrefillConfig(*c) for c in ((128, 128, 8, 3, True), (128, 128, 8, 2, 
 WALK_LETTERS = {"r": "runs", "b": "blocks", "g": "merged", "m": "merged_blocks"}
 
 
-FLAGS = "twrbgmpiso"
+FLAGS = "twrbgmpisoG"
 
 
 def parse_configs(text: str) -> list:
@@ -67,7 +68,8 @@ def parse_configs(text: str) -> list:
     interval vectors exist (the default already), i = from the interval vectors; a walk letter
     (r = FULL runs then PARTIAL blocks, b = block by block, g = merged runs, m = merged block
     list), else the kernel's own choice; s = persistent with one program per SM, ss two per SM,
-    and so on; o = the old launch order (one head after another, head_group 1)."""
+    and so on; o = the old launch order (one head after another, head_group 1); G = the Gluon engine
+    (BM must be 128; warps, TMA and walk letters do not apply to it)."""
     out = []
     for c in text.split(","):
         if c.strip() == DEFAULT:
@@ -81,7 +83,8 @@ def parse_configs(text: str) -> list:
         walk = next((w for f, w in WALK_LETTERS.items() if f in flags), None)
         source = "intervals" if "i" in flags else "predicate" if "p" in flags else None
         out.append(PrefillConfig(*(int(x) for x in head.split("x")), int(digits), "t" in flags, "w" in flags,
-                                 walk, source, flags.count("s"), 1 if "o" in flags else None))
+                                 walk, source, flags.count("s"), 1 if "o" in flags else None,
+                                 "gluon" if "G" in flags else "triton"))
     return out
 
 
@@ -204,18 +207,20 @@ def run_prefill(batch=4, heads=16, seq=8192, head_dim=128, masks=None, configs=N
             is_default = cfg == DEFAULT
             if is_default:  # what an untuned call runs: the runtime's choice, made once
                 plan, launch, _ = kernel.prefill_launch(batch, seq, seq, tensors_np)
+                engine = launch["engine"] or ("gluon" if kernel.module.gluon_reason(
+                    q, k, v, None, kernel.device_plan(plan, q.device)) is None else "triton")
                 cfg = PrefillConfig(plan.block_m, plan.block_n, launch["num_warps"], launch["num_stages"],
-                                    launch["use_tma"])
-            bm, bn, warps, stages, tma, ws, walk, source, per_sm, head_group = PrefillConfig(*cfg)
+                                    launch["use_tma"], engine=engine)
+            bm, bn, warps, stages, tma, ws, walk, source, per_sm, head_group, engine = PrefillConfig(*cfg)
             programs = per_sm * torch.cuda.get_device_properties(0).multi_processor_count if per_sm else None
             if not is_default:
                 plan = kernel.plan(batch, seq, seq, tensors_np, bm, bn)
             args = kernel.device_plan(plan, q.device)
-            walk_used = walk or kernel.module.default_walk(args, None, source)
+            walk_used = "merged_blocks" if engine == "gluon" else walk or kernel.module.default_walk(args, None, source)
             fn = lambda: kernel.module.attention(q, k, v, args, num_warps=warps, num_stages=stages,  # noqa: E731
                                                  use_tma=tma, warp_specialize=ws, walk=walk,
                                                  mask_source=source, programs=programs, head_group=head_group,
-                                                 **tensors)
+                                                 engine=engine, **tensors)
             try:
                 o, _ = fn()
                 torch.cuda.synchronize()
@@ -227,18 +232,22 @@ def run_prefill(batch=4, heads=16, seq=8192, head_dim=128, masks=None, configs=N
             ok = err < record["tolerance_rel_l2"]
             samples = triton.testing.do_bench(fn, warmup=100, rep=500, return_mode="all") if ok else []
             med = float(np.median(samples)) if samples else float("nan")
-            row = {**record, "impl": "attnc", "config": {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps,
-                                                          "num_stages": stages, "use_tma": tma,
+            gluon = engine == "gluon"  # 4 + 4 consumer warps and 1 producer warp, TMA loads: fixed
+            row = {**record, "impl": "attnc", "config": {"BLOCK_M": bm, "BLOCK_N": bn,
+                                                          "num_warps": "4+4+1" if gluon else warps,
+                                                          "num_stages": stages, "use_tma": True if gluon else tma,
                                                           "warp_specialize": ws, "walk": walk_used,
                                                           "mask_source": source or "predicate",
                                                           "programs": programs, "default": is_default,
-                                                          "head_group": head_group or kernel.module.HEAD_GROUP},
+                                                          "head_group": head_group or kernel.module.HEAD_GROUP,
+                                                          "engine": engine},
                    "tiles": plan.tiles.counts(), "rel_l2_error": err, "pass": ok, "samples_ms": samples,
                    "median_ms": med, "TFLOPs": flops / med / 1e9 if samples else None}
             rows.append(row)
             label = (f"{'default ' if is_default else ''}{bm}x{bn} w{warps} s{stages} tma={tma} ws={ws} {walk_used} "
                      f"{source or ''}{f' persistent {programs}' if programs else ''}"
-                     f"{' old-order' if head_group == 1 else ''}")
+                     f"{' old-order' if head_group == 1 else ''}") if engine == "triton" else (
+                f"{'default ' if is_default else ''}{bm}x{bn} s{stages} gluon")
             print(f"{name:22} attnc {label}: err {err:.1e} "
                   f"{med:.3f} ms {row['TFLOPs'] or 0:.0f} TFLOP/s", flush=True)
             if ok and (best is None or med < best["median_ms"]):

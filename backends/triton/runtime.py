@@ -51,6 +51,25 @@ def mean_row_blocks(plan: Plan) -> float:
     return (counts["full"] + counts["partial"]) / rows if rows else 0.0
 
 
+# The Gluon engine (the generated module's ``_attn_fwd_ws``: warp-specialized, Hopper only) takes
+# f16 / bf16 specs with one head dim of 64 or 128, on 128-row tiles; measured on the H200
+# (bench/results/studies/gluon_engine_h200_r30.jsonl, 4 rounds in turns) full 549, causal 558,
+# prefix-LM 565, sliding window 1024 392, documents 279 TFLOP/s against the Triton kernel's default
+# 509 / 486 / 489 / 354 / 278, on 128x128 tiles (128x64: 367-504), 3 K/V stages (2: within 2%).
+GLUON_STAGES = 3
+GLUON_TILES = (128, 128)
+# Rows shorter than this (computed blocks per 128-row tile, on average) stay on the Triton kernel's
+# 64x64 short-row tiles, two CTAs per SM: documents (5.8 blocks) 290.7 there against 276.1 on the
+# Gluon engine, sliding window 1024 (8.4) 373.0 against 396.9 (bench/results/studies/
+# gluon_overlap_h200_r31.jsonl, in turns)
+GLUON_MIN_ROW_BLOCKS = 7
+
+
+def gluon_program(program) -> bool:
+    """Whether a spec is one the Gluon engine can run (the call's shapes are checked at launch)."""
+    return program.dtype in ("f16", "bf16") and program.d_qk == program.d_v and program.d_qk in (64, 128)
+
+
 def short_row_config(plan: Plan) -> dict | None:
     """The untuned GPU default's second look, once the 128x128 plan exists: SHORT_ROW_CONFIG
     when its rows are short, else None (keep 128x128)."""
@@ -128,11 +147,12 @@ class Kernel:
 
     def prefill_launch(self, batch: int, s_q: int, s_k: int, tensors: dict, *, plan: Plan | None = None,
                        block_m=None, block_n=None, num_warps=None, num_stages=None, use_tma=None,
-                       contiguous: bool = True) -> tuple[Plan, dict, bool]:
+                       contiguous: bool = True, engine: str | None = None) -> tuple[Plan, dict, bool]:
         """The plan and launch options a prefill call runs with: what the caller gave, else
         `attnc tune`'s winner for the call's key, else the untuned default (``default_config``,
         then ``short_row_config`` once the plan's rows are known; warps follow the plan's tile).
-        Returns (plan, {num_warps, num_stages, use_tma}, whether the stages were chosen)."""
+        ``engine="triton"`` asks for the Triton kernel's default even where the Gluon engine would
+        run, ``engine="gluon"`` for the Gluon engine's tiles whatever the rows.  Returns (plan, {num_warps, num_stages, use_tma, engine}, whether the stages were chosen)."""
         tuned = {}
         if plan is None and block_m is None and block_n is None:  # `attnc tune`'s winner for this key
             from compiler import tune
@@ -145,21 +165,40 @@ class Kernel:
         num_stages = num_stages if num_stages is not None else tuned.get("num_stages", default["num_stages"])
         if use_tma is None:
             use_tma = tuned.get("use_tma", default["use_tma"] and contiguous)
+        # engine None: the Gluon engine where this machine and spec allow it, unless `attnc tune`
+        # has a winner (measured on the Triton kernel) or the rows are short; "gluon": asked for
+        gluon = engine == "gluon" or (engine is None and not tuned and self.gluon_engine())
         if plan is None:
             untuned = block_m is None and block_n is None
+            if gluon and untuned:  # the Gluon engine's tiles: 128 query rows (two warpgroups of 64)
+                block_m, block_n = GLUON_TILES
             plan = self.plan(batch, s_q, s_k, tensors, block_m, block_n)
-            short = short_row_config(plan) if untuned and not interpreted() else None
+            if engine is None and gluon and untuned and mean_row_blocks(plan) < GLUON_MIN_ROW_BLOCKS:
+                gluon = False  # short rows: the Triton kernel's short-row tiles below
+            short = short_row_config(plan) if untuned and not interpreted() and not gluon else None
             if short:  # the default's tiles, chosen again now that the rows' lengths are known
                 plan = plan.retile(short["BLOCK_M"], short["BLOCK_N"])
                 num_stages = num_stages if chosen_stages else short["num_stages"]
+        if gluon and not chosen_stages:
+            num_stages = GLUON_STAGES
         if not chosen_warps and not interpreted():  # warps follow the tile the plan has (given or chosen)
             num_warps = 8 if plan.block_m * plan.block_n >= 128 * 128 else 4
-        return plan, {"num_warps": num_warps, "num_stages": num_stages, "use_tma": use_tma}, chosen_stages
+        # engine None: the module takes the Gluon engine where the call's shapes allow it (else Triton)
+        launch = {"num_warps": num_warps, "num_stages": num_stages, "use_tma": use_tma,
+                  "engine": (engine or None) if gluon else "triton"}
+        return plan, launch, chosen_stages
+
+    def gluon_engine(self) -> bool:
+        """Whether untuned prefill calls of this spec go to the Gluon engine here: an sm_90 GPU,
+        a Triton with Gluon, a spec ``gluon_program`` admits."""
+        return (not interpreted() and _capability() == 90 and getattr(self.module, "HAS_GLUON", False)
+                and gluon_program(self.program))
 
     def __call__(self, q, k, v, *, plan: Plan | None = None, return_lse=False, block_m=None, block_n=None,
                  num_warps: int | None = None, num_stages: int | None = None, use_tma: bool | None = None,
                  use_runs: bool | None = None, walk: str | None = None, mask_source: str | None = None,
-                 programs: int | None = None, head_group: int | None = None, **tensors):
+                 programs: int | None = None, head_group: int | None = None, engine: str | None = None,
+                 **tensors):
         import torch
         from_numpy = isinstance(q, np.ndarray)
         device = self.device
@@ -191,8 +230,9 @@ class Kernel:
         s_k = k.shape[2]
         plan, launch, chosen_stages = self.prefill_launch(
             batch, s_q, s_k, tensors, plan=plan, block_m=block_m, block_n=block_n, num_warps=num_warps,
-            num_stages=num_stages, use_tma=use_tma, contiguous=k.is_contiguous() and v.is_contiguous())
+            num_stages=num_stages, use_tma=use_tma, contiguous=k.is_contiguous() and v.is_contiguous(), engine=engine)
         num_warps, num_stages, use_tma = launch["num_warps"], launch["num_stages"], launch["use_tma"]
+        engine = engine if engine is not None else launch["engine"]
         plan.check_call(self.program, batch, s_q, s_k)
         out = None
         if bshd:
@@ -204,7 +244,7 @@ class Kernel:
                 o, lse = self.module.attention(q, k, v, args, out=out, num_warps=num_warps, num_stages=num_stages,
                                                use_tma=use_tma, walk=walk, use_runs=use_runs,
                                                mask_source=mask_source, programs=programs,
-                                               head_group=head_group, **tensors)
+                                               head_group=head_group, engine=engine, **tensors)
                 break
             except Exception as e:  # the untuned default may not fit a mask's extra loads: one stage fewer
                 if chosen_stages or num_stages <= 1 or type(e).__name__ != "OutOfResources":

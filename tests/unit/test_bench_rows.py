@@ -36,14 +36,17 @@ def test_rows_that_skip_a_level_are_flagged_not_passed():
 
 def test_bench_config_strings():
     from backends.triton.bench import DEFAULT, parse_configs
-    assert parse_configs("128x128x8x3t,64x64x4x3tm,128x64x8x3,64x64x4x3tbp,128x128x8x2i,128x128x8x3tss") == [
-        (128, 128, 8, 3, True, False, None, None, 0, None),
-        (64, 64, 4, 3, True, False, "merged_blocks", None, 0, None),
-        (128, 64, 8, 3, False, False, None, None, 0, None),
-        (64, 64, 4, 3, True, False, "blocks", "predicate", 0, None),
-        (128, 128, 8, 2, False, False, None, "intervals", 0, None),
-        (128, 128, 8, 3, True, False, None, None, 2, None)]
-    assert parse_configs("default, 128x128x8x3to") == [DEFAULT, (128, 128, 8, 3, True, False, None, None, 0, 1)]
+    assert parse_configs("128x128x8x3t,64x64x4x3tm,128x64x8x3,64x64x4x3tbp,128x128x8x2i,128x128x8x3tss,"
+                         "128x128x4x2G") == [
+        (128, 128, 8, 3, True, False, None, None, 0, None, "triton"),
+        (64, 64, 4, 3, True, False, "merged_blocks", None, 0, None, "triton"),
+        (128, 64, 8, 3, False, False, None, None, 0, None, "triton"),
+        (64, 64, 4, 3, True, False, "blocks", "predicate", 0, None, "triton"),
+        (128, 128, 8, 2, False, False, None, "intervals", 0, None, "triton"),
+        (128, 128, 8, 3, True, False, None, None, 2, None, "triton"),
+        (128, 128, 4, 2, False, False, None, None, 0, None, "gluon")]
+    assert parse_configs("default, 128x128x8x3to") == [DEFAULT, (128, 128, 8, 3, True, False, None, None, 0, 1,
+                                                                 "triton")]
     for bad in ("128x128x8", "128x128x8x3z", "ax128x8x3", "defaults", "128x128x8x3tn"):
         with pytest.raises(ValueError, match="expected 'default' or BMxBNxWxS"):
             parse_configs(bad)

@@ -283,6 +283,255 @@ def _attn_fwd(Q, K, V, O, LSE, desc_k, desc_v,
                    D_QK_PAD, D_V_PAD)
 
 
+# ----------------------------------------------------------------------------------------------
+# The Gluon engine (Hopper, sm_90): the same plan walked by a warp-specialized program.  One
+# producer warp issues the TMA loads of Q and of every computed K/V block (the row's merged block
+# list, WALK 3's arrays) into STAGES shared-memory stages behind mbarriers; two consumer
+# warpgroups, each with 64 of the tile's 128 query rows, run Q.K^T and P.V on the tensor cores
+# (wgmma) and the online softmax, and take turns on the tensor cores (one's softmax under the
+# other's MMA).  PARTIAL blocks apply the predicate ``visible``; the score program is inlined as in
+# the Triton kernel.  Measured on the H200 (bench/results/studies/gluon_engine_h200_r30.jsonl):
+# full 549, causal 558, sliding window 1024 392 TFLOP/s against the Triton kernel's 509 / 486 / 354.
+# The engine runs what ``gluon_reason`` admits; every other call takes the Triton kernel above.
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
+                                                                  warpgroup_mma, warpgroup_mma_init,
+                                                                  warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+    # TMA copies were renamed after triton 3.6 (async_copy_global_to_shared -> async_load, and the
+    # store likewise); the old store name raises in 3.9
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+    HAS_GLUON = True
+except (ImportError, AttributeError):  # a Triton without Gluon: the engine is unavailable
+    HAS_GLUON = False
+
+    class gluon:  # noqa: N801 - keeps the definitions below importable; gluon_reason refuses the engine
+        jit = staticmethod(lambda fn: fn)
+
+GLUON_ROWS = 64  # query rows per consumer warpgroup; the engine's query tile is 2 * GLUON_ROWS
+GLUON_REGS = (168, 232, 24)  # maxnreg, then the worker consumer's and the producer warp's registers
+
+
+@gluon.jit
+def _ws_softmax(s, i, M_IDX, M_FLAG, m_i, l_i, b, h, q_pos, qk_scale, T_doc, doc_s0, doc_n0, doc_s1, doc_n1, HAS_SCORE: tl.constexpr,
+                BLOCK_N: tl.constexpr, col_l: tl.constexpr):
+    """Block i of the row's list on the scores s: the score program, the mask where the block is
+    PARTIAL, the online-softmax update.  Returns P, alpha (the accumulator's rescale), m and l."""
+    if HAS_SCORE or gl.load(M_FLAG + i) != 0:
+        k_pos = (gl.load(M_IDX + i) * BLOCK_N + gl.arange(0, BLOCK_N, col_l))[None, :]
+        if HAS_SCORE:
+            s = score_program(s * SCALE, b, h, q_pos, k_pos, T_doc, doc_s0, doc_n0, doc_s1, doc_n1)
+        if gl.load(M_FLAG + i) != 0:
+            s = gl.where(visible(b, h, q_pos, k_pos, T_doc, doc_s0, doc_n0, doc_s1, doc_n1), s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+    m_new = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
+    p = gl.exp2(s * qk_scale - m_new[:, None])
+    alpha = gl.exp2(m_i - m_new)
+    return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
+
+
+@gluon.jit
+def _ws_consumer(half, q_smem, k_smem, v_smem, bars, o_desc, LSE, M_IDX, M_FLAG, lo, hi, b, h, bh, q_row0,
+                 q_tile0, S_Q, Q_OFF, qk_scale, T_doc, doc_s0, doc_n0, doc_s1, doc_n1, HAS_SCORE: tl.constexpr, ROWS: tl.constexpr,
+                 BLOCK_N: tl.constexpr, D: tl.constexpr, STAGES: tl.constexpr, OVERLAP: tl.constexpr):
+    """Rows [q_tile0 + half * ROWS, + ROWS) of the tile: every block of the row's list, then O
+    (through Q's shared-memory stage and a TMA store) and LSE.  OVERLAP: block j+1's Q.K^T is
+    issued before block j's softmax and waited for after block j's P.V is issued (FlashAttention-3's
+    intra-warpgroup pipelining; two score tiles live in registers at once)."""
+    q_bar, k_ready, k_empty, v_ready, v_empty = bars
+    s_layout: tl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: tl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, D, 16])
+    p_layout: tl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_l: tl.constexpr = gl.SliceLayout(1, s_layout)
+    col_l: tl.constexpr = gl.SliceLayout(0, s_layout)
+    orow_l: tl.constexpr = gl.SliceLayout(1, o_layout)
+    q = q_smem.index(half)
+    rows = q_tile0 + half * ROWS + gl.arange(0, ROWS, row_l)
+    q_pos = (Q_OFF + rows)[:, None]
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, row_l)
+    l_i = gl.full([ROWS], 0.0, gl.float32, row_l)
+    acc = gl.zeros([ROWS, D], gl.float32, o_layout)
+    s0 = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
+    mbarrier.wait(q_bar, 0)
+    if OVERLAP:
+        if hi > lo:
+            mbarrier.wait(k_ready.index(0), 0)
+            s = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), s0, use_acc=False, is_async=True)
+            s = warpgroup_mma_wait(0, deps=(s, ))
+            mbarrier.arrive(k_empty.index(0), count=1)
+            acc = warpgroup_mma_init(acc)  # the loop carries the in-flight P.V accumulator
+            for i in range(lo, hi - 1):
+                stage = (i - lo) % STAGES
+                phase = ((i - lo) // STAGES) & 1
+                nxt = (i + 1 - lo) % STAGES
+                mbarrier.wait(k_ready.index(nxt), ((i + 1 - lo) // STAGES) & 1)
+                s_next = warpgroup_mma(q, k_smem.index(nxt).permute((1, 0)), s0, use_acc=False, is_async=True)
+                p, alpha, m_i, l_i = _ws_softmax(s, i, M_IDX, M_FLAG, m_i, l_i, b, h, q_pos, qk_scale, T_doc, doc_s0, doc_n0, doc_s1, doc_n1,
+                                                 HAS_SCORE, BLOCK_N, col_l)
+                acc = warpgroup_mma_wait(1, deps=(acc, ))  # block j-1's P.V is done: its V stage is free
+                mbarrier.arrive(v_empty.index((i - 1 - lo) % STAGES), count=1, pred=i > lo)
+                acc = acc * gl.convert_layout(alpha, orow_l)[:, None]
+                mbarrier.wait(v_ready.index(stage), phase)
+                acc = warpgroup_mma(gl.convert_layout(p.to(q_smem.dtype), p_layout), v_smem.index(stage), acc,
+                                    is_async=True)
+                s = warpgroup_mma_wait(1, deps=(s_next, ))  # block j+1's scores; block j's P.V may still run
+                mbarrier.arrive(k_empty.index(nxt), count=1)
+            last = hi - 1  # the last block: nothing left to issue ahead
+            stage = (last - lo) % STAGES
+            p, alpha, m_i, l_i = _ws_softmax(s, last, M_IDX, M_FLAG, m_i, l_i, b, h, q_pos, qk_scale, T_doc, doc_s0, doc_n0, doc_s1, doc_n1,
+                                             HAS_SCORE, BLOCK_N, col_l)
+            acc = warpgroup_mma_wait(0, deps=(acc, ))
+            mbarrier.arrive(v_empty.index((last - 1 - lo) % STAGES), count=1, pred=last > lo)
+            acc = acc * gl.convert_layout(alpha, orow_l)[:, None]
+            mbarrier.wait(v_ready.index(stage), ((last - lo) // STAGES) & 1)
+            acc = warpgroup_mma(gl.convert_layout(p.to(q_smem.dtype), p_layout), v_smem.index(stage), acc,
+                                is_async=True)
+            acc = warpgroup_mma_wait(0, deps=(acc, ))
+            mbarrier.arrive(v_empty.index(stage), count=1)
+    else:
+        for i in range(lo, hi):
+            stage = (i - lo) % STAGES
+            phase = ((i - lo) // STAGES) & 1
+            mbarrier.wait(k_ready.index(stage), phase)
+            s = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), s0, use_acc=False, is_async=True)
+            s = warpgroup_mma_wait(0, deps=(s, ))
+            mbarrier.arrive(k_empty.index(stage), count=1)
+            p, alpha, m_i, l_i = _ws_softmax(s, i, M_IDX, M_FLAG, m_i, l_i, b, h, q_pos, qk_scale, T_doc, doc_s0, doc_n0, doc_s1, doc_n1,
+                                             HAS_SCORE, BLOCK_N, col_l)
+            acc = acc * gl.convert_layout(alpha, orow_l)[:, None]
+            mbarrier.wait(v_ready.index(stage), phase)
+            acc = warpgroup_mma(gl.convert_layout(p.to(q_smem.dtype), p_layout), v_smem.index(stage), acc,
+                                is_async=True)
+            acc = warpgroup_mma_wait(0, deps=(acc, ))
+            mbarrier.arrive(v_empty.index(stage), count=1)
+    seen = l_i > 0
+    l_safe = gl.where(seen, l_i, 1.0)
+    out = acc / gl.convert_layout(l_safe, orow_l)[:, None]  # rows that saw nothing: acc = 0, O = 0
+    q.store(out.to(q_smem.dtype))  # Q's stage is free now: it carries this half's O to the TMA store
+    fence_async_shared()
+    _tma_store(o_desc, [q_row0 + half * ROWS, 0], q)
+    gl.store(LSE + bh * S_Q + rows, gl.where(seen, (m_i + gl.log2(l_safe)) * 0.6931471805599453, float("-inf")))
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _ws_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, M_IDX, lo, hi, q_row0, kv_row0,
+                 ROWS: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr):
+    """Q once, then K and V of every block of the row's list, each into a stage both consumers
+    have released."""
+    q_bar, k_ready, k_empty, v_ready, v_empty = bars
+    mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
+    _tma_load(q_desc, [q_row0, 0], q_bar, q_smem.index(0))
+    _tma_load(q_desc, [q_row0 + ROWS, 0], q_bar, q_smem.index(1))
+    for i in range(lo, hi):
+        stage = (i - lo) % STAGES
+        phase = ((i - lo) // STAGES) & 1
+        row = kv_row0 + gl.load(M_IDX + i) * BLOCK_N
+        mbarrier.wait(k_empty.index(stage), phase ^ 1)
+        mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
+        _tma_load(k_desc, [row, 0], k_ready.index(stage), k_smem.index(stage))
+        mbarrier.wait(v_empty.index(stage), phase ^ 1)
+        mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
+        _tma_load(v_desc, [row, 0], v_ready.index(stage), v_smem.index(stage))
+
+
+@gluon.jit
+def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, LSE, ORDER, M_CSR, M_IDX, M_FLAG, T_doc, doc_s0, doc_n0, doc_s1, doc_n1,
+                 S_Q, S_K, Q_OFF, PLAN_B, PLAN_H, Q_TILES, qk_scale, BH,
+                 HAS_SCORE: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
+                 STAGES: tl.constexpr, HEAD_GROUP: tl.constexpr, CONSUMER_REGS: tl.constexpr,
+                 PRODUCER_REGS: tl.constexpr, OVERLAP: tl.constexpr):
+    """One program per (query tile of 2 * ROWS rows, request * query head), in ``_job``'s order."""
+    rank, bh = _job(gl.program_id(0), BH, Q_TILES, HEAD_GROUP)
+    pid_m, b, h, row = _tile_of(rank, bh, ORDER, PLAN_B, PLAN_H, Q_TILES)
+    q_tile0 = pid_m * (2 * ROWS)
+    q_row0 = bh * S_Q + q_tile0  # rows of the [B * H_q * S_q, d] views of Q and O
+    kv_row0 = (b * H_KV + h // GROUP) * S_K
+    lo = gl.load(M_CSR + row)
+    hi = gl.load(M_CSR + row + 1)
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)  # both consumers release a stage
+        mbarrier.init(v_empty.index(i), count=2)
+    bars = (q_bar, k_ready, k_empty, v_ready, v_empty)
+    gl.warp_specialize([
+        (_ws_consumer, (0, q_smem, k_smem, v_smem, bars, o_desc, LSE, M_IDX, M_FLAG, lo, hi, b, h, bh, q_row0,
+                        q_tile0, S_Q, Q_OFF, qk_scale, T_doc, doc_s0, doc_n0, doc_s1, doc_n1, HAS_SCORE, ROWS, BLOCK_N, D, STAGES, OVERLAP)),
+        (_ws_consumer, (1, q_smem, k_smem, v_smem, bars, o_desc, LSE, M_IDX, M_FLAG, lo, hi, b, h, bh, q_row0,
+                        q_tile0, S_Q, Q_OFF, qk_scale, T_doc, doc_s0, doc_n0, doc_s1, doc_n1, HAS_SCORE, ROWS, BLOCK_N, D, STAGES, OVERLAP)),
+        (_ws_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, M_IDX, lo, hi, q_row0, kv_row0,
+                        ROWS, BLOCK_N, STAGES)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+def gluon_reason(q, k, v, out, plan, *, walk=None, mask_source=None, programs=None, warp_specialize=False):
+    """Why this call cannot take the Gluon engine (a sentence), or None when it can."""
+    import os
+    import torch
+    if not HAS_GLUON:
+        return "this Triton has no Gluon (triton.experimental.gluon)"
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return "Gluon kernels do not run in Triton's interpreter"
+    if not q.is_cuda or torch.cuda.get_device_capability(q.device) != (9, 0):
+        return "the Gluon engine needs an sm_90 GPU (Hopper: wgmma and TMA)"
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return f"the Gluon engine takes f16 / bf16, not {q.dtype}"
+    if not (D_QK.value == D_V.value and D_QK.value in (64, 128)):
+        return f"the Gluon engine takes head_dim 64 or 128 for both q.k and v, not {D_QK.value} / {D_V.value}"
+    if (plan["block_m"], plan["block_n"]) not in ((2 * GLUON_ROWS, 64), (2 * GLUON_ROWS, 128)):
+        return f"the Gluon engine walks 128 x 64 or 128 x 128 tiles, not {plan['block_m']} x {plan['block_n']}"
+    s_q, s_k = q.shape[2], k.shape[2]
+    if s_q % plan["block_m"] or s_k % plan["block_n"]:
+        return (f"the Gluon engine needs S_q a multiple of {plan['block_m']} and S_k of {plan['block_n']} "
+                f"(S_q = {s_q}, S_k = {s_k})")
+    if not all(t.is_contiguous() for t in (q, k, v) + ((out,) if out is not None else ())):
+        return "the Gluon engine reads and writes contiguous bhsd tensors"
+    if walk is not None or programs is not None or warp_specialize or mask_source == "intervals":
+        return "walk, programs, warp_specialize and mask_source='intervals' are options of the Triton kernel"
+    return None
+
+
+GLUON_OVERLAP = False  # the consumers' intra-warpgroup pipelining (``_ws_consumer``), off: see the study
+
+
+def _attention_gluon(q, k, v, plan, out, lse, num_stages, head_group, ts, overlap=None):
+    d, bn = D_QK.value, plan["block_n"]
+    dtype = {"torch.float16": gl.float16, "torch.bfloat16": gl.bfloat16}[str(q.dtype)]
+
+    def desc(t, rows):
+        return GluonDescriptor.from_tensor(t.view(-1, d), [rows, d],
+                                           gl.NVMMASharedLayout.get_default_for([rows, d], dtype))
+    batch, _, s_q, _ = q.shape
+    s_k = k.shape[2]
+    bh = batch * H_Q.value
+    maxnreg, consumer_regs, producer_regs = GLUON_REGS
+    _attn_fwd_ws[(plan["q_tiles"] * bh,)](
+        desc(q, GLUON_ROWS), desc(k, bn), desc(v, bn), desc(out, GLUON_ROWS), lse, plan["q_tile_order"],
+        plan["merged_indptr"], plan["merged_indices"], plan["merged_partial"], *ts,
+        s_q, s_k, s_k - s_q, plan["plan_b"], plan["plan_h"], plan["q_tiles"],
+        LOG2E.value if HAS_SCORE else SCALE.value * LOG2E.value, bh,
+        HAS_SCORE=HAS_SCORE, ROWS=GLUON_ROWS, BLOCK_N=bn, D=d, STAGES=num_stages, HEAD_GROUP=head_group,
+        CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs,
+        OVERLAP=GLUON_OVERLAP if overlap is None else overlap, num_warps=4, maxnreg=maxnreg)
+    return out, lse
+
+
+
 def default_walk(plan, use_runs=None, mask_source=None):
     """Measured on the H200 (bench/results/prefill_h200_r12_* to r17_*): merged runs when runs are
     long (mean >= 24 blocks: causal 499 at 128x128; at 64x64 causal 448 against 439, full 467
@@ -302,7 +551,7 @@ HEAD_GROUP = 4  # heads whose tiles interleave, longest first (``_job``)
 
 def attention(q, k, v, plan, *, out=None, lse=None, num_warps=4, num_stages=2, use_tma=False, walk=None,
               use_runs=None, warp_specialize=False, mask_source=None, programs=None, head_group=None,
-              **tensors):
+              engine=None, **tensors):
     """Launch on torch tensors in bhsd: q [B, H_q, S_q, d_qk], k/v [B, H_kv, S_k, d]; ``plan`` holds
     the tile plan's arrays as torch tensors on q's device (attnc's runtime builds it).  ``walk``:
     "merged" (all computed blocks as runs, the mask where flagged), "merged_blocks" (the same as
@@ -317,8 +566,13 @@ def attention(q, k, v, plan, *, out=None, lse=None, num_warps=4, num_stages=2, u
     looping over (query tile, head) pairs (None: one program per pair; measured faster).
     ``head_group``: heads whose tiles interleave longest first (``_job``; default HEAD_GROUP,
     measured in bench/results/studies/prefill_schedule_h200_r23.jsonl: causal 504 TFLOP/s
-    against 485 for one head after another, head_group 1, and 496 for groups of 8)."""
+    against 485 for one head after another, head_group 1, and 496 for groups of 8).  ``engine``:
+    "gluon" (the warp-specialized Hopper program, ``_attn_fwd_ws``), "triton" (``_attn_fwd``) or
+    None (Gluon where ``gluon_reason`` admits the call, else Triton); num_warps, use_tma, walk and
+    the options above are the Triton kernel's, the Gluon engine takes num_stages and head_group."""
     import torch
+    if engine not in (None, "gluon", "triton"):
+        raise ValueError(f"engine must be None, 'gluon' or 'triton', not {engine!r}")
     if walk is not None and walk not in WALKS:
         raise ValueError(f"walk must be one of {sorted(WALKS)}, not {walk!r}")
     if mask_source not in (None, "intervals", "predicate"):
@@ -344,6 +598,13 @@ def attention(q, k, v, plan, *, out=None, lse=None, num_warps=4, num_stages=2, u
         ts.append(t)
         for i in range(t.dim()):
             ts += [t.stride(i), t.shape[i]]
+    if engine != "triton":
+        reason = gluon_reason(q, k, v, out, plan, walk=walk, mask_source=mask_source, programs=programs,
+                              warp_specialize=warp_specialize or use_runs is not None)
+        if reason is None:
+            return _attention_gluon(q, k, v, plan, out, lse, num_stages, head_group, ts)
+        if engine == "gluon":
+            raise ValueError(f"engine='gluon': {reason}")
     vecs = [plan.get(n, plan["partial_indptr"]) for n in ("UTS", "UTE", "LTS", "LTE")]
     desc_k = desc_v = k  # unused unless use_tma
     if use_tma:  # Hopper bulk copies of K/V tiles from a [B * H_kv * S_k, d] view

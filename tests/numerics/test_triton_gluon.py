@@ -1,0 +1,106 @@
+"""The Triton backend's Gluon engine (the generated module's warp-specialized Hopper program,
+``_attn_fwd_ws``) against the float64 oracle on an sm_90 GPU (ATTNC_TEST_GPU=1 on an H100 /
+H200), and where it is refused: everywhere else, every call takes the Triton kernel."""
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="the Triton backend's tests need torch (pip install -e '.[test]')")
+pytest.importorskip("triton", reason="the Triton backend's tests need triton (pip install -e '.[test]')")
+
+from backends.numpy import oracle  # noqa: E402
+from backends.triton import runtime  # noqa: E402
+from compiler import inputs, numerics  # noqa: E402
+from compiler.lower import compile_file, compile_spec  # noqa: E402
+from tests.conftest import EXAMPLES  # noqa: E402
+
+HOPPER = (not runtime.interpreted() and torch.cuda.is_available()
+          and torch.cuda.get_device_capability() == (9, 0))
+hopper = pytest.mark.skipif(not HOPPER, reason="the Gluon engine runs on an sm_90 GPU (ATTNC_TEST_GPU=1)")
+
+# every example the engine can run (f16 / bf16, one head dim of 64 or 128), and specs the examples lack
+ELIGIBLE = [p for p in EXAMPLES if runtime.gluon_program(compile_file(p))]
+SPECS = {
+    "gqa_d128_causal": "attention g { heads = 8 / 2 head_dim = 128 dtype = bf16 mask = causal }",
+    "f16_documents": "attention d { heads = 4 head_dim = 128 dtype = f16 tensor doc: i32[b, s] ~ segments(16, 200) "
+                     "mask = causal & doc[b, q] == doc[b, k] }",
+    "softcap_window": "attention w { heads = 4 / 4 head_dim = 128 dtype = bf16 mask = causal & q - k < 100 "
+                      "score = 30.0 * tanh(score / 30.0) }",
+    "all_masked_rows": "attention e { heads = 2 head_dim = 64 dtype = bf16 mask = q >= 200 & causal }",
+}
+PHASES = {"prefill": (256, 256), "append": (128, 384)}  # S_q and S_k multiples of the 128-row tile
+
+
+def _check(program, s_q, s_k, seed, overlap=None):
+    kernel = runtime.load(program)
+    if overlap is not None:  # the consumers' intra-warpgroup pipelining, on or off
+        kernel.module.GLUON_OVERLAP = overlap
+    arrays = inputs.sample(program, 2, s_q, s_k, seed=seed)
+    call = inputs.validate(program, arrays)
+    o, lse = kernel(arrays["q"], arrays["k"], arrays["v"], return_lse=True, engine="gluon",
+                    **{t.name: arrays[t.name] for t in program.tensors})
+    ref_o, ref_lse = oracle.reference(program, call.q, call.k, call.v, call.tensors)
+    co, cl = numerics.compare_outputs(program.dtype, inputs.output_bhsd(program, o), lse, ref_o, ref_lse)
+    assert co.ok, str(co)
+    assert cl.ok, str(cl)
+    assert np.isfinite(o).all()
+
+
+@hopper
+@pytest.mark.parametrize("phase", PHASES)
+@pytest.mark.parametrize("path", ELIGIBLE, ids=lambda p: p.stem)
+def test_gluon_engine_matches_oracle_on_examples(path, phase):
+    _check(inputs.contiguous_variant(compile_file(path)), *PHASES[phase], seed=3)
+
+
+@hopper
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
+@pytest.mark.parametrize("name", SPECS)
+def test_gluon_engine_matches_oracle_on_specs(name, overlap):
+    _check(compile_spec(SPECS[name]), 256, 384, seed=4, overlap=overlap)
+
+
+@hopper
+def test_untuned_calls_take_the_engine_and_odd_lengths_fall_back():
+    program = compile_spec("attention g { heads = 8 / 2 head_dim = 128 dtype = bf16 mask = q - k < 2048 }")
+    kernel = runtime.load(program)
+    q = torch.randn(1, 8, 1024, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(1, 2, 1024, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    plan, launch, _ = kernel.prefill_launch(1, 1024, 1024, {})  # rows of 8 blocks: the engine's
+    assert (plan.block_m, plan.block_n, launch["engine"]) == (128, 128, None)
+    assert kernel.module.gluon_reason(q, k, v, None, kernel.device_plan(plan, q.device)) is None
+    auto = kernel(q, k, v)
+    assert torch.equal(auto, kernel(q, k, v, engine="gluon"))
+    # rows shorter than GLUON_MIN_ROW_BLOCKS stay on the Triton kernel's short-row tiles
+    plan, launch, _ = kernel.prefill_launch(1, 256, 256, {})
+    assert (plan.block_m, plan.block_n, launch["engine"]) == (64, 64, "triton")
+    # 1000 keys: not a multiple of the tile; the untuned call runs the Triton kernel, an explicit ask is refused
+    k2, v2 = k[:, :, :1000].contiguous(), v[:, :, :1000].contiguous()
+    q2 = q[:, :, :1000].contiguous()
+    ref = kernel(q2, k2, v2, engine="triton")  # the Triton kernel's own default (3 stages, not 2: not bit-equal)
+    assert torch.allclose(kernel(q2, k2, v2).float(), ref.float(), atol=2e-2, rtol=2e-2)
+    with pytest.raises(ValueError, match="engine='gluon': the Gluon engine needs S_q a multiple of 128"):
+        kernel(q2, k2, v2, engine="gluon")
+    # Triton-only options are refused by name
+    with pytest.raises(ValueError, match="options of the Triton kernel"):
+        kernel(q, k, v, engine="gluon", walk="merged")
+
+
+def test_programs_the_engine_takes():
+    assert runtime.gluon_program(compile_spec("attention a { heads = 4 head_dim = 128 dtype = bf16 mask = causal }"))
+    assert runtime.gluon_program(compile_spec("attention a { heads = 4 head_dim = 64 dtype = f16 mask = causal }"))
+    for spec in ("heads = 4 head_dim = 128 dtype = f32", "heads = 4 head_dim = 256 dtype = bf16",
+                 "heads = 4 head_dim = 128 / 64 dtype = bf16", "heads = 4 head_dim = 96 dtype = bf16"):
+        assert not runtime.gluon_program(compile_spec(f"attention a {{ {spec} mask = causal }}")), spec
+
+
+@pytest.mark.skipif(HOPPER, reason="off sm_90 only")
+def test_elsewhere_every_call_takes_the_triton_kernel():
+    program = compile_spec("attention a { heads = 2 head_dim = 64 dtype = bf16 mask = causal }")
+    kernel = runtime.load(program)
+    assert not kernel.gluon_engine()
+    assert kernel.prefill_launch(1, 128, 128, {})[1]["engine"] == "triton"
+    arrays = inputs.sample(program, 1, 16, 16, seed=1)
+    with pytest.raises(ValueError, match="engine='gluon': "):
+        kernel(arrays["q"], arrays["k"], arrays["v"], engine="gluon")
+    with pytest.raises(ValueError, match="engine must be None, 'gluon' or 'triton'"):
+        kernel(arrays["q"], arrays["k"], arrays["v"], engine="cuda")
