@@ -5,8 +5,9 @@ mask and tile, on the H200.
 
 Variants (timed in turns): ``triton`` (the untuned default launch of ``Kernel.prefill_launch``
 with engine="triton": 128x128, or 64x64 for short rows) and ``gluon_<bm>x<bn>_s<stages>`` (the
-plan retiled to bm x bn, the Gluon engine with that many K/V stages; ``_overlap``: with the
-consumers' intra-warpgroup pipelining, ``GLUON_OVERLAP``).  Each variant's O is
+plan retiled to bm x bn, the Gluon engine with that many K/V stages; ``_persistent``: one
+program per SM looping over the tiles, ``GLUON_PERSISTENT``).  r31 timed ``_overlap`` variants
+(the consumers' intra-warpgroup pipelining, removed after it lost; commit 40a81d1 has it).  Each variant's O is
 compared with the Triton kernel's (rel. L2 < 1e-2, else the variant is dropped and reported).
 """
 from __future__ import annotations
@@ -26,7 +27,8 @@ def main(argv=None):
     ap.add_argument("--out", default=None)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--masks", default="full,causal,prefix_lm_2048,sliding_window_1024,causal_document")
-    ap.add_argument("--variants", default="128x128s2,128x128s3,128x64s3,128x64s4")  # suffix o: OVERLAP
+    ap.add_argument("--variants", default="128x128s2,128x128s3,128x64s3,128x64s4")  # suffix p: persistent
+    ap.add_argument("--flex", default="", help="masks to also time FlexAttention on (both modes), same process")
     args = ap.parse_args(argv)
     import torch
     import triton
@@ -45,15 +47,15 @@ def main(argv=None):
             q, k, v, a, **launch, **tensors)}
         mod = kernel.module
         for var in args.variants.split(","):
-            overlap = var.endswith("o")  # the consumers' intra-warpgroup pipelining (GLUON_OVERLAP)
-            tiles, stages = var.rstrip("o").split("s")
+            persistent = var.endswith("p")  # one program per SM looping over tiles (GLUON_PERSISTENT)
+            tiles, stages = var.rstrip("p").split("s")
             bm, bn = (int(x) for x in tiles.split("x"))
             a = kernel.device_plan(base.retile(bm, bn), q.device)
 
-            def fn(a=a, st=int(stages), overlap=overlap):
-                mod.GLUON_OVERLAP = overlap
+            def fn(a=a, st=int(stages), persistent=persistent):
+                mod.GLUON_PERSISTENT = persistent
                 return mod.attention(q, k, v, a, num_stages=st, engine="gluon", **tensors)
-            fns[f"gluon_{tiles}_s{stages}{'_overlap' if overlap else ''}"] = fn
+            fns[f"gluon_{tiles}_s{stages}{'_persistent' if persistent else ''}"] = fn
         ref = None
         errs = {}
         for var, fn in list(fns.items()):
@@ -84,6 +86,15 @@ def main(argv=None):
             if args.out:
                 with open(args.out, "a") as f:
                     f.write(json.dumps(row) + "\n")
+        if name in args.flex.split(","):  # the peer, checked against the Triton kernel's O
+            check = lambda o: ((o.float() - ref[0]).norm() / ref[0].norm()).item()  # noqa: E731
+            record = {"study": "gluon_engine", "mask": name, "B": batch, "H": heads, "S": seq, "D": d,
+                      "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}
+            for row in bench._flex_rows(torch, triton, name, q, k, v, tensors, check, record, flops,
+                                        ["default", "max-autotune-no-cudagraphs"]):
+                if args.out:
+                    with open(args.out, "a") as f:
+                        f.write(json.dumps(row) + "\n")
     return 0
 
 

@@ -55,8 +55,10 @@ def mean_row_blocks(plan: Plan) -> float:
 # f16 / bf16 specs with one head dim of 64 or 128, on 128-row tiles; measured on the H200
 # (bench/results/studies/gluon_engine_h200_r30.jsonl, 4 rounds in turns) full 549, causal 558,
 # prefix-LM 565, sliding window 1024 392, documents 279 TFLOP/s against the Triton kernel's default
-# 509 / 486 / 489 / 354 / 278, on 128x128 tiles (128x64: 367-504), 3 K/V stages (2: within 2%).
-GLUON_STAGES = 3
+# 509 / 486 / 489 / 354 / 278, on 128x128 tiles (128x64: 367-504).  K/V stages: 2 (r30: 3 led by
+# 0.4-1.8%; r33, gluon_persistent_h200_r33.jsonl: 2 led by 0.4-2.1%, and the persistent program,
+# which also stages O, has room for 2 only at d = 128).
+GLUON_STAGES = 2
 GLUON_TILES = (128, 128)
 # Rows shorter than this (computed blocks per 128-row tile, on average) stay on the Triton kernel's
 # 64x64 short-row tiles, two CTAs per SM: documents (5.8 blocks) 290.7 there against 276.1 on the

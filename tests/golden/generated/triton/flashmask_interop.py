@@ -288,15 +288,15 @@ def _attn_fwd(Q, K, V, O, LSE, desc_k, desc_v,
 # warpgroups, each with 64 of the tile's 128 query rows, run Q.K^T and P.V on the tensor cores
 # (wgmma) and the online softmax, and take turns on the tensor cores (one's softmax under the
 # other's MMA).  PARTIAL blocks apply the predicate ``visible``; the score program is inlined as in
-# the Triton kernel.  Measured on the H200 (bench/results/studies/gluon_engine_h200_r30.jsonl):
+# the Triton kernel.  Where rows are short (sliding windows) one program per SM loops over the
+# tiles, so that the next tile's loads run under this tile's epilogue (``GLUON_PERSISTENT``).  Measured on the H200 (bench/results/studies/gluon_engine_h200_r30.jsonl):
 # full 549, causal 558, sliding window 1024 392 TFLOP/s against the Triton kernel's 509 / 486 / 354.
 # The engine runs what ``gluon_reason`` admits; every other call takes the Triton kernel above.
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
-                                                                  warpgroup_mma, warpgroup_mma_init,
-                                                                  warpgroup_mma_wait)
+                                                                  warpgroup_mma, warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
     # TMA copies were renamed after triton 3.6 (async_copy_global_to_shared -> async_load, and the
     # store likewise); the old store name raises in 3.9
@@ -311,6 +311,7 @@ except (ImportError, AttributeError):  # a Triton without Gluon: the engine is u
 
 GLUON_ROWS = 64  # query rows per consumer warpgroup; the engine's query tile is 2 * GLUON_ROWS
 GLUON_REGS = (168, 232, 24)  # maxnreg, then the worker consumer's and the producer warp's registers
+GLUON_SMEM = 232448  # bytes of shared memory a program may take on sm_90
 
 
 @gluon.jit
@@ -332,14 +333,45 @@ def _ws_softmax(s, i, M_IDX, M_FLAG, m_i, l_i, b, h, q_pos, qk_scale, T_sri, sri
 
 
 @gluon.jit
-def _ws_consumer(half, q_smem, k_smem, v_smem, bars, o_desc, LSE, M_IDX, M_FLAG, lo, hi, b, h, bh, q_row0,
-                 q_tile0, S_Q, Q_OFF, qk_scale, T_sri, sri_s0, sri_n0, sri_s1, sri_n1, sri_s2, sri_n2, sri_s3, sri_n3, HAS_SCORE: tl.constexpr, ROWS: tl.constexpr,
-                 BLOCK_N: tl.constexpr, D: tl.constexpr, STAGES: tl.constexpr, OVERLAP: tl.constexpr):
-    """Rows [q_tile0 + half * ROWS, + ROWS) of the tile: every block of the row's list, then O
-    (through Q's shared-memory stage and a TMA store) and LSE.  OVERLAP: block j+1's Q.K^T is
-    issued before block j's softmax and waited for after block j's P.V is issued (FlashAttention-3's
-    intra-warpgroup pipelining; two score tiles live in registers at once)."""
-    q_bar, k_ready, k_empty, v_ready, v_empty = bars
+def _ws_job(t, BH, Q_TILES, ORDER, PLAN_B, PLAN_H, M_CSR, S_Q, S_K, ROWS: tl.constexpr,
+            HEAD_GROUP: tl.constexpr):
+    """The launch's t-th job (``_job``'s order): b, h, b * H_q + h, its first query row, its first
+    rows in the [B * H_q * S_q, d] view of Q / O and the [B * H_kv * S_k, d] view of K / V, and its
+    range [lo, hi) of the plan's merged block list."""
+    rank, bh = _job(t, BH, Q_TILES, HEAD_GROUP)
+    pid_m, b, h, row = _tile_of(rank, bh, ORDER, PLAN_B, PLAN_H, Q_TILES)
+    q_tile0 = pid_m * (2 * ROWS)
+    return (b, h, bh, q_tile0, bh * S_Q + q_tile0, (b * H_KV + h // GROUP) * S_K,
+            gl.load(M_CSR + row), gl.load(M_CSR + row + 1))
+
+
+@gluon.jit
+def _ws_softmax(s, i, M_IDX, M_FLAG, m_i, l_i, b, h, q_pos, qk_scale, T_sri, sri_s0, sri_n0, sri_s1, sri_n1, sri_s2, sri_n2, sri_s3, sri_n3, HAS_SCORE: tl.constexpr,
+                BLOCK_N: tl.constexpr, col_l: tl.constexpr):
+    """Block i of the row's list on the scores s: the score program, the mask where the block is
+    PARTIAL, the online-softmax update.  Returns P, alpha (the accumulator's rescale), m and l."""
+    if HAS_SCORE or gl.load(M_FLAG + i) != 0:
+        k_pos = (gl.load(M_IDX + i) * BLOCK_N + gl.arange(0, BLOCK_N, col_l))[None, :]
+        if HAS_SCORE:
+            s = score_program(s * SCALE, b, h, q_pos, k_pos, T_sri, sri_s0, sri_n0, sri_s1, sri_n1, sri_s2, sri_n2, sri_s3, sri_n3)
+        if gl.load(M_FLAG + i) != 0:
+            s = gl.where(visible(b, h, q_pos, k_pos, T_sri, sri_s0, sri_n0, sri_s1, sri_n1, sri_s2, sri_n2, sri_s3, sri_n3), s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+    m_new = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
+    p = gl.exp2(s * qk_scale - m_new[:, None])
+    alpha = gl.exp2(m_i - m_new)
+    return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
+
+
+@gluon.jit
+def _ws_consumer(half, q_smem, o_smem, k_smem, v_smem, bars, o_desc, LSE, ORDER, M_CSR, M_IDX, M_FLAG,
+                 S_Q, S_K, Q_OFF, PLAN_B, PLAN_H, Q_TILES, BH, qk_scale, T_sri, sri_s0, sri_n0, sri_s1, sri_n1, sri_s2, sri_n2, sri_s3, sri_n3, HAS_SCORE: tl.constexpr,
+                 ROWS: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, STAGES: tl.constexpr,
+                 HEAD_GROUP: tl.constexpr):
+    """Rows [half * ROWS, + ROWS) of each of the program's tiles: every block of the tile's list,
+    then O (through shared memory and a TMA store) and LSE.  ``c`` counts the blocks this
+    program has consumed: the K/V ring's stage and phase."""
+    q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = bars
     s_layout: tl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: tl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -349,52 +381,22 @@ def _ws_consumer(half, q_smem, k_smem, v_smem, bars, o_desc, LSE, M_IDX, M_FLAG,
     col_l: tl.constexpr = gl.SliceLayout(0, s_layout)
     orow_l: tl.constexpr = gl.SliceLayout(1, o_layout)
     q = q_smem.index(half)
-    rows = q_tile0 + half * ROWS + gl.arange(0, ROWS, row_l)
-    q_pos = (Q_OFF + rows)[:, None]
-    m_i = gl.full([ROWS], float("-inf"), gl.float32, row_l)
-    l_i = gl.full([ROWS], 0.0, gl.float32, row_l)
-    acc = gl.zeros([ROWS, D], gl.float32, o_layout)
+    o = o_smem.index(half)
     s0 = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
-    mbarrier.wait(q_bar, 0)
-    if OVERLAP:
-        if hi > lo:
-            mbarrier.wait(k_ready.index(0), 0)
-            s = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), s0, use_acc=False, is_async=True)
-            s = warpgroup_mma_wait(0, deps=(s, ))
-            mbarrier.arrive(k_empty.index(0), count=1)
-            acc = warpgroup_mma_init(acc)  # the loop carries the in-flight P.V accumulator
-            for i in range(lo, hi - 1):
-                stage = (i - lo) % STAGES
-                phase = ((i - lo) // STAGES) & 1
-                nxt = (i + 1 - lo) % STAGES
-                mbarrier.wait(k_ready.index(nxt), ((i + 1 - lo) // STAGES) & 1)
-                s_next = warpgroup_mma(q, k_smem.index(nxt).permute((1, 0)), s0, use_acc=False, is_async=True)
-                p, alpha, m_i, l_i = _ws_softmax(s, i, M_IDX, M_FLAG, m_i, l_i, b, h, q_pos, qk_scale, T_sri, sri_s0, sri_n0, sri_s1, sri_n1, sri_s2, sri_n2, sri_s3, sri_n3,
-                                                 HAS_SCORE, BLOCK_N, col_l)
-                acc = warpgroup_mma_wait(1, deps=(acc, ))  # block j-1's P.V is done: its V stage is free
-                mbarrier.arrive(v_empty.index((i - 1 - lo) % STAGES), count=1, pred=i > lo)
-                acc = acc * gl.convert_layout(alpha, orow_l)[:, None]
-                mbarrier.wait(v_ready.index(stage), phase)
-                acc = warpgroup_mma(gl.convert_layout(p.to(q_smem.dtype), p_layout), v_smem.index(stage), acc,
-                                    is_async=True)
-                s = warpgroup_mma_wait(1, deps=(s_next, ))  # block j+1's scores; block j's P.V may still run
-                mbarrier.arrive(k_empty.index(nxt), count=1)
-            last = hi - 1  # the last block: nothing left to issue ahead
-            stage = (last - lo) % STAGES
-            p, alpha, m_i, l_i = _ws_softmax(s, last, M_IDX, M_FLAG, m_i, l_i, b, h, q_pos, qk_scale, T_sri, sri_s0, sri_n0, sri_s1, sri_n1, sri_s2, sri_n2, sri_s3, sri_n3,
-                                             HAS_SCORE, BLOCK_N, col_l)
-            acc = warpgroup_mma_wait(0, deps=(acc, ))
-            mbarrier.arrive(v_empty.index((last - 1 - lo) % STAGES), count=1, pred=last > lo)
-            acc = acc * gl.convert_layout(alpha, orow_l)[:, None]
-            mbarrier.wait(v_ready.index(stage), ((last - lo) // STAGES) & 1)
-            acc = warpgroup_mma(gl.convert_layout(p.to(q_smem.dtype), p_layout), v_smem.index(stage), acc,
-                                is_async=True)
-            acc = warpgroup_mma_wait(0, deps=(acc, ))
-            mbarrier.arrive(v_empty.index(stage), count=1)
-    else:
+    c = 0
+    jc = 0
+    for t in range(gl.program_id(0), Q_TILES * BH, gl.num_programs(0)):
+        b, h, bh, q_tile0, q_row0, kv_row0, lo, hi = _ws_job(t, BH, Q_TILES, ORDER, PLAN_B, PLAN_H, M_CSR, S_Q,
+                                                              S_K, ROWS, HEAD_GROUP)
+        rows = q_tile0 + half * ROWS + gl.arange(0, ROWS, row_l)
+        q_pos = (Q_OFF + rows)[:, None]
+        m_i = gl.full([ROWS], float("-inf"), gl.float32, row_l)
+        l_i = gl.full([ROWS], 0.0, gl.float32, row_l)
+        acc = gl.zeros([ROWS, D], gl.float32, o_layout)
+        mbarrier.wait(q_ready, jc & 1)
         for i in range(lo, hi):
-            stage = (i - lo) % STAGES
-            phase = ((i - lo) // STAGES) & 1
+            stage = c % STAGES
+            phase = (c // STAGES) & 1
             mbarrier.wait(k_ready.index(stage), phase)
             s = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), s0, use_acc=False, is_async=True)
             s = warpgroup_mma_wait(0, deps=(s, ))
@@ -407,35 +409,49 @@ def _ws_consumer(half, q_smem, k_smem, v_smem, bars, o_desc, LSE, M_IDX, M_FLAG,
                                 is_async=True)
             acc = warpgroup_mma_wait(0, deps=(acc, ))
             mbarrier.arrive(v_empty.index(stage), count=1)
-    seen = l_i > 0
-    l_safe = gl.where(seen, l_i, 1.0)
-    out = acc / gl.convert_layout(l_safe, orow_l)[:, None]  # rows that saw nothing: acc = 0, O = 0
-    q.store(out.to(q_smem.dtype))  # Q's stage is free now: it carries this half's O to the TMA store
-    fence_async_shared()
-    _tma_store(o_desc, [q_row0 + half * ROWS, 0], q)
-    gl.store(LSE + bh * S_Q + rows, gl.where(seen, (m_i + gl.log2(l_safe)) * 0.6931471805599453, float("-inf")))
+            c += 1
+        mbarrier.arrive(q_empty, count=1)  # this half's Q.K^T are done: the next tile's Q may load
+        seen = l_i > 0
+        l_safe = gl.where(seen, l_i, 1.0)
+        out = acc / gl.convert_layout(l_safe, orow_l)[:, None]  # rows that saw nothing: acc = 0, O = 0
+        tma.store_wait(0)  # the last tile's O has left shared memory (o may be Q's own stage)
+        o.store(out.to(q_smem.dtype))
+        fence_async_shared()
+        _tma_store(o_desc, [q_row0 + half * ROWS, 0], o)
+        gl.store(LSE + bh * S_Q + rows, gl.where(seen, (m_i + gl.log2(l_safe)) * 0.6931471805599453,
+                                                 float("-inf")))
+        jc += 1
     tma.store_wait(0)
 
 
 @gluon.jit
-def _ws_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, M_IDX, lo, hi, q_row0, kv_row0,
-                 ROWS: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr):
-    """Q once, then K and V of every block of the row's list, each into a stage both consumers
-    have released."""
-    q_bar, k_ready, k_empty, v_ready, v_empty = bars
-    mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
-    _tma_load(q_desc, [q_row0, 0], q_bar, q_smem.index(0))
-    _tma_load(q_desc, [q_row0 + ROWS, 0], q_bar, q_smem.index(1))
-    for i in range(lo, hi):
-        stage = (i - lo) % STAGES
-        phase = ((i - lo) // STAGES) & 1
-        row = kv_row0 + gl.load(M_IDX + i) * BLOCK_N
-        mbarrier.wait(k_empty.index(stage), phase ^ 1)
-        mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
-        _tma_load(k_desc, [row, 0], k_ready.index(stage), k_smem.index(stage))
-        mbarrier.wait(v_empty.index(stage), phase ^ 1)
-        mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
-        _tma_load(v_desc, [row, 0], v_ready.index(stage), v_smem.index(stage))
+def _ws_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, ORDER, M_CSR, M_IDX, S_Q, S_K,
+                 PLAN_B, PLAN_H, Q_TILES, BH, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
+                 HEAD_GROUP: tl.constexpr):
+    """For each of the program's tiles: Q once both consumers are done with the last one, then K
+    and V of every block of the tile's list, each into a stage both consumers have released."""
+    q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = bars
+    c = 0
+    jc = 0
+    for t in range(gl.program_id(0), Q_TILES * BH, gl.num_programs(0)):
+        b, h, bh, q_tile0, q_row0, kv_row0, lo, hi = _ws_job(t, BH, Q_TILES, ORDER, PLAN_B, PLAN_H, M_CSR, S_Q,
+                                                              S_K, ROWS, HEAD_GROUP)
+        mbarrier.wait(q_empty, (jc & 1) ^ 1)
+        mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
+        _tma_load(q_desc, [q_row0, 0], q_ready, q_smem.index(0))
+        _tma_load(q_desc, [q_row0 + ROWS, 0], q_ready, q_smem.index(1))
+        for i in range(lo, hi):
+            stage = c % STAGES
+            phase = (c // STAGES) & 1
+            row = kv_row0 + gl.load(M_IDX + i) * BLOCK_N
+            mbarrier.wait(k_empty.index(stage), phase ^ 1)
+            mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
+            _tma_load(k_desc, [row, 0], k_ready.index(stage), k_smem.index(stage))
+            mbarrier.wait(v_empty.index(stage), phase ^ 1)
+            mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
+            _tma_load(v_desc, [row, 0], v_ready.index(stage), v_smem.index(stage))
+            c += 1
+        jc += 1
 
 
 @gluon.jit
@@ -443,37 +459,40 @@ def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, LSE, ORDER, M_CSR, M_IDX, M_FLA
                  S_Q, S_K, Q_OFF, PLAN_B, PLAN_H, Q_TILES, qk_scale, BH,
                  HAS_SCORE: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
                  STAGES: tl.constexpr, HEAD_GROUP: tl.constexpr, CONSUMER_REGS: tl.constexpr,
-                 PRODUCER_REGS: tl.constexpr, OVERLAP: tl.constexpr):
-    """One program per (query tile of 2 * ROWS rows, request * query head), in ``_job``'s order."""
-    rank, bh = _job(gl.program_id(0), BH, Q_TILES, HEAD_GROUP)
-    pid_m, b, h, row = _tile_of(rank, bh, ORDER, PLAN_B, PLAN_H, Q_TILES)
-    q_tile0 = pid_m * (2 * ROWS)
-    q_row0 = bh * S_Q + q_tile0  # rows of the [B * H_q * S_q, d] views of Q and O
-    kv_row0 = (b * H_KV + h // GROUP) * S_K
-    lo = gl.load(M_CSR + row)
-    hi = gl.load(M_CSR + row + 1)
+                 PRODUCER_REGS: tl.constexpr, PERSISTENT: tl.constexpr):
+    """Jobs (query tile of 2 * ROWS rows, request * query head) in ``_job``'s order: one per
+    program, or PERSISTENT: every num_programs-th, with O staged in its own buffers so that the
+    next tile's Q and K/V loads run under this tile's last blocks and epilogue."""
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+    if PERSISTENT:
+        o_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+    else:
+        o_smem = q_smem  # one tile per program: O goes out through Q's stages
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=1)
+    mbarrier.init(q_ready, count=1)
+    mbarrier.init(q_empty, count=2)  # both consumers release Q
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(k_empty.index(i), count=2)  # both consumers release a stage
         mbarrier.init(v_empty.index(i), count=2)
-    bars = (q_bar, k_ready, k_empty, v_ready, v_empty)
+    bars = (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty)
     gl.warp_specialize([
-        (_ws_consumer, (0, q_smem, k_smem, v_smem, bars, o_desc, LSE, M_IDX, M_FLAG, lo, hi, b, h, bh, q_row0,
-                        q_tile0, S_Q, Q_OFF, qk_scale, T_sri, sri_s0, sri_n0, sri_s1, sri_n1, sri_s2, sri_n2, sri_s3, sri_n3, HAS_SCORE, ROWS, BLOCK_N, D, STAGES, OVERLAP)),
-        (_ws_consumer, (1, q_smem, k_smem, v_smem, bars, o_desc, LSE, M_IDX, M_FLAG, lo, hi, b, h, bh, q_row0,
-                        q_tile0, S_Q, Q_OFF, qk_scale, T_sri, sri_s0, sri_n0, sri_s1, sri_n1, sri_s2, sri_n2, sri_s3, sri_n3, HAS_SCORE, ROWS, BLOCK_N, D, STAGES, OVERLAP)),
-        (_ws_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, M_IDX, lo, hi, q_row0, kv_row0,
-                        ROWS, BLOCK_N, STAGES)),
+        (_ws_consumer, (0, q_smem, o_smem, k_smem, v_smem, bars, o_desc, LSE, ORDER, M_CSR, M_IDX, M_FLAG, S_Q, S_K,
+                        Q_OFF, PLAN_B, PLAN_H, Q_TILES, BH, qk_scale, T_sri, sri_s0, sri_n0, sri_s1, sri_n1, sri_s2, sri_n2, sri_s3, sri_n3, HAS_SCORE, ROWS, BLOCK_N, D, STAGES,
+                        HEAD_GROUP)),
+        (_ws_consumer, (1, q_smem, o_smem, k_smem, v_smem, bars, o_desc, LSE, ORDER, M_CSR, M_IDX, M_FLAG, S_Q, S_K,
+                        Q_OFF, PLAN_B, PLAN_H, Q_TILES, BH, qk_scale, T_sri, sri_s0, sri_n0, sri_s1, sri_n1, sri_s2, sri_n2, sri_s3, sri_n3, HAS_SCORE, ROWS, BLOCK_N, D, STAGES,
+                        HEAD_GROUP)),
+        (_ws_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, ORDER, M_CSR, M_IDX, S_Q, S_K,
+                        PLAN_B, PLAN_H, Q_TILES, BH, ROWS, BLOCK_N, STAGES, HEAD_GROUP)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -504,10 +523,21 @@ def gluon_reason(q, k, v, out, plan, *, walk=None, mask_source=None, programs=No
     return None
 
 
-GLUON_OVERLAP = False  # the consumers' intra-warpgroup pipelining (``_ws_consumer``), off: see the study
+# One program per SM looping over tiles (``_attn_fwd_ws``) when the plan's runs of consecutive
+# blocks are shorter than this, else one program per tile; None: decide so, True / False: always.
+# Measured on the H200 (bench/results/studies/gluon_persistent_h200_r33.jsonl, in turns):
+# sliding window 1024 (runs of 8.4 blocks) 403.9 against 396.1 TFLOP/s, causal (32.5) 482.7
+# against 523.8 (the strided tiles lose the longest-first order's balance), full 565.6 against 564.1.
+GLUON_PERSISTENT = None
+GLUON_PERSISTENT_BELOW = 16
 
 
-def _attention_gluon(q, k, v, plan, out, lse, num_stages, head_group, ts, overlap=None):
+def torch_sms(device) -> int:
+    import torch
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _attention_gluon(q, k, v, plan, out, lse, num_stages, head_group, ts, persistent=None):
     d, bn = D_QK.value, plan["block_n"]
     dtype = {"torch.float16": gl.float16, "torch.bfloat16": gl.bfloat16}[str(q.dtype)]
 
@@ -518,14 +548,24 @@ def _attention_gluon(q, k, v, plan, out, lse, num_stages, head_group, ts, overla
     s_k = k.shape[2]
     bh = batch * H_Q.value
     maxnreg, consumer_regs, producer_regs = GLUON_REGS
-    _attn_fwd_ws[(plan["q_tiles"] * bh,)](
+    if persistent is None:
+        persistent = GLUON_PERSISTENT
+    if persistent is None:
+        persistent = plan["mean_merged_run_blocks"] < GLUON_PERSISTENT_BELOW
+    # shared memory: Q (and, persistent, O) 2 x 64 rows, K and V per stage; the H100/H200 give 227 KiB
+    fixed = (2 if persistent else 1) * 2 * GLUON_ROWS * d * q.element_size()
+    per_stage = 2 * bn * d * q.element_size()
+    num_stages = max(1, min(num_stages, (GLUON_SMEM - fixed - 1024) // per_stage))
+    jobs = plan["q_tiles"] * bh
+    grid = (min(jobs, torch_sms(q.device)),) if persistent else (jobs,)
+    _attn_fwd_ws[grid](
         desc(q, GLUON_ROWS), desc(k, bn), desc(v, bn), desc(out, GLUON_ROWS), lse, plan["q_tile_order"],
         plan["merged_indptr"], plan["merged_indices"], plan["merged_partial"], *ts,
         s_q, s_k, s_k - s_q, plan["plan_b"], plan["plan_h"], plan["q_tiles"],
         LOG2E.value if HAS_SCORE else SCALE.value * LOG2E.value, bh,
         HAS_SCORE=HAS_SCORE, ROWS=GLUON_ROWS, BLOCK_N=bn, D=d, STAGES=num_stages, HEAD_GROUP=head_group,
-        CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs,
-        OVERLAP=GLUON_OVERLAP if overlap is None else overlap, num_warps=4, maxnreg=maxnreg)
+        CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs, PERSISTENT=persistent, num_warps=4,
+        maxnreg=maxnreg)
     return out, lse
 
 
