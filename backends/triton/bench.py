@@ -216,7 +216,8 @@ def run_prefill(batch=4, heads=16, seq=8192, head_dim=128, masks=None, configs=N
             if not is_default:
                 plan = kernel.plan(batch, seq, seq, tensors_np, bm, bn)
             args = kernel.device_plan(plan, q.device)
-            walk_used = "merged_blocks" if engine == "gluon" else walk or kernel.module.default_walk(args, None, source)
+            walk_used = ("merged_blocks" if engine == "gluon"
+                         else walk or kernel.module.default_walk(args, None, source))
             fn = lambda: kernel.module.attention(q, k, v, args, num_warps=warps, num_stages=stages,  # noqa: E731
                                                  use_tma=tma, warp_specialize=ws, walk=walk,
                                                  mask_source=source, programs=programs, head_group=head_group,
@@ -239,6 +240,8 @@ def run_prefill(batch=4, heads=16, seq=8192, head_dim=128, masks=None, configs=N
                                                           "warp_specialize": ws, "walk": walk_used,
                                                           "mask_source": source or "predicate",
                                                           "programs": programs, "default": is_default,
+                                                          "persistent": bool(
+                                                              gluon and kernel.module.gluon_persistent(args)),
                                                           "head_group": head_group or kernel.module.HEAD_GROUP,
                                                           "engine": engine},
                    "tiles": plan.tiles.counts(), "rel_l2_error": err, "pass": ok, "samples_ms": samples,

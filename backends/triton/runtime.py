@@ -154,7 +154,8 @@ class Kernel:
         `attnc tune`'s winner for the call's key, else the untuned default (``default_config``,
         then ``short_row_config`` once the plan's rows are known; warps follow the plan's tile).
         ``engine="triton"`` asks for the Triton kernel's default even where the Gluon engine would
-        run, ``engine="gluon"`` for the Gluon engine's tiles whatever the rows.  Returns (plan, {num_warps, num_stages, use_tma, engine}, whether the stages were chosen)."""
+        run, ``engine="gluon"`` for the Gluon engine's tiles whatever the rows.  Returns (plan,
+        {num_warps, num_stages, use_tma, engine}, whether the stages were chosen)."""
         tuned = {}
         if plan is None and block_m is None and block_n is None:  # `attnc tune`'s winner for this key
             from compiler import tune
@@ -230,9 +231,13 @@ class Kernel:
                 q, k, v = (x.transpose(1, 2) for x in (q, k, v))
         batch, _, s_q, _ = q.shape
         s_k = k.shape[2]
+        if engine is None and (walk is not None or use_runs is not None or programs is not None
+                               or mask_source == "intervals"):
+            engine = "triton"  # options of the Triton kernel: its defaults, not the Gluon engine's tiles
         plan, launch, chosen_stages = self.prefill_launch(
             batch, s_q, s_k, tensors, plan=plan, block_m=block_m, block_n=block_n, num_warps=num_warps,
-            num_stages=num_stages, use_tma=use_tma, contiguous=k.is_contiguous() and v.is_contiguous(), engine=engine)
+            num_stages=num_stages, use_tma=use_tma, contiguous=k.is_contiguous() and v.is_contiguous(),
+            engine=engine)
         num_warps, num_stages, use_tma = launch["num_warps"], launch["num_stages"], launch["use_tma"]
         engine = engine if engine is not None else launch["engine"]
         plan.check_call(self.program, batch, s_q, s_k)

@@ -16,7 +16,8 @@ max/sum update; FULL blocks take no mask.  WALK = 1 walks FULL runs then
 PARTIAL blocks, WALK = 0 both lists block by block.  SKIP blocks are never loaded.  Scores
 live in base 2 (exp2) inside the loop; LSE is written in natural log, -inf for
 rows with no visible key, whose O is 0.  Positions are bottom-right aligned:
-query row i is at q = Q_OFF + i with Q_OFF = S_k - S_q.
+query row i is at q = Q_OFF + i with Q_OFF = S_k - S_q.  On Hopper, ``attention`` runs the
+Gluon engine below (``_attn_fwd_ws``, warp-specialized) where ``gluon_reason`` admits the call.
 """
 import triton
 import triton.language as tl
@@ -291,9 +292,10 @@ def _attn_fwd(Q, K, V, O, LSE, desc_k, desc_v,
 # (wgmma) and the online softmax, and take turns on the tensor cores (one's softmax under the
 # other's MMA).  PARTIAL blocks apply the predicate ``visible``; the score program is inlined as in
 # the Triton kernel.  Where rows are short (sliding windows) one program per SM loops over the
-# tiles, so that the next tile's loads run under this tile's epilogue (``GLUON_PERSISTENT``).  Measured on the H200 (bench/results/studies/gluon_engine_h200_r30.jsonl):
-# full 549, causal 558, sliding window 1024 392 TFLOP/s against the Triton kernel's 509 / 486 / 354.
-# The engine runs what ``gluon_reason`` admits; every other call takes the Triton kernel above.
+# tiles, so that the next tile's loads run under this tile's epilogue (``GLUON_PERSISTENT``).
+# Measured on the H200 (bench/results/prefill_h200_r34_final.jsonl, untuned defaults): full 559,
+# causal 523, sliding window 1024 403 TFLOP/s, against 534 / 510 / 373 for the Triton kernel in
+# r32.  The engine runs what ``gluon_reason`` admits; every other call takes the Triton kernel above.
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -534,6 +536,13 @@ GLUON_PERSISTENT = None
 GLUON_PERSISTENT_BELOW = 16
 
 
+def gluon_persistent(plan) -> bool:
+    """Whether the Gluon engine runs this plan with one program per SM (``GLUON_PERSISTENT``)."""
+    if GLUON_PERSISTENT is not None:
+        return GLUON_PERSISTENT
+    return plan["mean_merged_run_blocks"] < GLUON_PERSISTENT_BELOW
+
+
 def torch_sms(device) -> int:
     import torch
     return torch.cuda.get_device_properties(device).multi_processor_count
@@ -550,10 +559,7 @@ def _attention_gluon(q, k, v, plan, out, lse, num_stages, head_group, ts, persis
     s_k = k.shape[2]
     bh = batch * H_Q.value
     maxnreg, consumer_regs, producer_regs = GLUON_REGS
-    if persistent is None:
-        persistent = GLUON_PERSISTENT
-    if persistent is None:
-        persistent = plan["mean_merged_run_blocks"] < GLUON_PERSISTENT_BELOW
+    persistent = gluon_persistent(plan) if persistent is None else persistent
     # shared memory: Q (and, persistent, O) 2 x 64 rows, K and V per stage; the H100/H200 give 227 KiB
     fixed = (2 if persistent else 1) * 2 * GLUON_ROWS * d * q.element_size()
     per_stage = 2 * bn * d * q.element_size()
