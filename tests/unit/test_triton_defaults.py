@@ -33,3 +33,57 @@ def test_short_rows_take_64_tiles(mask, short):
     assert (runtime.mean_row_blocks(plan) < runtime.SHORT_ROW_BLOCKS) == short
     assert runtime.short_row_config(plan) == (runtime.SHORT_ROW_CONFIG if short else None)
     assert runtime.short_row_config(make_plan(program, 4, 8192, 8192, tensors, 64, 64)) is None
+
+
+# ---- the Gluon engine's share of the untuned default, on a pretend sm_90 (the policy is host code)
+@pytest.fixture
+def pretend_hopper(monkeypatch):
+    """Plan and launch choices as runtime.Kernel makes them on an H200 (no launch happens): the
+    kernel loads under the interpreter, then the runtime is told it is on sm_90."""
+    import os
+    if os.environ.get("ATTNC_TEST_GPU") == "1":
+        pytest.skip("the GPU run checks the real machine (tests/numerics/test_triton_gluon.py)")
+
+    def launch(mask, dtype="bf16", engine=None):
+        src, decls = PREFILL_MASKS[mask]
+        program = compile_spec(spec_text(mask, 2, 128, src, decls).replace("dtype = bf16", f"dtype = {dtype}"))
+        kernel = runtime.load(program)
+        tensors = {n: a for n, a in inputs.sample(program, 2, 8192, 8192, 0).items() if n not in ("q", "k", "v")} \
+            if program.tensors else {}
+        with monkeypatch.context() as m:
+            m.setattr(runtime, "interpreted", lambda: False)
+            m.setattr(runtime, "_capability", lambda: 90)
+            plan, config, _ = kernel.prefill_launch(2, 8192, 8192, tensors, engine=engine)
+            return kernel, kernel.gluon_engine(), plan, config
+    return launch
+
+
+@pytest.mark.parametrize("mask,tiles,engine,persistent", [
+    ("causal", (128, 128), None, False), ("full", (128, 128), None, False),
+    ("prefix_lm_2048", (128, 128), None, False), ("sliding_window_1024", (128, 128), None, True),
+    ("causal_document", (64, 64), "triton", None), ("chunked_causal_1024", (64, 64), "triton", None)])
+def test_untuned_calls_on_hopper_take_the_gluon_engine_unless_rows_are_short(pretend_hopper, mask, tiles, engine,
+                                                                              persistent):
+    kernel, gluon, plan, launch = pretend_hopper(mask)
+    assert gluon
+    assert ((plan.block_m, plan.block_n), launch["engine"]) == (tiles, engine)
+    if engine is None:  # the engine's launch: 2 stages; persistent where the plan's runs are short
+        assert launch["num_stages"] == runtime.GLUON_STAGES
+        assert kernel.module.gluon_persistent(plan.kernel_args()) is persistent
+
+
+def test_engine_choice_by_hand_and_by_spec_on_hopper(pretend_hopper):
+    kernel, _, plan, launch = pretend_hopper("causal_document", engine="gluon")  # short rows, asked for
+    assert ((plan.block_m, plan.block_n), launch["engine"]) == ((128, 128), "gluon")
+    kernel, _, plan, launch = pretend_hopper("causal", engine="triton")  # the Triton kernel's default
+    assert ((plan.block_m, plan.block_n), launch["num_stages"], launch["engine"]) == ((128, 128), 3, "triton")
+    kernel, gluon, plan, launch = pretend_hopper("causal", dtype="f32")  # a spec the engine does not take
+    assert not gluon and launch["engine"] == "triton"
+
+
+def test_a_tuned_winner_keeps_the_triton_kernel(pretend_hopper, monkeypatch):
+    from compiler import tune
+    monkeypatch.setattr(tune, "tuned_tiles", lambda *a, **k: {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8,
+                                                              "num_stages": 3, "use_tma": True})
+    kernel, _, plan, launch = pretend_hopper("causal")
+    assert launch["engine"] == "triton" and launch["num_stages"] == 3
