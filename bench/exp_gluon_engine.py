@@ -17,8 +17,6 @@ import json
 import sys
 from pathlib import Path
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
@@ -32,20 +30,16 @@ def main(argv=None):
     args = ap.parse_args(argv)
     import torch
     import triton
-    from backends.triton import bench, runtime
+    from backends.triton import bench
 
     batch, heads, seq, d = 4, 16, 8192, 128
     q, k, v = (torch.randn(batch, heads, seq, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     for name in args.masks.split(","):
-        program, tensors_np, tensors = bench.prefill_case(name, batch, heads, seq, d)
-        kernel = runtime.load(program)
-        plan, launch, _ = kernel.prefill_launch(batch, seq, seq, tensors_np, engine="triton")
-        base = kernel.plan(batch, seq, seq, tensors_np, 128, 128)
-        visible = bench.visible_cells(plan, batch, heads)
-        args_t = kernel.device_plan(plan, q.device)
-        fns = {f"triton_{plan.block_m}x{plan.block_n}": lambda a=args_t: kernel.module.attention(
-            q, k, v, a, **launch, **tensors)}
-        mod = kernel.module
+        case = bench.study_case(name, batch, heads, seq, d, q.device, engine="triton")
+        kernel, plan, mod = case.kernel, case.plan, case.kernel.module
+        base = kernel.plan(batch, seq, seq, case.tensors_np, 128, 128)
+        fns = {f"triton_{plan.block_m}x{plan.block_n}": lambda: mod.attention(
+            q, k, v, case.plan_args, **case.launch, **case.tensors)}
         for var in args.variants.split(","):
             persistent = var.endswith("p")  # one program per SM looping over tiles (GLUON_PERSISTENT)
             tiles, stages = var.rstrip("p").split("s")
@@ -54,7 +48,7 @@ def main(argv=None):
 
             def fn(a=a, st=int(stages), persistent=persistent):
                 mod.GLUON_PERSISTENT = persistent
-                return mod.attention(q, k, v, a, num_stages=st, engine="gluon", **tensors)
+                return mod.attention(q, k, v, a, num_stages=st, engine="gluon", **case.tensors)
             fns[f"gluon_{tiles}_s{stages}{'_persistent' if persistent else ''}"] = fn
         ref = None
         errs = {}
@@ -66,31 +60,21 @@ def main(argv=None):
                 print(f"{name} {var}: {type(e).__name__}: {str(e)[:1500]}", flush=True)
                 del fns[var]
                 continue
-            ref = (o.float(), lse) if ref is None else ref
-            errs[var] = (((o.float() - ref[0]).norm() / ref[0].norm()).item(),
-                         (lse - ref[1]).abs().nan_to_num(0.0).max().item())
+            ref = (o, lse) if ref is None else ref
+            errs[var] = bench.output_error(o, lse, ref)
             if errs[var][0] > 1e-2:
                 print(f"{name} {var}: FAILS CHECK rel L2 {errs[var][0]:.2e}", flush=True)
                 del fns[var]
         samples = bench.time_in_turns(fns, args.rounds)
-        flops = 4.0 * d * visible
-        for var in fns:
-            meds = [float(np.median(s)) for s in samples[var]]
-            tf = flops / float(np.median(meds)) / 1e9
-            row = {"study": "gluon_engine", "mask": name, "variant": var, "B": batch, "H": heads, "S": seq, "D": d,
-                   "o_rel_l2_vs_triton": errs[var][0], "lse_max_abs_vs_triton": errs[var][1],
-                   "round_medians_ms": meds, "TFLOPs": tf, "gpu": torch.cuda.get_device_name(),
-                   "torch": torch.__version__, "triton": triton.__version__, "samples_ms": samples[var]}
-            print(f"{name:22} {var:20} {tf:6.1f} TFLOP/s  rounds {min(meds):.3f}-{max(meds):.3f} ms  "
-                  f"err o {errs[var][0]:.1e} lse {errs[var][1]:.1e}", flush=True)
-            if args.out:
-                with open(args.out, "a") as f:
-                    f.write(json.dumps(row) + "\n")
+        flops = 4.0 * d * case.visible
+        bench.study_rows("gluon_engine", name, samples, flops, {"B": batch, "H": heads, "S": seq, "D": d},
+                         {var: {"o_rel_l2_vs_triton": e[0], "lse_max_abs_vs_triton": e[1]} for var, e in errs.items()},
+                         args.out)
         if name in args.flex.split(","):  # the peer, checked against the Triton kernel's O
-            check = lambda o: ((o.float() - ref[0]).norm() / ref[0].norm()).item()  # noqa: E731
+            check = lambda o: bench.output_error(o, ref[1], ref)[0]  # noqa: E731
             record = {"study": "gluon_engine", "mask": name, "B": batch, "H": heads, "S": seq, "D": d,
                       "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}
-            for row in bench._flex_rows(torch, triton, name, q, k, v, tensors, check, record, flops,
+            for row in bench._flex_rows(torch, triton, name, q, k, v, case.tensors, check, record, flops,
                                         ["default", "max-autotune-no-cudagraphs"]):
                 if args.out:
                     with open(args.out, "a") as f:

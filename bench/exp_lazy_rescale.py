@@ -15,11 +15,8 @@ numbers, timed only as the bound on what skipping could win; its error is record
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
-
-import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -59,48 +56,34 @@ def main(argv=None):
     ap.add_argument("--masks", default="full,causal,prefix_lm_2048,sliding_window_1024,causal_document")
     args = ap.parse_args(argv)
     import torch
-    import triton
     from backends.common import load_module
-    from backends.triton import bench, runtime
+    from backends.triton import bench
 
     batch, heads, seq, d = 4, 16, 8192, 128
     q, k, v = (torch.randn(batch, heads, seq, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     for name in args.masks.split(","):
-        program, tensors_np, tensors = bench.prefill_case(name, batch, heads, seq, d)
-        kernel = runtime.load(program)
-        plan, launch, _ = kernel.prefill_launch(batch, seq, seq, tensors_np)
-        plan_args = kernel.device_plan(plan, q.device)
-        visible = bench.visible_cells(plan, batch, heads)
+        case = bench.study_case(name, batch, heads, seq, d, q.device, engine="triton")  # the patched kernel
         ref = None
         fns, errs = {}, {}
         for var in ("base", "lazy", "no_rescale"):
-            module = load_module(patched_source(kernel.source.text, var), f"{kernel.source.module_stem}_{var}")
+            module = load_module(patched_source(case.kernel.source.text, var),
+                                 f"{case.kernel.source.module_stem}_{var}")
 
             def fn(module=module):
-                return module.attention(q, k, v, plan_args, **launch, **tensors)
+                return module.attention(q, k, v, case.plan_args, **case.launch, **case.tensors)
             o, lse = fn()
             torch.cuda.synchronize()
-            ref = (o.float(), lse) if ref is None else ref
-            errs[var] = (((o.float() - ref[0]).norm() / ref[0].norm()).item(),
-                         (lse - ref[1]).abs().nan_to_num(0.0).max().item())
+            ref = (o, lse) if ref is None else ref
+            errs[var] = bench.output_error(o, lse, ref)
             if var == "lazy":
                 assert errs[var][0] < 1e-2 and errs[var][1] < 1e-3, (name, errs[var])
             fns[var] = fn
         samples = bench.time_in_turns(fns, args.rounds)
-        flops = 4.0 * d * visible
-        for var in fns:
-            meds = [float(np.median(s)) for s in samples[var]]
-            tf = flops / float(np.median(meds)) / 1e9
-            row = {"study": "lazy_rescale", "mask": name, "variant": var, "threshold": THRESHOLD, "B": batch,
-                   "H": heads, "S": seq, "D": d, "tiles": [plan.block_m, plan.block_n], "launch": launch,
-                   "o_rel_l2_vs_base": errs[var][0], "lse_max_abs_vs_base": errs[var][1],
-                   "round_medians_ms": meds, "TFLOPs": tf, "gpu": torch.cuda.get_device_name(),
-                   "torch": torch.__version__, "triton": triton.__version__, "samples_ms": samples[var]}
-            print(f"{name:22} {var:11} {tf:6.1f} TFLOP/s  rounds {min(meds):.3f}-{max(meds):.3f} ms  "
-                  f"err o {errs[var][0]:.1e} lse {errs[var][1]:.1e}", flush=True)
-            if args.out:
-                with open(args.out, "a") as f:
-                    f.write(json.dumps(row) + "\n")
+        common = {"threshold": THRESHOLD, "B": batch, "H": heads, "S": seq, "D": d,
+                  "tiles": [case.plan.block_m, case.plan.block_n], "launch": case.launch}
+        bench.study_rows("lazy_rescale", name, samples, 4.0 * d * case.visible, common,
+                         {var: {"o_rel_l2_vs_base": e[0], "lse_max_abs_vs_base": e[1]} for var, e in errs.items()},
+                         args.out)
     return 0
 
 

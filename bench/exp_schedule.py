@@ -12,11 +12,8 @@ were made at commit 878a5a3, which also had a split of the last wave, since remo
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
-
-import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -36,18 +33,14 @@ def main(argv=None):
     ap.add_argument("--seq", type=int, default=8192)
     args = ap.parse_args(argv)
     import torch
-    import triton
-    from backends.triton import bench, runtime
+    from backends.common import load_module
+    from backends.triton import bench
 
     batch, heads, seq, d = args.batch, args.heads, args.seq, 128
     q, k, v = (torch.randn(batch, heads, seq, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     for name in args.masks.split(","):
-        program, tensors_np, tensors = bench.prefill_case(name, batch, heads, seq, d)
-        kernel = runtime.load(program)
-        plan, launch, _ = kernel.prefill_launch(batch, seq, seq, tensors_np)
-        plan_args = kernel.device_plan(plan, q.device)
-        visible = bench.visible_cells(plan, batch, heads)
-        from backends.common import load_module
+        case = bench.study_case(name, batch, heads, seq, d, q.device, engine="triton")  # the patched kernel
+        kernel = case.kernel
         assert NO_ORDER[0] in kernel.source.text
         patched = load_module(kernel.source.text.replace(*NO_ORDER), kernel.source.module_stem + "_no_order")
         fns = {}
@@ -56,27 +49,17 @@ def main(argv=None):
             module = patched if var == "group4_no_order_load" else kernel.module
 
             def fn(group=group, module=module):
-                return module.attention(q, k, v, plan_args, head_group=group, **launch, **tensors)
-            o, _ = fn()
+                return module.attention(q, k, v, case.plan_args, head_group=group, **case.launch, **case.tensors)
+            o, lse = fn()
             torch.cuda.synchronize()
-            ref = o if ref is None else ref
-            err = ((o.float() - ref.float()).norm() / ref.float().norm()).item()
+            ref = (o, lse) if ref is None else ref
+            err = bench.output_error(o, lse, ref)[0]
             assert err < 1e-2, (name, var, err)
             fns[var] = fn
         samples = bench.time_in_turns(fns, args.rounds)
-        flops = 4.0 * d * visible
-        for var in fns:
-            meds = [float(np.median(s)) for s in samples[var]]
-            tf = flops / float(np.median(meds)) / 1e9
-            row = {"study": "prefill_schedule", "mask": name, "variant": var, "B": batch, "H": heads, "S": seq,
-                   "D": d, "tiles": [plan.block_m, plan.block_n], "launch": launch,
-                   "round_medians_ms": meds, "TFLOPs": tf, "gpu": torch.cuda.get_device_name(),
-                   "torch": torch.__version__, "triton": triton.__version__, "samples_ms": samples[var]}
-            print(f"{name:22} {var:12} {tf:6.1f} TFLOP/s  rounds {min(meds):.3f}-{max(meds):.3f} ms",
-                  flush=True)
-            if args.out:
-                with open(args.out, "a") as f:
-                    f.write(json.dumps(row) + "\n")
+        common = {"B": batch, "H": heads, "S": seq, "D": d, "tiles": [case.plan.block_m, case.plan.block_n],
+                  "launch": case.launch}
+        bench.study_rows("prefill_schedule", name, samples, 4.0 * d * case.visible, common, out=args.out)
     return 0
 
 

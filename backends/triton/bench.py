@@ -118,6 +118,55 @@ def prefill_case(name: str, batch: int, heads: int, seq: int, head_dim: int, see
     return program, tensors_np, tensors
 
 
+class StudyCase(NamedTuple):
+    """One bench mask set up for a study (``study_case``)."""
+    kernel: object
+    plan: object
+    launch: dict
+    plan_args: dict
+    tensors: dict
+    tensors_np: dict
+    visible: int
+
+
+def study_case(name: str, batch: int, heads: int, seq: int, head_dim: int, device, **launch_options) -> StudyCase:
+    """A bench mask's kernel, its untuned plan and launch (``Kernel.prefill_launch`` with
+    ``launch_options``, e.g. engine="triton"), the plan's device arrays and the visible cells."""
+    from backends.triton import runtime
+    program, tensors_np, tensors = prefill_case(name, batch, heads, seq, head_dim)
+    kernel = runtime.load(program)
+    plan, launch, _ = kernel.prefill_launch(batch, seq, seq, tensors_np, **launch_options)
+    return StudyCase(kernel, plan, launch, kernel.device_plan(plan, device), tensors, tensors_np,
+                     visible_cells(plan, batch, heads))
+
+
+def output_error(o, lse, ref) -> tuple[float, float]:
+    """(O's relative L2 error, LSE's largest absolute error) of a variant against ref = (O, LSE)."""
+    return (((o.float() - ref[0].float()).norm() / ref[0].float().norm()).item(),
+            (lse - ref[1]).abs().nan_to_num(0.0).max().item())
+
+
+def study_rows(study: str, mask: str, samples: dict, flops: float, common: dict, per_variant: dict | None = None,
+               out: str | None = None) -> None:
+    """A study's timed variants (``time_in_turns``' samples): one JSON line each, appended to
+    ``out`` (round medians, TFLOP/s, raw samples, the software), and one printed line each."""
+    import torch
+    import triton
+    for var, rounds in samples.items():
+        meds = [float(np.median(s)) for s in rounds]
+        tf = flops / float(np.median(meds)) / 1e9
+        extra = (per_variant or {}).get(var, {})
+        row = {"study": study, "mask": mask, "variant": var, **common, **extra, "round_medians_ms": meds,
+               "TFLOPs": tf, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+               "triton": triton.__version__, "samples_ms": rounds}
+        notes = "  ".join(f"{k} {v:.1e}" if isinstance(v, float) else f"{k} {v}" for k, v in extra.items())
+        print(f"{mask:22} {var:28} {tf:6.1f} TFLOP/s  rounds {min(meds):.3f}-{max(meds):.3f} ms  {notes}",
+              flush=True)
+        if out:
+            with open(out, "a") as f:
+                f.write(json.dumps(row) + "\n")
+
+
 def time_in_turns(fns: dict, rounds: int, warmup: int = 25, rep: int = 150) -> dict:
     """Studies' A/B timing: every variant in turn, ``rounds`` times, so that clock and thermal
     drift fall on all of them alike; {name: [one round's raw do_bench samples (ms), ...]}."""

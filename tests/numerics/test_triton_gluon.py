@@ -30,10 +30,10 @@ SPECS = {
 PHASES = {"prefill": (256, 256), "append": (128, 384)}  # S_q and S_k multiples of the 128-row tile
 
 
-def _check(program, s_q, s_k, seed, persistent=None):
+def _check(program, s_q, s_k, seed, persistent=None, monkeypatch=None):
     kernel = runtime.load(program)
-    if persistent is not None:  # one program per SM looping over tiles, or one per tile
-        kernel.module.GLUON_PERSISTENT = persistent
+    if persistent is not None:  # one program per SM looping over tiles, or one per tile (this test only)
+        monkeypatch.setattr(kernel.module, "GLUON_PERSISTENT", persistent)
     arrays = inputs.sample(program, 2, s_q, s_k, seed=seed)
     call = inputs.validate(program, arrays)
     o, lse = kernel(arrays["q"], arrays["k"], arrays["v"], return_lse=True, engine="gluon",
@@ -55,16 +55,16 @@ def test_gluon_engine_matches_oracle_on_examples(path, phase):
 @hopper
 @pytest.mark.parametrize("persistent", [False, True], ids=["per_tile", "persistent"])
 @pytest.mark.parametrize("name", SPECS)
-def test_gluon_engine_matches_oracle_on_specs(name, persistent):
-    _check(compile_spec(SPECS[name]), 256, 384, seed=4, persistent=persistent)
+def test_gluon_engine_matches_oracle_on_specs(name, persistent, monkeypatch):
+    _check(compile_spec(SPECS[name]), 256, 384, seed=4, persistent=persistent, monkeypatch=monkeypatch)
 
 
 @hopper
-def test_persistent_programs_take_many_tiles_each():
+def test_persistent_programs_take_many_tiles_each(monkeypatch):
     """More tiles than SMs: each persistent program runs several, its K/V ring and Q stage
     carried from one tile to the next (B=2, 16 heads, 2048 rows: 512 tiles on 132 SMs)."""
     program = compile_spec(SPECS["f16_documents"].replace("heads = 4", "heads = 16"))
-    _check(program, 2048, 2048, seed=5, persistent=True)
+    _check(program, 2048, 2048, seed=5, persistent=True, monkeypatch=monkeypatch)
 
 
 @hopper

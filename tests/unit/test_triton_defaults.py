@@ -39,11 +39,8 @@ def test_short_rows_take_64_tiles(mask, short):
 @pytest.fixture
 def pretend_hopper(monkeypatch):
     """Plan and launch choices as runtime.Kernel makes them on an H200 (no launch happens): the
-    kernel loads under the interpreter, then the runtime is told it is on sm_90."""
-    import os
-    if os.environ.get("ATTNC_TEST_GPU") == "1":
-        pytest.skip("the GPU run checks the real machine (tests/numerics/test_triton_gluon.py)")
-
+    kernel loads (under the interpreter, or on the GPU with ATTNC_TEST_GPU=1), then the runtime
+    is told it is on sm_90."""
     def launch(mask, dtype="bf16", engine=None):
         src, decls = PREFILL_MASKS[mask]
         program = compile_spec(spec_text(mask, 2, 128, src, decls).replace("dtype = bf16", f"dtype = {dtype}"))

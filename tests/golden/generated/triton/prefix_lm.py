@@ -32,6 +32,8 @@ DOT_PRECISION = tl.constexpr("tf32")
 LOG2E = tl.constexpr(1.4426950408889634)
 WALKS = {"blocks": 0, "runs": 1, "merged": 2, "merged_blocks": 3}  # how the prefill kernel walks the plan
 HAS_SCORE = False
+# the factor from q.k (or the score program's output, which sees natural units) to base-2 logits
+QK_SCALE = LOG2E.value if HAS_SCORE else SCALE.value * LOG2E.value
 TENSORS = {"prefix": ("i32", ('b',))}
 
 
@@ -321,11 +323,12 @@ def _ws_softmax(s, i, M_IDX, M_FLAG, m_i, l_i, b, h, q_pos, qk_scale, T_prefix, 
                 BLOCK_N: tl.constexpr, col_l: tl.constexpr):
     """Block i of the row's list on the scores s: the score program, the mask where the block is
     PARTIAL, the online-softmax update.  Returns P, alpha (the accumulator's rescale), m and l."""
-    if HAS_SCORE or gl.load(M_FLAG + i) != 0:
+    part = gl.load(M_FLAG + i)
+    if HAS_SCORE or part != 0:
         k_pos = (gl.load(M_IDX + i) * BLOCK_N + gl.arange(0, BLOCK_N, col_l))[None, :]
         if HAS_SCORE:
             s = score_program(s * SCALE, b, h, q_pos, k_pos, T_prefix, prefix_s0, prefix_n0)
-        if gl.load(M_FLAG + i) != 0:
+        if part != 0:
             s = gl.where(visible(b, h, q_pos, k_pos, T_prefix, prefix_s0, prefix_n0), s, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
     m_new = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
@@ -568,7 +571,7 @@ def _attention_gluon(q, k, v, plan, out, lse, num_stages, head_group, ts, persis
         desc(q, GLUON_ROWS), desc(k, bn), desc(v, bn), desc(out, GLUON_ROWS), lse, plan["q_tile_order"],
         plan["merged_indptr"], plan["merged_indices"], plan["merged_partial"], *ts,
         s_q, s_k, s_k - s_q, plan["plan_b"], plan["plan_h"], plan["q_tiles"],
-        LOG2E.value if HAS_SCORE else SCALE.value * LOG2E.value, bh,
+        QK_SCALE, bh,
         HAS_SCORE=HAS_SCORE, ROWS=GLUON_ROWS, BLOCK_N=bn, D=d, STAGES=num_stages, HEAD_GROUP=head_group,
         CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs, PERSISTENT=persistent, num_warps=4,
         maxnreg=maxnreg)
@@ -668,8 +671,7 @@ def attention(q, k, v, plan, *, out=None, lse=None, num_warps=4, num_stages=2, u
         plan["merged_run_ptr"], plan["merged_run_lo"], plan["merged_run_hi"], plan["merged_run_base"],
         plan["merged_partial"], plan["merged_indptr"], plan["merged_indices"], *vecs, *ts,
         s_q, s_k, s_k - s_q, plan["plan_b"], plan["plan_h"], plan["q_tiles"],
-        LOG2E.value if HAS_SCORE else SCALE.value * LOG2E.value,  # the score program sees natural units
-        bh,
+        QK_SCALE, bh,
         MASK_FROM_INTERVALS=from_intervals, HAS_SCORE=HAS_SCORE,
         EVEN_N=(s_k % bn == 0), USE_TMA=use_tma,
         WALK=WALKS[walk or default_walk(plan, use_runs, mask_source)],
@@ -873,7 +875,7 @@ def decode(q, k_cache, v_cache, plan, *, out=None, lse=None, workspace=None, num
         q, k_cache, v_cache, p_o, p_m, p_l, p_valid, *q.stride(), *ks, *vs,
         plan["kv_lens"], plan["qo_indptr"], plan["tile_req"], plan["tile_row0"], plan["base"], plan["table"],
         plan["table_stride"], plan["entry_ptr"], plan["blocks"], plan["partial"], *ts, s_cap,
-        LOG2E.value if HAS_SCORE else SCALE.value * LOG2E.value,
+        QK_SCALE,
         CACHE=plan["cache"], PAGE_SIZE=plan["page_size"], ABI_MLU=abi_mlu, HAS_SCORE=HAS_SCORE,
         ONE_ROW=bool(plan["one_row"]), BLOCK_Q=block_q, BLOCK_N=plan["block_n"],
         G_PAD=max(triton.next_power_of_2(GROUP.value), 16 // block_q), D_QK_PAD=D_QK_PAD.value,
