@@ -141,6 +141,27 @@ def loads(e: Expr) -> frozenset[str]:
     return frozenset(n.tensor for n in walk(e) if isinstance(n, Load))
 
 
+def substitute(e: Expr, values: dict[str, Expr]) -> Expr:
+    """``e`` with every ``Var`` named in ``values`` replaced by its expression, simultaneously
+    (``{"q": k, "k": q}`` swaps the two)."""
+    if isinstance(e, Var):
+        return values.get(e.name, e)
+    if isinstance(e, Const):
+        return e
+    if isinstance(e, Load):
+        return Load(e.tensor, tuple(substitute(i, values) for i in e.index), e.type)
+    if isinstance(e, Unary):
+        return Unary(e.op, substitute(e.operand, values), e.type)
+    if isinstance(e, (Binary, Compare)):
+        return type(e)(e.op, substitute(e.left, values), substitute(e.right, values), e.type)
+    if isinstance(e, Select):
+        return Select(substitute(e.cond, values), substitute(e.if_true, values), substitute(e.if_false, values),
+                      e.type)
+    if isinstance(e, Call):
+        return Call(e.fn, tuple(substitute(a, values) for a in e.args), e.type)
+    raise TypeError(f"not an IR expression: {e!r}")
+
+
 # ---------------------------------------------------------------- declarations
 @node
 class Sample:

@@ -3,7 +3,8 @@
 ``plan()`` runs the mask analyses for one call shape and freezes what a kernel needs:
 the tile CSR (PARTIAL then FULL K/V blocks per (b', h', q-tile)) and, when the mask is
 FlashMask-representable and reads tensors, the four interval vectors so PARTIAL tiles
-test rows against intervals instead of re-reading the tensors.  A kernel refuses a
+test rows against intervals instead of re-reading the tensors; likewise, when each query row
+sees one run of keys, that run per row ([KS, KE), the transposed analysis).  A kernel refuses a
 plan made for another shape.
 
 A plan is frozen with its plan key (``compiler.dispatch.PlanKey``, M4.5 §0x07F): the static
@@ -19,7 +20,7 @@ import numpy as np
 
 from . import ir
 from .dispatch import PLAN_DYNAMIC_FIELDS, PLAN_KEY_FIELDS, PlanKey
-from .analysis.intervals import MaskIntervals, analyze
+from .analysis.intervals import MaskIntervals, RowIntervals, analyze, row_intervals
 from .analysis.tiles import TilePlan, plan_tiles
 from .errors import AttncError, PlanError
 
@@ -35,6 +36,7 @@ class Plan:
     mask_from_intervals: bool
     key: PlanKey | None = None
     program: ir.Program | None = field(default=None, repr=False, compare=False)
+    rows: RowIntervals | None = field(default=None, repr=False, compare=False)
 
     @property
     def block_m(self) -> int:
@@ -62,6 +64,9 @@ class Plan:
                                  args["full_indices"]))
         if self.mask_from_intervals:
             args.update({n: v for n, v in self.intervals.vectors().items()})
+        args["mask_from_rows"] = self.rows is not None
+        if self.rows is not None:
+            args.update({"KS": self.rows.KS, "KE": self.rows.KE})
         return args
 
     def q_tile_order(self) -> np.ndarray:
@@ -177,8 +182,12 @@ def plan(program: ir.Program, batch: int, s_q: int, s_k: int, tensors: dict | No
     tiles = plan_tiles(intervals, block_m, block_n, method)
     reads_tensors = bool(ir.loads(program.mask))
     key = PlanKey.of(program, device=device, workspace_device=workspace_device, graph_mode=graph_mode)
+    # a mask that reads tensors and shows each query row one run of keys: PARTIAL blocks may test
+    # k against the row's [KS, KE) instead of gathering the tensors once per block
+    rows = row_intervals(program, batch, s_q, s_k, tensors) if reads_tensors and intervals.exact else None
     return Plan(ir.digest(program), batch, s_q, s_k, intervals, tiles,
-                mask_from_intervals=intervals.representable and reads_tensors, key=key, program=program)
+                mask_from_intervals=intervals.representable and reads_tensors, key=key, program=program,
+                rows=rows)
 
 
 

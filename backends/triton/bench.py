@@ -287,10 +287,12 @@ def run_prefill(batch=4, heads=16, seq=8192, head_dim=128, masks=None, configs=N
                                                           "num_warps": "4+4+1" if gluon else warps,
                                                           "num_stages": stages, "use_tma": True if gluon else tma,
                                                           "warp_specialize": ws, "walk": walk_used,
-                                                          "mask_source": source or "predicate",
+                                                          "mask_source": source or (
+                                                              "rows" if gluon and args.get("mask_from_rows")
+                                                              else "predicate"),
                                                           "programs": programs, "default": is_default,
-                                                          "persistent": bool(
-                                                              gluon and kernel.module.gluon_persistent(args)),
+                                                          "schedule": kernel.module.SCHEDULE_NAMES[
+                                                              kernel.module.gluon_schedule(args)] if gluon else None,
                                                           "head_group": head_group or kernel.module.HEAD_GROUP,
                                                           "engine": engine},
                    "tiles": plan.tiles.counts(), "rel_l2_error": err, "pass": ok, "samples_ms": samples,

@@ -57,14 +57,11 @@ def mean_row_blocks(plan: Plan) -> float:
 # prefix-LM 565, sliding window 1024 392, documents 279 TFLOP/s against the Triton kernel's default
 # 509 / 486 / 489 / 354 / 278, on 128x128 tiles (128x64: 367-504).  K/V stages: 2 (r30: 3 led by
 # 0.4-1.8%; r33, gluon_persistent_h200_r33.jsonl: 2 led by 0.4-2.1%, and the persistent program,
-# which also stages O, has room for 2 only at d = 128).
+# which also stages O, has room for 2 only at d = 128).  Short rows take it too since its programs
+# draw tiles from a counter and the producer hands the plan over (r37, gluon_engine_h200_r37.jsonl:
+# documents 317.5 TFLOP/s against 288.2 on the Triton kernel's 64x64 short-row tiles).
 GLUON_STAGES = 2
 GLUON_TILES = (128, 128)
-# Rows shorter than this (computed blocks per 128-row tile, on average) stay on the Triton kernel's
-# 64x64 short-row tiles, two CTAs per SM: documents (5.8 blocks) 290.7 there against 276.1 on the
-# Gluon engine, sliding window 1024 (8.4) 373.0 against 396.9 (bench/results/studies/
-# gluon_overlap_h200_r31.jsonl, in turns)
-GLUON_MIN_ROW_BLOCKS = 7
 
 
 def gluon_program(program) -> bool:
@@ -169,15 +166,13 @@ class Kernel:
         if use_tma is None:
             use_tma = tuned.get("use_tma", default["use_tma"] and contiguous)
         # engine None: the Gluon engine where this machine and spec allow it, unless `attnc tune`
-        # has a winner (measured on the Triton kernel) or the rows are short; "gluon": asked for
+        # has a winner (measured on the Triton kernel); "gluon": asked for
         gluon = engine == "gluon" or (engine is None and not tuned and self.gluon_engine())
         if plan is None:
             untuned = block_m is None and block_n is None
             if gluon and untuned:  # the Gluon engine's tiles: 128 query rows (two warpgroups of 64)
                 block_m, block_n = GLUON_TILES
             plan = self.plan(batch, s_q, s_k, tensors, block_m, block_n)
-            if engine is None and gluon and untuned and mean_row_blocks(plan) < GLUON_MIN_ROW_BLOCKS:
-                gluon = False  # short rows: the Triton kernel's short-row tiles below
             short = short_row_config(plan) if untuned and not interpreted() and not gluon else None
             if short:  # the default's tiles, chosen again now that the rows' lengths are known
                 plan = plan.retile(short["BLOCK_M"], short["BLOCK_N"])

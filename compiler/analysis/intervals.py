@@ -220,10 +220,10 @@ class MaskIntervals:
 
 
 class _Analyzer:
-    def __init__(self, program: ir.Program, batch: int, s_q: int, s_k: int, tensors: dict):
+    def __init__(self, program: ir.Program, batch: int, s_q: int, s_k: int, tensors: dict, transposed=False):
         if s_q < 0 or s_k < 0 or batch < 0:
             raise PlanError(f"negative length: B = {batch}, S_q = {s_q}, S_k = {s_k}")
-        if s_q > s_k:
+        if s_q > s_k and not transposed:
             raise PlanError(f"S_q = {s_q} query rows exceed S_k = {s_k} keys (bottom-right alignment)")
         self.program, self.tensors = program, tensors
         names = ir.free_vars(program.mask)
@@ -547,6 +547,42 @@ def analyze(program: ir.Program, batch: int, s_q: int, s_k: int, tensors: dict |
             representable = True
             vectors = _flashmask_vectors(masked, a.shape)
     return MaskIntervals(visible, a.shape, s_q, s_k, exact, representable, reason, **vectors)
+
+
+@dataclass(frozen=True)
+class RowIntervals:
+    """Per query row, the one run of keys it sees, ``[KS, KE)`` (empty: KS == KE), int32
+    [B', H', S_q] like the column vectors; None where some row sees two or more runs."""
+
+    KS: np.ndarray
+    KE: np.ndarray
+
+
+def row_intervals(program: ir.Program, batch: int, s_q: int, s_k: int,
+                  tensors: dict | None = None) -> RowIntervals | None:
+    """The keys each query row sees, when they form one run per row (causal, windows, documents,
+    prefix-LM; not sink + window).  The column analysis of the transposed mask: the mask with q
+    and k swapped, its "rows" the S_k keys and its "columns" the S_q queries (query row i at
+    q = S_k - S_q + i; key j at k = j), so row runs of column i are the keys of query row i.
+    None where the analysis is inexact or a row sees more than one run."""
+    q0 = s_k - s_q
+    i32 = ir.I32
+    swapped = ir.substitute(program.mask, {
+        "q": ir.Binary("add", ir.Var("k", i32), ir.Const(q0, i32), i32),
+        "k": ir.Binary("add", ir.Var("q", i32), ir.Const(q0, i32), i32)})
+    a = _Analyzer(program, batch, s_k, s_q, tensors or {}, transposed=True)
+    visible = a.truth(swapped)
+    if not visible.exact:
+        return None
+    runs = visible.must
+    count = runs.count()
+    if a.n and count.max(initial=0) > 1:
+        return None
+    first = np.argmax(runs.end > runs.start, axis=1) if runs.start.shape[1] else np.zeros(a.n, np.int64)
+    pick = np.arange(a.n)
+    ks = np.where(count == 1, runs.start[pick, first] if runs.start.shape[1] else 0, 0)
+    ke = np.where(count == 1, runs.end[pick, first] if runs.start.shape[1] else 0, 0)
+    return RowIntervals(ks.astype(np.int32).reshape(a.shape), ke.astype(np.int32).reshape(a.shape))
 
 
 def _flashmask_vectors(masked: Runs, shape) -> dict[str, np.ndarray]:

@@ -30,13 +30,13 @@ SPECS = {
 PHASES = {"prefill": (256, 256), "append": (128, 384)}  # S_q and S_k multiples of the 128-row tile
 
 
-def _check(program, s_q, s_k, seed, persistent=None, monkeypatch=None):
+def _check(program, s_q, s_k, seed, schedule=None, monkeypatch=None, mask_source=None):
     kernel = runtime.load(program)
-    if persistent is not None:  # one program per SM looping over tiles, or one per tile (this test only)
-        monkeypatch.setattr(kernel.module, "GLUON_PERSISTENT", persistent)
+    if schedule is not None:  # how programs take their jobs (SCHEDULE_NAMES), for this test only
+        monkeypatch.setattr(kernel.module, "GLUON_SCHEDULE", kernel.module.SCHEDULE_NAMES.index(schedule))
     arrays = inputs.sample(program, 2, s_q, s_k, seed=seed)
     call = inputs.validate(program, arrays)
-    o, lse = kernel(arrays["q"], arrays["k"], arrays["v"], return_lse=True, engine="gluon",
+    o, lse = kernel(arrays["q"], arrays["k"], arrays["v"], return_lse=True, engine="gluon", mask_source=mask_source,
                     **{t.name: arrays[t.name] for t in program.tensors})
     ref_o, ref_lse = oracle.reference(program, call.q, call.k, call.v, call.tensors)
     co, cl = numerics.compare_outputs(program.dtype, inputs.output_bhsd(program, o), lse, ref_o, ref_lse)
@@ -53,18 +53,33 @@ def test_gluon_engine_matches_oracle_on_examples(path, phase):
 
 
 @hopper
-@pytest.mark.parametrize("persistent", [False, True], ids=["per_tile", "persistent"])
+@pytest.mark.parametrize("schedule", ["one_tile", "counter"])
 @pytest.mark.parametrize("name", SPECS)
-def test_gluon_engine_matches_oracle_on_specs(name, persistent, monkeypatch):
-    _check(compile_spec(SPECS[name]), 256, 384, seed=4, persistent=persistent, monkeypatch=monkeypatch)
+def test_gluon_engine_matches_oracle_on_specs(name, schedule, monkeypatch):
+    _check(compile_spec(SPECS[name]), 256, 384, seed=4, schedule=schedule, monkeypatch=monkeypatch)
 
 
 @hopper
-def test_persistent_programs_take_many_tiles_each(monkeypatch):
-    """More tiles than SMs: each persistent program runs several, its K/V ring and Q stage
-    carried from one tile to the next (B=2, 16 heads, 2048 rows: 512 tiles on 132 SMs)."""
+@pytest.mark.parametrize("mask_source", ["rows", "predicate"])
+@pytest.mark.parametrize("name", ["f16_documents", "bidirectional_documents"])
+def test_gluon_engine_masks_from_row_runs_or_the_predicate(name, mask_source):
+    """Masks that read tensors: PARTIAL blocks test each row's run of keys (the default where the
+    plan has them) or evaluate the mask expression, both against the oracle."""
+    program = compile_spec(SPECS["f16_documents"].replace("causal & ", "") if name == "bidirectional_documents"
+                           else SPECS[name])
+    doc = {"doc": inputs.sample(program, 2, 256, 384, seed=4)["doc"]}
+    assert runtime.load(program).plan(2, 256, 384, doc).rows is not None
+    _check(program, 256, 384, seed=4, mask_source=mask_source)
+
+
+@hopper
+@pytest.mark.parametrize("schedule", ["one_tile", "counter"])
+def test_persistent_programs_take_many_tiles_each(schedule, monkeypatch):
+    """More tiles than SMs: each program drawing from the counter runs several, its K/V ring and
+    Q stage carried from one tile to the next (B=2, 16 heads, 2048 rows: 512 tiles on 132 SMs);
+    and one program per tile."""
     program = compile_spec(SPECS["f16_documents"].replace("heads = 4", "heads = 16"))
-    _check(program, 2048, 2048, seed=5, persistent=True, monkeypatch=monkeypatch)
+    _check(program, 2048, 2048, seed=5, schedule=schedule, monkeypatch=monkeypatch)
 
 
 @hopper
@@ -78,9 +93,9 @@ def test_untuned_calls_take_the_engine_and_odd_lengths_fall_back():
     assert kernel.module.gluon_reason(q, k, v, None, kernel.device_plan(plan, q.device)) is None
     auto = kernel(q, k, v)
     assert torch.equal(auto, kernel(q, k, v, engine="gluon"))
-    # rows shorter than GLUON_MIN_ROW_BLOCKS stay on the Triton kernel's short-row tiles
+    # short rows take the engine too (they used to stay on the Triton kernel's 64x64 tiles)
     plan, launch, _ = kernel.prefill_launch(1, 256, 256, {})
-    assert (plan.block_m, plan.block_n, launch["engine"]) == (64, 64, "triton")
+    assert (plan.block_m, plan.block_n, launch["engine"]) == (128, 128, None)
     # 1000 keys: not a multiple of the tile; the untuned call runs the Triton kernel, an explicit ask is refused
     k2, v2 = k[:, :, :1000].contiguous(), v[:, :, :1000].contiguous()
     q2 = q[:, :, :1000].contiguous()
@@ -112,3 +127,10 @@ def test_elsewhere_every_call_takes_the_triton_kernel():
         kernel(arrays["q"], arrays["k"], arrays["v"], engine="gluon")
     with pytest.raises(ValueError, match="engine must be None, 'gluon' or 'triton'"):
         kernel(arrays["q"], arrays["k"], arrays["v"], engine="cuda")
+    # each row's run of keys is a mask source of the engine only; closed forms have none
+    with pytest.raises(ValueError, match="no run of keys per row"):
+        kernel(arrays["q"], arrays["k"], arrays["v"], mask_source="rows")
+    docs = compile_spec(SPECS["f16_documents"])
+    arrays = inputs.sample(docs, 1, 128, 128, seed=1)
+    with pytest.raises(ValueError, match="mask_source='rows' is an option of the Gluon engine"):
+        runtime.load(docs)(arrays["q"], arrays["k"], arrays["v"], doc=arrays["doc"], mask_source="rows")

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from backends.numpy.oracle import dense_mask
-from compiler.analysis.intervals import analyze
+from compiler.analysis.intervals import analyze, row_intervals
 from compiler.analysis.tiles import FULL, SKIP, plan_tiles, summaries
 from compiler.errors import PlanError
 from compiler.inputs import contiguous_variant, sample, validate
@@ -164,6 +164,44 @@ def test_examples_are_sound_exact_and_representable(path, shape):
             assert not mi.exact and not mi.representable and "%" in mi.reason
         else:
             assert mi.exact and mi.representable, mi.reason
+
+
+ONE_RUN_EXAMPLES = {"alibi", "bidirectional_document", "causal", "causal_blockwise", "causal_document",
+                    "causal_document_gqa", "chunked", "full", "prefix_lm", "qk_sparse", "sliding_window_bidirectional",
+                    "sliding_window_causal", "softcap"}
+
+
+@pytest.mark.parametrize("shape", list(SHAPES), ids=list(SHAPES))
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
+def test_examples_rows_see_one_run_of_keys_where_the_transposed_analysis_says_so(path, shape):
+    """``row_intervals``: each query row's keys [KS, KE), rebuilt against the oracle; examples
+    whose rows see two runs (sink + window, global + window, dilated, shared question) get None,
+    and so does prefix-LM-document, whose transposed form compares pfx[b, q] with q (an atom
+    the analysis does not solve), though its rows see one run."""
+    program = contiguous_variant(compile_file(path))
+    s_q, s_k = SHAPES[shape]
+    call = validate(program, sample(program, 2, s_q, s_k, 0))
+    ri = row_intervals(program, call.batch, s_q, s_k, call.tensors)
+    if path.stem not in ONE_RUN_EXAMPLES:
+        if shape in ("prefill", "append"):
+            assert ri is None
+        return
+    assert ri is not None
+    dense = dense_mask(program, call.batch, s_q, s_k, call.tensors)
+    k = np.arange(s_k)
+    rebuilt = (k >= ri.KS[..., None]) & (k < ri.KE[..., None])
+    np.testing.assert_array_equal(np.broadcast_to(rebuilt, dense.shape), dense)
+
+
+def test_causal_document_rows_run_from_their_document_start():
+    p = spec("causal & doc[b, q] == doc[b, k]", "tensor doc: i32[b, s]")
+    doc = np.array([[0, 0, 0, 1, 1, 2, 2, 2]])
+    ri = row_intervals(p, 1, 8, 8, {"doc": doc})
+    assert ri.KS.tolist() == [[[0, 0, 0, 3, 3, 5, 5, 5]]]
+    assert ri.KE.tolist() == [[[1, 2, 3, 4, 5, 6, 7, 8]]]
+    ri = row_intervals(p, 1, 3, 8, {"doc": doc})  # append: the last 3 rows, at q = 5, 6, 7
+    assert ri.KS.tolist() == [[[5, 5, 5]]] and ri.KE.tolist() == [[[6, 7, 8]]]
+    assert row_intervals(spec("causal & (window(2) | k < 1)"), 1, 8, 8) is None  # sink + window: two runs
 
 
 def test_dilated_window_has_many_runs_per_column():

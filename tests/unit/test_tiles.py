@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from backends.numpy.oracle import dense_mask
-from compiler.analysis.intervals import analyze
+from compiler.analysis.intervals import analyze, row_intervals
 from compiler.analysis.tiles import (
     FULL, PARTIAL, SKIP, SUMMARY_NAMES, TilePlan, classify_exact, classify_summaries, plan_tiles, summaries,
 )
@@ -309,3 +309,29 @@ def test_tile_sizes_must_be_positive():
     for bm, bn in ((0, 2), (2, 0), (-1, 1)):
         with pytest.raises(ValueError, match="positive"):
             plan_tiles(mi, bm, bn)
+
+
+# ---------------------------------------------------------------- each row's run of keys
+ONE_RUN_PER_ROW = {"full", "causal", "sliding_window_causal", "sliding_window_bidirectional", "causal_document",
+                   "bidirectional_document", "prefix_lm", "chunked"}
+
+
+@PROPERTY
+@given(cases())
+def test_row_runs_of_keys_rebuild_the_dense_mask(case):
+    """``row_intervals`` (the transposed analysis): where it answers, k in [KS, KE) is the dense
+    mask of every row; it answers for every family whose rows see one run of keys, and never
+    where some row sees two or more."""
+    name, p, batch, s_q, s_k, tensors, _, _ = case
+    mi = analyze(p, batch, s_q, s_k, tensors)
+    dense = dense_for(mi, p, batch, s_q, s_k, tensors)
+    ri = row_intervals(p, batch, s_q, s_k, tensors)
+    one_run = (np.diff(dense.astype(np.int8), axis=-1, prepend=0) == 1).sum(-1).max(initial=0) <= 1
+    if name in ONE_RUN_PER_ROW:
+        assert ri is not None
+    if ri is None:
+        return
+    assert one_run
+    assert ri.KS.shape == ri.KE.shape == mi.shape[:2] + (s_q,) and ri.KS.dtype == ri.KE.dtype == np.int32
+    k = np.arange(s_k)
+    np.testing.assert_array_equal((k >= ri.KS[..., None]) & (k < ri.KE[..., None]), dense)

@@ -55,22 +55,23 @@ def pretend_hopper(monkeypatch):
     return launch
 
 
-@pytest.mark.parametrize("mask,tiles,engine,persistent", [
-    ("causal", (128, 128), None, False), ("full", (128, 128), None, False),
-    ("prefix_lm_2048", (128, 128), None, False), ("sliding_window_1024", (128, 128), None, True),
-    ("causal_document", (64, 64), "triton", None), ("chunked_causal_1024", (64, 64), "triton", None)])
-def test_untuned_calls_on_hopper_take_the_gluon_engine_unless_rows_are_short(pretend_hopper, mask, tiles, engine,
-                                                                              persistent):
+@pytest.mark.parametrize("mask", ["causal", "full", "prefix_lm_2048", "sliding_window_1024", "causal_document",
+                                  "chunked_causal_1024"])
+def test_untuned_calls_on_hopper_take_the_gluon_engine(pretend_hopper, mask):
+    """Every bench mask, short rows (documents, chunks) included: 128 x 128 tiles, 2 stages, the
+    programs drawing their tiles from a counter."""
     kernel, gluon, plan, launch = pretend_hopper(mask)
     assert gluon
-    assert ((plan.block_m, plan.block_n), launch["engine"]) == (tiles, engine)
-    if engine is None:  # the engine's launch: 2 stages; persistent where the plan's runs are short
-        assert launch["num_stages"] == runtime.GLUON_STAGES
-        assert kernel.module.gluon_persistent(plan.kernel_args()) is persistent
+    assert ((plan.block_m, plan.block_n), launch["engine"]) == ((128, 128), None)
+    assert launch["num_stages"] == runtime.GLUON_STAGES
+    module = kernel.module
+    assert module.SCHEDULE_NAMES[module.gluon_schedule(plan.kernel_args())] == "counter"
+    # documents: PARTIAL blocks test each row's run of keys, the closed forms their predicate
+    assert plan.kernel_args()["mask_from_rows"] is (mask == "causal_document")
 
 
 def test_engine_choice_by_hand_and_by_spec_on_hopper(pretend_hopper):
-    kernel, _, plan, launch = pretend_hopper("causal_document", engine="gluon")  # short rows, asked for
+    kernel, _, plan, launch = pretend_hopper("causal_document", engine="gluon")  # asked for
     assert ((plan.block_m, plan.block_n), launch["engine"]) == ((128, 128), "gluon")
     kernel, _, plan, launch = pretend_hopper("causal", engine="triton")  # the Triton kernel's default
     assert ((plan.block_m, plan.block_n), launch["num_stages"], launch["engine"]) == ((128, 128), 3, "triton")

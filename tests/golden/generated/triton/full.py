@@ -285,17 +285,17 @@ def _attn_fwd(Q, K, V, O, LSE, desc_k, desc_v,
 
 
 # ----------------------------------------------------------------------------------------------
-# The Gluon engine (Hopper, sm_90): the same plan walked by a warp-specialized program.  One
-# producer warp issues the TMA loads of Q and of every computed K/V block (the row's merged block
-# list, WALK 3's arrays) into STAGES shared-memory stages behind mbarriers; two consumer
-# warpgroups, each with 64 of the tile's 128 query rows, run Q.K^T and P.V on the tensor cores
-# (wgmma) and the online softmax, and take turns on the tensor cores (one's softmax under the
-# other's MMA).  PARTIAL blocks apply the predicate ``visible``; the score program is inlined as in
-# the Triton kernel.  Where rows are short (sliding windows) one program per SM loops over the
-# tiles, so that the next tile's loads run under this tile's epilogue (``GLUON_PERSISTENT``).
-# Measured on the H200 (bench/results/prefill_h200_r34_final.jsonl, untuned defaults): full 559,
-# causal 523, sliding window 1024 403 TFLOP/s, against 534 / 510 / 373 for the Triton kernel in
-# r32.  The engine runs what ``gluon_reason`` admits; every other call takes the Triton kernel above.
+# The Gluon engine (Hopper, sm_90): the same plan walked by a warp-specialized program, one per SM,
+# each drawing (query tile, head) jobs from a counter, longest first.  One producer warp hands each
+# job over with its Q, and every computed K/V block of the row's merged block list (WALK 3's arrays)
+# with the block's index and PARTIAL flag, through STAGES shared-memory stages behind mbarriers
+# (TMA loads); two consumer warpgroups, each with 64 of the tile's 128 query rows, run Q.K^T and P.V
+# on the tensor cores (wgmma) and the online softmax, and take turns on the tensor cores (one's
+# softmax under the other's MMA).  PARTIAL blocks apply each row's run of keys [KS, KE) where the
+# plan has one (masks reading tensors: documents), else the predicate ``visible``; the score
+# program is inlined as in the Triton kernel.  The engine runs what ``gluon_reason`` admits; every
+# other call takes the Triton kernel above.  Measured on the H200: see ``GLUON_SCHEDULE`` and
+# bench/results/README.md.
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -318,18 +318,33 @@ GLUON_REGS = (168, 232, 24)  # maxnreg, then the worker consumer's and the produ
 GLUON_SMEM = 232448  # bytes of shared memory a program may take on sm_90
 
 
+# How the engine's programs take their jobs (``_attn_fwd_ws``'s SCHEDULE): one job per program, or
+# one program per SM taking the next job, in ``_job``'s longest-first order, from a counter (drawn
+# by the producer warp).  Measured on the H200 (bench/results/studies/gluon_engine_h200_r36.jsonl,
+# in turns), the counter against one job per program and against a third way since removed, every
+# num_programs-th job: documents 300.2 / 279.8 / 290.1, sliding window 1024 418.6 / 398.1 / 412.1,
+# causal 534.9 / 530.7 / 498.7 (striding loses the longest-first balance); r37: prefix-LM 541.4
+# against 520.9, full 561.0 against 544.0.
+ONE_TILE, COUNTER = tl.constexpr(0), tl.constexpr(1)
+SCHEDULE_NAMES = ("one_tile", "counter")
+
+
 @gluon.jit
-def _ws_softmax(s, i, M_IDX, M_FLAG, m_i, l_i, b, h, q_pos, qk_scale, HAS_SCORE: tl.constexpr,
-                BLOCK_N: tl.constexpr, col_l: tl.constexpr):
-    """Block i of the row's list on the scores s: the score program, the mask where the block is
-    PARTIAL, the online-softmax update.  Returns P, alpha (the accumulator's rescale), m and l."""
-    part = gl.load(M_FLAG + i)
+def _ws_softmax(s, part, kb, ks, ke, m_i, l_i, b, h, q_pos, qk_scale, HAS_SCORE: tl.constexpr,
+                MASK_FROM_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, col_l: tl.constexpr):
+    """K/V block kb of the row's list on the scores s: the score program, the mask where the
+    block is PARTIAL (part != 0): the predicate, or MASK_FROM_ROWS the rows' runs of keys
+    [ks, ke); then the online-softmax update.  Returns P, alpha (the accumulator's rescale), m
+    and l."""
     if HAS_SCORE or part != 0:
-        k_pos = (gl.load(M_IDX + i) * BLOCK_N + gl.arange(0, BLOCK_N, col_l))[None, :]
+        k_pos = (kb * BLOCK_N + gl.arange(0, BLOCK_N, col_l))[None, :]
         if HAS_SCORE:
             s = score_program(s * SCALE, b, h, q_pos, k_pos)
         if part != 0:
-            s = gl.where(visible(b, h, q_pos, k_pos), s, float("-inf"))
+            if MASK_FROM_ROWS:
+                s = gl.where((k_pos >= ks) & (k_pos < ke), s, float("-inf"))
+            else:
+                s = gl.where(visible(b, h, q_pos, k_pos), s, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
     m_new = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
     p = gl.exp2(s * qk_scale - m_new[:, None])
@@ -338,44 +353,42 @@ def _ws_softmax(s, i, M_IDX, M_FLAG, m_i, l_i, b, h, q_pos, qk_scale, HAS_SCORE:
 
 
 @gluon.jit
-def _ws_job(t, BH, Q_TILES, ORDER, PLAN_B, PLAN_H, M_CSR, S_Q, S_K, ROWS: tl.constexpr,
-            HEAD_GROUP: tl.constexpr):
-    """The launch's t-th job (``_job``'s order): b, h, b * H_q + h, its first query row, its first
-    rows in the [B * H_q * S_q, d] view of Q / O and the [B * H_kv * S_k, d] view of K / V, and its
-    range [lo, hi) of the plan's merged block list."""
+def _ws_job(t, BH, Q_TILES, ORDER, PLAN_B, PLAN_H, M_CSR, HEAD_GROUP: tl.constexpr):
+    """The launch's t-th job (``_job``'s order): its query tile, b * H_q + h, and its range
+    [lo, hi) of the plan's merged block list."""
     rank, bh = _job(t, BH, Q_TILES, HEAD_GROUP)
     pid_m, b, h, row = _tile_of(rank, bh, ORDER, PLAN_B, PLAN_H, Q_TILES)
-    q_tile0 = pid_m * (2 * ROWS)
-    return (b, h, bh, q_tile0, bh * S_Q + q_tile0, (b * H_KV + h // GROUP) * S_K,
-            gl.load(M_CSR + row), gl.load(M_CSR + row + 1))
+    return pid_m, bh, gl.load(M_CSR + row), gl.load(M_CSR + row + 1)
 
 
 @gluon.jit
-def _ws_softmax(s, i, M_IDX, M_FLAG, m_i, l_i, b, h, q_pos, qk_scale, HAS_SCORE: tl.constexpr,
-                BLOCK_N: tl.constexpr, col_l: tl.constexpr):
-    """Block i of the row's list on the scores s: the score program, the mask where the block is
-    PARTIAL, the online-softmax update.  Returns P, alpha (the accumulator's rescale), m and l."""
-    if HAS_SCORE or gl.load(M_FLAG + i) != 0:
-        k_pos = (gl.load(M_IDX + i) * BLOCK_N + gl.arange(0, BLOCK_N, col_l))[None, :]
-        if HAS_SCORE:
-            s = score_program(s * SCALE, b, h, q_pos, k_pos)
-        if gl.load(M_FLAG + i) != 0:
-            s = gl.where(visible(b, h, q_pos, k_pos), s, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
-    m_new = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
-    p = gl.exp2(s * qk_scale - m_new[:, None])
-    alpha = gl.exp2(m_i - m_new)
-    return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
+def _ws_put(smem, values, N: tl.constexpr):
+    """The producer warp writes N int32 scalars into smem (read by ``_ws_get``)."""
+    layout: tl.constexpr = gl.BlockedLayout([N], [32], [1], [0])
+    idx = gl.arange(0, N, layout)
+    vec = gl.zeros([N], gl.int32, layout)
+    for j in gl.static_range(N):
+        vec = gl.where(idx == j, values[j], vec)
+    smem.store(vec)
 
 
 @gluon.jit
-def _ws_consumer(half, q_smem, o_smem, k_smem, v_smem, bars, o_desc, LSE, ORDER, M_CSR, M_IDX, M_FLAG,
-                 S_Q, S_K, Q_OFF, PLAN_B, PLAN_H, Q_TILES, BH, qk_scale, HAS_SCORE: tl.constexpr,
-                 ROWS: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, STAGES: tl.constexpr,
-                 HEAD_GROUP: tl.constexpr):
-    """Rows [half * ROWS, + ROWS) of each of the program's tiles: every block of the tile's list,
-    then O (through shared memory and a TMA store) and LSE.  ``c`` counts the blocks this
-    program has consumed: the K/V ring's stage and phase."""
+def _ws_get(smem, j: tl.constexpr, N: tl.constexpr):
+    """A consumer warpgroup reads the j-th of the N scalars ``_ws_put`` wrote."""
+    layout: tl.constexpr = gl.BlockedLayout([N], [32], [4], [0])
+    return gl.sum(gl.where(gl.arange(0, N, layout) == j, smem.load(layout), 0), 0)
+
+
+@gluon.jit
+def _ws_consumer(half, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars, o_desc, LSE, KS, KE, S_Q, Q_OFF,
+                 PLAN_B, PLAN_H, Q_TILES, BH, qk_scale, HAS_SCORE: tl.constexpr,
+                 MASK_FROM_ROWS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
+                 STAGES: tl.constexpr, HEAD_GROUP: tl.constexpr):
+    """Rows [half * ROWS, + ROWS) of each tile the producer hands over: every block of the
+    tile's list, then O (through shared memory and a TMA store) and LSE.  The producer hands
+    each job (t, query tile, block range) over with its Q, and each block's index and PARTIAL
+    flag with its K, so that the consumers load nothing from the plan.  ``c`` counts the blocks
+    this program has consumed: the K/V ring's stage and phase; ``jc`` its tiles: Q's phase."""
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = bars
     s_layout: tl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -388,26 +401,42 @@ def _ws_consumer(half, q_smem, o_smem, k_smem, v_smem, bars, o_desc, LSE, ORDER,
     q = q_smem.index(half)
     o = o_smem.index(half)
     s0 = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
+    n_jobs = Q_TILES * BH
     c = 0
     jc = 0
-    for t in range(gl.program_id(0), Q_TILES * BH, gl.num_programs(0)):
-        b, h, bh, q_tile0, q_row0, kv_row0, lo, hi = _ws_job(t, BH, Q_TILES, ORDER, PLAN_B, PLAN_H, M_CSR, S_Q,
-                                                              S_K, ROWS, HEAD_GROUP)
+    mbarrier.wait(q_ready, 0)
+    t = _ws_get(job_smem, 0, 4)
+    while t < n_jobs:
+        pid_m = _ws_get(job_smem, 1, 4)
+        lo = _ws_get(job_smem, 2, 4)
+        hi = _ws_get(job_smem, 3, 4)
+        bh = _job(t, BH, Q_TILES, HEAD_GROUP)[1]
+        b = bh // H_Q
+        h = bh % H_Q
+        q_tile0 = pid_m * (2 * ROWS)
         rows = q_tile0 + half * ROWS + gl.arange(0, ROWS, row_l)
         q_pos = (Q_OFF + rows)[:, None]
+        if MASK_FROM_ROWS:  # the rows' runs of keys, for the tile's PARTIAL blocks
+            plane = gl.where(PLAN_B > 1, b, 0) * PLAN_H + gl.where(PLAN_H > 1, h, 0)
+            ks = gl.load(KS + plane * S_Q + rows)[:, None]
+            ke = gl.load(KE + plane * S_Q + rows)[:, None]
+        else:
+            ks = 0
+            ke = 0
         m_i = gl.full([ROWS], float("-inf"), gl.float32, row_l)
         l_i = gl.full([ROWS], 0.0, gl.float32, row_l)
         acc = gl.zeros([ROWS, D], gl.float32, o_layout)
-        mbarrier.wait(q_ready, jc & 1)
         for i in range(lo, hi):
             stage = c % STAGES
             phase = (c // STAGES) & 1
             mbarrier.wait(k_ready.index(stage), phase)
             s = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), s0, use_acc=False, is_async=True)
+            kb = _ws_get(blk_smem.index(stage), 0, 2)
+            part = _ws_get(blk_smem.index(stage), 1, 2)
             s = warpgroup_mma_wait(0, deps=(s, ))
             mbarrier.arrive(k_empty.index(stage), count=1)
-            p, alpha, m_i, l_i = _ws_softmax(s, i, M_IDX, M_FLAG, m_i, l_i, b, h, q_pos, qk_scale,
-                                             HAS_SCORE, BLOCK_N, col_l)
+            p, alpha, m_i, l_i = _ws_softmax(s, part, kb, ks, ke, m_i, l_i, b, h, q_pos, qk_scale,
+                                             HAS_SCORE, MASK_FROM_ROWS, BLOCK_N, col_l)
             acc = acc * gl.convert_layout(alpha, orow_l)[:, None]
             mbarrier.wait(v_ready.index(stage), phase)
             acc = warpgroup_mma(gl.convert_layout(p.to(q_smem.dtype), p_layout), v_smem.index(stage), acc,
@@ -422,59 +451,84 @@ def _ws_consumer(half, q_smem, o_smem, k_smem, v_smem, bars, o_desc, LSE, ORDER,
         tma.store_wait(0)  # the last tile's O has left shared memory (o may be Q's own stage)
         o.store(out.to(q_smem.dtype))
         fence_async_shared()
-        _tma_store(o_desc, [q_row0 + half * ROWS, 0], o)
+        _tma_store(o_desc, [bh * S_Q + q_tile0 + half * ROWS, 0], o)
         gl.store(LSE + bh * S_Q + rows, gl.where(seen, (m_i + gl.log2(l_safe)) * 0.6931471805599453,
                                                  float("-inf")))
         jc += 1
+        mbarrier.wait(q_ready, jc & 1)
+        t = _ws_get(job_smem, 0, 4)
     tma.store_wait(0)
 
 
 @gluon.jit
-def _ws_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, ORDER, M_CSR, M_IDX, S_Q, S_K,
-                 PLAN_B, PLAN_H, Q_TILES, BH, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
-                 HEAD_GROUP: tl.constexpr):
-    """For each of the program's tiles: Q once both consumers are done with the last one, then K
-    and V of every block of the tile's list, each into a stage both consumers have released."""
+def _ws_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, job_smem, blk_smem, bars, COUNTER_PTR, ORDER,
+                 M_CSR, M_IDX, M_FLAG, S_Q, S_K, PLAN_B, PLAN_H, Q_TILES, BH, ROWS: tl.constexpr,
+                 BLOCK_N: tl.constexpr, STAGES: tl.constexpr, HEAD_GROUP: tl.constexpr, SCHEDULE: tl.constexpr):
+    """For each of the program's jobs: once both consumers are done with the last Q, the job
+    and its Q, then K and V of every block of the tile's list, each into a stage both consumers
+    have released, with the block's index and PARTIAL flag.  The next job (SCHEDULE) and its
+    plan lookups are fetched while this one's K/V load; a job past the last tells the consumers
+    to stop."""
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = bars
+    n_jobs = Q_TILES * BH
     c = 0
     jc = 0
-    for t in range(gl.program_id(0), Q_TILES * BH, gl.num_programs(0)):
-        b, h, bh, q_tile0, q_row0, kv_row0, lo, hi = _ws_job(t, BH, Q_TILES, ORDER, PLAN_B, PLAN_H, M_CSR, S_Q,
-                                                              S_K, ROWS, HEAD_GROUP)
+    t = gl.program_id(0)  # the grid never exceeds the jobs
+    pid_m, bh, lo, hi = _ws_job(t, BH, Q_TILES, ORDER, PLAN_B, PLAN_H, M_CSR, HEAD_GROUP)
+    while t < n_jobs:
+        if SCHEDULE == COUNTER:
+            nxt = gl.num_programs(0) + gl.atomic_add(COUNTER_PTR, 1)
+        else:
+            nxt = n_jobs
         mbarrier.wait(q_empty, (jc & 1) ^ 1)
+        _ws_put(job_smem, (t, pid_m, lo, hi), 4)
+        q_row0 = bh * S_Q + pid_m * (2 * ROWS)
         mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
         _tma_load(q_desc, [q_row0, 0], q_ready, q_smem.index(0))
         _tma_load(q_desc, [q_row0 + ROWS, 0], q_ready, q_smem.index(1))
+        kv_row0 = ((bh // H_Q) * H_KV + (bh % H_Q) // GROUP) * S_K
         for i in range(lo, hi):
             stage = c % STAGES
             phase = (c // STAGES) & 1
-            row = kv_row0 + gl.load(M_IDX + i) * BLOCK_N
+            kb = gl.load(M_IDX + i)
+            part = gl.load(M_FLAG + i)
             mbarrier.wait(k_empty.index(stage), phase ^ 1)
+            _ws_put(blk_smem.index(stage), (kb, part), 2)
             mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
-            _tma_load(k_desc, [row, 0], k_ready.index(stage), k_smem.index(stage))
+            _tma_load(k_desc, [kv_row0 + kb * BLOCK_N, 0], k_ready.index(stage), k_smem.index(stage))
             mbarrier.wait(v_empty.index(stage), phase ^ 1)
             mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
-            _tma_load(v_desc, [row, 0], v_ready.index(stage), v_smem.index(stage))
+            _tma_load(v_desc, [kv_row0 + kb * BLOCK_N, 0], v_ready.index(stage), v_smem.index(stage))
             c += 1
         jc += 1
+        t = nxt
+        pid_m, bh, lo, hi = _ws_job(gl.minimum(t, n_jobs - 1), BH, Q_TILES, ORDER, PLAN_B, PLAN_H, M_CSR,
+                                    HEAD_GROUP)
+    mbarrier.wait(q_empty, (jc & 1) ^ 1)  # "none left", once the consumers are done with the last Q
+    _ws_put(job_smem, (t, 0, 0, 0), 4)
+    mbarrier.arrive(q_ready, count=1)
 
 
 @gluon.jit
-def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, LSE, ORDER, M_CSR, M_IDX, M_FLAG,
+def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, LSE, COUNTER_PTR, ORDER, M_CSR, M_IDX, M_FLAG, KS, KE,
                  S_Q, S_K, Q_OFF, PLAN_B, PLAN_H, Q_TILES, qk_scale, BH,
-                 HAS_SCORE: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
-                 STAGES: tl.constexpr, HEAD_GROUP: tl.constexpr, CONSUMER_REGS: tl.constexpr,
-                 PRODUCER_REGS: tl.constexpr, PERSISTENT: tl.constexpr):
+                 HAS_SCORE: tl.constexpr, MASK_FROM_ROWS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+                 D: tl.constexpr, STAGES: tl.constexpr, HEAD_GROUP: tl.constexpr, CONSUMER_REGS: tl.constexpr,
+                 PRODUCER_REGS: tl.constexpr, SCHEDULE: tl.constexpr):
     """Jobs (query tile of 2 * ROWS rows, request * query head) in ``_job``'s order: one per
-    program, or PERSISTENT: every num_programs-th, with O staged in its own buffers so that the
-    next tile's Q and K/V loads run under this tile's last blocks and epilogue."""
+    program (SCHEDULE == ONE_TILE), or one program per SM looping over jobs drawn from the
+    counter at COUNTER_PTR (an int32 zero; SCHEDULE == COUNTER) with O staged in its own
+    buffers, so that the next tile's Q and K/V loads run under this tile's last blocks and
+    epilogue.  KS, KE: each query row's run of keys (MASK_FROM_ROWS), [PLAN_B, PLAN_H, S_Q]."""
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
-    if PERSISTENT:
-        o_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
-    else:
+    if SCHEDULE == ONE_TILE:
         o_smem = q_smem  # one tile per program: O goes out through Q's stages
+    else:
+        o_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+    job_smem = gl.allocate_shared_memory(gl.int32, [4], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    blk_smem = gl.allocate_shared_memory(gl.int32, [STAGES, 2], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -490,14 +544,15 @@ def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, LSE, ORDER, M_CSR, M_IDX, M_FLA
         mbarrier.init(v_empty.index(i), count=2)
     bars = (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty)
     gl.warp_specialize([
-        (_ws_consumer, (0, q_smem, o_smem, k_smem, v_smem, bars, o_desc, LSE, ORDER, M_CSR, M_IDX, M_FLAG, S_Q, S_K,
-                        Q_OFF, PLAN_B, PLAN_H, Q_TILES, BH, qk_scale, HAS_SCORE, ROWS, BLOCK_N, D, STAGES,
-                        HEAD_GROUP)),
-        (_ws_consumer, (1, q_smem, o_smem, k_smem, v_smem, bars, o_desc, LSE, ORDER, M_CSR, M_IDX, M_FLAG, S_Q, S_K,
-                        Q_OFF, PLAN_B, PLAN_H, Q_TILES, BH, qk_scale, HAS_SCORE, ROWS, BLOCK_N, D, STAGES,
-                        HEAD_GROUP)),
-        (_ws_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, ORDER, M_CSR, M_IDX, S_Q, S_K,
-                        PLAN_B, PLAN_H, Q_TILES, BH, ROWS, BLOCK_N, STAGES, HEAD_GROUP)),
+        (_ws_consumer, (0, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars, o_desc, LSE, KS, KE, S_Q, Q_OFF,
+                        PLAN_B, PLAN_H, Q_TILES, BH, qk_scale, HAS_SCORE, MASK_FROM_ROWS, ROWS, BLOCK_N, D,
+                        STAGES, HEAD_GROUP)),
+        (_ws_consumer, (1, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars, o_desc, LSE, KS, KE, S_Q, Q_OFF,
+                        PLAN_B, PLAN_H, Q_TILES, BH, qk_scale, HAS_SCORE, MASK_FROM_ROWS, ROWS, BLOCK_N, D,
+                        STAGES, HEAD_GROUP)),
+        (_ws_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, job_smem, blk_smem, bars, COUNTER_PTR, ORDER,
+                        M_CSR, M_IDX, M_FLAG, S_Q, S_K, PLAN_B, PLAN_H, Q_TILES, BH, ROWS, BLOCK_N, STAGES,
+                        HEAD_GROUP, SCHEDULE)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -528,20 +583,13 @@ def gluon_reason(q, k, v, out, plan, *, walk=None, mask_source=None, programs=No
     return None
 
 
-# One program per SM looping over tiles (``_attn_fwd_ws``) when the plan's runs of consecutive
-# blocks are shorter than this, else one program per tile; None: decide so, True / False: always.
-# Measured on the H200 (bench/results/studies/gluon_persistent_h200_r33.jsonl, in turns):
-# sliding window 1024 (runs of 8.4 blocks) 403.9 against 396.1 TFLOP/s, causal (32.5) 482.7
-# against 523.8 (the strided tiles lose the longest-first order's balance), full 565.6 against 564.1.
-GLUON_PERSISTENT = None
-GLUON_PERSISTENT_BELOW = 16
+# How the engine's programs take their jobs: None, the counter (``COUNTER``); else ONE_TILE or COUNTER.
+GLUON_SCHEDULE = None
 
 
-def gluon_persistent(plan) -> bool:
-    """Whether the Gluon engine runs this plan with one program per SM (``GLUON_PERSISTENT``)."""
-    if GLUON_PERSISTENT is not None:
-        return GLUON_PERSISTENT
-    return plan["mean_merged_run_blocks"] < GLUON_PERSISTENT_BELOW
+def gluon_schedule(plan) -> int:
+    """How the Gluon engine's programs take this plan's jobs (``GLUON_SCHEDULE``)."""
+    return COUNTER.value if GLUON_SCHEDULE is None else GLUON_SCHEDULE
 
 
 def torch_sms(device) -> int:
@@ -549,7 +597,8 @@ def torch_sms(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _attention_gluon(q, k, v, plan, out, lse, num_stages, head_group, ts, persistent=None):
+def _attention_gluon(q, k, v, plan, out, lse, num_stages, head_group, ts, mask_source=None, schedule=None):
+    import torch
     d, bn = D_QK.value, plan["block_n"]
     dtype = {"torch.float16": gl.float16, "torch.bfloat16": gl.bfloat16}[str(q.dtype)]
 
@@ -560,21 +609,26 @@ def _attention_gluon(q, k, v, plan, out, lse, num_stages, head_group, ts, persis
     s_k = k.shape[2]
     bh = batch * H_Q.value
     maxnreg, consumer_regs, producer_regs = GLUON_REGS
-    persistent = gluon_persistent(plan) if persistent is None else persistent
+    schedule = gluon_schedule(plan) if schedule is None else schedule
     # shared memory: Q (and, persistent, O) 2 x 64 rows, K and V per stage; the H100/H200 give 227 KiB
-    fixed = (2 if persistent else 1) * 2 * GLUON_ROWS * d * q.element_size()
+    fixed = (1 if schedule == ONE_TILE.value else 2) * 2 * GLUON_ROWS * d * q.element_size()
     per_stage = 2 * bn * d * q.element_size()
     num_stages = max(1, min(num_stages, (GLUON_SMEM - fixed - 1024) // per_stage))
     jobs = plan["q_tiles"] * bh
-    grid = (min(jobs, torch_sms(q.device)),) if persistent else (jobs,)
+    grid = (jobs,) if schedule == ONE_TILE.value else (min(jobs, torch_sms(q.device)),)
+    counter = (torch.zeros if schedule == COUNTER.value else torch.empty)(1, dtype=torch.int32, device=q.device)
+    # PARTIAL blocks test k against each row's run of keys where the plan has them (no gathers)
+    from_rows = plan.get("mask_from_rows", False) and mask_source != "predicate"
+    row_runs = (plan["KS"], plan["KE"]) if from_rows else (counter, counter)
     _attn_fwd_ws[grid](
-        desc(q, GLUON_ROWS), desc(k, bn), desc(v, bn), desc(out, GLUON_ROWS), lse, plan["q_tile_order"],
-        plan["merged_indptr"], plan["merged_indices"], plan["merged_partial"], *ts,
+        desc(q, GLUON_ROWS), desc(k, bn), desc(v, bn), desc(out, GLUON_ROWS), lse, counter, plan["q_tile_order"],
+        plan["merged_indptr"], plan["merged_indices"], plan["merged_partial"], *row_runs, *ts,
         s_q, s_k, s_k - s_q, plan["plan_b"], plan["plan_h"], plan["q_tiles"],
         QK_SCALE, bh,
-        HAS_SCORE=HAS_SCORE, ROWS=GLUON_ROWS, BLOCK_N=bn, D=d, STAGES=num_stages, HEAD_GROUP=head_group,
-        CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs, PERSISTENT=persistent, num_warps=4,
-        maxnreg=maxnreg)
+        HAS_SCORE=HAS_SCORE, MASK_FROM_ROWS=from_rows, ROWS=GLUON_ROWS, BLOCK_N=bn, D=d, STAGES=num_stages,
+        HEAD_GROUP=head_group,
+        CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs, SCHEDULE=schedule,
+        num_warps=4, maxnreg=maxnreg)
     return out, lse
 
 
@@ -605,11 +659,14 @@ def attention(q, k, v, plan, *, out=None, lse=None, num_warps=4, num_stages=2, u
     one block list), "runs" (FULL runs, then PARTIAL blocks) or "blocks" (both lists block by
     block); None picks by mask and run length (``default_walk``); ``use_runs`` True/False is the
     older spelling of "runs"/"blocks".  ``mask_source``: how PARTIAL blocks evaluate the mask —
-    "predicate" (the default: the mask expression, gathering the tensors it reads) or "intervals"
-    (FlashMask's four column vectors, where the plan has exact ones).  Measured on the H200
-    (bench/results/prefill_h200_r15_doc_diag.jsonl), the causal document mask runs at 296
-    TFLOP/s from the predicate against 239 from the intervals: one gather of doc[b, k] per block
-    against four vector loads.  ``programs``: run persistent with that many programs, each
+    "predicate" (the Triton kernel's default: the mask expression, gathering the tensors it reads),
+    "intervals" (FlashMask's four column vectors, where the plan has exact ones; Triton kernel) or
+    "rows" (each query row's one run of keys [KS, KE), where the plan has them; the Gluon engine's
+    default then).  Measured on the H200 (bench/results/prefill_h200_r15_doc_diag.jsonl), the
+    causal document mask runs at 296 TFLOP/s from the predicate against 239 from the intervals:
+    one gather of doc[b, k] per block against four vector loads; the Gluon engine's documents 317.5
+    from the rows against 296.0 from the predicate (studies/gluon_engine_h200_r37.jsonl).
+    ``programs``: run persistent with that many programs, each
     looping over (query tile, head) pairs (None: one program per pair; measured faster).
     ``head_group``: heads whose tiles interleave longest first (``_job``; default HEAD_GROUP,
     measured in bench/results/studies/prefill_schedule_h200_r23.jsonl: causal 504 TFLOP/s
@@ -622,8 +679,12 @@ def attention(q, k, v, plan, *, out=None, lse=None, num_warps=4, num_stages=2, u
         raise ValueError(f"engine must be None, 'gluon' or 'triton', not {engine!r}")
     if walk is not None and walk not in WALKS:
         raise ValueError(f"walk must be one of {sorted(WALKS)}, not {walk!r}")
-    if mask_source not in (None, "intervals", "predicate"):
-        raise ValueError(f"mask_source must be None, 'intervals' or 'predicate', not {mask_source!r}")
+    if mask_source not in (None, "intervals", "predicate", "rows"):
+        raise ValueError(f"mask_source must be None, 'intervals', 'predicate' or 'rows', not {mask_source!r}")
+    if mask_source == "rows" and not plan.get("mask_from_rows"):
+        raise ValueError("mask_source='rows': this plan has no run of keys per row for the mask")
+    if mask_source == "rows" and engine == "triton":
+        raise ValueError("mask_source='rows' is an option of the Gluon engine, not of the Triton kernel")
     from_intervals = mask_source == "intervals"
     if from_intervals and not plan["mask_from_intervals"]:
         raise ValueError("mask_source='intervals': this plan has no exact interval vectors for the mask")
@@ -649,9 +710,11 @@ def attention(q, k, v, plan, *, out=None, lse=None, num_warps=4, num_stages=2, u
         reason = gluon_reason(q, k, v, out, plan, walk=walk, mask_source=mask_source, programs=programs,
                               warp_specialize=warp_specialize or use_runs is not None)
         if reason is None:
-            return _attention_gluon(q, k, v, plan, out, lse, num_stages, head_group, ts)
+            return _attention_gluon(q, k, v, plan, out, lse, num_stages, head_group, ts, mask_source)
         if engine == "gluon":
             raise ValueError(f"engine='gluon': {reason}")
+        if mask_source == "rows":
+            raise ValueError(f"mask_source='rows' is an option of the Gluon engine, which refuses this call: {reason}")
     vecs = [plan.get(n, plan["partial_indptr"]) for n in ("UTS", "UTE", "LTS", "LTE")]
     desc_k = desc_v = k  # unused unless use_tma
     if use_tma:  # Hopper bulk copies of K/V tiles from a [B * H_kv * S_k, d] view
