@@ -576,13 +576,12 @@ def row_intervals(program: ir.Program, batch: int, s_q: int, s_k: int,
         return None
     runs = visible.must
     count = runs.count()
-    if a.n and count.max(initial=0) > 1:
+    if count.max(initial=0) > 1:
         return None
-    first = np.argmax(runs.end > runs.start, axis=1) if runs.start.shape[1] else np.zeros(a.n, np.int64)
-    pick = np.arange(a.n)
-    ks = np.where(count == 1, runs.start[pick, first] if runs.start.shape[1] else 0, 0)
-    ke = np.where(count == 1, runs.end[pick, first] if runs.start.shape[1] else 0, 0)
-    return RowIntervals(ks.astype(np.int32).reshape(a.shape), ke.astype(np.int32).reshape(a.shape))
+    # runs are sorted, unused slots last: a row's one run is in slot 0
+    start, end = (np.where(count == 1, v[:, 0], 0) if v.shape[1] else np.zeros(a.n, np.int64)
+                  for v in (runs.start, runs.end))
+    return RowIntervals(start.astype(np.int32).reshape(a.shape), end.astype(np.int32).reshape(a.shape))
 
 
 def _flashmask_vectors(masked: Runs, shape) -> dict[str, np.ndarray]:
