@@ -33,7 +33,7 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--masks", default="full,causal,prefix_lm_2048,sliding_window_1024,causal_document")
     # letters: c counter programs; z no mask, m the predicate
-    ap.add_argument("--variants", default="128x128s2c,128x128s2,128x128s2cm,128x128s3c")
+    ap.add_argument("--variants", default="128x128s2c,128x128s2,128x128s2cm,128x128s2cz")
     ap.add_argument("--flex", default="", help="masks to also time FlexAttention on (both modes), same process")
     args = ap.parse_args(argv)
     import torch
