@@ -226,8 +226,9 @@ class Kernel:
                 q, k, v = (x.transpose(1, 2) for x in (q, k, v))
         batch, _, s_q, _ = q.shape
         s_k = k.shape[2]
-        if engine is None and (walk is not None or use_runs is not None or programs is not None
-                               or mask_source == "intervals"):
+        if engine is None and self.module.triton_options(walk=walk, programs=programs,
+                                                         warp_specialize=use_runs is not None,
+                                                         mask_source=mask_source):
             engine = "triton"  # options of the Triton kernel: its defaults, not the Gluon engine's tiles
         plan, launch, chosen_stages = self.prefill_launch(
             batch, s_q, s_k, tensors, plan=plan, block_m=block_m, block_n=block_n, num_warps=num_warps,

@@ -580,9 +580,14 @@ def gluon_reason(q, k, v, out, plan, *, walk=None, mask_source=None, programs=No
                 f"(S_q = {s_q}, S_k = {s_k})")
     if not all(t.is_contiguous() for t in (q, k, v) + ((out,) if out is not None else ())):
         return "the Gluon engine reads and writes contiguous bhsd tensors"
-    if walk is not None or programs is not None or warp_specialize or mask_source == "intervals":
+    if triton_options(walk=walk, programs=programs, warp_specialize=warp_specialize, mask_source=mask_source):
         return "walk, programs, warp_specialize and mask_source='intervals' are options of the Triton kernel"
     return None
+
+
+def triton_options(*, walk=None, programs=None, warp_specialize=False, mask_source=None) -> bool:
+    """Whether a call asks for options only the Triton kernel has (``use_runs`` counts as a walk)."""
+    return walk is not None or programs is not None or bool(warp_specialize) or mask_source == "intervals"
 
 
 # How the engine's programs take their jobs: None, the counter (``COUNTER``); else ONE_TILE or COUNTER.
@@ -618,10 +623,11 @@ def _attention_gluon(q, k, v, plan, out, lse, num_stages, head_group, ts, mask_s
     num_stages = max(1, min(num_stages, (GLUON_SMEM - fixed - 1024) // per_stage))
     jobs = plan["q_tiles"] * bh
     grid = (jobs,) if schedule == ONE_TILE.value else (min(jobs, torch_sms(q.device)),)
-    counter = (torch.zeros if schedule == COUNTER.value else torch.empty)(1, dtype=torch.int32, device=q.device)
+    unused = plan["merged_partial"]  # an int32 pointer for the arguments the launch does not read
+    counter = torch.zeros(1, dtype=torch.int32, device=q.device) if schedule == COUNTER.value else unused
     # PARTIAL blocks test k against each row's run of keys where the plan has them (no gathers)
     from_rows = plan.get("mask_from_rows", False) and mask_source != "predicate"
-    row_runs = (plan["KS"], plan["KE"]) if from_rows else (counter, counter)
+    row_runs = (plan["KS"], plan["KE"]) if from_rows else (unused, unused)
     _attn_fwd_ws[grid](
         desc(q, GLUON_ROWS), desc(k, bn), desc(v, bn), desc(out, GLUON_ROWS), lse, counter, plan["q_tile_order"],
         plan["merged_indptr"], plan["merged_indices"], plan["merged_partial"], *row_runs, *ts,
@@ -885,14 +891,20 @@ def _combine(P_O, P_M, P_L, P_VALID, O, LSE, s_ot, s_oh, s_od, S_CAP,
     tl.store(LSE + rh, lse)
 
 
+def _workspace_layout(total_q, splits, abi):
+    """(states, float32 words, bytes) of the workspace: ``states`` (row, head, split) slots, each
+    a partial O, m, and l when the ABI is (m, l, u), in float32; then one valid byte each."""
+    n = total_q * H_Q.value * splits
+    f32 = n * (D_V.value + (2 if abi == "mlu" else 1))
+    return n, f32, 4 * f32 + n
+
+
 def decode_workspace(total_q, splits, abi, device):
     """The workspace ABI's arrays (partial O, m, l when the ABI is (m, l, u), valid flags) for
     ``total_q`` packed rows and ``splits`` slots, in one allocation (a decode call's host time is
     most of its cost at small batch: bench/results/studies/decode_launch_h200_r25.jsonl)."""
     import torch
-    n = total_q * H_Q.value * splits
-    f32 = n * (D_V.value + (2 if abi == "mlu" else 1))
-    return torch.empty(4 * f32 + n, device=device, dtype=torch.uint8)
+    return torch.empty(_workspace_layout(total_q, splits, abi)[2], device=device, dtype=torch.uint8)
 
 
 def decode(q, k_cache, v_cache, plan, *, out=None, lse=None, workspace=None, num_warps=4, num_stages=2,
@@ -918,11 +930,10 @@ def decode(q, k_cache, v_cache, plan, *, out=None, lse=None, workspace=None, num
         lse = torch.empty(total_q, H_Q.value, device=dev, dtype=torch.float32)
     if total_q == 0:
         return out, lse
-    n = total_q * H_Q.value * s_cap
-    f32 = n * (D_V.value + (2 if abi_mlu else 1))
+    n, f32, size = _workspace_layout(total_q, s_cap, plan["abi"])
     ws = decode_workspace(total_q, s_cap, plan["abi"], dev) if workspace is None else workspace
-    if ws.dtype != torch.uint8 or ws.numel() < 4 * f32 + n:
-        raise ValueError(f"workspace: {ws.numel()} {ws.dtype} elements; this call needs {4 * f32 + n} uint8")
+    if ws.dtype != torch.uint8 or ws.numel() < size:
+        raise ValueError(f"workspace: {ws.numel()} {ws.dtype} elements; this call needs {size} uint8")
     ws32 = ws[:4 * f32].view(torch.float32)
     p_o = ws32[:n * D_V.value]
     p_m = ws32[n * D_V.value:n * (D_V.value + 1)]
