@@ -28,9 +28,9 @@ def main(argv=None):
     args = ap.parse_args(argv)
     import torch
     import triton
-    from backends.triton import bench, runtime
-    from backends.triton.graph import capture
-    from compiler.lower import compile_spec
+    from attnc.backends.triton import bench, runtime
+    from attnc.backends.triton.graph import capture
+    from attnc.compiler.lower import compile_spec
 
     batch, t_len, hq, hkv, d, page = args.batch, args.seq, 32, 8, 128, 16
     kernel = runtime.load(compile_spec(bench.decode_spec(hq, hkv, d, page)))

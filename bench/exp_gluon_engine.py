@@ -38,7 +38,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     import torch
     import triton
-    from backends.triton import bench
+    from attnc.backends.triton import bench
 
     batch, heads, seq, d = 4, 16, 8192, 128
     q, k, v = (torch.randn(batch, heads, seq, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))

@@ -56,8 +56,8 @@ def main(argv=None):
     ap.add_argument("--masks", default="full,causal,prefix_lm_2048,sliding_window_1024,causal_document")
     args = ap.parse_args(argv)
     import torch
-    from backends.common import load_module
-    from backends.triton import bench
+    from attnc.backends.common import load_module
+    from attnc.backends.triton import bench
 
     batch, heads, seq, d = 4, 16, 8192, 128
     q, k, v = (torch.randn(batch, heads, seq, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))

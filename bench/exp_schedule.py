@@ -33,8 +33,8 @@ def main(argv=None):
     ap.add_argument("--seq", type=int, default=8192)
     args = ap.parse_args(argv)
     import torch
-    from backends.common import load_module
-    from backends.triton import bench
+    from attnc.backends.common import load_module
+    from attnc.backends.triton import bench
 
     batch, heads, seq, d = args.batch, args.heads, args.seq, 128
     q, k, v = (torch.randn(batch, heads, seq, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))

@@ -12,7 +12,7 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results/decode_h200.jsonl")
     args = ap.parse_args()
-    from backends.triton import bench
+    from attnc.backends.triton import bench
     rows = bench.run_decode(out=args.out)
     print("\nsummary (K/V read bandwidth, best passing config)")
     best = {}

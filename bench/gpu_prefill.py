@@ -26,7 +26,7 @@ def main(argv=None):
     ap.add_argument("--no-sdpa", action="store_true")
     ap.add_argument("--flex-modes", default="default,max-autotune-no-cudagraphs")
     args = ap.parse_args(argv)
-    from backends.triton import bench
+    from attnc.backends.triton import bench
     configs = None
     if args.configs:  # BMxBNxWxS[flags]: backends/triton/bench.parse_configs
         configs = bench.parse_configs(args.configs)

@@ -22,10 +22,10 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from compiler import __version__, inputs  # noqa: E402
-from compiler.analysis.intervals import analyze  # noqa: E402
-from compiler.analysis.tiles import plan_tiles, summaries  # noqa: E402
-from compiler.lower import compile_spec  # noqa: E402
+from attnc.compiler import __version__, inputs  # noqa: E402
+from attnc.compiler.analysis.intervals import analyze  # noqa: E402
+from attnc.compiler.analysis.tiles import plan_tiles, summaries  # noqa: E402
+from attnc.compiler.lower import compile_spec  # noqa: E402
 
 SPEC = """attention causal_document_1h {
     heads = 1  head_dim = 128

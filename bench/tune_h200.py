@@ -11,8 +11,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from compiler import evidence as ev, tune  # noqa: E402
-from compiler.lower import compile_file  # noqa: E402
+from attnc.compiler import evidence as ev, tune  # noqa: E402
+from attnc.compiler.lower import compile_file  # noqa: E402
 
 out = os.environ.get("OUT", "bench/results")
 T = tune.SPACES["triton"]["prefill"]

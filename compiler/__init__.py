@@ -1,3 +1,3 @@
 """attnc: a compiler for attention mask programs (see DESIGN.md)."""
 
-__version__ = "0.1.0"
+from attnc import __version__  # noqa: F401  (one version, the package's)

@@ -13,9 +13,9 @@ from types import ModuleType
 from .errors import AttncError
 
 REGISTRY: dict[str, str] = {
-    "numpy": "backends.numpy",
-    "triton": "backends.triton",
-    "ahbm": "backends.ahbm",
+    "numpy": "attnc.backends.numpy",
+    "triton": "attnc.backends.triton",
+    "ahbm": "attnc.backends.ahbm",
 }
 
 

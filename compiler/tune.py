@@ -125,7 +125,7 @@ def _splits_fit(cfg, key):
 
 
 def _triton_prefill_default(key: DispatchKey) -> dict:
-    from backends.triton.runtime import default_prefill_config
+    from attnc.backends.triton.runtime import default_prefill_config
     return default_prefill_config(key.d_qk, key.d_v, key.interpreter, key.compute_capability,
                                   key.mask_kind == "tensor")
 
@@ -136,7 +136,7 @@ def _triton_decode_default(key: DispatchKey) -> dict:
 
 
 def _numpy_default(key: DispatchKey) -> dict:
-    from backends.numpy.emit import BLOCK_M, BLOCK_N
+    from attnc.backends.numpy.emit import BLOCK_M, BLOCK_N
     return {"BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N}
 
 
@@ -442,7 +442,7 @@ def _slice_tensors(program: ir.Program, tensors: dict, b: slice) -> dict:
 def reference_for(program: ir.Program, call: inputs.Call, max_cells: int = ORACLE_CELLS) -> Reference:
     """The float64 oracle on a contiguous call: every cell when it is small, else the last
     rows of request 0 (bottom-right positions keep their absolute q when leading rows drop)."""
-    from backends.numpy import oracle
+    from attnc.backends.numpy import oracle
     batch, heads, s_q, s_k = call.batch, program.heads_q, call.s_q, call.s_k
     if batch * heads * s_q * s_k <= max_cells:
         o, lse = oracle.reference(program, call.q, call.k, call.v, call.tensors)
@@ -504,7 +504,7 @@ class _TritonRunner(_Runner):
 
     def __init__(self, program: ir.Program, shape: Shape, key: DispatchKey, seed: int, max_cells: int):
         import torch
-        from backends.triton import runtime
+        from attnc.backends.triton import runtime
         self.torch, self.program = torch, program
         self.kernel = runtime.load(program)
         self.device = self.kernel.device
@@ -572,7 +572,7 @@ class _TritonRunner(_Runner):
 
     # -- decode
     def _init_decode(self, shape: Shape, seed: int):
-        from backends.numpy import oracle
+        from attnc.backends.numpy import oracle
         if not hasattr(self.kernel, "decode_plan"):
             raise TuneError("this Triton backend has no split-K/V decode kernel to tune")
         program = self.program

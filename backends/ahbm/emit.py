@@ -21,8 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from compiler import __version__, ir
-from backends.common import render
+from attnc.compiler import __version__, ir
+from attnc.backends.common import render
 
 BLOCK_M, BLOCK_N = 16, 16
 """Default tile: BLOCK_M query rows (per query head) x BLOCK_N keys."""

@@ -25,11 +25,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from compiler import inputs, interp, ir
-from compiler.analysis.splits import balanced_bounds
-from compiler.errors import PlanError
-from compiler.plan import Plan, plan as make_plan
-from backends.common import load_module
+from attnc.compiler import inputs, interp, ir
+from attnc.compiler.analysis.splits import balanced_bounds
+from attnc.compiler.errors import PlanError
+from attnc.compiler.plan import Plan, plan as make_plan
+from attnc.backends.common import load_module
 from .emit import Source, emit, stream_loads, stream_vars
 from .sim import LatencyModel, Machine, MeshConfig, PerPE, RunResult
 from .sim.errors import TopologyError

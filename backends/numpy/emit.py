@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from compiler import __version__, ir
-from backends.common import render
+from attnc.compiler import __version__, ir
+from attnc.backends.common import render
 
 BLOCK_M, BLOCK_N = 16, 16
 
@@ -110,9 +110,9 @@ _IDENTITY = {"partial_u": "0.0", "partial_o": "0.0", "partial_m": "-np.inf", "pa
 def emit_split(program: ir.Program) -> Source:
     """The two-launch split program (templates/numpy/decode_split.py.j2) for the spec's cache
     and state ABI; split bounds, segments and workspace shapes come with each call's plan."""
-    from compiler.analysis.ledger import DecodeCall
-    from compiler.analysis.splits import from_ir
-    from compiler.inputs import cache_description, storage_shapes
+    from attnc.compiler.analysis.ledger import DecodeCall
+    from attnc.compiler.analysis.splits import from_ir
+    from attnc.compiler.inputs import cache_description, storage_shapes
     p = program
     fields = DecodeCall.from_program(p).state_fields()
     for f in fields:  # the program stores float fields as f32 or as the spec's storage dtype

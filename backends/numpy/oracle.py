@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from compiler import ir
-from compiler.errors import PlanError
-from compiler.interp import evaluate, load  # noqa: F401 (load: re-exported)
+from attnc.compiler import ir
+from attnc.compiler.errors import PlanError
+from attnc.compiler.interp import evaluate, load  # noqa: F401 (load: re-exported)
 
 def positions(batch: int, heads: int, s_q: int, s_k: int) -> dict[str, np.ndarray]:
     """Broadcastable b, h, q, k grids over [B, H_q, S_q, S_k] with bottom-right q."""

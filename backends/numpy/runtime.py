@@ -36,10 +36,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from compiler import inputs, ir
-from compiler.errors import InputError, PlanError
-from compiler.plan import DEFAULT_SMS, Plan, SplitPlan, plan as make_plan, plan_split
-from backends.common import load_module
+from attnc.compiler import inputs, ir
+from attnc.compiler.errors import InputError, PlanError
+from attnc.compiler.plan import DEFAULT_SMS, Plan, SplitPlan, plan as make_plan, plan_split
+from attnc.backends.common import load_module
 from .emit import Source, emit
 
 

@@ -16,8 +16,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from compiler import __version__, ir
-from compiler.lower import compile_spec
+from attnc.compiler import __version__, ir
+from attnc.compiler.lower import compile_spec
 
 PREFILL_MASKS = {
     # name -> (mask in the .attn language, tensors it declares, Flex mask_mod factory)
@@ -89,13 +89,13 @@ def parse_configs(text: str) -> list:
 
 
 def _call_key(program, batch, s_q, s_k):
-    from compiler import tune
+    from attnc.compiler import tune
     return tune.call_key(program, batch, s_q, s_k, "triton")
 
 
 def _environment() -> dict:
-    from compiler import evidence
-    from compiler.dispatch import Environment
+    from attnc.compiler import evidence
+    from attnc.compiler.dispatch import Environment
     return evidence.environment_record(Environment.detect())
 
 
@@ -107,7 +107,7 @@ def spec_text(name: str, heads: int, head_dim: int, mask: str, decls: str) -> st
 def prefill_case(name: str, batch: int, heads: int, seq: int, head_dim: int, seed: int = 0):
     """A bench mask's program and the tensors its mask reads (numpy, and int32 on the GPU)."""
     import torch
-    from compiler import inputs
+    from attnc.compiler import inputs
     mask_src, decls = PREFILL_MASKS[name]
     program = compile_spec(spec_text(name, heads, head_dim, mask_src, decls))
     tensors_np = {}
@@ -132,7 +132,7 @@ class StudyCase(NamedTuple):
 def study_case(name: str, batch: int, heads: int, seq: int, head_dim: int, device, **launch_options) -> StudyCase:
     """A bench mask's kernel, its untuned plan and launch (``Kernel.prefill_launch`` with
     ``launch_options``, e.g. engine="triton"), the plan's device arrays and the visible cells."""
-    from backends.triton import runtime
+    from attnc.backends.triton import runtime
     program, tensors_np, tensors = prefill_case(name, batch, heads, seq, head_dim)
     kernel = runtime.load(program)
     plan, launch, _ = kernel.prefill_launch(batch, seq, seq, tensors_np, **launch_options)
@@ -210,7 +210,7 @@ def run_prefill(batch=4, heads=16, seq=8192, head_dim=128, masks=None, configs=N
     import torch
     import triton
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    from backends.triton import runtime
+    from attnc.backends.triton import runtime
 
     masks = masks or GOAL_MASKS
     configs = configs or CONFIGS
@@ -234,7 +234,7 @@ def run_prefill(batch=4, heads=16, seq=8192, head_dim=128, masks=None, configs=N
         flops = 4.0 * head_dim * visible
         # reference for (b=0, h in {0, heads-1})
         bh = [(0, 0), (batch - 1, heads - 1)]
-        from backends.numpy import oracle
+        from attnc.backends.numpy import oracle
         dense = {}
         for b, h in bh:
             vis = np.array(oracle.dense_mask(program, batch, seq, seq, tensors_np)[b, h])
@@ -334,7 +334,7 @@ def evidence_row(row: dict, key, environment: dict, warmup: dict) -> dict:
     dispatch key + digest, the implementation and its config, the correctness check, raw
     samples; the validator's verdict is recorded in the row (``validation``), so a row that
     skips a level says so instead of passing for evidence."""
-    from compiler import evidence
+    from attnc.compiler import evidence
     row = dict(row)
     correctness = None
     if "rel_l2_error" in row:
@@ -466,8 +466,8 @@ def run_decode(cases=None, heads_q=32, heads_kv=8, head_dim=128, page_size=16, o
     import torch
     import triton
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    from backends.triton import runtime
-    from backends.triton.graph import capture
+    from attnc.backends.triton import runtime
+    from attnc.backends.triton.graph import capture
 
     cases = cases or DECODE_CASES
     rows = _Rows(out)

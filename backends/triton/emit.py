@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from compiler import __version__, ir
-from backends.common import render
+from attnc.compiler import __version__, ir
+from attnc.backends.common import render
 
 _BINARY = {"add": "+", "sub": "-", "mul": "*", "div": "/", "and": "&", "or": "|"}
 _COMPARE = {"eq": "==", "ne": "!=", "lt": "<", "le": "<=", "gt": ">", "ge": ">="}

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from compiler.errors import InputError, PlanError
+from attnc.compiler.errors import InputError, PlanError
 
 from .runtime import DECODE_ARRAYS, device_tensor
 

@@ -6,10 +6,10 @@ import os
 
 import numpy as np
 
-from compiler import inputs, ir
-from compiler.errors import BackendUnavailable, InputError, PlanError
-from compiler.plan import Plan, decode_blocks, plan as make_plan
-from backends.common import load_module
+from attnc.compiler import inputs, ir
+from attnc.compiler.errors import BackendUnavailable, InputError, PlanError
+from attnc.compiler.plan import Plan, decode_blocks, plan as make_plan
+from attnc.backends.common import load_module
 from .emit import Source, emit
 
 TORCH_DTYPES = {"f16": "float16", "bf16": "bfloat16", "f32": "float32"}
@@ -155,7 +155,7 @@ class Kernel:
         {num_warps, num_stages, use_tma, engine}, whether the stages were chosen)."""
         tuned = {}
         if plan is None and block_m is None and block_n is None:  # `attnc tune`'s winner for this key
-            from compiler import tune
+            from attnc.compiler import tune
             tuned = tune.tuned_tiles(self.program, batch, s_q, s_k, "triton") or {}
             block_m, block_n = tuned.get("BLOCK_M"), tuned.get("BLOCK_N")
         default = self.default_config(_capability())
@@ -275,7 +275,7 @@ class Kernel:
         the cache (page ids, lengths, indptr...) through the layout analysis and the query rows
         as ``compiler.inputs.validate_cache`` does, cuts every request's rows into query tiles of
         ``block_q`` rows, then lists every (tile, split)'s blocks."""
-        from compiler.analysis import layout as kvl
+        from attnc.compiler.analysis import layout as kvl
         p = self.program
         meta = {n: (_shape_only(a) if n in ("k", "v", "k_cache", "v_cache") else _to_numpy(a))
                 for n, a in arrays.items()}
@@ -295,7 +295,7 @@ class Kernel:
                              "in the cache, so kv_len >= q_len (a request with no keys has no query rows)")
         one_row = bool(np.all(q_lens == 1))
         if splits is None:  # `attnc tune`'s winner for this dispatch key, if the cache has it
-            from compiler import tune
+            from attnc.compiler import tune
             s_q = 1 if one_row else [int(x) for x in q_lens]
             tuned = tune.tuned_tiles(p, batch, s_q, [int(x) for x in kv_lens], "triton") or {}
             splits, block_n = tuned.get("splits"), tuned.get("BLOCK_N", block_n)

@@ -24,9 +24,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from compiler import ir
-from compiler.errors import PlanError
-from compiler.interp import evaluate, load
+from attnc.compiler import ir
+from attnc.compiler.errors import PlanError
+from attnc.compiler.interp import evaluate, load
 
 
 # ---------------------------------------------------------------- interval lists

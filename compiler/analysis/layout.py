@@ -35,7 +35,7 @@ from typing import Mapping, NamedTuple
 
 import numpy as np
 
-from compiler.errors import PlanError
+from attnc.compiler.errors import PlanError
 
 CONTIGUOUS, RAGGED, PAGED = "contiguous", "ragged", "paged"
 ORDERS = {CONTIGUOUS: ("bhsd", "bshd"), RAGGED: ("nhd",), PAGED: ("nhd", "hnd")}

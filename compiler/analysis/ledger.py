@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, fields as dc_fields
 
 import numpy as np
 
-from compiler.errors import PlanError
+from attnc.compiler.errors import PlanError
 
 ABIS = ("mlu", "lse_o")
 

@@ -14,9 +14,9 @@ from typing import Iterable
 
 import numpy as np
 
-from compiler import ir
-from compiler.errors import PlanError
-from compiler.interp import evaluate
+from attnc.compiler import ir
+from attnc.compiler.errors import PlanError
+from attnc.compiler.interp import evaluate
 
 PHASES = ("idle", "prefill", "append", "decode")
 

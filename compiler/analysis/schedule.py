@@ -26,7 +26,7 @@ from typing import Iterable
 import networkx as nx
 import numpy as np
 
-from compiler.errors import PlanError
+from attnc.compiler.errors import PlanError
 
 from . import ledger as L
 from .layout import PAGED, KVLayout, page_segments

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from compiler.errors import PlanError
+from attnc.compiler.errors import PlanError
 
 
 def _lens(kv_lens) -> np.ndarray:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from compiler.ir import TileClass
+from attnc.compiler.ir import TileClass
 from .intervals import MaskIntervals
 
 SKIP, PARTIAL, FULL = TileClass.SKIP, TileClass.PARTIAL, TileClass.FULL

@@ -5,16 +5,16 @@ import sys
 import numpy as np
 import pytest
 
-from backends.numpy import oracle
-from compiler import inputs
-from compiler.lower import compile_file
+from attnc.backends.numpy import oracle
+from attnc.compiler import inputs
+from attnc.compiler.lower import compile_file
 from tests.conftest import EXAMPLES, ROOT
 
 CAUSAL_DOC = ROOT / "examples" / "causal_document.attn"
 
 
 def attnc(*args, cwd=ROOT):
-    r = subprocess.run([sys.executable, "-m", "compiler.cli", *map(str, args)], cwd=cwd,
+    r = subprocess.run([sys.executable, "-m", "attnc", *map(str, args)], cwd=cwd,
                        capture_output=True, text=True, timeout=300)
     assert "Traceback" not in r.stderr, r.stderr
     return r
@@ -158,7 +158,7 @@ def test_triton_without_a_gpu_or_the_interpreter_is_one_clear_error():
     pytest.importorskip("torch")
     # no interpreter, and no CUDA device visible to the child even on a GPU machine
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"CUDA_VISIBLE_DEVICES": ""}
-    r = subprocess.run([sys.executable, "-m", "compiler.cli", "demo", "--backend", "triton"], cwd=ROOT,
+    r = subprocess.run([sys.executable, "-m", "attnc", "demo", "--backend", "triton"], cwd=ROOT,
                        capture_output=True, text=True, env=env)
     assert r.returncode == 1 and "Traceback" not in r.stderr
     assert r.stderr.count("set TRITON_INTERPRET=1") == 1, r.stderr

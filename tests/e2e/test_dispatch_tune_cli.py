@@ -4,7 +4,7 @@ import os
 import subprocess
 import sys
 
-from compiler import evidence
+from attnc.compiler import evidence
 from tests.conftest import ROOT
 
 CAUSAL = ROOT / "examples" / "causal.attn"
@@ -12,7 +12,7 @@ PAGED = ROOT / "examples" / "causal_document_gqa.attn"
 
 
 def attnc(*args, env=None):
-    r = subprocess.run([sys.executable, "-m", "compiler.cli", *map(str, args)], cwd=ROOT, capture_output=True,
+    r = subprocess.run([sys.executable, "-m", "attnc", *map(str, args)], cwd=ROOT, capture_output=True,
                        text=True, timeout=300, env=env)
     assert "Traceback" not in r.stderr, r.stderr
     return r

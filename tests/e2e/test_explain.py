@@ -8,10 +8,10 @@ import sys
 import numpy as np
 import pytest
 
-from backends.numpy.oracle import dense_mask
-from compiler import cli, explain
-from compiler.analysis.tiles import FULL, PARTIAL, SKIP
-from compiler.lower import compile_file
+from attnc.backends.numpy.oracle import dense_mask
+from attnc.compiler import cli, explain
+from attnc.compiler.analysis.tiles import FULL, PARTIAL, SKIP
+from attnc.compiler.lower import compile_file
 from tests.conftest import ROOT
 from tests.e2e.test_cli import attnc
 

@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from compiler.analysis import splits as sp
+from attnc.compiler.analysis import splits as sp
 from tests.conftest import ROOT, seed_contracts
 from tests.e2e.test_cli import attnc
 

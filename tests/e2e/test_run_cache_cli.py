@@ -2,9 +2,9 @@
 import numpy as np
 import pytest
 
-from backends.numpy import oracle
-from compiler import inputs
-from compiler.lower import compile_file, compile_spec
+from attnc.backends.numpy import oracle
+from attnc.compiler import inputs
+from attnc.compiler.lower import compile_file, compile_spec
 from tests.conftest import ROOT
 from tests.e2e.test_cli import attnc
 

@@ -13,13 +13,13 @@ from functools import lru_cache
 import numpy as np
 import pytest
 
-from backends.numpy import oracle, runtime
-from compiler import inputs, numerics
-from compiler.analysis import layout as lay
-from compiler.analysis import splits as sp
-from compiler.errors import InputError, PlanError, SpecError
-from compiler.lower import compile_spec
-from compiler.plan import plan_split, split_occupancy
+from attnc.backends.numpy import oracle, runtime
+from attnc.compiler import inputs, numerics
+from attnc.compiler.analysis import layout as lay
+from attnc.compiler.analysis import splits as sp
+from attnc.compiler.errors import InputError, PlanError, SpecError
+from attnc.compiler.lower import compile_spec
+from attnc.compiler.plan import plan_split, split_occupancy
 
 LAYOUTS = {
     "contiguous_bhsd": "contiguous(layout = bhsd)",

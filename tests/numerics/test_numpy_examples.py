@@ -4,9 +4,9 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from backends.numpy import oracle, runtime
-from compiler import inputs, numerics
-from compiler.lower import compile_file
+from attnc.backends.numpy import oracle, runtime
+from attnc.compiler import inputs, numerics
+from attnc.compiler.lower import compile_file
 from tests.conftest import EXAMPLES
 
 PHASES = {"prefill": (80, 80), "append": (19, 80), "decode": (1, 80)}

@@ -4,10 +4,10 @@ masks are evaluated from the interval vectors instead of the tensors."""
 import numpy as np
 import pytest
 
-from backends.numpy import oracle, runtime
-from compiler import inputs, numerics
-from compiler.ir import TileClass
-from compiler.lower import compile_file, compile_spec
+from attnc.backends.numpy import oracle, runtime
+from attnc.compiler import inputs, numerics
+from attnc.compiler.ir import TileClass
+from attnc.compiler.lower import compile_file, compile_spec
 from tests.conftest import EXAMPLES
 
 SHAPES = {"prefill": (72, 72), "append": (20, 72), "decode": (1, 72)}

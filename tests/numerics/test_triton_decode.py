@@ -10,11 +10,11 @@ import pytest
 pytest.importorskip("torch", reason="the Triton backend's tests need torch (pip install -e '.[test]')")
 pytest.importorskip("triton", reason="the Triton backend's tests need triton (pip install -e '.[test]')")
 
-from backends.numpy import oracle  # noqa: E402
-from backends.triton import runtime  # noqa: E402
-from compiler import inputs, ir, numerics  # noqa: E402
-from compiler.errors import PlanError  # noqa: E402
-from compiler.lower import compile_spec  # noqa: E402
+from attnc.backends.numpy import oracle  # noqa: E402
+from attnc.backends.triton import runtime  # noqa: E402
+from attnc.compiler import inputs, ir, numerics  # noqa: E402
+from attnc.compiler.errors import PlanError  # noqa: E402
+from attnc.compiler.lower import compile_spec  # noqa: E402
 
 # 8-key tiles exercise many blocks under the interpreter; a GPU's tl.dot needs 16 (runtime.GPU_MIN_TILE)
 TILE = 8 if runtime.interpreted() else runtime.GPU_MIN_TILE
@@ -210,7 +210,7 @@ def test_attnc_run_triton_on_a_paged_spec(tmp_path):
     spec = tmp_path / "d.attn"
     spec.write_text("attention d { heads = 8 / 2 head_dim = 16 dtype = bf16 mask = causal "
                     "cache = paged(page_size = 8, layout = nhd, table = csr) }")
-    r = subprocess.run([sys.executable, "-m", "compiler.cli", "run", str(spec), "--backend", "triton",
+    r = subprocess.run([sys.executable, "-m", "attnc", "run", str(spec), "--backend", "triton",
                         "--inputs", str(tmp_path / "in.npz"), "--check"], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "FAIL" not in r.stdout and "vs float64 oracle: O" in r.stdout
@@ -225,7 +225,7 @@ def test_merged_walks_on_examples_with_ragged_tails(name, walk):
     """The merged walks under score programs, bshd layouts, interval-read masks and a K/V
     length that is not a multiple of the tile (the last block's tail is masked in both the
     FULL and the PARTIAL branch of the per-block flag)."""
-    from compiler.lower import compile_file
+    from attnc.compiler.lower import compile_file
     from tests.conftest import EXAMPLES
     path = next(p for p in EXAMPLES if p.stem == name)
     program = inputs.contiguous_variant(compile_file(path))

@@ -6,11 +6,11 @@ import pytest
 pytest.importorskip("torch", reason="the Triton backend's tests need torch (pip install -e '.[test]')")
 pytest.importorskip("triton", reason="the Triton backend's tests need triton (pip install -e '.[test]')")
 
-from backends.numpy import oracle  # noqa: E402
-from backends.triton import runtime  # noqa: E402
-from compiler import inputs, numerics  # noqa: E402
-from compiler.errors import InputError  # noqa: E402
-from compiler.lower import compile_file  # noqa: E402
+from attnc.backends.numpy import oracle  # noqa: E402
+from attnc.backends.triton import runtime  # noqa: E402
+from attnc.compiler import inputs, numerics  # noqa: E402
+from attnc.compiler.errors import InputError  # noqa: E402
+from attnc.compiler.lower import compile_file  # noqa: E402
 from tests.conftest import EXAMPLES  # noqa: E402
 
 PHASES = {"prefill": (40, 40), "append": (11, 40), "decode": (1, 40)}
@@ -37,7 +37,7 @@ def test_triton_matches_oracle(kernel, phase):
 
 
 def test_head_dims_that_are_not_powers_of_two_run_padded():
-    from compiler.lower import compile_spec
+    from attnc.compiler.lower import compile_spec
     program = compile_spec("attention odd { heads = 4 / 2 head_dim = 24 / 40 dtype = f32 mask = causal }")
     kernel = runtime.load(program)
     arrays = inputs.sample(program, 1, 9, 33, seed=2)
@@ -48,7 +48,7 @@ def test_head_dims_that_are_not_powers_of_two_run_padded():
 
 def test_all_masked_rows_and_torch_inputs():
     import torch
-    from compiler.lower import compile_spec
+    from attnc.compiler.lower import compile_spec
     program = compile_spec("attention e { heads = 2 head_dim = 16 dtype = f16 mask = q >= 20 & causal }")
     kernel = runtime.load(program)
     q, k, v = (torch.randn(1, 2, 24, 16).to(torch.float16).to(kernel.device) for _ in range(3))
@@ -65,7 +65,7 @@ def test_all_masked_rows_and_torch_inputs():
 
 @pytest.mark.parametrize("head_dim", ["64", "256", "192 / 128"])
 def test_head_dims_64_256_and_unequal(head_dim):
-    from compiler.lower import compile_spec
+    from attnc.compiler.lower import compile_spec
     program = compile_spec(f"attention hd {{ heads = 4 / 2 head_dim = {head_dim} dtype = bf16 mask = causal }}")
     kernel = runtime.load(program)
     arrays = inputs.sample(program, 1, 7, 20, seed=5)

@@ -10,11 +10,11 @@ import pytest
 torch = pytest.importorskip("torch", reason="the Triton backend's tests need torch (pip install -e '.[test]')")
 pytest.importorskip("triton", reason="the Triton backend's tests need triton (pip install -e '.[test]')")
 
-from backends.numpy import oracle  # noqa: E402
-from backends.triton import runtime  # noqa: E402
-from compiler import inputs, numerics  # noqa: E402
-from compiler.errors import InputError, PlanError  # noqa: E402
-from compiler.lower import compile_spec  # noqa: E402
+from attnc.backends.numpy import oracle  # noqa: E402
+from attnc.backends.triton import runtime  # noqa: E402
+from attnc.compiler import inputs, numerics  # noqa: E402
+from attnc.compiler.errors import InputError, PlanError  # noqa: E402
+from attnc.compiler.lower import compile_spec  # noqa: E402
 
 B, T, PAGE, D = 4, 48, 8, 16
 HQ, HKV = 8, 2

@@ -12,12 +12,12 @@ import pytest
 pytest.importorskip("torch", reason="the Triton backend's tests need torch (pip install -e '.[test]')")
 pytest.importorskip("triton", reason="the Triton backend's tests need triton (pip install -e '.[test]')")
 
-from backends.numpy import oracle  # noqa: E402
-from backends.triton import runtime  # noqa: E402
-from compiler import inputs, numerics  # noqa: E402
-from compiler.errors import InputError, PlanError  # noqa: E402
-from compiler.lower import compile_spec  # noqa: E402
-from compiler.plan import decode_blocks  # noqa: E402
+from attnc.backends.numpy import oracle  # noqa: E402
+from attnc.backends.triton import runtime  # noqa: E402
+from attnc.compiler import inputs, numerics  # noqa: E402
+from attnc.compiler.errors import InputError, PlanError  # noqa: E402
+from attnc.compiler.lower import compile_spec  # noqa: E402
+from attnc.compiler.plan import decode_blocks  # noqa: E402
 
 # an idle request (q_len 0), a decode, an append, a prefill (q_len = kv_len)
 KV_LENS = [3, 40, 17, 13]
@@ -193,7 +193,7 @@ def test_attnc_run_triton_on_a_mixed_batch(tmp_path):
     np.savez(tmp_path / "in.npz", **call)
     spec = tmp_path / "m.attn"
     spec.write_text(text)
-    r = subprocess.run([sys.executable, "-m", "compiler.cli", "run", str(spec), "--backend", "triton",
+    r = subprocess.run([sys.executable, "-m", "attnc", "run", str(spec), "--backend", "triton",
                         "--inputs", str(tmp_path / "in.npz"), "--check", "--out", str(tmp_path / "out.npz")],
                        cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr

@@ -10,16 +10,16 @@ import pytest
 
 pytest.importorskip("greenlet", reason="greenlet (a project dependency) is not installed")
 
-from backends.ahbm import emit, runtime  # noqa: E402
-from backends.ahbm.sim import ScratchOverflowError, tree_levels, tree_root  # noqa: E402
-from backends.ahbm.sim.mesh import Topology  # noqa: E402
-from backends.numpy import oracle  # noqa: E402
-from compiler import inputs, numerics  # noqa: E402
-from compiler.analysis.tiles import FULL, PARTIAL, SKIP  # noqa: E402
-from compiler.cli import main  # noqa: E402
-from compiler.errors import PlanError  # noqa: E402
-from compiler.lower import compile_file, compile_spec  # noqa: E402
-from compiler.plan import plan as make_plan  # noqa: E402
+from attnc.backends.ahbm import emit, runtime  # noqa: E402
+from attnc.backends.ahbm.sim import ScratchOverflowError, tree_levels, tree_root  # noqa: E402
+from attnc.backends.ahbm.sim.mesh import Topology  # noqa: E402
+from attnc.backends.numpy import oracle  # noqa: E402
+from attnc.compiler import inputs, numerics  # noqa: E402
+from attnc.compiler.analysis.tiles import FULL, PARTIAL, SKIP  # noqa: E402
+from attnc.compiler.cli import main  # noqa: E402
+from attnc.compiler.errors import PlanError  # noqa: E402
+from attnc.compiler.lower import compile_file, compile_spec  # noqa: E402
+from attnc.compiler.plan import plan as make_plan  # noqa: E402
 from tests.conftest import EXAMPLES, ROOT, seed_contracts  # noqa: E402
 
 FIXTURE = seed_contracts()["ahbm_adr0060"]

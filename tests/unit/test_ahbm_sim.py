@@ -10,7 +10,7 @@ from tests.conftest import seed_contracts
 
 pytest.importorskip("greenlet", reason="greenlet (a project dependency) is not installed")
 
-from backends.ahbm.sim import (  # noqa: E402
+from attnc.backends.ahbm.sim import (  # noqa: E402
     DeadlockError, LatencyModel, Machine, MeshConfig, PerPE, ScratchOverflowError,
     ScratchUseAfterFreeError, ShapeError, TopologyError, tree_children, tree_levels, tree_parent,
     tree_placement, tree_root,

@@ -2,10 +2,10 @@
 evidence validator accepts, and flags rows that skip a level (runs on the CPU with fake samples)."""
 import pytest
 
-from backends.triton.bench import evidence_row
-from compiler import evidence, tune
-from compiler.dispatch import Environment
-from compiler.lower import compile_spec
+from attnc.backends.triton.bench import evidence_row
+from attnc.compiler import evidence, tune
+from attnc.compiler.dispatch import Environment
+from attnc.compiler.lower import compile_spec
 
 PROGRAM = compile_spec("attention b { heads = 16 head_dim = 128 dtype = bf16 mask = causal }")
 ENV = Environment(device_type="cpu")
@@ -35,7 +35,7 @@ def test_rows_that_skip_a_level_are_flagged_not_passed():
 
 
 def test_bench_config_strings():
-    from backends.triton.bench import DEFAULT, parse_configs
+    from attnc.backends.triton.bench import DEFAULT, parse_configs
     assert parse_configs("128x128x8x3t,64x64x4x3tm,128x64x8x3,64x64x4x3tbp,128x128x8x2i,128x128x8x3tss,"
                          "128x128x4x2G") == [
         (128, 128, 8, 3, True, False, None, None, 0, None, "triton"),

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from compiler.errors import AttncError, SpecError
-from compiler.lower import compile_file
+from attnc.compiler.errors import AttncError, SpecError
+from attnc.compiler.lower import compile_file
 
 ROOT = Path(__file__).resolve().parents[2]
 CASE_DIR = ROOT / "tests" / "golden" / "diagnostics"
@@ -111,7 +111,7 @@ def test_many_errors_are_all_reported():
 def test_soft_keywords_are_valid_names(name):
     """Soft keywords are ordinary identifiers in Python, so they are fine tensor names
     (and whether a name is accepted must not depend on the Python version)."""
-    from compiler.lower import compile_spec
+    from attnc.compiler.lower import compile_spec
     program = compile_spec(f"attention t {{ heads = 8  head_dim = 64  tensor {name}: i32[b]\n"
                            f"  mask = k < {name}[b] }}")
     assert [t.name for t in program.tensors] == [name]

@@ -8,10 +8,10 @@ import json
 
 import pytest
 
-from compiler import dispatch as d
-from compiler.dispatch import (BackendSpec, CallError, DispatchError, DispatchKey, Environment, PlanKey,
+from attnc.compiler import dispatch as d
+from attnc.compiler.dispatch import (BackendSpec, CallError, DispatchError, DispatchKey, Environment, PlanKey,
                                Registry, allowed, bounded, requires, rule)
-from compiler.lower import compile_spec
+from attnc.compiler.lower import compile_spec
 from tests.conftest import seed_contracts
 
 FIXTURE = seed_contracts()["dispatch"]

@@ -7,10 +7,10 @@ import json
 import numpy as np
 import pytest
 
-from compiler import evidence as ev
-from compiler import numerics
-from compiler.dispatch import DispatchKey, Environment, default_registry
-from compiler.lower import compile_spec
+from attnc.compiler import evidence as ev
+from attnc.compiler import numerics
+from attnc.compiler.dispatch import DispatchKey, Environment, default_registry
+from attnc.compiler.lower import compile_spec
 from tests.conftest import ROOT, seed_contracts
 
 ALGEBRA = seed_contracts()["benchmark_algebra"]

@@ -16,10 +16,10 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from backends.numpy.oracle import dense_mask
-from compiler import cli, explain, ir
-from compiler.errors import AttncError
-from compiler.lower import compile_file, compile_spec
+from attnc.backends.numpy.oracle import dense_mask
+from attnc.compiler import cli, explain, ir
+from attnc.compiler.errors import AttncError
+from attnc.compiler.lower import compile_file, compile_spec
 from tests.conftest import EXAMPLES, seed_contracts
 
 

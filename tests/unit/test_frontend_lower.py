@@ -6,12 +6,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from compiler import ir
-from compiler.errors import SpecError
-from compiler.ir import BOOL, F32, I32, Binary, Compare, Const, Load, Unary, Var
-from compiler.lower import PIPELINE, compile_file, compile_spec, lower, run_pipeline
-from compiler.check import check
-from compiler.frontend import parse
+from attnc.compiler import ir
+from attnc.compiler.errors import SpecError
+from attnc.compiler.ir import BOOL, F32, I32, Binary, Compare, Const, Load, Unary, Var
+from attnc.compiler.lower import PIPELINE, compile_file, compile_spec, lower, run_pipeline
+from attnc.compiler.check import check
+from attnc.compiler.frontend import parse
 from tests.conftest import EXAMPLES
 
 Q, K, B, H = Var("q", I32), Var("k", I32), Var("b", I32), Var("h", I32)

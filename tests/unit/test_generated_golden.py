@@ -7,8 +7,8 @@ import ast as pyast
 
 import pytest
 
-from compiler.dispatch import REGISTRY, backend
-from compiler.lower import compile_file
+from attnc.compiler.dispatch import REGISTRY, backend
+from attnc.compiler.lower import compile_file
 from tests.conftest import EXAMPLES
 
 

@@ -17,12 +17,12 @@ import re
 import numpy as np
 import pytest
 
-from backends.numpy.oracle import dense_mask
-from compiler.analysis.intervals import analyze, row_intervals
-from compiler.analysis.tiles import FULL, SKIP, plan_tiles, summaries
-from compiler.errors import PlanError
-from compiler.inputs import contiguous_variant, sample, validate
-from compiler.lower import compile_file, compile_spec
+from attnc.backends.numpy.oracle import dense_mask
+from attnc.compiler.analysis.intervals import analyze, row_intervals
+from attnc.compiler.analysis.tiles import FULL, SKIP, plan_tiles, summaries
+from attnc.compiler.errors import PlanError
+from attnc.compiler.inputs import contiguous_variant, sample, validate
+from attnc.compiler.lower import compile_file, compile_spec
 from tests.conftest import EXAMPLES, ROOT, seed_contracts
 
 MASK_FIXTURE = seed_contracts()["mask"]

@@ -4,10 +4,10 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from compiler import ir
-from compiler.analysis import layout as lay
-from compiler.analysis.ledger import metadata_bytes
-from compiler.errors import PlanError
+from attnc.compiler import ir
+from attnc.compiler.analysis import layout as lay
+from attnc.compiler.analysis.ledger import metadata_bytes
+from attnc.compiler.errors import PlanError
 from tests.conftest import seed_contracts
 
 FIXTURE = seed_contracts()["kv_address"]

@@ -2,10 +2,10 @@
 vs demanded Q and K/V, and resident metadata (M4.5 §0x03D-§0x03G, §0x04I)."""
 import pytest
 
-from compiler.analysis import ledger as L
-from compiler.analysis import splits as sp
-from compiler.errors import PlanError
-from compiler.lower import compile_spec
+from attnc.compiler.analysis import ledger as L
+from attnc.compiler.analysis import splits as sp
+from attnc.compiler.errors import PlanError
+from attnc.compiler.lower import compile_spec
 from tests.conftest import seed_contracts
 
 FIX = seed_contracts()["split_launch"]

@@ -3,10 +3,10 @@ the all-masked policy, and agreement with the split-state algebra row by row."""
 import numpy as np
 import pytest
 
-from backends.numpy import oracle
-from backends.numpy.state import finalize, summarize
-from compiler.errors import PlanError
-from compiler.lower import compile_spec
+from attnc.backends.numpy import oracle
+from attnc.backends.numpy.state import finalize, summarize
+from attnc.compiler.errors import PlanError
+from attnc.compiler.lower import compile_spec
 from tests.conftest import seed_contracts
 
 PHASES = seed_contracts()["phase"]

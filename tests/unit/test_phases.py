@@ -7,13 +7,13 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from backends.numpy import oracle
-from compiler.analysis.phases import (
+from attnc.backends.numpy import oracle
+from attnc.compiler.analysis.phases import (
     PHASES, Ledger, Manifest, Request, causal_ledger, causal_masked_cells, causal_visible_cells,
     phase_of, rect_cells, visible_cells,
 )
-from compiler.errors import PlanError
-from compiler.lower import compile_spec
+from attnc.compiler.errors import PlanError
+from attnc.compiler.lower import compile_spec
 from tests.conftest import seed_contracts
 
 # shared/fixtures/seed_contracts.json (/work/shared beside the checkout, i.e.

@@ -7,11 +7,11 @@ import dataclasses
 import numpy as np
 import pytest
 
-from compiler import inputs
-from compiler.dispatch import PlanKey
-from compiler.errors import PlanError
-from compiler.lower import compile_spec
-from compiler.plan import plan
+from attnc.compiler import inputs
+from attnc.compiler.dispatch import PlanKey
+from attnc.compiler.errors import PlanError
+from attnc.compiler.lower import compile_spec
+from attnc.compiler.plan import plan
 
 SPEC = "attention t {{ heads = 4 / 2 head_dim = {d} dtype = f32 mask = causal }}"
 DOC = "attention t { heads = 2 head_dim = 16 dtype = f32 tensor doc: i32[b, s] ~ segments(3, 9) " \
@@ -60,7 +60,7 @@ def test_dynamic_fields_change_through_update_only():
 
 
 def test_update_of_a_tensor_mask_needs_the_new_values_and_runs():
-    from compiler.dispatch import backend
+    from attnc.compiler.dispatch import backend
     p = compile_spec(DOC)
     arrays = inputs.sample(p, 2, 12, 12, seed=1)
     pl = plan(p, 2, 12, 12, {"doc": arrays["doc"].astype(np.int64)}, 8, 8)

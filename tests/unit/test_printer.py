@@ -14,9 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from compiler import ir
-from compiler.lower import compile_file, compile_spec
-from compiler.printer import print_program
+from attnc.compiler import ir
+from attnc.compiler.lower import compile_file, compile_spec
+from attnc.compiler.printer import print_program
 
 xdsl = pytest.importorskip("xdsl")
 from xdsl.context import Context  # noqa: E402

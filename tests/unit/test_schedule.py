@@ -7,11 +7,11 @@ import networkx as nx
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from compiler.analysis import layout as lay
-from compiler.analysis import ledger as L
-from compiler.analysis import schedule as sch
-from compiler.analysis import splits as sp
-from compiler.errors import PlanError
+from attnc.compiler.analysis import layout as lay
+from attnc.compiler.analysis import ledger as L
+from attnc.compiler.analysis import schedule as sch
+from attnc.compiler.analysis import splits as sp
+from attnc.compiler.errors import PlanError
 from tests.conftest import seed_contracts
 
 FIX = seed_contracts()["split_launch"]

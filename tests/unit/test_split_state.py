@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import seed_contracts
-from backends.numpy.state import (
+from attnc.backends.numpy.state import (
     State, empty_state, finalize, merge_output_state, merge_state, reduce_balanced, reduce_sequential,
     summarize, to_output_state,
 )

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from compiler import ir
-from compiler.analysis import splits as sp
-from compiler.errors import PlanError
+from attnc.compiler import ir
+from attnc.compiler.analysis import splits as sp
+from attnc.compiler.errors import PlanError
 from tests.conftest import seed_contracts
 
 FIX = seed_contracts()["split_launch"]

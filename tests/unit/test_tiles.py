@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from backends.numpy.oracle import dense_mask
-from compiler.analysis.intervals import analyze, row_intervals
-from compiler.analysis.tiles import (
+from attnc.backends.numpy.oracle import dense_mask
+from attnc.compiler.analysis.intervals import analyze, row_intervals
+from attnc.compiler.analysis.tiles import (
     FULL, PARTIAL, SKIP, SUMMARY_NAMES, TilePlan, classify_exact, classify_summaries, plan_tiles, summaries,
 )
-from compiler.lower import compile_spec
+from attnc.compiler.lower import compile_spec
 
 PROPERTY = settings(max_examples=250, deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

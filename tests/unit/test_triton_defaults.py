@@ -2,11 +2,11 @@
 config before planning, and the second look at the 128x128 plan's row lengths."""
 import pytest
 
-from backends.triton import runtime
-from backends.triton.bench import PREFILL_MASKS, spec_text
-from compiler import inputs
-from compiler.lower import compile_spec
-from compiler.plan import plan as make_plan
+from attnc.backends.triton import runtime
+from attnc.backends.triton.bench import PREFILL_MASKS, spec_text
+from attnc.compiler import inputs
+from attnc.compiler.lower import compile_spec
+from attnc.compiler.plan import plan as make_plan
 
 
 def test_default_launch_config():
@@ -80,7 +80,7 @@ def test_engine_choice_by_hand_and_by_spec_on_hopper(pretend_hopper):
 
 
 def test_a_tuned_winner_keeps_the_triton_kernel(pretend_hopper, monkeypatch):
-    from compiler import tune
+    from attnc.compiler import tune
     monkeypatch.setattr(tune, "tuned_tiles", lambda *a, **k: {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8,
                                                               "num_stages": 3, "use_tma": True})
     kernel, _, plan, launch = pretend_hopper("causal")

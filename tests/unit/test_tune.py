@@ -6,10 +6,10 @@ import json
 import numpy as np
 import pytest
 
-from compiler import evidence, tune
-from compiler.dispatch import DispatchKey, Environment
-from compiler.errors import InputError
-from compiler.lower import compile_spec
+from attnc.compiler import evidence, tune
+from attnc.compiler.dispatch import DispatchKey, Environment
+from attnc.compiler.errors import InputError
+from attnc.compiler.lower import compile_spec
 
 SPEC = "attention t { heads = 4 / 2 head_dim = 16 dtype = f16 mask = causal & window(8) }"
 CPU = Environment(device_type="cpu", torch="2.13.0", triton="3.9.0")
@@ -207,7 +207,7 @@ def test_save_is_atomic(tmp_path, monkeypatch):
 
 
 def test_split_auto_consults_the_cache(tmp_path):
-    from compiler.analysis import splits
+    from attnc.compiler.analysis import splits
     auto = compile_spec("attention t { heads = 8 / 2 head_dim = 64 mask = causal "
                         "cache = paged(page_size = 16, layout = nhd) split = auto }")
     fixed = compile_spec("attention t { heads = 8 / 2 head_dim = 64 mask = causal split = balanced(3) }")
@@ -223,13 +223,13 @@ def test_split_auto_consults_the_cache(tmp_path):
 
 
 def test_big_shapes_check_a_row_sample_with_the_oracle():
-    from compiler import inputs
+    from attnc.compiler import inputs
     p = compile_spec(SPEC)
     arrays = inputs.sample(p, 3, 64, 96, seed=0)
     call = inputs.validate(p, arrays)
     ref = tune.reference_for(p, call, max_cells=4 * 96 * 10)
     assert ref.o.shape == (1, 4, 10, 16) and "rows [54, 64) of 64" in ref.description
-    from compiler.dispatch import backend
+    from attnc.compiler.dispatch import backend
     o, lse = backend("numpy").load(p)(arrays["q"], arrays["k"], arrays["v"], return_lse=True)
     assert all(c.ok for c in tune.check_against(p, ref, o, lse))
     assert not all(c.ok for c in tune.check_against(p, ref, np.roll(o, 1, axis=2), lse))
