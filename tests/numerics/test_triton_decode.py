@@ -243,9 +243,10 @@ def test_merged_walks_on_examples_with_ragged_tails(name, walk):
 def test_gpu_tiles_below_16_are_plan_errors(monkeypatch):
     """On a GPU, tl.dot's smallest shape is 16: smaller tiles are refused before any compile
     (the interpreter runs them, which is how the tests above use 8-key blocks)."""
-    monkeypatch.setattr(runtime, "interpreted", lambda: False)
+    from attnc.backends.triton import decode
+    monkeypatch.setattr(decode, "interpreted", lambda: False)
     with pytest.raises(PlanError, match="block_n = 8: on a GPU a tile needs at least 16 rows and keys"):
-        runtime._check_gpu_tile(None, 8)
+        decode._check_gpu_tile(None, 8)
     with pytest.raises(PlanError, match="block_m = 4: on a GPU"):
-        runtime._check_gpu_tile(4, 64)
-    runtime._check_gpu_tile(16, 16)
+        decode._check_gpu_tile(4, 64)
+    decode._check_gpu_tile(16, 16)
