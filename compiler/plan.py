@@ -47,7 +47,9 @@ class Plan:
         return self.tiles.block_n
 
     def kernel_args(self) -> dict[str, object]:
-        """The plan as the plain arrays and ints a generated kernel reads."""
+        """The plan as the plain arrays and ints a kernel reads: tiles, the CSR lists of PARTIAL and
+        FULL blocks per (b', h', query tile), the heaviest-first tile order, and the mask's interval
+        vectors or row runs where the plan has them (a backend adds the arrays its own walk needs)."""
         b_, h_, _ = self.intervals.shape
         args = {
             "block_m": self.block_m, "block_n": self.block_n, "plan_b": b_, "plan_h": h_,
@@ -57,11 +59,6 @@ class Plan:
             "mask_from_intervals": self.mask_from_intervals,
             "q_tile_order": self.q_tile_order(),
         }
-        # FULL blocks as runs (walk "runs"); every computed block as merged runs / one list
-        ptr, lo, hi = _block_runs(args["full_indptr"], args["full_indices"])
-        args.update({"full_run_ptr": ptr, "full_run_lo": lo, "full_run_hi": hi})
-        args.update(_merged_runs(args["partial_indptr"], args["partial_indices"], args["full_indptr"],
-                                 args["full_indices"]))
         if self.mask_from_intervals:
             args.update({n: v for n, v in self.intervals.vectors().items()})
         args["mask_from_rows"] = self.rows is not None
@@ -134,43 +131,6 @@ class Plan:
                     dynamic.get("s_k", self.s_k), dynamic.get("tensors"), self.block_m, self.block_n,
                     device=k.device if k else None,
                     workspace_device=k.workspace_device if k else None, graph_mode=k.graph_mode if k else False)
-
-
-def _block_runs(indptr: np.ndarray, indices: np.ndarray):
-    """The CSR lists as runs of consecutive K/V blocks [lo, hi) per row: a kernel walks a run
-    with a direct, pipelinable loop instead of one indirect load per block (a causal row is
-    one FULL run and one PARTIAL run)."""
-    rows = len(indptr) - 1
-    row_of = np.repeat(np.arange(rows), np.diff(indptr))
-    starts = np.ones(len(indices), bool)
-    if len(indices):
-        starts[1:] = (indices[1:] != indices[:-1] + 1) | (row_of[1:] != row_of[:-1])
-    lo = indices[starts].astype(np.int32)
-    ends = np.r_[np.flatnonzero(starts)[1:], len(indices)] - 1
-    hi = (indices[ends] + 1).astype(np.int32) if len(indices) else np.zeros(0, np.int32)
-    ptr = np.zeros(rows + 1, np.int32)
-    np.cumsum(np.bincount(row_of[starts], minlength=rows), out=ptr[1:])
-    return ptr, lo, hi
-
-
-def _merged_runs(p_ptr: np.ndarray, p_idx: np.ndarray, f_ptr: np.ndarray, f_idx: np.ndarray) -> dict:
-    """Every computed block of a row (FULL and PARTIAL together, ascending) as runs, with one
-    PARTIAL flag per block: a kernel walks a row in one pipelined loop per run and applies the
-    element mask only where the flag says so (a causal row is one run), or, when runs are short
-    (documents), in one pipelined loop over the row's merged block list."""
-    rows = len(p_ptr) - 1
-    row_of = np.r_[np.repeat(np.arange(rows), np.diff(p_ptr)), np.repeat(np.arange(rows), np.diff(f_ptr))]
-    idx = np.r_[p_idx, f_idx].astype(np.int64)
-    flag = np.r_[np.ones(len(p_idx), np.int32), np.zeros(len(f_idx), np.int32)]
-    order = np.lexsort((idx, row_of))
-    ptr = np.zeros(rows + 1, np.int64)
-    np.cumsum(np.bincount(row_of, minlength=rows), out=ptr[1:])
-    run_ptr, lo, hi = _block_runs(ptr, idx[order])
-    base = np.r_[0, np.cumsum(hi - lo)[:-1]].astype(np.int32) if len(lo) else np.zeros(0, np.int32)
-    return {"merged_run_ptr": run_ptr, "merged_run_lo": lo, "merged_run_hi": hi, "merged_run_base": base,
-            "merged_partial": flag[order], "merged_indptr": ptr.astype(np.int32),
-            "merged_indices": idx[order].astype(np.int32),
-            "mean_merged_run_blocks": len(idx) / len(lo) if len(lo) else 0.0}
 
 
 def plan(program: ir.Program, batch: int, s_q: int, s_k: int, tensors: dict | None = None,

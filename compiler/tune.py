@@ -553,22 +553,17 @@ class _TritonRunner(_Runner):
         self.tensors = {n: self._upload(t) for n, t in call.tensors.items()}
 
     def _prepare_prefill(self, cfg):
-        torch, c, p = self.torch, self.call, self.program
+        c = self.call
         plan = self.kernel.plan(c.batch, c.s_q, c.s_k, c.tensors, cfg["BLOCK_M"], cfg["BLOCK_N"])
-        args = self.kernel.device_plan(plan, self.q.device)
-        extra = {"use_tma": True} if cfg.get("use_tma") else {}  # older launchers lack the argument
-        if hasattr(self.kernel.module, "gluon_reason"):  # the configs are the Triton kernel's
-            extra["engine"] = "triton"
+        q, k, v = (x.transpose(1, 2) for x in (self.q, self.k, self.v)) if self.bshd else (self.q, self.k, self.v)
+        # the configs are the Triton kernel's
+        launch = self.kernel.prepare(q, k, v, plan=plan, engine="triton", num_warps=cfg["num_warps"],
+                                     num_stages=cfg["num_stages"], use_tma=bool(cfg.get("use_tma")), **self.tensors)
 
-        def launch():
-            out = None
-            if self.bshd:
-                out = torch.empty(c.batch, c.s_q, p.heads_q, p.d_v, device=self.q.device,
-                                  dtype=self.q.dtype).transpose(1, 2)
-            return self.kernel.module.attention(self.q, self.k, self.v, args, out=out, num_warps=cfg["num_warps"],
-                                                num_stages=cfg["num_stages"], **extra, **self.tensors)
-
-        return launch, lambda r: self._host(*r)
+        def host(r):
+            o, lse = r
+            return self._host(o.transpose(1, 2) if self.bshd else o, lse)
+        return launch, host
 
     # -- decode
     def _init_decode(self, shape: Shape, seed: int):
@@ -588,14 +583,8 @@ class _TritonRunner(_Runner):
     def _prepare_decode(self, cfg):
         plan = self.kernel.decode_plan(self.cache, block_n=cfg["BLOCK_N"], splits=cfg.get("splits"),
                                        tensors=self.tensors)
-        launch_args = self.kernel.decode_args(plan, self.q.device)  # uploaded once, launched per sample
-        k = self.cache.get("k_cache", self.cache.get("k"))
-        v = self.cache.get("v_cache", self.cache.get("v"))
-
-        def launch():
-            return self.kernel.module.decode(self.q, k, v, launch_args, num_warps=cfg["num_warps"],
-                                             num_stages=cfg["num_stages"], **self.tensors)
-
+        launch = self.kernel.prepare_decode(self.q, plan, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+                                            **self.cache, **self.tensors)  # uploaded once, launched per sample
         return launch, lambda r: self._host(*r)
 
 

@@ -1,7 +1,9 @@
-"""Triton backend code generation: IR -> a module of @triton.jit kernels plus its launcher.
+"""Triton backend code generation: IR -> the spec's module (its mask and score as
+``@triton.jit`` functions, its constants, the tensors it reads).
 
-Expression code is printed here (never user text); the templates under
-templates/triton/ hold the loop nests.  Integer `//` and `%` go through helpers
+The kernels are a library (``prefill.py``, ``gluon_engine.py``, ``split.py``) that takes the
+generated functions and constants as constexpr arguments.  Expression code is printed here
+(never user text).  Integer `//` and `%` go through helpers
 with the language's floor semantics (Triton's operators truncate); tensor reads
 clamp their subscripts so a kernel never touches memory outside a tensor (plan
 time reports out-of-range reads as errors before launch).
@@ -63,7 +65,7 @@ class Source:
 def emit(program: ir.Program) -> Source:
     p = program
     text = render(
-        "triton", "prefill.py.j2",
+        "triton", "spec.py.j2",
         name=p.name, version=__version__, digest=ir.digest(p),
         heads_q=p.heads_q, heads_kv=p.heads_kv, group=p.group, d_qk=p.d_qk, d_v=p.d_v,
         d_qk_pad=_pad(p.d_qk), d_v_pad=_pad(p.d_v), dtype=p.dtype, scale=repr(p.scale),
@@ -71,4 +73,4 @@ def emit(program: ir.Program) -> Source:
         mask_source=ir.format_expr(p.mask), score_source=[ir.format_expr(s) for s in p.score],
         mask_code=triton_expr(p.mask), score_code=[triton_expr(s) for s in p.score],
     )
-    return Source(text, f"{p.name}_triton")
+    return Source(text, f"{p.name}_triton", entry="visible")

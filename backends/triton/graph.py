@@ -54,7 +54,7 @@ class DecodeGraph:
     """One split call (decode, append or mixed batch) captured once and replayed; see the module
     docstring.  Built by ``Kernel.decode_graph``."""
 
-    def __init__(self, kernel, q, *, max_kv_len: int | None = None, block_n: int = 64, splits: int | None = None,
+    def __init__(self, kernel, q, *, max_kv_len: int | None = None, block_n: int | None = None, splits: int | None = None,
                  block_q: int | None = None, num_warps: int = 4, num_stages: int = 2, capture: bool | None = None,
                  **arrays):
         import torch
@@ -88,8 +88,8 @@ class DecodeGraph:
                                  "query dtype")
         self.kv = {n: arrays[n] for n in self._kv_keys}
         # the plan reads the cache tensors themselves: strides and contiguous bases are theirs
-        plan = kernel.decode_plan(arrays, block_n=block_n, splits=splits, tensors=tensors, block_q=block_q,
-                                  total_q=int(q.shape[0]))
+        options = {n: x for n, x in (("block_n", block_n), ("splits", splits), ("block_q", block_q)) if x is not None}
+        plan = kernel.decode_plan(arrays, tensors=tensors, total_q=int(q.shape[0]), **options)
         self._call = {**{n: a for n, a in arrays.items() if n not in self._kv_keys}, **tensors}
         self._options = {"block_n": plan["block_n"], "splits": plan["splits"], "block_q": plan["block_q"]}
         longest = int(np.max(plan["kv_lens"], initial=0))
@@ -107,11 +107,11 @@ class DecodeGraph:
             shape = (size,) if a.ndim <= 1 or n != "table" else a.shape
             self.buffers[n] = torch.zeros(shape, dtype=getattr(torch, dt), device=self.device)
         self.tensors = {n: device_tensor(t, self.device) for n, t in tensors.items()}
+        self._ts = None
         self.q = q.detach().clone()
         self.out = torch.empty(q.shape[0], p.heads_q, p.d_v, device=self.device, dtype=q.dtype)
         self.lse = torch.empty(q.shape[0], p.heads_q, device=self.device, dtype=torch.float32)
-        self.workspace = kernel.module.decode_workspace(int(q.shape[0]), plan["splits"], plan["abi"], self.device)
-        self._launch_plan = {**self.plan, **self.buffers}
+        self.workspace = kernel.workspace(int(q.shape[0]), plan["splits"], self.device)
         self._warps, self._stages = num_warps, num_stages
         self._load(plan)
         self.graph = None
@@ -164,10 +164,11 @@ class DecodeGraph:
             self.buffers[n].view(-1)[:src.numel()].copy_(src)
 
     def _launch(self):
-        return self.kernel.module.decode(self.q, self.kv.get("k_cache", self.kv.get("k")),
-                                         self.kv.get("v_cache", self.kv.get("v")), self._launch_plan,
-                                         out=self.out, lse=self.lse, workspace=self.workspace,
-                                         num_warps=self._warps, num_stages=self._stages, **self.tensors)
+        from .launch import tensor_args
+        ts = tensor_args(self.kernel.module, self.tensors)
+        launch = self.kernel.split_launch(self._warps, self._stages)
+        return launch(self.q, self.kv.get("k_cache", self.kv.get("k")), self.kv.get("v_cache", self.kv.get("v")),
+                      self.plan, self.buffers, ts, self.out, self.lse, self.workspace)
 
     def _capture(self) -> None:
         self.graph, _ = capture(self._launch)

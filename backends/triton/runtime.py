@@ -1,94 +1,42 @@
-"""Load generated Triton modules and launch them: on a GPU, or on the CPU under
-``TRITON_INTERPRET=1`` (set before triton is imported; the tests do)."""
-from __future__ import annotations
+"""The Triton backend's kernel object: a spec's generated module plus the library kernels, called
+on torch tensors (or numpy arrays, copied to the device and back).
 
-import os
+``kernel(q, k, v, **tensors)`` runs prefill / append over contiguous K/V; ``kernel.decode(q, ...)``
+and ``kernel.run(arrays)`` run split-K/V calls (decode, append, mixed batches) over any cache
+layout.  What a call runs with is the launch layer's decision (``launch.choose_prefill``); plans
+come from the process's plan cache (``plans.PLANS``).
+
+A prefill call's host path: the first call with a given key (shapes, strides, dtypes, device,
+pointer alignments, the names and layouts of the mask's tensors) validates the call, chooses
+the config, plans, uploads the plan and binds the launch; every later call with that key looks
+the bound launch up (for masks reading tensors, by the tensors' identity and version), allocates
+O and LSE and launches.  On the CPU the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``,
+set before triton is imported; the tests do).
+"""
+from __future__ import annotations
 
 import numpy as np
 
 from attnc.compiler import inputs, ir
-from attnc.compiler.errors import BackendUnavailable, InputError
+from attnc.compiler.errors import BackendUnavailable, InputError, PlanError
 from attnc.compiler.plan import Plan, plan as make_plan
 from attnc.backends.common import load_module
-from .emit import Source, emit
+
+from . import launch as L
+from .launch import default_prefill_config  # noqa: F401  (the tuner's default)
+from . import plans as P
 from .decode import (DECODE_ARRAYS, GPU_MIN_TILE, _check_gpu_tile, _rows_per_batch, _to_numpy,  # noqa: F401
-                     cache_strides, decode_args, decode_plan, default_block_q, device_tensor)
+                     cache_strides, decode_plan, default_block_q, device_tensor)
+from .emit import Source, emit
 
 TORCH_DTYPES = {"f16": "float16", "bf16": "bfloat16", "f32": "float32"}
-DEFAULT_TILES = {"gpu": (128, 128), "interpreter": (16, 16)}
-
-
-def default_prefill_config(d_qk: int, d_v: int, interpreter: bool, capability: int | None = None,
-                           reads_tensors: bool = False) -> dict:
-    """The untuned prefill launch, as measured on the H200 (bench/results/prefill_h200_r12_*,
-    r13_*, r15_*): up to head dim 128, 128x128 tiles, 8 warps, 3 stages, TMA bulk copies
-    (causal 499, full 535 TFLOP/s) — but 64x64, 4 warps, 3 stages, TMA for masks that read
-    tensors (documents: 296 against 251 at 128x128, their rows are short); above 128, 64x64, 4 warps,
-    3 stages without TMA (d=256: causal 431, full 458).  TMA needs Hopper (capability >= 90)
-    and power-of-two head dims; the call drops it for strided K/V."""
-    if interpreter:
-        bm, bn = DEFAULT_TILES["interpreter"]
-        return {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": 4, "num_stages": 2, "use_tma": False}
-    tma = all(d & (d - 1) == 0 for d in (d_qk, d_v)) and (capability or 0) >= 90
-    if max(d_qk, d_v) > 128:
-        return {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "use_tma": False}
-    if reads_tensors:
-        return {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "use_tma": tma}
-    return {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3, "use_tma": tma}
-
-
-# Rows this short (computed K/V blocks per 128-row query tile, on average) run faster on 64x64
-# tiles, whose CTAs share an SM and hide each other's prologue and epilogue.  Measured on the H200
-# (bench/results/prefill_h200_r16_*, r17_*): sliding window 1024 (8.4 blocks) 376 vs 365 TFLOP/s,
-# tile-aligned 1024-token chunks (4.5) 337 vs 310, documents (5.8) 297 vs 251; causal (32.5)
-# stays at 128x128, 503 vs 448.
-SHORT_ROW_BLOCKS = 16
-SHORT_ROW_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 64, "num_stages": 3}  # warps follow the tile: 4
-
-
-def mean_row_blocks(plan: Plan) -> float:
-    """Computed (FULL or PARTIAL) K/V blocks per query tile, averaged over the plan's tiles."""
-    counts = plan.tiles.counts()
-    rows = int(np.prod(plan.tiles.classes.shape[:3]))
-    return (counts["full"] + counts["partial"]) / rows if rows else 0.0
-
-
-# The Gluon engine (the generated module's ``_attn_fwd_ws``: warp-specialized, Hopper only) takes
-# f16 / bf16 specs with one head dim of 64 or 128, on 128-row tiles; measured on the H200
-# (bench/results/studies/gluon_engine_h200_r30.jsonl, 4 rounds in turns) full 549, causal 558,
-# prefix-LM 565, sliding window 1024 392, documents 279 TFLOP/s against the Triton kernel's default
-# 509 / 486 / 489 / 354 / 278, on 128x128 tiles (128x64: 367-504).  K/V stages: 2 (r30: 3 led by
-# 0.4-1.8%; r33, gluon_persistent_h200_r33.jsonl: 2 led by 0.4-2.1%, and the persistent program,
-# which also stages O, has room for 2 only at d = 128).  Short rows take it too since its programs
-# draw tiles from a counter and the producer hands the plan over (r37, gluon_engine_h200_r37.jsonl:
-# documents 317.5 TFLOP/s against 288.2 on the Triton kernel's 64x64 short-row tiles).
-GLUON_STAGES = 2
-GLUON_TILES = (128, 128)
-
-
-def gluon_program(program) -> bool:
-    """Whether a spec is one the Gluon engine can run (the call's shapes are checked at launch)."""
-    return program.dtype in ("f16", "bf16") and program.d_qk == program.d_v and program.d_qk in (64, 128)
-
-
-def short_row_config(plan: Plan) -> dict | None:
-    """The untuned GPU default's second look, once the 128x128 plan exists: SHORT_ROW_CONFIG
-    when its rows are short, else None (keep 128x128)."""
-    if (plan.block_m, plan.block_n) == (128, 128) and mean_row_blocks(plan) < SHORT_ROW_BLOCKS:
-        return dict(SHORT_ROW_CONFIG)
-    return None
-
-
-def _capability() -> int:
-    import torch
-    if interpreted() or not torch.cuda.is_available():
-        return 0
-    major, minor = torch.cuda.get_device_capability()
-    return 10 * major + minor
+# keyword options of a prefill call that are the launch layer's (everything else is a mask tensor)
+PREFILL_OPTIONS = ("block_m", "block_n", "num_warps", "num_stages", "use_tma", "walk", "mask_source", "head_group",
+                   "engine", "schedule")
 
 
 def interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    return L.interpreted()
 
 
 def _kind(t) -> str:
@@ -98,185 +46,277 @@ def _kind(t) -> str:
     return "b" if t.dtype == torch.bool else "i"
 
 
+class _Bound:
+    """What one prefill key fixes: the validated shapes, the output allocation, the bhsd views'
+    strides, and how to find the launch (``plan_key`` is constant for masks that read no tensor)."""
+
+    __slots__ = ("batch", "s_q", "s_k", "out_shape", "bshd", "emulate", "dtype", "names", "digest", "static")
+
+    def __init__(self, **fields):
+        for n, v in fields.items():
+            setattr(self, n, v)
+
+
 class Kernel:
     def __init__(self, program: ir.Program, source: Source):
         import torch  # (the launcher needs it; fail here with a clear import error)
         if not interpreted() and not torch.cuda.is_available():
             raise BackendUnavailable("the Triton backend runs on a CUDA GPU; on this machine (no CUDA device) "
-                             "set TRITON_INTERPRET=1 to run its kernels in Triton's CPU interpreter")
+                                     "set TRITON_INTERPRET=1 to run its kernels in Triton's CPU interpreter")
         self.program = program
         self.source = source
         self.module = load_module(source.text, source.module_stem)
+        self.digest = ir.digest(program)
+        self._tensor_names = tuple(t.name for t in program.tensors)
+        self._mask_reads = bool(ir.loads(program.mask))
+        self._bound: dict = {}
+        self._splits: dict = {}
+        self._torch = torch
+        self._dtype = getattr(torch, TORCH_DTYPES[program.dtype])
+        self._device = "cpu" if interpreted() or not torch.cuda.is_available() else "cuda"
 
     @property
     def device(self) -> str:
-        import torch
-        return "cpu" if interpreted() or not torch.cuda.is_available() else "cuda"
+        return self._device
 
-    def _check_device(self, named: dict) -> None:
-        """Torch inputs must be where the kernel runs (numpy inputs are copied there for the caller)."""
-        import torch
-        for n, t in named.items():
-            if isinstance(t, torch.Tensor) and t.device.type != self.device:
-                raise InputError(f"inputs: '{n}' is a torch tensor on {t.device}; this Triton kernel runs on "
-                                 f"{self.device}: move the torch inputs there (numpy inputs are copied for you)")
-
+    # ------------------------------------------------------------ plans
     def default_config(self, capability: int | None = None) -> dict:
-        """The untuned prefill launch for this spec (``default_prefill_config``)."""
+        """The Triton kernel's untuned prefill launch for this spec, before planning."""
         p = self.program
-        return default_prefill_config(p.d_qk, p.d_v, interpreted(), capability, bool(ir.loads(p.mask)))
+        return L.default_prefill_config(p.d_qk, p.d_v, interpreted(), capability, self._mask_reads)
 
     def plan(self, batch: int, s_q: int, s_k: int, tensors: dict | None = None,
              block_m: int | None = None, block_n: int | None = None) -> Plan:
+        """A plan made by the caller (FlashInfer's plan/run, Flex's BlockMask): pass it back as
+        ``kernel(q, k, v, plan=...)``; its device arrays are kept on it."""
         default = self.default_config()
-        dm, dn = default["BLOCK_M"], default["BLOCK_N"]
-        tensors = {n: (t.cpu().numpy() if hasattr(t, "cpu") else np.asarray(t)) for n, t in (tensors or {}).items()}
-        tensors = {n: t.astype(np.int64) if t.dtype.kind in "iu" else t for n, t in tensors.items()}
-        _check_gpu_tile(block_m or dm, block_n or dn)
-        return make_plan(self.program, batch, s_q, s_k, tensors, block_m or dm, block_n or dn)
+        bm, bn = block_m or default["BLOCK_M"], block_n or default["BLOCK_N"]
+        _check_gpu_tile(bm, bn)
+        host = {n: (t.detach().cpu().numpy() if hasattr(t, "detach") else np.asarray(t))
+                for n, t in (tensors or {}).items()}
+        host = {n: t.astype(np.int64) if t.dtype.kind in "iu" else t for n, t in host.items()}
+        return make_plan(self.program, batch, s_q, s_k, host, bm, bn)
 
     def device_plan(self, plan: Plan, device) -> dict:
-        """The plan's arrays as int32 torch tensors on the kernel's device (cached on the plan)."""
-        import torch
+        """The plan's walk arrays on ``device`` (cached on the plan)."""
         cache = plan.__dict__.setdefault("_device_args", {})
         key = str(device)
         if key not in cache:
-            args = plan.kernel_args()
-            cache[key] = {n: torch.as_tensor(np.ascontiguousarray(v, np.int32), device=device)
-                          if isinstance(v, np.ndarray) else v for n, v in args.items()}
+            cache[key] = P.upload(P.walk_arrays(plan), device)
         return cache[key]
 
-    def prefill_launch(self, batch: int, s_q: int, s_k: int, tensors: dict, *, plan: Plan | None = None,
-                       block_m=None, block_n=None, num_warps=None, num_stages=None, use_tma=None,
-                       contiguous: bool = True, engine: str | None = None) -> tuple[Plan, dict, bool]:
-        """The plan and launch options a prefill call runs with: what the caller gave, else
-        `attnc tune`'s winner for the call's key, else the untuned default (``default_config``,
-        then ``short_row_config`` once the plan's rows are known; warps follow the plan's tile).
-        ``engine="triton"`` asks for the Triton kernel's default even where the Gluon engine would
-        run, ``engine="gluon"`` for the Gluon engine's tiles whatever the rows.  Returns (plan,
-        {num_warps, num_stages, use_tma, engine}, whether the stages were chosen)."""
-        tuned = {}
-        if plan is None and block_m is None and block_n is None:  # `attnc tune`'s winner for this key
-            from attnc.compiler import tune
-            tuned = tune.tuned_tiles(self.program, batch, s_q, s_k, "triton") or {}
-            block_m, block_n = tuned.get("BLOCK_M"), tuned.get("BLOCK_N")
-        default = self.default_config(_capability())
-        chosen_stages = num_stages is not None or "num_stages" in tuned
-        chosen_warps = num_warps is not None or "num_warps" in tuned
-        num_warps = num_warps if num_warps is not None else tuned.get("num_warps", default["num_warps"])
-        num_stages = num_stages if num_stages is not None else tuned.get("num_stages", default["num_stages"])
-        if use_tma is None:
-            use_tma = tuned.get("use_tma", default["use_tma"] and contiguous)
-        # engine None: the Gluon engine where this machine and spec allow it, unless `attnc tune`
-        # has a winner (measured on the Triton kernel); "gluon": asked for
-        gluon = engine == "gluon" or (engine is None and not tuned and self.gluon_engine())
-        if plan is None:
-            untuned = block_m is None and block_n is None
-            if gluon and untuned:  # the Gluon engine's tiles: 128 query rows (two warpgroups of 64)
-                block_m, block_n = GLUON_TILES
-            plan = self.plan(batch, s_q, s_k, tensors, block_m, block_n)
-            short = short_row_config(plan) if untuned and not interpreted() and not gluon else None
-            if short:  # the default's tiles, chosen again now that the rows' lengths are known
-                plan = plan.retile(short["BLOCK_M"], short["BLOCK_N"])
-                num_stages = num_stages if chosen_stages else short["num_stages"]
-        if gluon and not chosen_stages:
-            num_stages = GLUON_STAGES
-        if not chosen_warps and not interpreted():  # warps follow the tile the plan has (given or chosen)
-            num_warps = 8 if plan.block_m * plan.block_n >= 128 * 128 else 4
-        # engine None: the module takes the Gluon engine where the call's shapes allow it (else Triton)
-        launch = {"num_warps": num_warps, "num_stages": num_stages, "use_tma": use_tma,
-                  "engine": (engine or None) if gluon else "triton"}
-        return plan, launch, chosen_stages
-
-    def gluon_engine(self) -> bool:
-        """Whether untuned prefill calls of this spec go to the Gluon engine here: an sm_90 GPU,
-        a Triton with Gluon, a spec ``gluon_program`` admits."""
-        return (not interpreted() and _capability() == 90 and getattr(self.module, "HAS_GLUON", False)
-                and gluon_program(self.program))
-
-    def __call__(self, q, k, v, *, plan: Plan | None = None, return_lse=False, block_m=None, block_n=None,
-                 num_warps: int | None = None, num_stages: int | None = None, use_tma: bool | None = None,
-                 use_runs: bool | None = None, walk: str | None = None, mask_source: str | None = None,
-                 programs: int | None = None, head_group: int | None = None, engine: str | None = None,
-                 **tensors):
-        import torch
-        from_numpy = isinstance(q, np.ndarray)
-        device = self.device
-        dtype = getattr(torch, TORCH_DTYPES[self.program.dtype])
-        # The Triton interpreter (3.9) reads bf16 tensors as garbage: on the CPU, bf16 specs
-        # carry their (already bf16-rounded) values in float32 and O is rounded to bf16 after.
-        emulate_bf16 = interpreted() and dtype == torch.bfloat16
-        if from_numpy:
-            call = inputs.validate(self.program, {"q": q, "k": k, "v": v, **tensors})
-            carry = torch.float32 if emulate_bf16 else dtype
-            q, k, v = (torch.as_tensor(np.ascontiguousarray(x), device=device).to(dtype).to(carry)
-                       for x in (call.q, call.k, call.v))
-            tensors = {n: torch.as_tensor(np.ascontiguousarray(
-                t.astype(np.int32) if t.dtype.kind in "iu" else t), device=device) for n, t in call.tensors.items()}
-            bshd = False
-        else:
-            self._check_device({"q": q, "k": k, "v": v, **tensors})
-            metas = {n: (tuple(t.shape), _kind(t), str(t.dtype)) for n, t in {"q": q, "k": k, "v": v, **tensors}.items()}
-            inputs.check_shapes(self.program, metas)
-            if any(x.dtype != dtype for x in (q, k, v)):
-                raise InputError(f"inputs: q/k/v have dtypes {q.dtype}/{k.dtype}/{v.dtype}; "
-                                 f"the spec stores {self.program.dtype}")
-            if emulate_bf16:
-                q, k, v = (x.float() for x in (q, k, v))
-            bshd = self.program.cache.layout is ir.Layout.BSHD
-            if bshd:  # strides carry the layout; the kernel indexes logical bhsd
-                q, k, v = (x.transpose(1, 2) for x in (q, k, v))
-        batch, _, s_q, _ = q.shape
-        s_k = k.shape[2]
-        if engine is None and self.module.triton_options(walk=walk, programs=programs,
-                                                         warp_specialize=use_runs is not None,
-                                                         mask_source=mask_source):
-            engine = "triton"  # options of the Triton kernel: its defaults, not the Gluon engine's tiles
-        plan, launch, chosen_stages = self.prefill_launch(
-            batch, s_q, s_k, tensors, plan=plan, block_m=block_m, block_n=block_n, num_warps=num_warps,
-            num_stages=num_stages, use_tma=use_tma, contiguous=k.is_contiguous() and v.is_contiguous(),
-            engine=engine)
-        num_warps, num_stages, use_tma = launch["num_warps"], launch["num_stages"], launch["use_tma"]
-        engine = engine if engine is not None else launch["engine"]
-        plan.check_call(self.program, batch, s_q, s_k)
-        out = None
-        if bshd:
-            out = torch.empty(batch, s_q, self.program.heads_q, self.program.d_v, device=q.device,
-                              dtype=q.dtype).transpose(1, 2)
-        args = self.device_plan(plan, q.device)
-        while True:
+    # ------------------------------------------------------------ prefill / append
+    def __call__(self, q, k, v, *, plan: Plan | None = None, return_lse=False, **kwargs):
+        """Prefill / append over contiguous K/V in the spec's layout (bhsd or bshd): returns O in
+        q's layout (and LSE [B, H_q, S_q], natural log).  Keyword arguments are the spec's tensors
+        and, optionally, launch options (PREFILL_OPTIONS: tiles, warps, stages, TMA, walk, mask
+        source, head group, engine, schedule) that override the launch layer's choice."""
+        options = {n: kwargs.pop(n) for n in PREFILL_OPTIONS if n in kwargs}
+        if isinstance(q, np.ndarray):
+            return self._numpy_call(q, k, v, kwargs, plan, options, return_lse)
+        if plan is None and not any(v is not None for v in options.values()):
             try:
-                o, lse = self.module.attention(q, k, v, args, out=out, num_warps=num_warps, num_stages=num_stages,
-                                               use_tma=use_tma, walk=walk, use_runs=use_runs,
-                                               mask_source=mask_source, programs=programs,
-                                               head_group=head_group, engine=engine, **tensors)
-                break
-            except Exception as e:  # the untuned default may not fit a mask's extra loads: one stage fewer
-                if chosen_stages or num_stages <= 1 or type(e).__name__ != "OutOfResources":
-                    raise
-                num_stages -= 1
-        if bshd:
-            o = o.transpose(1, 2)
-        if emulate_bf16:
-            o = o.to(torch.bfloat16) if not from_numpy else o.to(torch.bfloat16).float()
-        if from_numpy:
-            o = o.float().cpu().numpy()
-            lse = lse.cpu().numpy()
-            if self.program.cache.layout is ir.Layout.BSHD:  # O comes back in q's layout
-                o = o.transpose(0, 2, 1, 3)
+                key = self._key(q, k, v, kwargs)
+            except (NotImplementedError, RuntimeError, AttributeError):  # (meta tensors have no address)
+                key = None
+            bound = self._bound.get(key)
+            if bound is not None:
+                o, lse = self._launch(bound, key, q, k, v, kwargs, None)
+                return (o, lse) if return_lse else o
+        o, lse = self._call_slow(q, k, v, kwargs, plan, options)
         return (o, lse) if return_lse else o
 
+    def _key(self, q, k, v, tensors: dict) -> tuple:
+        ts = tuple((n, tuple(t.shape), t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0)
+                   if hasattr(t, "data_ptr") else (n, id(t)) for n, t in tensors.items())
+        return (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
+                q.device, k.device, v.device, q.data_ptr() % 16 == 0, k.data_ptr() % 16 == 0,
+                v.data_ptr() % 16 == 0, ts)
+
+    def _call_slow(self, q, k, v, tensors: dict, plan, options: dict):
+        """Validate the call, then bind it (no options, no plan given) or run it once as asked."""
+        torch = self._torch
+        L.check_device({"q": q, "k": k, "v": v, **tensors}, self.device)
+        metas = {n: (tuple(t.shape), _kind(t), str(t.dtype)) for n, t in {"q": q, "k": k, "v": v, **tensors}.items()}
+        batch, s_q, s_k = inputs.check_shapes(self.program, metas)
+        if any(x.dtype != self._dtype for x in (q, k, v)):
+            raise InputError(f"inputs: q/k/v have dtypes {q.dtype}/{k.dtype}/{v.dtype}; "
+                             f"the spec stores {self.program.dtype}")
+        p = self.program
+        bshd = p.cache.layout is ir.Layout.BSHD
+        out_shape = (batch, s_q, p.heads_q, p.d_v) if bshd else (batch, p.heads_q, s_q, p.d_v)
+        # The Triton interpreter (3.9) reads bf16 tensors as garbage: on the CPU, bf16 specs carry
+        # their (already bf16-rounded) values in float32 and O is rounded to bf16 after.
+        emulate = interpreted() and self._dtype == torch.bfloat16
+        bound = _Bound(batch=batch, s_q=s_q, s_k=s_k, out_shape=out_shape, bshd=bshd, emulate=emulate,
+                       dtype=self._dtype, names=self._tensor_names, digest=self.digest, static=None)
+        if plan is None and not any(v is not None for v in options.values()):
+            key = self._key(q, k, v, tensors)
+            self._bound[key] = bound
+            return self._launch(bound, key, q, k, v, tensors, None)
+        if plan is not None:
+            plan.check_call(p, batch, s_q, s_k)
+        return self._launch(bound, None, q, k, v, tensors, (plan, options))
+
+    def _launch(self, bound: _Bound, key, q, k, v, tensors: dict, asked):
+        """Find (or make) the launch for this call's plan and run it.  ``asked``: (plan, options)
+        of a call that overrides the launch layer; such calls are not cached by key."""
+        torch = self._torch
+        if bound.emulate:
+            q, k, v = (x.float() for x in (q, k, v))
+        if bound.bshd:  # strides carry the layout; the kernels index logical bhsd
+            qb, kb, vb = (x.transpose(1, 2) for x in (q, k, v))
+        else:
+            qb, kb, vb = q, k, v
+        try:
+            ts = L.tensor_args(self.module, tensors)
+        except KeyError as e:
+            raise InputError(f"inputs: missing key '{e.args[0]}'") from None
+        if asked is None:
+            launch = self._cached_launch(bound, key, qb, kb, vb, tensors)
+        else:
+            launch = self._make_launch(bound, qb, kb, vb, tensors, *asked)
+        out = torch.empty(bound.out_shape, device=q.device, dtype=qb.dtype)
+        lse = torch.empty((bound.batch, self.program.heads_q, bound.s_q), device=q.device, dtype=torch.float32)
+        ob = out.transpose(1, 2) if bound.bshd else out
+        self._run_launch(launch, qb, kb, vb, ts, ob, lse, key)
+        if bound.emulate:
+            out = out.to(torch.bfloat16)
+        return out, lse
+
+    def _run_launch(self, launch, qb, kb, vb, ts, ob, lse, key):
+        try:
+            launch(qb, kb, vb, ts, ob, lse, key)
+        except Exception as e:  # the default may not fit a mask's extra loads: one stage fewer
+            c = launch.config
+            if c.origin != "default" or c.num_stages <= 1 or type(e).__name__ != "OutOfResources":
+                raise
+            launch.__init__(launch.module, L.replace(c, num_stages=c.num_stages - 1), launch.arrays,
+                            (launch.batch, launch.s_q, launch.s_k), launch.device)
+            self._run_launch(launch, qb, kb, vb, ts, ob, lse, key)
+
+    def _cached_launch(self, bound: _Bound, key, qb, kb, vb, tensors: dict):
+        if self._mask_reads:
+            named = [tensors[n] for n in self._tensor_names if n in tensors]
+            pkey = (self.digest, key, tuple(P.tensor_key(n, tensors[n]) for n in self._tensor_names if n in tensors))
+        else:
+            named, pkey = [], (self.digest, key)
+        launch = P.PLANS.get(pkey, named)
+        if launch is None:
+            import torch
+            if qb.is_cuda and torch.cuda.is_current_stream_capturing():
+                raise PlanError("a prefill call is being captured in a CUDA graph but its plan is not made yet: "
+                                "run the call once before capture (its plan is then reused), and for a mask that "
+                                "reads tensors, capture with the same tensors (a graph replays its plan)")
+            launch = self._make_launch(bound, qb, kb, vb, tensors, None, {})
+            P.PLANS.put(pkey, launch, P.nbytes_of(launch.arrays), named)
+        return launch
+
+    def _make_launch(self, bound: _Bound, qb, kb, vb, tensors: dict, plan, options: dict):
+        """Choose the config and plan for this call and bind a launch (``launch.choose_prefill``)."""
+        from attnc.compiler import tune
+        p = self.program
+        asked = dict(options)
+        tuned = None
+        if plan is None and asked.get("block_m") is None and asked.get("block_n") is None:
+            tuned = tune.tuned_tiles(p, bound.batch, bound.s_q, bound.s_k, "triton")
+        host = {n: (t.detach().cpu().numpy() if hasattr(t, "detach") else np.asarray(t)) for n, t in tensors.items()}
+        host = {n: a.astype(np.int64) if a.dtype.kind in "iu" else a for n, a in host.items()}
+        made: dict = {}
+
+        def plan_for(bm, bn):
+            _check_gpu_tile(bm, bn)
+            if not made:
+                made[(bm, bn)] = make_plan(p, bound.batch, bound.s_q, bound.s_k, host, bm, bn)
+            elif (bm, bn) not in made:  # the mask analysis is reused; only the tiles change
+                made[(bm, bn)] = next(iter(made.values())).retile(bm, bn)
+            return made[(bm, bn)]
+
+        contiguous = all(x.is_contiguous() for x in (qb, kb, vb))
+        config, plan = L.choose_prefill(p, bound.s_q, bound.s_k, plan_for, asked=asked, tuned=tuned,
+                                        contiguous=contiguous, device_capability=L.capability(qb.device),
+                                        given_plan=plan)
+        arrays = self.device_plan(plan, qb.device)
+        return L.PrefillLaunch(self.module, config, arrays, (bound.batch, bound.s_q, bound.s_k), qb.device)
+
+    def prepare(self, q, k, v, *, plan: Plan | None = None, **kwargs):
+        """A prefill call bound once and run many times (the tuner's and the studies' timing
+        loop): returns ``run()`` -> (O, LSE), each run allocating O and LSE and launching with the
+        config ``kwargs``' options select (torch inputs in the spec's layout)."""
+        options = {n: kwargs.pop(n) for n in PREFILL_OPTIONS if n in kwargs}
+        tensors = kwargs
+        L.check_device({"q": q, "k": k, "v": v, **tensors}, self.device)
+        metas = {n: (tuple(t.shape), _kind(t), str(t.dtype)) for n, t in {"q": q, "k": k, "v": v, **tensors}.items()}
+        batch, s_q, s_k = inputs.check_shapes(self.program, metas)
+        p = self.program
+        bshd = p.cache.layout is ir.Layout.BSHD
+        qb, kb, vb = (x.transpose(1, 2) for x in (q, k, v)) if bshd else (q, k, v)
+        bound = _Bound(batch=batch, s_q=s_q, s_k=s_k, out_shape=None, bshd=bshd, emulate=False, dtype=q.dtype,
+                       names=self._tensor_names, digest=self.digest, static=None)
+        launch = self._make_launch(bound, qb, kb, vb, tensors, plan, options)
+        ts = L.tensor_args(self.module, tensors)
+        torch = self._torch
+        shape = (batch, s_q, p.heads_q, p.d_v) if bshd else (batch, p.heads_q, s_q, p.d_v)
+
+        def run():
+            out = torch.empty(shape, device=q.device, dtype=q.dtype)
+            lse = torch.empty((batch, p.heads_q, s_q), device=q.device, dtype=torch.float32)
+            self._run_launch(launch, qb, kb, vb, ts, out.transpose(1, 2) if bshd else out, lse, None)
+            return out, lse
+        run.config = launch.config
+        return run
+
+    def config_for(self, q, k, v, **tensors) -> L.PrefillConfig:
+        """The config an untuned call with these inputs runs (binds it if needed)."""
+        self(q, k, v, **tensors)  # binds
+        key = self._key(q, k, v, tensors)
+        bound = self._bound[key]
+        launch = self._cached_launch(bound, key, *(x.transpose(1, 2) if bound.bshd else x for x in (q, k, v)),
+                                     tensors)
+        return launch.config
+
+    def _numpy_call(self, q, k, v, tensors: dict, plan, options: dict, return_lse: bool):
+        """numpy inputs: validated, copied to the kernel's device in the spec's dtype, and back."""
+        torch = self._torch
+        call = inputs.validate(self.program, {"q": q, "k": k, "v": v, **tensors})
+        dev = self.device
+        q_t, k_t, v_t = (torch.as_tensor(np.ascontiguousarray(x), device=dev).to(self._dtype)
+                         for x in (call.q, call.k, call.v))
+        if self.program.cache.layout is ir.Layout.BSHD:  # validate gave bhsd; the call takes the spec's layout
+            q_t, k_t, v_t = (x.transpose(1, 2) for x in (q_t, k_t, v_t))
+        ts = {n: torch.as_tensor(np.ascontiguousarray(t.astype(np.int32) if t.dtype.kind in "iu" else t), device=dev)
+              for n, t in call.tensors.items()}
+        o, lse = self._call_slow(q_t, k_t, v_t, ts, plan, options) if plan is not None or any(
+            v is not None for v in options.values()) else self(q_t, k_t, v_t, return_lse=True, **ts)
+        o = o.float().cpu().numpy()
+        lse = lse.cpu().numpy()
+        return (o, lse) if return_lse else o
 
     # ------------------------------------------------------------ split calls (decode, append, mixed)
     def decode_plan(self, arrays: dict, **options) -> dict:
         """The split-K/V plan of a call (``backends.triton.decode.decode_plan``)."""
         return decode_plan(self.program, arrays, **options)
 
-    decode_args = staticmethod(decode_args)
+    @staticmethod
+    def decode_args(plan: dict, device) -> dict:
+        """A decode plan with its arrays on ``device`` in one copy (upload once, launch many times)."""
+        host = {n: np.asarray(_to_numpy(plan[n])) for n in DECODE_ARRAYS}
+        return {**plan, **P.upload(host, device, DECODE_ARRAYS)}
+
+    def split_launch(self, num_warps: int = 4, num_stages: int = 2) -> L.SplitLaunch:
+        key = (num_warps, num_stages)
+        if key not in self._splits:
+            self._splits[key] = L.SplitLaunch(self.module, num_warps, num_stages)
+        return self._splits[key]
+
+    def workspace(self, total_q: int, splits: int, device):
+        """The split workspace (partial O, m, l, valid flags) in one allocation."""
+        n = L.workspace_bytes(self.module, total_q, splits, self.program.state.value)
+        return self._torch.empty(n, device=device, dtype=self._torch.uint8)
 
     def split_tensors(self, arrays: dict) -> dict:
         """Pop the spec's declared tensors out of a split call's keyword arrays (all must be there)."""
-        names = {t.name for t in self.program.tensors}
+        names = set(self._tensor_names)
         tensors = {n: arrays.pop(n) for n in list(arrays) if n in names}
         missing = names - set(tensors)
         if missing:
@@ -287,17 +327,15 @@ class Kernel:
         """A split call given by DESIGN §5's keys (what `attnc run` reads from an npz): packed
         q [total_q, H_q, d_qk] with ``q_lens`` / ``qo_indptr`` (default: one query row per
         request, decode) over any cache; returns packed o [total_q, H_q, d_v] (and
-        lse [total_q, H_q]).  Prefill, append, decode and mixed batches are one call.
-        ``cuda_graph``: capture the call (``decode_graph``) and replay it."""
+        lse [total_q, H_q]).  ``cuda_graph``: capture the call (``decode_graph``) and replay it."""
         arrays = dict(arrays)
         if "q" not in arrays:
             raise InputError("inputs: missing key 'q'")
         required, optional = inputs.cache_keys(self.program)
-        names = {t.name for t in self.program.tensors}
-        unknown = sorted(set(arrays) - {*required, *optional, *names})
+        unknown = sorted(set(arrays) - {*required, *optional, *self._tensor_names})
         if unknown:
             raise InputError(f"inputs: unknown key '{unknown[0]}' for a {inputs.cache_description(self.program)} "
-                             f"(expected keys: {', '.join(sorted([*required, *names]))}; optional: "
+                             f"(expected keys: {', '.join(sorted([*required, *self._tensor_names]))}; optional: "
                              f"{', '.join(optional)})")
         q = arrays.pop("q")
         if cuda_graph:
@@ -307,12 +345,11 @@ class Kernel:
     def _run_graph(self, q, arrays: dict, return_lse: bool, options: dict):
         """``run`` through a captured graph: host arrays go to the GPU in the spec's dtype (the
         cache the graph reads, the query rows it copies in), metadata stays on the host."""
-        import torch
-        dtype = getattr(torch, TORCH_DTYPES[self.program.dtype])
+        torch = self._torch
 
         def dev(a):
             t = a if isinstance(a, torch.Tensor) else torch.as_tensor(np.ascontiguousarray(a, np.float32))
-            return t.to(self.device, dtype)
+            return t.to(self.device, self._dtype)
         kv = {n: dev(a) for n, a in arrays.items() if n in ("k", "v", "k_cache", "v_cache")}
         meta = {n: a for n, a in arrays.items() if n not in kv}
         q_t = dev(q)
@@ -322,18 +359,39 @@ class Kernel:
             o, lse = o.float().cpu().numpy(), lse.cpu().numpy()
         return (o, lse) if return_lse else o
 
-    def decode_graph(self, q, *, max_kv_len: int | None = None, block_n: int = 64, splits: int | None = None,
-                     block_q: int | None = None, num_warps: int = 4, num_stages: int = 2,
-                     capture: bool | None = None, **arrays):
+    def decode_graph(self, q, *, max_kv_len: int | None = None, block_n: int | None = None,
+                     splits: int | None = None, block_q: int | None = None, num_warps: int = 4,
+                     num_stages: int = 2, capture: bool | None = None, **arrays):
         """The split call ``decode(q, **arrays)`` captured as a CUDA graph over buffers it owns
         (``graph.DecodeGraph``): ``g.update(kv_lens=..., block_table=...)`` plans the next step,
-        ``g(q)`` replays and returns (O, LSE).  ``max_kv_len``: the longest request a later
-        update may bring (default: this call's longest)."""
+        ``g(q)`` replays and returns (O, LSE)."""
         from .graph import DecodeGraph
         return DecodeGraph(self, q, max_kv_len=max_kv_len, block_n=block_n, splits=splits, block_q=block_q,
                            num_warps=num_warps, num_stages=num_stages, capture=capture, **arrays)
 
-    def decode(self, q, *, plan: dict | None = None, return_lse=False, block_n: int = 64,
+    def prepare_decode(self, q, plan: dict, *, num_warps: int = 4, num_stages: int = 2, **arrays):
+        """A split call with its plan uploaded once: returns ``run()`` -> (O, LSE) (torch inputs on
+        the kernel's device)."""
+        torch = self._torch
+        tensors = self.split_tensors(arrays)
+        k_cache = arrays.get("k_cache", arrays.get("k"))
+        v_cache = arrays.get("v_cache", arrays.get("v"))
+        plan = dict(plan)
+        p = self.program
+        plan["k_strides"], plan["v_strides"] = cache_strides(p.cache.kind.value, p.cache.layout.value, k_cache, v_cache)
+        arrays_dev = self.decode_args(plan, q.device)
+        ts = L.tensor_args(self.module, {n: device_tensor(t, q.device) for n, t in tensors.items()})
+        launch = self.split_launch(num_warps, num_stages)
+        total_q = int(q.shape[0])
+
+        def run():
+            out = torch.empty(total_q, p.heads_q, p.d_v, device=q.device, dtype=q.dtype)
+            lse = torch.empty(total_q, p.heads_q, device=q.device, dtype=torch.float32)
+            ws = self.workspace(total_q, plan["splits"], q.device)
+            return launch(q, k_cache, v_cache, plan, arrays_dev, ts, out, lse, ws)
+        return run
+
+    def decode(self, q, *, plan: dict | None = None, return_lse=False, block_n: int | None = None,
                splits: int | None = None, block_q: int | None = None, num_warps: int = 4, num_stages: int = 2,
                **arrays):
         """One split call: packed q [total_q, H_q, d_qk] (decode: [B, H_q, d_qk], the new token of
@@ -342,31 +400,31 @@ class Kernel:
         optional ``q_lens`` / ``qo_indptr`` (request b's rows are q[qo_indptr[b]:qo_indptr[b+1]],
         at positions kv_lens[b] - q_lens[b] + i) and declared tensors by name.  Returns O
         [total_q, H_q, d_v] (and LSE [total_q, H_q])."""
-        import torch
+        torch = self._torch
         p = self.program
         tensors = self.split_tensors(arrays)
         from_numpy = isinstance(q, np.ndarray)
         if not from_numpy:
-            self._check_device({"q": q, **{n: a for n, a in arrays.items() if n in ("k", "v", "k_cache", "v_cache")},
-                                **tensors})
+            L.check_device({"q": q, **{n: a for n, a in arrays.items() if n in ("k", "v", "k_cache", "v_cache")},
+                            **tensors}, self.device)
         if len(q.shape) != 3 or tuple(q.shape[1:]) != (p.heads_q, p.d_qk):
             raise InputError(f"inputs: 'q' has shape {list(q.shape)}; a split call packs its query rows "
                              f"as [total_q, H_q={p.heads_q}, d_qk={p.d_qk}]")
         if plan is None:
-            plan = self.decode_plan(arrays, block_n=block_n, splits=splits, tensors=tensors, block_q=block_q,
-                                    total_q=int(q.shape[0]))
+            options = {n: x for n, x in (("block_n", block_n), ("splits", splits), ("block_q", block_q))
+                       if x is not None}
+            plan = self.decode_plan(arrays, tensors=tensors, total_q=int(q.shape[0]), **options)
         elif int(q.shape[0]) != plan["total_q"]:
             raise InputError(f"inputs: 'q' has {int(q.shape[0])} packed rows; the plan was made for "
                              f"{plan['total_q']} (q_lens {np.asarray(_to_numpy(plan['q_lens'])).tolist()})")
-        dtype = getattr(torch, TORCH_DTYPES[p.dtype])
-        carry = torch.float32 if interpreted() and dtype == torch.bfloat16 else dtype
+        carry = torch.float32 if interpreted() and self._dtype == torch.bfloat16 else self._dtype
         dev = self.device if from_numpy else q.device
 
         def dev_tensor(a, dt=None):
             t = a if isinstance(a, torch.Tensor) else torch.as_tensor(np.ascontiguousarray(a))
             return t.to(dev, dt) if dt is not None else t.to(dev)
 
-        kv = {n: dev_tensor(np.asarray(a, np.float32), dtype).to(carry) if isinstance(a, np.ndarray) else a
+        kv = {n: dev_tensor(np.asarray(a, np.float32), self._dtype).to(carry) if isinstance(a, np.ndarray) else a
               for n, a in arrays.items() if n in ("k", "v", "k_cache", "v_cache")}
         k_cache = kv.get("k_cache", kv.get("k"))
         v_cache = kv.get("v_cache", kv.get("v"))
@@ -377,13 +435,15 @@ class Kernel:
         if kind == "contiguous":
             plan["base"] = np.asarray(_to_numpy(plan["cache_rows"]), np.int64) * _rows_per_batch(
                 p.cache.layout.value, k_cache)
-        q_t = dev_tensor(np.asarray(q, np.float32), dtype).to(carry) if from_numpy else q
-        launch = self.decode_args(plan, dev)
-        tens = {n: device_tensor(t, dev) for n, t in tensors.items()}
-        o, lse = self.module.decode(q_t, k_cache, v_cache, launch, num_warps=num_warps, num_stages=num_stages,
-                                    **tens)
-        if carry != dtype:
-            o = o.to(dtype)
+        q_t = dev_tensor(np.asarray(q, np.float32), self._dtype).to(carry) if from_numpy else q
+        arrays_dev = self.decode_args(plan, dev)
+        ts = L.tensor_args(self.module, {n: device_tensor(t, dev) for n, t in tensors.items()})
+        total_q = int(q_t.shape[0])
+        out = torch.empty(total_q, p.heads_q, p.d_v, device=dev, dtype=q_t.dtype)
+        lse = torch.empty(total_q, p.heads_q, device=dev, dtype=torch.float32)
+        ws = self.workspace(total_q, plan["splits"], dev)
+        self.split_launch(num_warps, num_stages)(q_t, k_cache, v_cache, plan, arrays_dev, ts, out, lse, ws)
+        o = out.to(self._dtype) if carry != self._dtype else out
         if from_numpy:
             o, lse = o.float().cpu().numpy(), lse.cpu().numpy()
         return (o, lse) if return_lse else o
@@ -391,6 +451,6 @@ class Kernel:
 
 def load(program: ir.Program) -> Kernel:
     """The kernel of a spec: ``kernel(q, k, v, ...)`` for prefill/append over contiguous K/V,
-    ``kernel.decode(q, ...)`` / ``kernel.run(arrays)`` for split-K/V calls (decode, append,
-    mixed batches: packed query rows with q_lens / qo_indptr) over any cache layout."""
+    ``kernel.decode(q, ...)`` / ``kernel.run(arrays)`` for split-K/V calls (decode, append, mixed
+    batches: packed query rows with q_lens / qo_indptr) over any cache layout."""
     return Kernel(program, emit(program))

@@ -149,7 +149,8 @@ def test_prefill_walks_agree_with_the_oracle(walk, spec):
     arrays = inputs.sample(program, 2, 64, 64, seed=9)
     tensors = {n: a for n, a in arrays.items() if n not in ("q", "k", "v")}
     plan = kernel.plan(2, 64, 64, tensors, TILE, TILE)
-    args = plan.kernel_args()
+    from attnc.backends.triton.plans import walk_arrays
+    args = walk_arrays(plan)
     assert args["merged_partial"].sum() == len(args["partial_indices"])
     assert len(args["merged_partial"]) == len(args["partial_indices"]) + len(args["full_indices"])
     o, lse = kernel(arrays["q"], arrays["k"], arrays["v"], return_lse=True, plan=plan, walk=walk, **tensors)
@@ -172,28 +173,12 @@ def test_prefill_document_mask_as_predicate_or_intervals(walk):
         assert all(c.ok for c in numerics.compare_outputs("f32", o, lse, ref_o, ref_lse)), source
 
 
-@pytest.mark.parametrize("walk", ["merged", "merged_blocks", "blocks"])
-def test_prefill_persistent_programs(walk):
-    """A fixed number of programs looping over (query tile, head) pairs, fewer and more than there are."""
-    program = compile_spec(WALK_SPECS["document"])
-    kernel = runtime.load(program)
-    arrays = inputs.sample(program, 2, 40, 40, seed=5)
-    tensors = {n: a for n, a in arrays.items() if n not in ("q", "k", "v")}
-    ref_o, ref_lse = oracle.reference(program, arrays["q"], arrays["k"], arrays["v"], tensors)
-    for programs in (3, 1000):
-        o, lse = kernel(arrays["q"], arrays["k"], arrays["v"], return_lse=True, block_m=TILE, block_n=TILE, walk=walk,
-                        programs=programs, **tensors)
-        assert all(c.ok for c in numerics.compare_outputs("f32", o, lse, ref_o, ref_lse)), programs
-
-
 def test_prefill_walk_must_be_known():
     program = compile_spec(WALK_SPECS["window"])
     kernel = runtime.load(program)
     arrays = inputs.sample(program, 1, 16, 16, seed=9)
     with pytest.raises(ValueError, match="walk must be one of"):
         kernel(arrays["q"], arrays["k"], arrays["v"], walk="zigzag")
-    with pytest.raises(ValueError, match="at least one program"):
-        kernel(arrays["q"], arrays["k"], arrays["v"], programs=0)
     with pytest.raises(ValueError, match="no exact interval vectors"):
         kernel(arrays["q"], arrays["k"], arrays["v"], mask_source="intervals")
 

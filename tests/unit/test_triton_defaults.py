@@ -1,16 +1,41 @@
-"""The Triton prefill kernel's untuned defaults (measured on the H200, bench/results/): the launch
-config before planning, and the second look at the 128x128 plan's row lengths."""
+"""The launch layer's untuned choices (``backends/triton/launch.py``), as host logic: no kernel is
+loaded or launched.  The choices themselves were measured on the H200 (bench/results/)."""
+import numpy as np
 import pytest
 
-from attnc.backends.triton import runtime
-from attnc.backends.triton.bench import PREFILL_MASKS, spec_text
+from attnc.backends.triton import launch
 from attnc.compiler import inputs
 from attnc.compiler.lower import compile_spec
 from attnc.compiler.plan import plan as make_plan
 
+MASKS = {
+    "causal": ("causal", ""),
+    "sliding_window_1024": ("causal & window(1024)", ""),
+    "causal_document": ("causal & doc[b, q] == doc[b, k]", "tensor doc: i32[b, s] ~ segments(256, 2048)"),
+    "prefix_lm_2048": ("causal | k < 2048", ""),
+    "full": ("true", ""),
+    "chunked_causal_1024": ("causal & q // 1024 == k // 1024", ""),
+}
+
+
+def _spec(mask, head_dim=128, dtype="bf16"):
+    src, decls = MASKS[mask]
+    return compile_spec(f"attention m {{ heads = 2 head_dim = {head_dim} dtype = {dtype} {decls} mask = {src} }}")
+
+
+def _choose(program, s=8192, capability=90, asked=None, tuned=None, contiguous=True, monkeypatch=None):
+    tensors = {n: a for n, a in inputs.sample(program, 2, s, s, 0).items() if n not in ("q", "k", "v")} \
+        if program.tensors else {}
+    tensors = {n: a.astype(np.int64) for n, a in tensors.items()}
+    with monkeypatch.context() as m:
+        m.setattr(launch, "interpreted", lambda: False)
+        return launch.choose_prefill(program, s, s, lambda bm, bn: make_plan(program, 2, s, s, tensors, bm, bn),
+                                     asked=asked or {}, tuned=tuned, contiguous=contiguous,
+                                     device_capability=capability)
+
 
 def test_default_launch_config():
-    cfg = runtime.default_prefill_config
+    cfg = launch.default_prefill_config
     assert cfg(128, 128, False, 90) == {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3,
                                          "use_tma": True}
     assert cfg(128, 128, False, 80)["use_tma"] is False  # TMA is Hopper's
@@ -24,64 +49,56 @@ def test_default_launch_config():
 @pytest.mark.parametrize("mask,short", [("causal", False), ("prefix_lm_2048", False), ("full", False),
                                         ("sliding_window_1024", True), ("chunked_causal_1024", True),
                                         ("causal_document", True)])
-def test_short_rows_take_64_tiles(mask, short):
-    src, decls = PREFILL_MASKS[mask]
-    program = compile_spec(spec_text(mask, 1, 16, src, decls))  # the plan reads the mask only
-    tensors = {n: a for n, a in inputs.sample(program, 4, 8192, 8192, 0).items() if n not in ("q", "k", "v")} \
-        if program.tensors else {}
-    plan = make_plan(program, 4, 8192, 8192, tensors, 128, 128)
-    assert (runtime.mean_row_blocks(plan) < runtime.SHORT_ROW_BLOCKS) == short
-    assert runtime.short_row_config(plan) == (runtime.SHORT_ROW_CONFIG if short else None)
-    assert runtime.short_row_config(make_plan(program, 4, 8192, 8192, tensors, 64, 64)) is None
+def test_short_rows_take_64_tiles_on_the_triton_kernel(mask, short, monkeypatch):
+    """Off Hopper (sm_80 here), the 128 x 128 plan's rows decide: short rows re-tile to 64 x 64."""
+    program = _spec(mask)
+    config, plan = _choose(program, capability=80, monkeypatch=monkeypatch)
+    assert config.engine == "triton"
+    if program.tensors:  # masks that read tensors start at 64 x 64
+        assert (config.block_m, config.num_warps) == (64, 4)
+        return
+    assert (config.block_m, config.block_n) == ((64, 64) if short else (128, 128))
+    assert config.num_warps == (4 if short else 8)
+    assert config.walk is None  # the plan decides it at bind time (launch.default_walk)
 
 
-# ---- the Gluon engine's share of the untuned default, on a pretend sm_90 (the policy is host code)
-@pytest.fixture
-def pretend_hopper(monkeypatch):
-    """Plan and launch choices as runtime.Kernel makes them on an H200 (no launch happens): the
-    kernel loads (under the interpreter, or on the GPU with ATTNC_TEST_GPU=1), then the runtime
-    is told it is on sm_90."""
-    def launch(mask, dtype="bf16", engine=None):
-        src, decls = PREFILL_MASKS[mask]
-        program = compile_spec(spec_text(mask, 2, 128, src, decls).replace("dtype = bf16", f"dtype = {dtype}"))
-        kernel = runtime.load(program)
-        tensors = {n: a for n, a in inputs.sample(program, 2, 8192, 8192, 0).items() if n not in ("q", "k", "v")} \
-            if program.tensors else {}
-        with monkeypatch.context() as m:
-            m.setattr(runtime, "interpreted", lambda: False)
-            m.setattr(runtime, "_capability", lambda: 90)
-            plan, config, _ = kernel.prefill_launch(2, 8192, 8192, tensors, engine=engine)
-            return kernel, kernel.gluon_engine(), plan, config
-    return launch
+@pytest.mark.parametrize("mask", list(MASKS))
+def test_untuned_calls_on_hopper_take_the_gluon_engine(mask, monkeypatch):
+    """Every bench mask, short rows included: 128 x 128 tiles, 2 stages, jobs from a counter;
+    documents' PARTIAL blocks test each row's run of keys, the closed forms their predicate."""
+    config, plan = _choose(_spec(mask), monkeypatch=monkeypatch)
+    assert (config.engine, config.block_m, config.block_n, config.num_stages) == ("gluon", 128, 128,
+                                                                                  launch.GLUON_STAGES)
+    assert config.schedule == "counter"
+    assert config.mask_source == ("rows" if mask == "causal_document" else "predicate")
 
 
-@pytest.mark.parametrize("mask", ["causal", "full", "prefix_lm_2048", "sliding_window_1024", "causal_document",
-                                  "chunked_causal_1024"])
-def test_untuned_calls_on_hopper_take_the_gluon_engine(pretend_hopper, mask):
-    """Every bench mask, short rows (documents, chunks) included: 128 x 128 tiles, 2 stages, the
-    programs drawing their tiles from a counter."""
-    kernel, gluon, plan, launch = pretend_hopper(mask)
-    assert gluon
-    assert ((plan.block_m, plan.block_n), launch["engine"]) == ((128, 128), None)
-    assert launch["num_stages"] == runtime.GLUON_STAGES
-    module = kernel.module
-    assert module.SCHEDULE_NAMES[module.gluon_schedule(plan.kernel_args())] == "counter"
-    # documents: PARTIAL blocks test each row's run of keys, the closed forms their predicate
-    assert plan.kernel_args()["mask_from_rows"] is (mask == "causal_document")
+def test_engine_choice_by_hand_by_spec_and_by_shape(monkeypatch):
+    config, _ = _choose(_spec("causal_document"), asked={"engine": "gluon"}, monkeypatch=monkeypatch)
+    assert (config.engine, config.origin) == ("gluon", "default")
+    config, plan = _choose(_spec("causal"), asked={"engine": "triton"}, monkeypatch=monkeypatch)
+    assert (config.engine, config.block_m, config.num_stages) == ("triton", 128, 3)
+    assert _choose(_spec("causal", dtype="f32"), monkeypatch=monkeypatch)[0].engine == "triton"  # spec
+    assert _choose(_spec("causal", head_dim=96), monkeypatch=monkeypatch)[0].engine == "triton"
+    assert _choose(_spec("causal"), s=8000, monkeypatch=monkeypatch)[0].engine == "triton"  # not a tile multiple
+    assert _choose(_spec("causal"), contiguous=False, monkeypatch=monkeypatch)[0].engine == "triton"
+    with pytest.raises(ValueError, match="engine='gluon': the Gluon engine needs S_q a multiple of 128"):
+        _choose(_spec("causal"), s=8000, asked={"engine": "gluon"}, monkeypatch=monkeypatch)
+    with pytest.raises(ValueError, match="engine='gluon': the Gluon engine needs an sm_90 GPU"):
+        _choose(_spec("causal"), capability=80, asked={"engine": "gluon"}, monkeypatch=monkeypatch)
+    # an option only the Triton kernel has takes the Triton kernel's defaults
+    assert _choose(_spec("causal"), asked={"walk": "blocks"}, monkeypatch=monkeypatch)[0].engine == "triton"
 
 
-def test_engine_choice_by_hand_and_by_spec_on_hopper(pretend_hopper):
-    kernel, _, plan, launch = pretend_hopper("causal_document", engine="gluon")  # asked for
-    assert ((plan.block_m, plan.block_n), launch["engine"]) == ((128, 128), "gluon")
-    kernel, _, plan, launch = pretend_hopper("causal", engine="triton")  # the Triton kernel's default
-    assert ((plan.block_m, plan.block_n), launch["num_stages"], launch["engine"]) == ((128, 128), 3, "triton")
-    kernel, gluon, plan, launch = pretend_hopper("causal", dtype="f32")  # a spec the engine does not take
-    assert not gluon and launch["engine"] == "triton"
+def test_a_tuned_winner_keeps_the_triton_kernel(monkeypatch):
+    tuned = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 4, "use_tma": True}
+    config, plan = _choose(_spec("causal"), tuned=tuned, monkeypatch=monkeypatch)
+    assert (config.engine, config.block_n, config.num_stages, config.origin) == ("triton", 64, 4, "tuned")
 
 
-def test_a_tuned_winner_keeps_the_triton_kernel(pretend_hopper, monkeypatch):
-    from attnc.compiler import tune
-    monkeypatch.setattr(tune, "tuned_tiles", lambda *a, **k: {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8,
-                                                              "num_stages": 3, "use_tma": True})
-    kernel, _, plan, launch = pretend_hopper("causal")
-    assert launch["engine"] == "triton" and launch["num_stages"] == 3
+@pytest.mark.parametrize("bad, match", [({"engine": "cuda"}, "engine must be"), ({"walk": "zigzag"}, "walk must be"),
+                                        ({"head_group": 0}, "head_group = 0"), ({"schedule": "ring"}, "schedule must"),
+                                        ({"mask_source": "rows", "engine": "triton"}, "option of the Gluon engine")])
+def test_unknown_options_are_refused_before_planning(bad, match):
+    with pytest.raises(ValueError, match=match):
+        launch.check_options(bad)

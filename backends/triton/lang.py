@@ -1,3 +1,10 @@
+"""Triton functions the generated spec modules call: the language's integer rules and its
+functions that Triton lacks.  Kept apart from the kernels so a generated module imports only
+what its printed expressions need."""
+import triton
+import triton.language as tl
+
+
 @triton.jit
 def _floordiv(a, b):
     """Floor division (the language's rule; Triton's // truncates toward zero)."""

@@ -1,21 +1,30 @@
-# ----------------------------------------------------------------------------------------------
-# The Gluon engine (Hopper, sm_90): the same plan walked by a warp-specialized program, one per SM,
-# each drawing (query tile, head) jobs from a counter, longest first.  One producer warp hands each
-# job over with its Q, and every computed K/V block of the row's merged block list (WALK 3's arrays)
-# with the block's index and PARTIAL flag, through STAGES shared-memory stages behind mbarriers
-# (TMA loads); two consumer warpgroups, each with 64 of the tile's 128 query rows, run Q.K^T and P.V
-# on the tensor cores (wgmma) and the online softmax, and take turns on the tensor cores (one's
-# softmax under the other's MMA).  PARTIAL blocks apply each row's run of keys [KS, KE) where the
-# plan has one (masks reading tensors: documents), else the predicate ``visible``; the score
-# program is inlined as in the Triton kernel.  The engine runs what ``gluon_reason`` admits; every
-# other call takes the Triton kernel above.  Measured on the H200: see ``GLUON_SCHEDULE`` and
-# bench/results/README.md.
+"""The Gluon engine (Hopper, sm_90): the prefill plan walked by a warp-specialized program.
+
+One program per SM draws (query tile, head) jobs from a counter in ``_job``'s longest-first
+order (SCHEDULE COUNTER; or one job per program, ONE_TILE).  One producer warp hands each job
+over with its Q, and every computed K/V block of the row's merged block list (the Triton
+kernel's ``merged_blocks`` arrays) with the block's index and PARTIAL flag, through STAGES
+shared-memory stages behind mbarriers (TMA loads); two consumer warpgroups, each with 64 of the
+tile's 128 query rows, run Q.K^T and P.V on the tensor cores (wgmma) and the online softmax, and
+take turns on the tensor cores (one's softmax under the other's MMA).  PARTIAL blocks apply each
+row's run of keys [KS, KE) where the plan has one (MASK_FROM_ROWS: masks reading tensors, such
+as documents), else the spec's ``VISIBLE`` predicate; the spec's ``SCORE`` program is inlined as
+in the Triton kernel.  The spec arrives as constexpr arguments, as in ``prefill.py``.
+
+The counter is an int32 the launch layer keeps per device and stream, zero before a launch: the
+program whose draw is the launch's last (the counter then holds the job count) sets it back to
+zero, so a launch leaves it ready for the next one on its stream, CUDA-graph replays included.
+"""
+import triton.language as tl
+
+from .prefill import _job, _tile_of
+
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                                   warpgroup_mma, warpgroup_mma_wait)
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     # TMA copies were renamed after triton 3.6 (async_copy_global_to_shared -> async_load, and the
     # store likewise); the old store name raises in 3.9
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
@@ -23,29 +32,22 @@ try:
     HAS_GLUON = True
 except (ImportError, AttributeError):  # a Triton without Gluon: the engine is unavailable
     HAS_GLUON = False
+    TensorDescriptor = None
 
-    class gluon:  # noqa: N801 - keeps the definitions below importable; gluon_reason refuses the engine
+    class gluon:  # noqa: N801 - keeps the definitions below importable; the launch layer refuses the engine
         jit = staticmethod(lambda fn: fn)
 
-GLUON_ROWS = 64  # query rows per consumer warpgroup; the engine's query tile is 2 * GLUON_ROWS
-GLUON_REGS = (168, 232, 24)  # maxnreg, then the worker consumer's and the producer warp's registers
-GLUON_SMEM = 232448  # bytes of shared memory a program may take on sm_90
-
-
-# How the engine's programs take their jobs (``_attn_fwd_ws``'s SCHEDULE): one job per program, or
-# one program per SM taking the next job, in ``_job``'s longest-first order, from a counter (drawn
-# by the producer warp).  Measured on the H200 (bench/results/studies/gluon_engine_h200_r36.jsonl,
-# in turns), the counter against one job per program and against a third way since removed, every
-# num_programs-th job: documents 300.2 / 279.8 / 290.1, sliding window 1024 418.6 / 398.1 / 412.1,
-# causal 534.9 / 530.7 / 498.7 (striding loses the longest-first balance); r37: prefix-LM 541.4
-# against 520.9, full 561.0 against 544.0.
+ROWS = 64  # query rows per consumer warpgroup; the engine's query tile is 2 * ROWS
+REGS = (168, 232, 24)  # maxnreg, then the consumer warpgroups' and the producer warp's registers
+SMEM = 232448  # bytes of shared memory a program may take on sm_90
 ONE_TILE, COUNTER = tl.constexpr(0), tl.constexpr(1)
-SCHEDULE_NAMES = ("one_tile", "counter")
+SCHEDULES = {"one_tile": 0, "counter": 1}
 
 
 @gluon.jit
-def _ws_softmax(s, part, kb, ks, ke, m_i, l_i, b, h, q_pos, qk_scale{{ targs }}, HAS_SCORE: tl.constexpr,
-                MASK_FROM_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, col_l: tl.constexpr):
+def _ws_softmax(s, part, kb, ks, ke, m_i, l_i, b, h, q_pos, qk_scale, TS, MASK_FROM_ROWS: tl.constexpr,
+                BLOCK_N: tl.constexpr, col_l: tl.constexpr, VISIBLE: tl.constexpr, SCORE: tl.constexpr,
+                HAS_SCORE: tl.constexpr, SCALE: tl.constexpr):
     """K/V block kb of the row's list on the scores s: the score program, the mask where the
     block is PARTIAL (part != 0): the predicate, or MASK_FROM_ROWS the rows' runs of keys
     [ks, ke); then the online-softmax update.  Returns P, alpha (the accumulator's rescale), m
@@ -53,12 +55,12 @@ def _ws_softmax(s, part, kb, ks, ke, m_i, l_i, b, h, q_pos, qk_scale{{ targs }},
     if HAS_SCORE or part != 0:
         k_pos = (kb * BLOCK_N + gl.arange(0, BLOCK_N, col_l))[None, :]
         if HAS_SCORE:
-            s = score_program(s * SCALE, b, h, q_pos, k_pos{{ targs }})
+            s = SCORE(s * SCALE, b, h, q_pos, k_pos, TS)
         if part != 0:
             if MASK_FROM_ROWS:
                 s = gl.where((k_pos >= ks) & (k_pos < ke), s, float("-inf"))
             else:
-                s = gl.where(visible(b, h, q_pos, k_pos{{ targs }}), s, float("-inf"))
+                s = gl.where(VISIBLE(b, h, q_pos, k_pos, TS), s, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
     m_new = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
     p = gl.exp2(s * qk_scale - m_new[:, None])
@@ -67,11 +69,11 @@ def _ws_softmax(s, part, kb, ks, ke, m_i, l_i, b, h, q_pos, qk_scale{{ targs }},
 
 
 @gluon.jit
-def _ws_job(t, BH, Q_TILES, ORDER, PLAN_B, PLAN_H, M_CSR, HEAD_GROUP: tl.constexpr):
+def _ws_job(t, BH, Q_TILES, ORDER, PLAN_B, PLAN_H, M_CSR, HEAD_GROUP: tl.constexpr, H_Q: tl.constexpr):
     """The launch's t-th job (``_job``'s order): its query tile, b * H_q + h, and its range
     [lo, hi) of the plan's merged block list."""
     rank, bh = _job(t, BH, Q_TILES, HEAD_GROUP)
-    pid_m, b, h, row = _tile_of(rank, bh, ORDER, PLAN_B, PLAN_H, Q_TILES)
+    pid_m, b, h, row = _tile_of(rank, bh, ORDER, PLAN_B, PLAN_H, Q_TILES, H_Q)
     return pid_m, bh, gl.load(M_CSR + row), gl.load(M_CSR + row + 1)
 
 
@@ -95,10 +97,11 @@ def _ws_get(smem, j: tl.constexpr, N: tl.constexpr):
 
 @gluon.jit
 def _ws_consumer(half, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars, o_desc, LSE, KS, KE, S_Q, Q_OFF,
-                 PLAN_B, PLAN_H, Q_TILES, BH, qk_scale{{ targs }}, HAS_SCORE: tl.constexpr,
-                 MASK_FROM_ROWS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
-                 STAGES: tl.constexpr, HEAD_GROUP: tl.constexpr):
-    """Rows [half * ROWS, + ROWS) of each tile the producer hands over: every block of the
+                 PLAN_B, PLAN_H, Q_TILES, BH, qk_scale, TS, MASK_FROM_ROWS: tl.constexpr, ROWS_: tl.constexpr,
+                 BLOCK_N: tl.constexpr, D: tl.constexpr, STAGES: tl.constexpr, HEAD_GROUP: tl.constexpr,
+                 VISIBLE: tl.constexpr, SCORE: tl.constexpr, HAS_SCORE: tl.constexpr, SCALE: tl.constexpr,
+                 H_Q: tl.constexpr):
+    """Rows [half * ROWS_, + ROWS_) of each tile the producer hands over: every block of the
     tile's list, then O (through shared memory and a TMA store) and LSE.  The producer hands
     each job (t, query tile, block range) over with its Q, and each block's index and PARTIAL
     flag with its K, so that the consumers load nothing from the plan.  ``c`` counts the blocks
@@ -114,7 +117,7 @@ def _ws_consumer(half, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars,
     orow_l: tl.constexpr = gl.SliceLayout(1, o_layout)
     q = q_smem.index(half)
     o = o_smem.index(half)
-    s0 = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
+    s0 = gl.zeros([ROWS_, BLOCK_N], gl.float32, s_layout)
     n_jobs = Q_TILES * BH
     c = 0
     jc = 0
@@ -127,8 +130,8 @@ def _ws_consumer(half, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars,
         bh = _job(t, BH, Q_TILES, HEAD_GROUP)[1]
         b = bh // H_Q
         h = bh % H_Q
-        q_tile0 = pid_m * (2 * ROWS)
-        rows = q_tile0 + half * ROWS + gl.arange(0, ROWS, row_l)
+        q_tile0 = pid_m * (2 * ROWS_)
+        rows = q_tile0 + half * ROWS_ + gl.arange(0, ROWS_, row_l)
         q_pos = (Q_OFF + rows)[:, None]
         if MASK_FROM_ROWS:  # the rows' runs of keys, for the tile's PARTIAL blocks
             plane = gl.where(PLAN_B > 1, b, 0) * PLAN_H + gl.where(PLAN_H > 1, h, 0)
@@ -137,9 +140,9 @@ def _ws_consumer(half, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars,
         else:
             ks = 0
             ke = 0
-        m_i = gl.full([ROWS], float("-inf"), gl.float32, row_l)
-        l_i = gl.full([ROWS], 0.0, gl.float32, row_l)
-        acc = gl.zeros([ROWS, D], gl.float32, o_layout)
+        m_i = gl.full([ROWS_], float("-inf"), gl.float32, row_l)
+        l_i = gl.full([ROWS_], 0.0, gl.float32, row_l)
+        acc = gl.zeros([ROWS_, D], gl.float32, o_layout)
         for i in range(lo, hi):
             stage = c % STAGES
             phase = (c // STAGES) & 1
@@ -149,8 +152,8 @@ def _ws_consumer(half, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars,
             part = _ws_get(blk_smem.index(stage), 1, 2)
             s = warpgroup_mma_wait(0, deps=(s, ))
             mbarrier.arrive(k_empty.index(stage), count=1)
-            p, alpha, m_i, l_i = _ws_softmax(s, part, kb, ks, ke, m_i, l_i, b, h, q_pos, qk_scale{{ targs }},
-                                             HAS_SCORE, MASK_FROM_ROWS, BLOCK_N, col_l)
+            p, alpha, m_i, l_i = _ws_softmax(s, part, kb, ks, ke, m_i, l_i, b, h, q_pos, qk_scale, TS,
+                                             MASK_FROM_ROWS, BLOCK_N, col_l, VISIBLE, SCORE, HAS_SCORE, SCALE)
             acc = acc * gl.convert_layout(alpha, orow_l)[:, None]
             mbarrier.wait(v_ready.index(stage), phase)
             acc = warpgroup_mma(gl.convert_layout(p.to(q_smem.dtype), p_layout), v_smem.index(stage), acc,
@@ -165,7 +168,7 @@ def _ws_consumer(half, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars,
         tma.store_wait(0)  # the last tile's O has left shared memory (o may be Q's own stage)
         o.store(out.to(q_smem.dtype))
         fence_async_shared()
-        _tma_store(o_desc, [bh * S_Q + q_tile0 + half * ROWS, 0], o)
+        _tma_store(o_desc, [bh * S_Q + q_tile0 + half * ROWS_, 0], o)
         gl.store(LSE + bh * S_Q + rows, gl.where(seen, (m_i + gl.log2(l_safe)) * 0.6931471805599453,
                                                  float("-inf")))
         jc += 1
@@ -176,30 +179,34 @@ def _ws_consumer(half, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars,
 
 @gluon.jit
 def _ws_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, job_smem, blk_smem, bars, COUNTER_PTR, ORDER,
-                 M_CSR, M_IDX, M_FLAG, S_Q, S_K, PLAN_B, PLAN_H, Q_TILES, BH, ROWS: tl.constexpr,
-                 BLOCK_N: tl.constexpr, STAGES: tl.constexpr, HEAD_GROUP: tl.constexpr, SCHEDULE: tl.constexpr):
+                 M_CSR, M_IDX, M_FLAG, S_Q, S_K, PLAN_B, PLAN_H, Q_TILES, BH, ROWS_: tl.constexpr,
+                 BLOCK_N: tl.constexpr, STAGES: tl.constexpr, HEAD_GROUP: tl.constexpr, SCHEDULE: tl.constexpr,
+                 H_Q: tl.constexpr, H_KV: tl.constexpr, GROUP: tl.constexpr):
     """For each of the program's jobs: once both consumers are done with the last Q, the job
     and its Q, then K and V of every block of the tile's list, each into a stage both consumers
     have released, with the block's index and PARTIAL flag.  The next job (SCHEDULE) and its
     plan lookups are fetched while this one's K/V load; a job past the last tells the consumers
-    to stop."""
+    to stop.  The launch's last draw from the counter resets it to zero (module docstring)."""
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = bars
     n_jobs = Q_TILES * BH
     c = 0
     jc = 0
     t = gl.program_id(0)  # the grid never exceeds the jobs
-    pid_m, bh, lo, hi = _ws_job(t, BH, Q_TILES, ORDER, PLAN_B, PLAN_H, M_CSR, HEAD_GROUP)
+    pid_m, bh, lo, hi = _ws_job(t, BH, Q_TILES, ORDER, PLAN_B, PLAN_H, M_CSR, HEAD_GROUP, H_Q)
     while t < n_jobs:
         if SCHEDULE == COUNTER:
-            nxt = gl.num_programs(0) + gl.atomic_add(COUNTER_PTR, 1)
+            drawn = gl.atomic_add(COUNTER_PTR, 1)
+            if drawn == n_jobs - 1:  # every program's draws add up to n_jobs: this one is the last
+                gl.atomic_add(COUNTER_PTR, -n_jobs)  # (the counter holds n_jobs: back to zero)
+            nxt = gl.num_programs(0) + drawn
         else:
             nxt = n_jobs
         mbarrier.wait(q_empty, (jc & 1) ^ 1)
         _ws_put(job_smem, (t, pid_m, lo, hi), 4)
-        q_row0 = bh * S_Q + pid_m * (2 * ROWS)
+        q_row0 = bh * S_Q + pid_m * (2 * ROWS_)
         mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
         _tma_load(q_desc, [q_row0, 0], q_ready, q_smem.index(0))
-        _tma_load(q_desc, [q_row0 + ROWS, 0], q_ready, q_smem.index(1))
+        _tma_load(q_desc, [q_row0 + ROWS_, 0], q_ready, q_smem.index(1))
         kv_row0 = ((bh // H_Q) * H_KV + (bh % H_Q) // GROUP) * S_K
         for i in range(lo, hi):
             stage = c % STAGES
@@ -217,23 +224,25 @@ def _ws_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, job_smem, blk_s
         jc += 1
         t = nxt
         pid_m, bh, lo, hi = _ws_job(gl.minimum(t, n_jobs - 1), BH, Q_TILES, ORDER, PLAN_B, PLAN_H, M_CSR,
-                                    HEAD_GROUP)
+                                    HEAD_GROUP, H_Q)
     mbarrier.wait(q_empty, (jc & 1) ^ 1)  # "none left", once the consumers are done with the last Q
     _ws_put(job_smem, (t, 0, 0, 0), 4)
     mbarrier.arrive(q_ready, count=1)
 
 
 @gluon.jit
-def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, LSE, COUNTER_PTR, ORDER, M_CSR, M_IDX, M_FLAG, KS, KE{{ targs }},
+def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, LSE, COUNTER_PTR, ORDER, M_CSR, M_IDX, M_FLAG, KS, KE, TS,
                  S_Q, S_K, Q_OFF, PLAN_B, PLAN_H, Q_TILES, qk_scale, BH,
-                 HAS_SCORE: tl.constexpr, MASK_FROM_ROWS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-                 D: tl.constexpr, STAGES: tl.constexpr, HEAD_GROUP: tl.constexpr, CONSUMER_REGS: tl.constexpr,
-                 PRODUCER_REGS: tl.constexpr, SCHEDULE: tl.constexpr):
-    """Jobs (query tile of 2 * ROWS rows, request * query head) in ``_job``'s order: one per
+                 MASK_FROM_ROWS: tl.constexpr, ROWS_: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
+                 STAGES: tl.constexpr, HEAD_GROUP: tl.constexpr, CONSUMER_REGS: tl.constexpr,
+                 PRODUCER_REGS: tl.constexpr, SCHEDULE: tl.constexpr,
+                 VISIBLE: tl.constexpr, SCORE: tl.constexpr, HAS_SCORE: tl.constexpr, SCALE: tl.constexpr,
+                 H_Q: tl.constexpr, H_KV: tl.constexpr, GROUP: tl.constexpr):
+    """Jobs (query tile of 2 * ROWS_ rows, request * query head) in ``_job``'s order: one per
     program (SCHEDULE == ONE_TILE), or one program per SM looping over jobs drawn from the
-    counter at COUNTER_PTR (an int32 zero; SCHEDULE == COUNTER) with O staged in its own
-    buffers, so that the next tile's Q and K/V loads run under this tile's last blocks and
-    epilogue.  KS, KE: each query row's run of keys (MASK_FROM_ROWS), [PLAN_B, PLAN_H, S_Q]."""
+    counter at COUNTER_PTR (SCHEDULE == COUNTER) with O staged in its own buffers, so that the
+    next tile's Q and K/V loads run under this tile's last blocks and epilogue.  KS, KE: each
+    query row's run of keys (MASK_FROM_ROWS), [PLAN_B, PLAN_H, S_Q]."""
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
     if SCHEDULE == ONE_TILE:
         o_smem = q_smem  # one tile per program: O goes out through Q's stages
@@ -259,94 +268,12 @@ def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, LSE, COUNTER_PTR, ORDER, M_CSR,
     bars = (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty)
     gl.warp_specialize([
         (_ws_consumer, (0, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars, o_desc, LSE, KS, KE, S_Q, Q_OFF,
-                        PLAN_B, PLAN_H, Q_TILES, BH, qk_scale{{ targs }}, HAS_SCORE, MASK_FROM_ROWS, ROWS, BLOCK_N, D,
-                        STAGES, HEAD_GROUP)),
+                        PLAN_B, PLAN_H, Q_TILES, BH, qk_scale, TS, MASK_FROM_ROWS, ROWS_, BLOCK_N, D,
+                        STAGES, HEAD_GROUP, VISIBLE, SCORE, HAS_SCORE, SCALE, H_Q)),
         (_ws_consumer, (1, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars, o_desc, LSE, KS, KE, S_Q, Q_OFF,
-                        PLAN_B, PLAN_H, Q_TILES, BH, qk_scale{{ targs }}, HAS_SCORE, MASK_FROM_ROWS, ROWS, BLOCK_N, D,
-                        STAGES, HEAD_GROUP)),
+                        PLAN_B, PLAN_H, Q_TILES, BH, qk_scale, TS, MASK_FROM_ROWS, ROWS_, BLOCK_N, D,
+                        STAGES, HEAD_GROUP, VISIBLE, SCORE, HAS_SCORE, SCALE, H_Q)),
         (_ws_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, job_smem, blk_smem, bars, COUNTER_PTR, ORDER,
-                        M_CSR, M_IDX, M_FLAG, S_Q, S_K, PLAN_B, PLAN_H, Q_TILES, BH, ROWS, BLOCK_N, STAGES,
-                        HEAD_GROUP, SCHEDULE)),
+                        M_CSR, M_IDX, M_FLAG, S_Q, S_K, PLAN_B, PLAN_H, Q_TILES, BH, ROWS_, BLOCK_N, STAGES,
+                        HEAD_GROUP, SCHEDULE, H_Q, H_KV, GROUP)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
-
-
-def gluon_reason(q, k, v, out, plan, *, walk=None, mask_source=None, programs=None, warp_specialize=False):
-    """Why this call cannot take the Gluon engine (a sentence), or None when it can."""
-    import os
-    import torch
-    if not HAS_GLUON:
-        return "this Triton has no Gluon (triton.experimental.gluon)"
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return "Gluon kernels do not run in Triton's interpreter"
-    if not q.is_cuda or torch.cuda.get_device_capability(q.device) != (9, 0):
-        return "the Gluon engine needs an sm_90 GPU (Hopper: wgmma and TMA)"
-    if q.dtype not in (torch.float16, torch.bfloat16):
-        return f"the Gluon engine takes f16 / bf16, not {q.dtype}"
-    if not (D_QK.value == D_V.value and D_QK.value in (64, 128)):
-        return f"the Gluon engine takes head_dim 64 or 128 for both q.k and v, not {D_QK.value} / {D_V.value}"
-    if (plan["block_m"], plan["block_n"]) not in ((2 * GLUON_ROWS, 64), (2 * GLUON_ROWS, 128)):
-        return f"the Gluon engine walks 128 x 64 or 128 x 128 tiles, not {plan['block_m']} x {plan['block_n']}"
-    s_q, s_k = q.shape[2], k.shape[2]
-    if s_q % plan["block_m"] or s_k % plan["block_n"]:
-        return (f"the Gluon engine needs S_q a multiple of {plan['block_m']} and S_k of {plan['block_n']} "
-                f"(S_q = {s_q}, S_k = {s_k})")
-    if not all(t.is_contiguous() for t in (q, k, v) + ((out,) if out is not None else ())):
-        return "the Gluon engine reads and writes contiguous bhsd tensors"
-    if triton_options(walk=walk, programs=programs, warp_specialize=warp_specialize, mask_source=mask_source):
-        return "walk, programs, warp_specialize and mask_source='intervals' are options of the Triton kernel"
-    return None
-
-
-def triton_options(*, walk=None, programs=None, warp_specialize=False, mask_source=None) -> bool:
-    """Whether a call asks for options only the Triton kernel has (``use_runs`` counts as a walk)."""
-    return walk is not None or programs is not None or bool(warp_specialize) or mask_source == "intervals"
-
-
-# How the engine's programs take their jobs: None, the counter (``COUNTER``); else ONE_TILE or COUNTER.
-GLUON_SCHEDULE = None
-
-
-def gluon_schedule(plan) -> int:
-    """How the Gluon engine's programs take this plan's jobs (``GLUON_SCHEDULE``)."""
-    return COUNTER.value if GLUON_SCHEDULE is None else GLUON_SCHEDULE
-
-
-def torch_sms(device) -> int:
-    import torch
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def _attention_gluon(q, k, v, plan, out, lse, num_stages, head_group, ts, mask_source=None, schedule=None):
-    import torch
-    d, bn = D_QK.value, plan["block_n"]
-    dtype = {"torch.float16": gl.float16, "torch.bfloat16": gl.bfloat16}[str(q.dtype)]
-
-    def desc(t, rows):
-        return GluonDescriptor.from_tensor(t.view(-1, d), [rows, d],
-                                           gl.NVMMASharedLayout.get_default_for([rows, d], dtype))
-    batch, _, s_q, _ = q.shape
-    s_k = k.shape[2]
-    bh = batch * H_Q.value
-    maxnreg, consumer_regs, producer_regs = GLUON_REGS
-    schedule = gluon_schedule(plan) if schedule is None else schedule
-    # shared memory: Q (and, persistent, O) 2 x 64 rows, K and V per stage; the H100/H200 give 227 KiB
-    fixed = (1 if schedule == ONE_TILE.value else 2) * 2 * GLUON_ROWS * d * q.element_size()
-    per_stage = 2 * bn * d * q.element_size()
-    num_stages = max(1, min(num_stages, (GLUON_SMEM - fixed - 1024) // per_stage))
-    jobs = plan["q_tiles"] * bh
-    grid = (jobs,) if schedule == ONE_TILE.value else (min(jobs, torch_sms(q.device)),)
-    unused = plan["merged_partial"]  # an int32 pointer for the arguments the launch does not read
-    counter = torch.zeros(1, dtype=torch.int32, device=q.device) if schedule == COUNTER.value else unused
-    # PARTIAL blocks test k against each row's run of keys where the plan has them (no gathers)
-    from_rows = plan.get("mask_from_rows", False) and mask_source != "predicate"
-    row_runs = (plan["KS"], plan["KE"]) if from_rows else (unused, unused)
-    _attn_fwd_ws[grid](
-        desc(q, GLUON_ROWS), desc(k, bn), desc(v, bn), desc(out, GLUON_ROWS), lse, counter, plan["q_tile_order"],
-        plan["merged_indptr"], plan["merged_indices"], plan["merged_partial"], *row_runs, *ts,
-        s_q, s_k, s_k - s_q, plan["plan_b"], plan["plan_h"], plan["q_tiles"],
-        QK_SCALE, bh,
-        HAS_SCORE=HAS_SCORE, MASK_FROM_ROWS=from_rows, ROWS=GLUON_ROWS, BLOCK_N=bn, D=d, STAGES=num_stages,
-        HEAD_GROUP=head_group,
-        CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs, SCHEDULE=schedule,
-        num_warps=4, maxnreg=maxnreg)
-    return out, lse

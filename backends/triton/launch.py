@@ -1,0 +1,494 @@
+"""The Triton backend's one launch layer: which engine, tiles, warps, stages, walk and schedule a
+call runs with (``choose_prefill``, frozen as a ``PrefillConfig``), and the one place kernels are
+launched (``Launcher``, ``PrefillLaunch``, ``SplitLaunch``).
+
+The choice, in order of authority: what the caller asked for, else ``attnc tune``'s winner for
+the call's dispatch key, else the untuned defaults below (measured on the H200; the numbers live
+in bench/results/README.md):
+
+* Hopper (sm_90), f16 / bf16, one head dim of 64 or 128, S_q and S_k multiples of 128,
+  contiguous bhsd tensors: the Gluon engine (``gluon_engine.py``) on 128 x 128 tiles, 2 K/V
+  stages, programs drawing jobs from a counter; PARTIAL blocks from each row's run of keys where
+  the plan has them (documents), else the predicate.
+* Otherwise the Triton kernel (``prefill.py``): 128 x 128 tiles, 8 warps, 3 stages, TMA on
+  Hopper; 64 x 64 tiles for masks that read tensors, for head dims above 128, and (once the
+  plan shows it) for short rows (< 16 computed blocks per 128-row tile, on average); the walk
+  ``merged`` when the plan's runs average >= 24 blocks, else ``merged_blocks`` (``blocks`` when
+  the mask comes from interval vectors).
+
+A launch binds everything a call's key fixes once; a later call with the same key pays a
+dictionary lookup, two allocations (O, LSE) and the launch.  ``Launcher`` launches a kernel
+through Triton's JIT the first time (compile, specialization) and, after that, through the
+compiled kernel's own launcher with the argument tuple, which skips the JIT's per-call binding.
+That is exact only while the arguments' specialization is unchanged (which ints are 1 or
+multiples of 16, which pointers are 16-byte aligned): the caller's key must fix them, and
+``spec_key`` computes the part a call can change.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from attnc.compiler import ir
+from attnc.compiler.errors import InputError, PlanError
+
+from . import gluon_engine, prefill, split
+
+HEAD_GROUP = 4  # heads whose tiles interleave, longest first (``prefill._job``)
+GLUON_TILES = (128, 128)
+GLUON_STAGES = 2
+SHORT_ROW_BLOCKS = 16  # computed K/V blocks per 128-row tile under which rows count as short
+SHORT_ROW_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 64, "num_stages": 3}  # warps follow the tile: 4
+MERGED_RUN_BLOCKS = 24  # the merged walk once the plan's runs average this many blocks
+INTERPRETER_TILES = (16, 16)
+ENGINES = (None, "gluon", "triton")
+MASK_SOURCES = (None, "predicate", "intervals", "rows")
+
+
+def interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+_CAPABILITY: dict = {}
+
+
+def capability(device=None) -> int:
+    """The GPU's compute capability as 10 * major + minor; 0 under the interpreter or without CUDA."""
+    if interpreted():
+        return 0
+    import torch
+    if not torch.cuda.is_available():
+        return 0
+    index = torch.cuda.current_device() if device is None or getattr(device, "index", None) is None \
+        else device.index
+    if index not in _CAPABILITY:
+        major, minor = torch.cuda.get_device_capability(index)
+        _CAPABILITY[index] = 10 * major + minor
+    return _CAPABILITY[index]
+
+
+def sm_count(device) -> int:
+    import torch
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+# ---------------------------------------------------------------- prefill: the choice
+@dataclass(frozen=True)
+class PrefillConfig:
+    """How one prefill call runs.  ``origin``: "caller", "tuned" or "default"."""
+
+    engine: str  # "gluon" | "triton"
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    use_tma: bool = False
+    walk: str | None = None  # the Triton kernel's walk (prefill.WALKS)
+    mask_source: str = "predicate"  # "predicate" | "intervals" | "rows"
+    head_group: int = HEAD_GROUP
+    schedule: str = "counter"  # the Gluon engine's (gluon_engine.SCHEDULES)
+    origin: str = "default"
+
+    def describe(self) -> str:
+        tail = (f"schedule {self.schedule}" if self.engine == "gluon"
+                else f"walk {self.walk}, {self.num_warps} warps" + (", TMA" if self.use_tma else ""))
+        return (f"{self.engine} {self.block_m}x{self.block_n}, {self.num_stages} stages, {tail}, "
+                f"mask from {self.mask_source} ({self.origin})")
+
+
+def default_prefill_config(d_qk: int, d_v: int, interpreter: bool, capability: int | None = None,
+                           reads_tensors: bool = False) -> dict:
+    """The Triton kernel's untuned launch before planning (module docstring)."""
+    if interpreter:
+        bm, bn = INTERPRETER_TILES
+        return {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": 4, "num_stages": 2, "use_tma": False}
+    tma = all(d & (d - 1) == 0 for d in (d_qk, d_v)) and (capability or 0) >= 90
+    if max(d_qk, d_v) > 128:
+        return {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "use_tma": False}
+    if reads_tensors:
+        return {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "use_tma": tma}
+    return {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3, "use_tma": tma}
+
+
+def mean_row_blocks(plan) -> float:
+    """Computed (FULL or PARTIAL) K/V blocks per query tile, averaged over the plan's tiles."""
+    counts = plan.tiles.counts()
+    rows = int(np.prod(plan.tiles.classes.shape[:3]))
+    return (counts["full"] + counts["partial"]) / rows if rows else 0.0
+
+
+def short_row_config(plan) -> dict | None:
+    """SHORT_ROW_CONFIG when a 128 x 128 plan's rows are short, else None."""
+    if (plan.block_m, plan.block_n) == (128, 128) and mean_row_blocks(plan) < SHORT_ROW_BLOCKS:
+        return dict(SHORT_ROW_CONFIG)
+    return None
+
+
+def default_walk(mean_merged_run_blocks: float, mask_source: str | None) -> str:
+    if mask_source == "intervals":
+        return "blocks"
+    return "merged" if mean_merged_run_blocks >= MERGED_RUN_BLOCKS else "merged_blocks"
+
+
+def gluon_spec_refusal(program: ir.Program) -> str | None:
+    """Why the Gluon engine cannot run a spec (a sentence), or None."""
+    if not gluon_engine.HAS_GLUON:
+        return "this Triton has no Gluon (triton.experimental.gluon)"
+    if program.dtype not in ("f16", "bf16"):
+        return f"the Gluon engine takes f16 / bf16, not {program.dtype}"
+    if not (program.d_qk == program.d_v and program.d_qk in (64, 128)):
+        return f"the Gluon engine takes head_dim 64 or 128 for both q.k and v, not {program.d_qk} / {program.d_v}"
+    return None
+
+
+def gluon_call_refusal(program: ir.Program, s_q: int, s_k: int, contiguous: bool, device_capability: int,
+                       tiles: tuple[int, int] = GLUON_TILES) -> str | None:
+    """Why the Gluon engine cannot run this call, or None."""
+    if interpreted():
+        return "Gluon kernels do not run in Triton's interpreter"
+    if device_capability != 90:
+        return "the Gluon engine needs an sm_90 GPU (Hopper: wgmma and TMA)"
+    reason = gluon_spec_refusal(program)
+    if reason:
+        return reason
+    if tiles not in ((2 * gluon_engine.ROWS, 64), (2 * gluon_engine.ROWS, 128)):
+        return f"the Gluon engine walks 128 x 64 or 128 x 128 tiles, not {tiles[0]} x {tiles[1]}"
+    if s_q % tiles[0] or s_k % tiles[1]:
+        return (f"the Gluon engine needs S_q a multiple of {tiles[0]} and S_k of {tiles[1]} "
+                f"(S_q = {s_q}, S_k = {s_k})")
+    if not contiguous:
+        return "the Gluon engine reads and writes contiguous bhsd tensors"
+    return None
+
+
+def check_options(asked: dict) -> None:
+    """Refuse option values no engine knows (before any planning)."""
+    if asked.get("engine") not in ENGINES:
+        raise ValueError(f"engine must be None, 'gluon' or 'triton', not {asked.get('engine')!r}")
+    if asked.get("walk") is not None and asked["walk"] not in prefill.WALKS:
+        raise ValueError(f"walk must be one of {sorted(prefill.WALKS)}, not {asked['walk']!r}")
+    if asked.get("mask_source") not in MASK_SOURCES:
+        raise ValueError(f"mask_source must be None, 'intervals', 'predicate' or 'rows', not {asked['mask_source']!r}")
+    if asked.get("head_group") is not None and asked["head_group"] < 1:
+        raise ValueError(f"head_group = {asked['head_group']}: must be at least 1")
+    if asked.get("schedule") is not None and asked["schedule"] not in gluon_engine.SCHEDULES:
+        raise ValueError(f"schedule must be one of {sorted(gluon_engine.SCHEDULES)}, not {asked['schedule']!r}")
+    if asked.get("mask_source") == "rows" and asked.get("engine") == "triton":
+        raise ValueError("mask_source='rows' is an option of the Gluon engine, not of the Triton kernel")
+
+
+def choose_prefill(program: ir.Program, s_q: int, s_k: int, plan_for, *, asked: dict, tuned: dict | None,
+                   contiguous: bool, device_capability: int, given_plan=None):
+    """The config and plan of a prefill call (module docstring).  ``plan_for(block_m, block_n)``
+    makes (or finds) the plan at those tiles; ``given_plan`` is the caller's.  Returns
+    (PrefillConfig, Plan)."""
+    check_options(asked)
+    interp = interpreted()
+    engine = asked.get("engine")
+    if engine is None and (asked.get("walk") is not None or asked.get("mask_source") == "intervals"):
+        engine = "triton"  # options of the Triton kernel: its defaults, not the Gluon engine's tiles
+    tiles_asked = asked.get("block_m") is not None or asked.get("block_n") is not None or given_plan is not None
+    tuned = {} if tiles_asked else (tuned or {})
+    origin = "caller" if tiles_asked or any(asked.get(n) is not None for n in ("num_warps", "num_stages")) \
+        else "tuned" if tuned else "default"
+    default = default_prefill_config(program.d_qk, program.d_v, interp, device_capability,
+                                     bool(ir.loads(program.mask)))
+    if given_plan is not None:
+        tiles = (given_plan.block_m, given_plan.block_n)
+    elif tiles_asked:
+        tiles = (asked.get("block_m") or default["BLOCK_M"], asked.get("block_n") or default["BLOCK_N"])
+    elif tuned:
+        tiles = (tuned.get("BLOCK_M", default["BLOCK_M"]), tuned.get("BLOCK_N", default["BLOCK_N"]))
+    else:
+        tiles = None
+    # the engine: Gluon where asked, or untuned where this machine, spec and call allow it
+    refusal = gluon_call_refusal(program, s_q, s_k, contiguous, device_capability, tiles or GLUON_TILES)
+    if engine == "gluon" and refusal:
+        raise ValueError(f"engine='gluon': {refusal}")
+    gluon = engine == "gluon" or (engine is None and not tuned and refusal is None)
+    if asked.get("mask_source") == "rows" and not gluon:
+        raise ValueError(f"mask_source='rows' is an option of the Gluon engine, which refuses this call: {refusal}")
+    if tiles is None:
+        tiles = GLUON_TILES if gluon else (default["BLOCK_M"], default["BLOCK_N"])
+    plan = given_plan if given_plan is not None else plan_for(*tiles)
+    stages = asked.get("num_stages") or tuned.get("num_stages") or (GLUON_STAGES if gluon else default["num_stages"])
+    if not gluon and origin == "default" and not interp:  # the default's tiles, chosen again now the rows are known
+        short = short_row_config(plan)
+        if short:
+            plan = plan_for(short["BLOCK_M"], short["BLOCK_N"])
+            stages = short["num_stages"]
+    warps = asked.get("num_warps") or tuned.get("num_warps")
+    if warps is None:  # warps follow the plan's tile
+        warps = 4 if interp else (8 if plan.block_m * plan.block_n >= 128 * 128 else 4)
+    use_tma = asked.get("use_tma")
+    if use_tma is None:
+        use_tma = tuned.get("use_tma", default["use_tma"] and contiguous)
+    mask_source = asked.get("mask_source")
+    if mask_source == "intervals" and not plan.mask_from_intervals:
+        raise ValueError("mask_source='intervals': this plan has no exact interval vectors for the mask")
+    if mask_source == "rows" and plan.rows is None:
+        raise ValueError("mask_source='rows': this plan has no run of keys per row for the mask")
+    if mask_source is None:
+        mask_source = "rows" if gluon and plan.rows is not None else "predicate"
+    config = PrefillConfig(
+        engine="gluon" if gluon else "triton", block_m=plan.block_m, block_n=plan.block_n, num_warps=warps,
+        num_stages=stages, use_tma=bool(use_tma) and not gluon, walk=None if gluon else asked.get("walk"),
+        mask_source=mask_source, head_group=asked.get("head_group") or HEAD_GROUP,
+        schedule=asked.get("schedule") or "counter", origin=origin)
+    return config, plan
+
+
+def job_order(bh: int, q_tiles: int, head_group: int) -> np.ndarray:
+    """``prefill._job`` in numpy: row t = (query tile rank, b * H_q + h) of the launch's t-th job."""
+    t = np.arange(bh * q_tiles)
+    base = (t // (head_group * q_tiles)) * head_group
+    g = np.minimum(bh - base, head_group)
+    r = t - base * q_tiles
+    return np.stack([r // g, base + r % g], axis=1)
+
+
+# ---------------------------------------------------------------- launching
+def spec_key(args) -> tuple:
+    """The part of Triton's specialization an argument list carries: for each int whether it is
+    1 or a multiple of 16, for each tensor whether its address is 16-byte aligned."""
+    out = []
+    for a in args:
+        if isinstance(a, bool) or a is None or isinstance(a, float):
+            out.append(None)
+        elif isinstance(a, int):
+            out.append(1 if a == 1 else (16 if a % 16 == 0 else 0))
+        elif isinstance(a, tuple):
+            out.append(spec_key(a))
+        elif hasattr(a, "data_ptr"):
+            out.append((str(a.dtype), a.data_ptr() % 16 == 0))
+        else:
+            out.append(type(a).__name__)
+    return tuple(out)
+
+
+class Launcher:
+    """One kernel with fixed constexprs and launch options.  ``launch(grid, args, key)``: the
+    first launch under a ``key`` goes through the JIT (compiling if needed) and keeps the
+    compiled kernel; later launches under that key call the compiled kernel's launcher with the
+    argument tuple.  ``key`` must determine the arguments' specialization (``spec_key``); key None
+    always takes the JIT."""
+
+    def __init__(self, fn, constexprs: dict, **options):
+        self.fn = fn
+        self.constexprs = constexprs
+        self.options = options
+        names = [p.name for p in fn.params] if hasattr(fn, "params") else list(constexprs)
+        self.tail = tuple(constexprs[n] for n in names if n in constexprs)
+        self.compiled: dict = {}
+        self.fast = not interpreted()
+        self.launches = {"jit": 0, "direct": 0}
+
+    def launch(self, grid, args: tuple, key=None):
+        kernel = self.compiled.get(key) if key is not None and self.fast else None
+        if kernel is not None:
+            from triton import knobs
+            if knobs.runtime.launch_enter_hook is None and knobs.runtime.launch_exit_hook is None:
+                stream = _stream()
+                g = tuple(grid) + (1,) * (3 - len(grid))
+                kernel.run(g[0], g[1], g[2], stream, kernel.function, kernel.packed_metadata, None, None, None,
+                           *args, *self.tail)
+                self.launches["direct"] += 1
+                return
+        compiled = self.fn[grid](*args, **self.constexprs, **self.options)
+        self.launches["jit"] += 1
+        if key is not None and self.fast and compiled is not None and hasattr(compiled, "packed_metadata"):
+            self.compiled[key] = compiled
+
+
+def _stream():
+    from triton.runtime import driver
+    d = driver.active
+    return d.get_current_stream(d.get_current_device())
+
+
+def spec_constexprs(module) -> dict:
+    """What a generated spec module gives the kernels as constexpr arguments."""
+    return {"VISIBLE": module.visible, "SCORE": module.score_program, **module.SPEC}
+
+
+def tensor_args(module, tensors: dict) -> tuple:
+    """TS: the spec's tensors, each followed by its strides and sizes, in the module's order."""
+    ts = []
+    for name in module.TENSORS:
+        t = tensors[name]
+        ts.append(t)
+        for i in range(t.dim()):
+            ts += [t.stride(i), t.shape[i]]
+    return tuple(ts)
+
+
+def qk_scale(module) -> float:
+    """The factor from q.k (or the score program's output, in natural units) to base-2 logits."""
+    return prefill.LOG2E if module.SPEC["HAS_SCORE"] else module.SPEC["SCALE"] * prefill.LOG2E
+
+
+_COUNTERS: dict = {}
+
+
+def _counter(device):
+    """The Gluon engine's job counter for this device and stream (zero between launches)."""
+    import torch
+    key = (str(device), _stream())
+    c = _COUNTERS.get(key)
+    if c is None:
+        c = _COUNTERS[key] = torch.zeros(1, dtype=torch.int32, device=device)
+    return c
+
+
+class PrefillLaunch:
+    """A prefill launch bound to a spec, a config, a plan's device arrays and one call shape
+    (B, H_q, S_q, S_k, strides, dtypes, alignments): ``__call__(q, k, v, ts, out, lse)``."""
+
+    def __init__(self, module, config: PrefillConfig, arrays: dict, shape: tuple, device):
+        self.module, self.config, self.arrays = module, config, arrays
+        self.batch, self.s_q, self.s_k = shape
+        self.device = device
+        spec = spec_constexprs(module)
+        self.bh = self.batch * module.SPEC["H_Q"]
+        self.jobs = arrays["q_tiles"] * self.bh
+        c = config
+        if c.engine == "gluon":
+            import torch
+            self.schedule = gluon_engine.SCHEDULES[c.schedule]
+            self.grid = (self.jobs,) if self.schedule == 0 else (min(self.jobs, sm_count(device)),)
+            d, bn = module.SPEC["D_QK"], c.block_n
+            elem = 2
+            fixed = (1 if self.schedule == 0 else 2) * 2 * gluon_engine.ROWS * d * elem
+            stages = max(1, min(c.num_stages, (gluon_engine.SMEM - fixed - 1024) // (2 * bn * d * elem)))
+            maxnreg, consumer, producer = gluon_engine.REGS
+            keep = {n: spec[n] for n in ("VISIBLE", "SCORE", "HAS_SCORE", "SCALE", "H_Q", "H_KV", "GROUP")}
+            from_rows = c.mask_source == "rows"
+            self.launcher = Launcher(gluon_engine._attn_fwd_ws, dict(
+                MASK_FROM_ROWS=from_rows, ROWS_=gluon_engine.ROWS, BLOCK_N=bn, D=d, STAGES=stages,
+                HEAD_GROUP=c.head_group, CONSUMER_REGS=consumer, PRODUCER_REGS=producer, SCHEDULE=self.schedule,
+                **keep), num_warps=4, maxnreg=maxnreg)
+            unused = arrays["merged_partial"]
+            rows = (arrays["KS"], arrays["KE"]) if from_rows else (unused, unused)
+            self.gl_dtype = None
+            self.fixed_tail = (arrays["q_tile_order"], arrays["merged_indptr"], arrays["merged_indices"],
+                               arrays["merged_partial"], *rows)
+            self.ints = (self.s_q, self.s_k, self.s_k - self.s_q, arrays["plan_b"], arrays["plan_h"],
+                         arrays["q_tiles"], qk_scale(module), self.bh)
+            self._torch = torch
+        else:
+            walk = c.walk or default_walk(arrays["mean_merged_run_blocks"], c.mask_source)
+            self.config = replace(c, walk=walk)
+            self.grid = (self.jobs,)
+            from_intervals = c.mask_source == "intervals"
+            self.launcher = Launcher(prefill._attn_fwd, dict(
+                MASK_FROM_INTERVALS=from_intervals, EVEN_N=(self.s_k % c.block_n == 0), USE_TMA=c.use_tma,
+                WALK=prefill.WALKS[walk], BLOCK_M=c.block_m, BLOCK_N=c.block_n, HEAD_GROUP=c.head_group, **spec),
+                num_warps=c.num_warps, num_stages=c.num_stages)
+            vecs = [arrays.get(n, arrays["partial_indptr"]) for n in ("UTS", "UTE", "LTS", "LTE")]
+            self.plan_args = (arrays["q_tile_order"], arrays["full_run_ptr"], arrays["full_run_lo"],
+                              arrays["full_run_hi"], arrays["partial_indptr"], arrays["partial_indices"],
+                              arrays["full_indptr"], arrays["full_indices"], arrays["merged_run_ptr"],
+                              arrays["merged_run_lo"], arrays["merged_run_hi"], arrays["merged_run_base"],
+                              arrays["merged_partial"], arrays["merged_indptr"], arrays["merged_indices"], *vecs)
+            self.ints = (self.s_q, self.s_k, self.s_k - self.s_q, arrays["plan_b"], arrays["plan_h"],
+                         arrays["q_tiles"], qk_scale(module), self.bh)
+
+    def __call__(self, q, k, v, ts: tuple, out, lse, key=None):
+        """Launch on bhsd views (strides carry the layout).  ``key``: the caller's binding key, which
+        fixes every argument's specialization (None: through the JIT)."""
+        if self.config.engine == "gluon":
+            if self.gl_dtype is None:
+                gl = gluon_engine.gl
+                self.gl_dtype = {"torch.float16": gl.float16, "torch.bfloat16": gl.bfloat16}[str(q.dtype)]
+            desc = self._descriptor
+            counter = _counter(self.device) if self.schedule == 1 else self.arrays["merged_partial"]
+            args = (desc(q, gluon_engine.ROWS), desc(k, self.config.block_n), desc(v, self.config.block_n),
+                    desc(out, gluon_engine.ROWS), lse, counter, *self.fixed_tail, ts, *self.ints)
+        else:
+            desc_k = desc_v = k
+            if self.config.use_tma:  # Hopper bulk copies of K/V tiles from a [B * H_kv * S_k, d] view
+                from triton.tools.tensor_descriptor import TensorDescriptor
+                d_qk, d_v = self.module.SPEC["D_QK"], self.module.SPEC["D_V"]
+                desc_k = TensorDescriptor.from_tensor(k.reshape(-1, d_qk), [self.config.block_n, d_qk])
+                desc_v = TensorDescriptor.from_tensor(v.reshape(-1, d_v), [self.config.block_n, d_v])
+            args = (q, k, v, out, lse, desc_k, desc_v, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+                    *self.plan_args, ts, *self.ints)
+        self.launcher.launch(self.grid, args, key)
+
+    def _descriptor(self, t, rows):
+        d = self.module.SPEC["D_QK"]
+        layout = gluon_engine.gl.NVMMASharedLayout.get_default_for([rows, d], self.gl_dtype)
+        return gluon_engine.TensorDescriptor.from_tensor(t.view(-1, d), [rows, d], layout)
+
+
+# ---------------------------------------------------------------- split calls
+class SplitLaunch:
+    """The split-K/V producer and the combine of one spec with one launch config (warps, stages):
+    ``__call__(q, k_cache, v_cache, plan, arrays, ts, out, lse, workspace)``."""
+
+    def __init__(self, module, num_warps: int = 4, num_stages: int = 2):
+        self.module = module
+        self.num_warps, self.num_stages = num_warps, num_stages
+        self._launchers: dict = {}
+
+    def _launcher(self, which, constexprs):
+        key = (which, tuple(sorted((n, v) for n, v in constexprs.items() if n not in ("VISIBLE", "SCORE"))))
+        lz = self._launchers.get(key)
+        if lz is None:
+            spec = spec_constexprs(self.module)
+            if which == "split":
+                lz = Launcher(split._decode_split, {**constexprs, **spec}, num_warps=self.num_warps,
+                              num_stages=self.num_stages)
+            else:
+                keep = {n: spec[n] for n in ("H_Q", "D_V", "D_V_PAD")}
+                lz = Launcher(split._combine, {**constexprs, **keep}, num_warps=4)
+            self._launchers[key] = lz
+        return lz
+
+    def __call__(self, q, k_cache, v_cache, plan: dict, arrays: dict, ts: tuple, out, lse, workspace):
+        spec = self.module.SPEC
+        total_q = q.shape[0]
+        if total_q == 0:
+            return out, lse
+        s_cap = plan["splits"]
+        abi_mlu = plan["abi"] == "mlu"
+        import torch
+        n, f32, size = split.workspace_layout(total_q, s_cap, plan["abi"], spec["H_Q"], spec["D_V"])
+        if workspace.dtype != torch.uint8 or workspace.numel() < size:
+            raise PlanError(f"workspace: {workspace.numel()} {workspace.dtype} elements; this call needs {size} uint8")
+        ws32 = workspace[:4 * f32].view(torch.float32)
+        d_v = spec["D_V"]
+        p_o = ws32[:n * d_v]
+        p_m = ws32[n * d_v:n * (d_v + 1)]
+        p_l = ws32[n * (d_v + 1):] if abi_mlu else p_m
+        p_valid = workspace[4 * f32:]
+        block_q = plan["block_q"]
+        ks, vs = plan["k_strides"], plan["v_strides"]
+        g_pad = max(split.next_power_of_2(spec["GROUP"]), 16 // block_q)
+        producer = self._launcher("split", dict(
+            CACHE=plan["cache"], PAGE_SIZE=plan["page_size"], ABI_MLU=abi_mlu, ONE_ROW=bool(plan["one_row"]),
+            BLOCK_Q=block_q, BLOCK_N=plan["block_n"], G_PAD=g_pad))
+        args = (q, k_cache, v_cache, p_o, p_m, p_l, p_valid, *q.stride(), *ks, *vs,
+                arrays["kv_lens"], arrays["qo_indptr"], arrays["tile_req"], arrays["tile_row0"], arrays["base"],
+                arrays["table"], plan["table_stride"], arrays["entry_ptr"], arrays["blocks"], arrays["partial"], ts,
+                s_cap, qk_scale(self.module))
+        producer.launch((s_cap, plan["tiles"] * spec["H_KV"]), args, spec_key(args))
+        combine = self._launcher("combine", dict(ABI_MLU=abi_mlu, SPLITS_PAD=max(2, split.next_power_of_2(s_cap))))
+        cargs = (p_o, p_m, p_l, p_valid, out, lse, *out.stride(), s_cap)
+        combine.launch((total_q * spec["H_Q"],), cargs, spec_key(cargs))
+        return out, lse
+
+
+def workspace_bytes(module, total_q: int, splits: int, abi: str) -> int:
+    return split.workspace_layout(total_q, splits, abi, module.SPEC["H_Q"], module.SPEC["D_V"])[2]
+
+
+def check_device(named: dict, device: str) -> None:
+    """Torch inputs must be where the kernel runs (numpy inputs are copied there for the caller)."""
+    import torch
+    for n, t in named.items():
+        if isinstance(t, torch.Tensor) and t.device.type != device:
+            raise InputError(f"inputs: '{n}' is a torch tensor on {t.device}; this Triton kernel runs on "
+                             f"{device}: move the torch inputs there (numpy inputs are copied for you)")

@@ -1,0 +1,201 @@
+"""Plans made once: the Triton backend's plan cache and its device arrays.
+
+A prefill call's plan depends on the spec, the call's lengths, the tiles and, for a mask that
+reads tensors (document ids...), on those tensors' values.  ``PlanCache`` keeps each plan, with
+its arrays already on the device, under a key of exactly those things, so a repeated call costs
+a dictionary lookup instead of a mask analysis and an upload:
+
+* masks that read no tensors: (spec digest, B, S_q, S_k, tiles);
+* masks that read tensors: also each tensor's identity and version.  A torch tensor is known by
+  ``id`` (checked through a weak reference, so a new tensor that reuses a dead one's id misses)
+  and ``_version``, the counter torch's in-place operations bump: a document tensor changed in
+  place (``doc[...] = ...``, ``doc.copy_(...)``) makes a new plan.  Writes that bypass the
+  counter (a kernel writing through the tensor's pointer, ``.data``, a numpy view of a CPU
+  tensor) are not seen: make the plan yourself (``Kernel.plan`` / ``Attention.plan``) or call
+  ``PlanCache.clear``.  A numpy array is known by a digest of its bytes.
+
+The cache is an LRU bounded by bytes (host and device arrays; ``ATTNC_PLAN_CACHE_BYTES``,
+default 512 MiB); a plan larger than the budget is used once and not kept.
+
+``walk_arrays`` builds, from a compiler ``Plan``, the arrays the Triton kernels walk (runs of
+consecutive blocks, the merged block list with PARTIAL flags); ``upload`` puts them on a device
+in one copy.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+import weakref
+from collections import OrderedDict
+
+import numpy as np
+
+from attnc.compiler.plan import Plan
+
+DEFAULT_BUDGET = 512 << 20
+
+
+# ---------------------------------------------------------------- the arrays the kernels walk
+def _block_runs(indptr: np.ndarray, indices: np.ndarray):
+    """The CSR lists as runs of consecutive K/V blocks [lo, hi) per row: a kernel walks a run
+    with a direct, pipelinable loop instead of one indirect load per block (a causal row is
+    one FULL run and one PARTIAL run)."""
+    rows = len(indptr) - 1
+    row_of = np.repeat(np.arange(rows), np.diff(indptr))
+    starts = np.ones(len(indices), bool)
+    if len(indices):
+        starts[1:] = (indices[1:] != indices[:-1] + 1) | (row_of[1:] != row_of[:-1])
+    lo = indices[starts].astype(np.int32)
+    ends = np.r_[np.flatnonzero(starts)[1:], len(indices)] - 1
+    hi = (indices[ends] + 1).astype(np.int32) if len(indices) else np.zeros(0, np.int32)
+    ptr = np.zeros(rows + 1, np.int32)
+    np.cumsum(np.bincount(row_of[starts], minlength=rows), out=ptr[1:])
+    return ptr, lo, hi
+
+
+def _merged_runs(p_ptr: np.ndarray, p_idx: np.ndarray, f_ptr: np.ndarray, f_idx: np.ndarray) -> dict:
+    """Every computed block of a row (FULL and PARTIAL together, ascending) as runs, with one
+    PARTIAL flag per block: a kernel walks a row in one pipelined loop per run and applies the
+    element mask only where the flag says so (a causal row is one run), or, when runs are short
+    (documents), in one pipelined loop over the row's merged block list."""
+    rows = len(p_ptr) - 1
+    row_of = np.r_[np.repeat(np.arange(rows), np.diff(p_ptr)), np.repeat(np.arange(rows), np.diff(f_ptr))]
+    idx = np.r_[p_idx, f_idx].astype(np.int64)
+    flag = np.r_[np.ones(len(p_idx), np.int32), np.zeros(len(f_idx), np.int32)]
+    order = np.lexsort((idx, row_of))
+    ptr = np.zeros(rows + 1, np.int64)
+    np.cumsum(np.bincount(row_of, minlength=rows), out=ptr[1:])
+    run_ptr, lo, hi = _block_runs(ptr, idx[order])
+    base = np.r_[0, np.cumsum(hi - lo)[:-1]].astype(np.int32) if len(lo) else np.zeros(0, np.int32)
+    return {"merged_run_ptr": run_ptr, "merged_run_lo": lo, "merged_run_hi": hi, "merged_run_base": base,
+            "merged_partial": flag[order], "merged_indptr": ptr.astype(np.int32),
+            "merged_indices": idx[order].astype(np.int32),
+            "mean_merged_run_blocks": len(idx) / len(lo) if len(lo) else 0.0}
+
+
+def walk_arrays(plan: Plan) -> dict:
+    """The plan's arrays and ints as the Triton kernels read them (``Plan.kernel_args`` plus the
+    walks' runs and merged lists)."""
+    args = plan.kernel_args()
+    ptr, lo, hi = _block_runs(args["full_indptr"], args["full_indices"])
+    args.update({"full_run_ptr": ptr, "full_run_lo": lo, "full_run_hi": hi})
+    args.update(_merged_runs(args["partial_indptr"], args["partial_indices"], args["full_indptr"],
+                             args["full_indices"]))
+    return args
+
+
+def upload(arrays: dict, device, dtypes: dict | None = None) -> dict:
+    """The numpy arrays of ``arrays`` on ``device`` (int32 unless ``dtypes`` names another) in one
+    host-to-device copy: they are packed into one buffer and handed back as views of it; other
+    values pass through."""
+    import torch
+    dtypes = dtypes or {}
+    names = [n for n, a in arrays.items() if isinstance(a, np.ndarray)]
+    parts, spans, offset = [], {}, 0
+    for n in names:
+        dt = np.dtype(dtypes.get(n, "int32"))
+        raw = np.ascontiguousarray(arrays[n], dt).reshape(-1).view(np.uint8)
+        pad = (-offset) % 8  # every view starts 8-byte aligned
+        if pad:
+            parts.append(np.zeros(pad, np.uint8))
+            offset += pad
+        spans[n] = (offset, raw.size, dt, arrays[n].shape)
+        parts.append(raw)
+        offset += raw.size
+    host = np.concatenate(parts) if parts else np.zeros(0, np.uint8)
+    buf = torch.from_numpy(host)
+    if str(device) != "cpu":
+        buf = buf.pin_memory().to(device, non_blocking=True) if torch.cuda.is_available() else buf.to(device)
+    out = {n: a for n, a in arrays.items() if n not in spans}
+    for n, (off, size, dt, shape) in spans.items():
+        t = buf[off:off + size].view(getattr(torch, dt.name))
+        out[n] = t.view(shape) if len(shape) > 1 else t
+    out["_buffer"] = buf
+    return out
+
+
+# ---------------------------------------------------------------- keys
+def tensor_key(name: str, t) -> tuple:
+    """What identifies a mask tensor's values for the cache (module docstring)."""
+    if hasattr(t, "_version"):
+        return (name, "torch", id(t), t._version, t.data_ptr(), tuple(t.shape), tuple(t.stride()), str(t.dtype),
+                str(t.device))
+    a = np.ascontiguousarray(t)
+    return (name, "numpy", a.dtype.str, a.shape, hashlib.blake2b(a.view(np.uint8).reshape(-1), digest_size=16).digest())
+
+
+class _Entry:
+    __slots__ = ("value", "nbytes", "refs")
+
+    def __init__(self, value, nbytes: int, refs: tuple):
+        self.value, self.nbytes, self.refs = value, nbytes, refs
+
+
+class PlanCache:
+    """An LRU of plans (with their device arrays) bounded by bytes; thread-safe."""
+
+    def __init__(self, budget: int | None = None):
+        env = os.environ.get("ATTNC_PLAN_CACHE_BYTES")
+        self.budget = int(env) if budget is None and env else (DEFAULT_BUDGET if budget is None else budget)
+        self._items: OrderedDict = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self.hits = self.misses = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self._bytes
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def get(self, key, tensors=()):
+        """The value under ``key`` if every torch tensor it was made from is still the same object."""
+        with self._lock:
+            e = self._items.get(key)
+            if e is not None and all(r() is t for r, t in zip(e.refs, tensors) if r is not None):
+                self._items.move_to_end(key)
+                self.hits += 1
+                return e.value
+            if e is not None:  # an id reused by another tensor: not the plan's tensor
+                self._drop(key)
+            self.misses += 1
+            return None
+
+    def put(self, key, value, nbytes: int, tensors=()) -> None:
+        if nbytes > self.budget:
+            return
+        refs = tuple(weakref.ref(t) if hasattr(t, "_version") else None for t in tensors)
+        with self._lock:
+            if key in self._items:
+                self._drop(key)
+            self._items[key] = _Entry(value, nbytes, refs)
+            self._bytes += nbytes
+            while self._bytes > self.budget and self._items:
+                self._drop(next(iter(self._items)))
+
+    def _drop(self, key) -> None:
+        e = self._items.pop(key)
+        self._bytes -= e.nbytes
+
+    def clear(self) -> None:
+        with self._lock:
+            self._items.clear()
+            self._bytes = 0
+
+
+PLANS = PlanCache()  # the process's plan cache (every Triton kernel shares its budget)
+
+
+def nbytes_of(*values) -> int:
+    """Bytes held by numpy arrays and torch tensors among ``values`` (dicts are walked)."""
+    total = 0
+    for v in values:
+        if isinstance(v, dict):
+            total += nbytes_of(*v.values())
+        elif isinstance(v, np.ndarray):
+            total += v.nbytes
+        elif hasattr(v, "element_size") and hasattr(v, "numel"):
+            total += v.element_size() * v.numel()
+    return total

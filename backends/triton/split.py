@@ -1,0 +1,162 @@
+"""Split-K/V kernels: the producer over a K/V cache and the exact combine (Triton).
+
+``_decode_split``: one program per (split, query tile * K/V head).  A query tile is BLOCK_Q
+consecutive query rows of one request (decode: the request's one new row); they and the G query
+heads of the K/V head form the rows of one tile, row r = (query row r // G_PAD, head r % G_PAD),
+so each K/V block is loaded once for the whole group and all the tile's positions.  Request b's
+query row i is at position kv_lens[b] - q_lens[b] + i (bottom-right) and sits at packed row
+qo_indptr[b] + i.  The program walks its share of the tile's visible K/V blocks (the plan
+removed SKIP blocks, the union over the tile's rows and heads, and flags PARTIAL ones), reading
+the cache through the request's page table, and writes one partial state per (packed query row,
+query head) in the declared workspace ABI.  ONE_ROW (every request has one query row, decode) is
+the tile = request special case: no tile or row metadata is read.
+
+``_combine`` merges the S_cap partial states of each (packed query row, query head) with the
+validity branch (M4.5 §0x02C): invalid (empty or inactive) slots are the identity, excluded
+before any exponential.
+
+The spec arrives as constexpr arguments (``VISIBLE``, ``SCORE``, head counts and dims, scale),
+as in ``prefill.py``; TS is the tuple of the spec's tensors with their strides and sizes.
+"""
+import triton
+import triton.language as tl
+
+CACHE_KINDS = {"contiguous": 0, "paged_dense": 1, "paged_csr": 2}
+
+
+@triton.jit
+def _decode_split(Q, K, V, P_O, P_M, P_L, P_VALID,
+                  s_qt, s_qh, s_qd, s_kp, s_kt, s_kh, s_kd, s_vp, s_vt, s_vh, s_vd,
+                  KV_LENS, QO_INDPTR, TILE_REQ, TILE_ROW0, BASE, TABLE, s_tb, ENTRY_PTR, BLOCKS, PARTIAL, TS,
+                  S_CAP, qk_scale,
+                  CACHE: tl.constexpr, PAGE_SIZE: tl.constexpr, ABI_MLU: tl.constexpr,
+                  ONE_ROW: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, G_PAD: tl.constexpr,
+                  VISIBLE: tl.constexpr, SCORE: tl.constexpr, HAS_SCORE: tl.constexpr, SCALE: tl.constexpr,
+                  H_Q: tl.constexpr, H_KV: tl.constexpr, GROUP: tl.constexpr,
+                  D_QK: tl.constexpr, D_V: tl.constexpr, D_QK_PAD: tl.constexpr, D_V_PAD: tl.constexpr,
+                  DOT_PRECISION: tl.constexpr):
+    split = tl.program_id(0)
+    tk = tl.program_id(1)
+    tile = tk // H_KV
+    kv_h = tk % H_KV
+    rows = tl.arange(0, BLOCK_Q * G_PAD)
+    if ONE_ROW:  # decode: tile = request b, its one row at the last position, packed row b
+        b = tile
+        g = rows
+        row_ok = g < GROUP
+        t_len = tl.load(KV_LENS + b)
+        q_row = b
+        q_pos = t_len - 1
+    else:
+        b = tl.load(TILE_REQ + tile)
+        g = rows % G_PAD
+        row0 = tl.load(QO_INDPTR + b)
+        n_q = tl.load(QO_INDPTR + b + 1) - row0
+        i = tl.load(TILE_ROW0 + tile) + rows // G_PAD  # query row within the request
+        row_ok = (g < GROUP) & (i < n_q)
+        t_len = tl.load(KV_LENS + b)
+        q_row = row0 + i
+        q_pos = (t_len - n_q + i)[:, None]  # bottom-right
+    h = kv_h * GROUP + g  # the query heads of this K/V head
+    offs_dk = tl.arange(0, D_QK_PAD)
+    offs_dv = tl.arange(0, D_V_PAD)
+    q_off = q_row * s_qt + h * s_qh
+    q = tl.load(Q + q_off[:, None] + offs_dk[None, :] * s_qd,
+                mask=row_ok[:, None] & (offs_dk[None, :] < D_QK), other=0.0)
+    base = tl.load(BASE + b)
+    m_i = tl.full([BLOCK_Q * G_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_Q * G_PAD], tl.float32)
+    acc = tl.zeros([BLOCK_Q * G_PAD, D_V_PAD], tl.float32)
+    slot = tile * S_CAP + split
+    for e in range(tl.load(ENTRY_PTR + slot), tl.load(ENTRY_PTR + slot + 1)):
+        t = tl.load(BLOCKS + e) * BLOCK_N + tl.arange(0, BLOCK_N)
+        live = t < t_len  # rows past the request's length are never read
+        if CACHE == 0:  # contiguous or ragged: base = the request's first row
+            row = base + t
+            k_off = row.to(tl.int64) * s_kt
+            v_off = row.to(tl.int64) * s_vt
+        else:
+            if CACHE == 1:  # dense table: its rows are in request order (the plan gathered them)
+                page = tl.load(TABLE + b * s_tb + t // PAGE_SIZE, mask=live, other=0)
+            else:  # CSR: the request's pages start at kv_indptr[b] (= base)
+                page = tl.load(TABLE + base + t // PAGE_SIZE, mask=live, other=0)
+            k_off = page.to(tl.int64) * s_kp + (t % PAGE_SIZE) * s_kt
+            v_off = page.to(tl.int64) * s_vp + (t % PAGE_SIZE) * s_vt
+        kt = tl.load(K + k_off[None, :] + kv_h * s_kh + offs_dk[:, None] * s_kd,
+                     mask=live[None, :] & (offs_dk[:, None] < D_QK), other=0.0)
+        s = tl.dot(q, kt, input_precision=DOT_PRECISION)
+        if HAS_SCORE:
+            s = SCORE(s * SCALE, b, h[:, None], q_pos, t[None, :], TS)
+        keep = live[None, :] & row_ok[:, None]
+        if tl.load(PARTIAL + e) != 0:
+            keep = keep & VISIBLE(b, h[:, None], q_pos, t[None, :], TS)
+        s = tl.where(keep, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s * qk_scale - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        vt = tl.load(V + v_off[:, None] + kv_h * s_vh + offs_dv[None, :] * s_vd,
+                     mask=live[:, None] & (offs_dv[None, :] < D_V), other=0.0)
+        acc = tl.dot(p.to(vt.dtype), vt, acc * alpha[:, None], input_precision=DOT_PRECISION)
+        m_i = m_new
+    valid = l_i > 0
+    state = (q_row * H_Q + h) * S_CAP + split  # workspace [total_q, H_q, S_cap, ...]
+    if ABI_MLU:  # (m, l, u): m in natural units, u unnormalized
+        tl.store(P_M + state, m_i * 0.6931471805599453, mask=row_ok)
+        tl.store(P_L + state, l_i, mask=row_ok)
+        tl.store(P_O + state[:, None] * D_V + offs_dv[None, :], acc,
+                 mask=row_ok[:, None] & (offs_dv[None, :] < D_V))
+    else:  # (LSE, O): O normalized, LSE natural; empty splits write LSE = -inf, O = 0
+        l_safe = tl.where(valid, l_i, 1.0)
+        tl.store(P_M + state, tl.where(valid, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf")),
+                 mask=row_ok)
+        tl.store(P_O + state[:, None] * D_V + offs_dv[None, :], acc / l_safe[:, None],
+                 mask=row_ok[:, None] & (offs_dv[None, :] < D_V))
+    tl.store(P_VALID + state, valid.to(tl.uint8), mask=row_ok)
+
+
+@triton.jit
+def _combine(P_O, P_M, P_L, P_VALID, O, LSE, s_ot, s_oh, s_od, S_CAP,
+             ABI_MLU: tl.constexpr, SPLITS_PAD: tl.constexpr, H_Q: tl.constexpr, D_V: tl.constexpr,
+             D_V_PAD: tl.constexpr):
+    """Merge the S_cap partial states of one (packed query row, query head)."""
+    rh = tl.program_id(0)
+    row = rh // H_Q
+    h = rh % H_Q
+    sp = tl.arange(0, SPLITS_PAD)
+    offs_dv = tl.arange(0, D_V_PAD)
+    in_cap = sp < S_CAP
+    state = rh * S_CAP + sp
+    valid = (tl.load(P_VALID + state, mask=in_cap, other=0) != 0) & in_cap
+    m = tl.load(P_M + state, mask=valid, other=float("-inf"))
+    m_max = tl.max(m, 0)
+    any_valid = m_max > float("-inf")
+    m_ref = tl.where(any_valid, m_max, 0.0)
+    w = tl.where(valid, tl.exp(m - m_ref), 0.0)
+    part = tl.load(P_O + state[:, None] * D_V + offs_dv[None, :], mask=valid[:, None] & (offs_dv[None, :] < D_V),
+                   other=0.0)
+    if ABI_MLU:  # l = sum alpha_s l_s, u = sum alpha_s u_s
+        l_s = tl.load(P_L + state, mask=valid, other=0.0)
+        denom = tl.sum(w * l_s, 0)
+        numer = tl.sum(w[:, None] * part, 0)
+    else:  # O = sum exp(LSE_s - LSE) O_s
+        denom = tl.sum(w, 0)
+        numer = tl.sum(w[:, None] * part, 0)
+    d_safe = tl.where(any_valid, denom, 1.0)
+    out = tl.where(any_valid, numer / d_safe, 0.0)
+    lse = tl.where(any_valid, m_ref + tl.log(d_safe), float("-inf"))
+    tl.store(O + row * s_ot + h * s_oh + offs_dv * s_od, out.to(O.dtype.element_ty), mask=offs_dv < D_V)
+    tl.store(LSE + rh, lse)
+
+
+def workspace_layout(total_q: int, splits: int, abi: str, heads_q: int, d_v: int) -> tuple[int, int, int]:
+    """(states, float32 words, bytes) of the workspace: ``states`` (row, head, split) slots, each
+    a partial O, m, and l when the ABI is (m, l, u), in float32; then one valid byte each."""
+    n = total_q * heads_q * splits
+    f32 = n * (d_v + (2 if abi == "mlu" else 1))
+    return n, f32, 4 * f32 + n
+
+
+def next_power_of_2(n: int) -> int:
+    return triton.next_power_of_2(n)
