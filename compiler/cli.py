@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import inputs, numerics
+from . import __version__, inputs, numerics
 from .dispatch import REGISTRY, backend
 from .errors import AttncError, InputError
 from .lower import compile_file
@@ -140,6 +140,14 @@ def _lengths_arg(text: str) -> list[int]:
     return out
 
 
+def _untuned_split_policy(program):
+    """The spec's own split policy when no tuning cache exists, else None (plan_split then looks
+    `split = auto` up in the cache).  Looking up needs the call's dispatch key, whose device probe
+    imports torch: without a cache there is nothing to look up, and `attnc plan` stays torch-free."""
+    from . import tune
+    return None if tune.default_cache_path().exists() else tune.tuned_split_policy(program)
+
+
 def cmd_plan(args) -> int:
     from .analysis import schedule
     from .plan import logical_layout, plan_split
@@ -149,7 +157,7 @@ def cmd_plan(args) -> int:
     if len(q) != len(kv):
         raise InputError(f"--q-lens has {len(q)} entries, --kv-lens {len(kv)}")
     plan = plan_split(program, logical_layout(program, kv), np.asarray(q, np.int64), num_sms=args.sms,
-                      block_rows=None)
+                      block_rows=None, policy=_untuned_split_policy(program))
     if args.graph:
         dot = Path(args.graph)
         try:
@@ -335,6 +343,7 @@ def cmd_tune(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="attnc", description="compiler for attention mask programs")
     ap.add_argument("--debug", action="store_true", help="show tracebacks instead of located errors")
+    ap.add_argument("--version", action="version", version=f"attnc {__version__}")
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
     backends = sorted(REGISTRY)
 
@@ -389,7 +398,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block", type=_block, default=(128, 64), metavar="MxN",
                    help="tile: block_m query rows x block_n keys (default 128x64)")
     fmt = p.add_mutually_exclusive_group()
-    fmt.add_argument("--json", action="store_true", help="one JSON object (DESIGN §7 field names)")
+    fmt.add_argument("--json", action="store_true", help="one JSON object (stable field names)")
     fmt.add_argument("--format", choices=("paddle", "flex"),
                      help="export: Paddle FlashMask startend_row_indices + causal, or "
                           "FlexAttention BlockMask tensors (JSON)")
@@ -409,7 +418,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--q-lens", type=_lengths_arg, default=None, metavar="C0,C1,...",
                    help="query rows of each request (default 1 per non-empty request: decode)")
     p.add_argument("--sms", type=int, default=132, help="SMs the heuristic/auto split plans for (default 132)")
-    p.add_argument("--json", action="store_true", help="one JSON object (DESIGN §7 field names)")
+    p.add_argument("--json", action="store_true", help="one JSON object (stable field names)")
     p.add_argument("--graph", metavar="FILE.dot", help="write the schedule graph as DOT, and as JSON beside it")
     p.set_defaults(fn=cmd_plan)
 
@@ -457,7 +466,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="compile and run examples for prefill, append and decode "
                                     "against the float64 oracle")
-    p.add_argument("spec", nargs="*", help="specs (default: examples/*.attn)")
+    p.add_argument("spec", nargs="*", help="specs (default: every example shipped with attnc)")
     p.add_argument("--backend", default="numpy", choices=backends)
     p.add_argument("--length", type=int, default=128, help="S_k of every phase")
     p.add_argument("--batch", type=int, default=2)

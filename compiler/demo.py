@@ -21,10 +21,10 @@ PHASES = {  # name -> (S_q, S_k) for demo length S
 
 
 def default_specs() -> list[Path]:
-    here = Path.cwd() / "examples"
-    if not here.is_dir():  # run from elsewhere: the examples beside the installed sources
-        here = Path(__file__).resolve().parent.parent / "examples"
-    return sorted(here.glob("*.attn"))
+    """The examples shipped with attnc, as package data: examples/ in a source checkout,
+    attnc/examples/ in an installed wheel (the package attnc.examples either way)."""
+    from importlib.resources import files
+    return sorted(Path(str(p)) for p in files("attnc.examples").iterdir() if p.name.endswith(".attn"))
 
 
 def _mixed(length: int) -> tuple[list[int], list[int]]:
@@ -52,7 +52,7 @@ def _split_row(program, kernel, kv_lens, q_lens, seed):
 def run_demo(specs, backend_name: str, length: int = 128, batch: int = 2, seed: int = 0) -> int:
     specs = [Path(s) for s in specs] or default_specs()
     if not specs:
-        print("no specs given and no examples/ directory found", file=sys.stderr)
+        print("no specs given and no examples shipped with attnc found", file=sys.stderr)
         return 1
     oracle = backend("numpy").oracle
     be = backend(backend_name)
