@@ -442,7 +442,7 @@ def _slice_tensors(program: ir.Program, tensors: dict, b: slice) -> dict:
 def reference_for(program: ir.Program, call: inputs.Call, max_cells: int = ORACLE_CELLS) -> Reference:
     """The float64 oracle on a contiguous call: every cell when it is small, else the last
     rows of request 0 (bottom-right positions keep their absolute q when leading rows drop)."""
-    from attnc.backends.numpy import oracle
+    from attnc.compiler import oracle
     batch, heads, s_q, s_k = call.batch, program.heads_q, call.s_q, call.s_k
     if batch * heads * s_q * s_k <= max_cells:
         o, lse = oracle.reference(program, call.q, call.k, call.v, call.tensors)
@@ -572,7 +572,7 @@ class _TritonRunner(_Runner):
 
     # -- decode
     def _init_decode(self, shape: Shape, seed: int):
-        from attnc.backends.numpy import oracle
+        from attnc.compiler import oracle
         if not hasattr(self.kernel, "decode_plan"):
             raise TuneError("this Triton backend has no split-K/V decode kernel to tune")
         program = self.program
