@@ -69,9 +69,10 @@ def _representable_at(mask, heads_q: int, batch: int, s_q: int, s_k: int) -> boo
     widens over b and h only when the mask names them.)"""
     # the analyses are imported on first use: commands that only reach the registry (`attnc
     # check`, `compile`) never build a key
-    from ..analysis.intervals import analyze
+    from ..analysis import run_plan_pipeline
     probe = ir.Program("probe", heads_q, 1, 1, 1, "f32", 1.0, (), (), mask)
-    return analyze(probe, batch, s_q, s_k).representable
+    mi = run_plan_pipeline(("intervals",), program=probe, batch=batch, s_q=s_q, s_k=s_k, tensors={})["intervals"]
+    return mi.representable
 
 
 def phase_of_lengths(s_q: tuple[int, ...], s_k: tuple[int, ...]) -> str:
