@@ -6,8 +6,6 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
-
 from . import inputs, numerics, oracle
 from .dispatch import backend
 from .errors import AttncError, BackendUnavailable
