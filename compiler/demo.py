@@ -6,9 +6,7 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
-
-from . import inputs, numerics
+from . import inputs, numerics, oracle
 from .dispatch import backend
 from .errors import AttncError, BackendUnavailable
 from .lower import compile_file
@@ -36,7 +34,6 @@ def _mixed(length: int) -> tuple[list[int], list[int]]:
 def _split_row(program, kernel, kv_lens, q_lens, seed):
     """Run one split call on a sampled cache (shuffled pages, NaN-poisoned unused rows)."""
     from .analysis.phases import Manifest, visible_cells
-    oracle = backend("numpy").oracle
     arrays = inputs.sample_cache(program, kv_lens, q_lens, seed)
     call = inputs.validate_cache(program, arrays)
     t0 = time.perf_counter()
@@ -54,7 +51,6 @@ def run_demo(specs, backend_name: str, length: int = 128, batch: int = 2, seed: 
     if not specs:
         print("no specs given and no examples shipped with attnc found", file=sys.stderr)
         return 1
-    oracle = backend("numpy").oracle
     be = backend(backend_name)
     header = f"{'example':<30} {'heads':>6} {'dtype':>5} {'phase':>7} {'S_q x S_k':>10} " \
              f"{'visible':>7} {'max|dO|':>9} {'tol':>7} {'ms':>7}  result"

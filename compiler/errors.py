@@ -109,6 +109,10 @@ class InputError(AttncError):
     """An input file (npz) does not match the spec (names key and shape)."""
 
 
+class TuneError(AttncError):
+    """Tuning could not run (no admissible backend, no passing candidate, bad --shapes)."""
+
+
 @dataclass
 class DiagnosticSink:
     """Collects diagnostics so a checker can report every error of a file at once."""

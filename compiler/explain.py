@@ -20,8 +20,9 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from . import inputs, ir
-from .analysis.intervals import MaskIntervals, analyze
-from .analysis.tiles import FULL, PARTIAL, SKIP, TilePlan, plan_tiles
+from .analysis import run_plan_pipeline
+from .analysis.intervals import MaskIntervals
+from .analysis.tiles import FULL, PARTIAL, SKIP, TilePlan
 from .errors import AttncError, InputError
 
 DEFAULT_BLOCK = (128, 64)  # block_m (query rows) x block_n (keys), as in DESIGN §7's example
@@ -191,9 +192,10 @@ class Explanation:
 def explain(program: ir.Program, batch: int, s_q: int, s_k: int, tensors: dict | None = None,
             block_m: int = DEFAULT_BLOCK[0], block_n: int = DEFAULT_BLOCK[1]) -> Explanation:
     """Intervals and tile plan of ``program``'s mask for one call shape; ``tensors`` as
-    :func:`call_tensors` returns them."""
-    mi = analyze(program, batch, s_q, s_k, tensors or {})
-    return Explanation(program, batch, mi, plan_tiles(mi, block_m, block_n))
+    :func:`call_tensors` returns them.  The pipeline's intervals -> tiles (``analysis.PLAN_PIPELINE``)."""
+    r = run_plan_pipeline(("intervals", "tiles"), program=program, batch=batch, s_q=s_q, s_k=s_k,
+                          tensors=tensors or {}, block_m=block_m, block_n=block_n, method="auto")
+    return Explanation(program, batch, r["intervals"], r["tiles"])
 
 
 # ---------------------------------------------------------------- Paddle FlashMask

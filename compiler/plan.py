@@ -19,9 +19,11 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from . import ir
+from .analysis import run_plan_pipeline
+from .analysis.intervals import MaskIntervals, RowIntervals
+from .analysis.splits import occupancy_for
+from .analysis.tiles import TilePlan
 from .dispatch import PLAN_DYNAMIC_FIELDS, PLAN_KEY_FIELDS, PlanKey
-from .analysis.intervals import MaskIntervals, RowIntervals, analyze, row_intervals
-from .analysis.tiles import TilePlan, plan_tiles
 from .errors import AttncError, PlanError
 
 
@@ -76,7 +78,9 @@ class Plan:
 
     def retile(self, block_m: int, block_n: int, method: str = "auto") -> "Plan":
         """The same call planned with other tiles: the mask analysis (the costly part) is reused."""
-        return replace(self, tiles=plan_tiles(self.intervals, block_m, block_n, method))
+        tiles = run_plan_pipeline(("tiles",), intervals=self.intervals, block_m=block_m, block_n=block_n,
+                                  method=method)["tiles"]
+        return replace(self, tiles=tiles)
 
     def check_call(self, program: ir.Program, batch: int, s_q: int, s_k: int, *, device: str | None = None,
                    graph_mode: bool | None = None) -> None:
@@ -136,18 +140,14 @@ class Plan:
 def plan(program: ir.Program, batch: int, s_q: int, s_k: int, tensors: dict | None = None,
          block_m: int = 64, block_n: int = 64, method: str = "auto", *, device: str | None = None,
          workspace_device: str | None = None, graph_mode: bool = False) -> Plan:
-    """The frozen plan of one call shape with its plan key (``device`` None: host arrays only)."""
-    tensors = tensors or {}
-    intervals = analyze(program, batch, s_q, s_k, tensors)
-    tiles = plan_tiles(intervals, block_m, block_n, method)
-    reads_tensors = bool(ir.loads(program.mask))
+    """The frozen plan of one call shape with its plan key (``device`` None: host arrays only):
+    the pipeline's intervals -> rows -> tiles (``analysis.PLAN_PIPELINE``)."""
+    r = run_plan_pipeline(("intervals", "rows", "tiles"), program=program, batch=batch, s_q=s_q, s_k=s_k,
+                          tensors=tensors or {}, block_m=block_m, block_n=block_n, method=method)
     key = PlanKey.of(program, device=device, workspace_device=workspace_device, graph_mode=graph_mode)
-    # a mask that reads tensors and shows each query row one run of keys: PARTIAL blocks may test
-    # k against the row's [KS, KE) instead of gathering the tensors once per block
-    rows = row_intervals(program, batch, s_q, s_k, tensors) if reads_tensors and intervals.exact else None
-    return Plan(ir.digest(program), batch, s_q, s_k, intervals, tiles,
-                mask_from_intervals=intervals.representable and reads_tensors, key=key, program=program,
-                rows=rows)
+    return Plan(ir.digest(program), batch, s_q, s_k, r["intervals"], r["tiles"],
+                mask_from_intervals=r["intervals"].representable and bool(ir.loads(program.mask)), key=key,
+                program=program, rows=r["rows"])
 
 
 
@@ -205,8 +205,9 @@ def decode_blocks(program: ir.Program, kv_lens, tensors: dict | None, block_n: i
             for b in rows:
                 per_tile[b] = [empty] * int(n_tiles[b])
             continue
-        mi = analyze(program, batch, c_len, t_len, tensors)
-        classes = plan_tiles(mi, block_q, block_n).classes  # [B', H', T_q, T_k]
+        classes = run_plan_pipeline(("tiles",), program=program, batch=batch, s_q=c_len, s_k=t_len,
+                                    tensors=tensors, block_m=block_q, block_n=block_n,
+                                    method="auto")["tiles"].classes  # [B', H', T_q, T_k]
         for b in rows:
             c = classes[b if classes.shape[0] > 1 else 0]
             visited = ~(c == 0).all(axis=0)  # [T_q, T_k]
@@ -342,6 +343,12 @@ class SplitPlan:
                             f"{np.asarray(q_lens).tolist()}")
 
     # ------------------------------------------------------------ reports (`attnc plan`)
+    def ledgers(self):
+        """The plan's ledgers (``analysis.schedule.SplitLedgers``), the pipeline's last step over
+        this plan's own results."""
+        return run_plan_pipeline(("ledgers",), graph=self.graph, bounds=self.bounds, call=self.call,
+                                 layout=self.layout, manifest=self.manifest)["ledgers"]
+
     def report(self) -> dict:
         """Split bounds, grids, owners, workspace and ledgers as one JSON-able dict
         (DESIGN §7 field names)."""
@@ -349,9 +356,8 @@ class SplitPlan:
         from .analysis import schedule as S
         g, lay = self.graph, self.layout
         grids, owners = S.launch_grids(g), S.owner_counts(g)
-        ws = L.split_workspace(self.bounds, self.call, self.q_lens)
-        led = S.ledger(g)
-        meta = L.metadata_bytes(lay)
+        ledgers = self.ledgers()
+        ws, led, meta = ledgers.workspace, ledgers.traffic, ledgers.metadata
         fields = [{"name": name, "dtype": dtype, "shape": list(shape),
                    "bytes": int(np.prod(shape)) * L.dtype_bytes(dtype)}
                   for name, (shape, dtype) in self.workspace_fields().items()]
@@ -373,7 +379,7 @@ class SplitPlan:
                                 "capacity": ws.capacity, "padding": ws.padding},
             "ledgers": {**led.as_dict(), "kv_reuse_factor": led.kv_reuse_factor,
                         "metadata": {"fields": dict(meta.fields), "table": meta.table, "total": meta.total},
-                        "page_lookups": L.page_lookups(lay, self.bounds)},
+                        "page_lookups": ledgers.page_lookups},
         }
 
     def text(self) -> str:
@@ -436,60 +442,39 @@ def split_policy(program: ir.Program):
 
 def split_occupancy(program: ir.Program, q_lens, num_sms: int = DEFAULT_SMS, **overrides):
     """What the split heuristic reads (compiler.analysis.splits.Occupancy) for this call."""
-    from .analysis.splits import Occupancy
-    q = np.asarray(q_lens, np.int64)
-    base = dict(num_sms=num_sms, heads_q=program.heads_q, heads_kv=program.heads_kv,
-                q_len=max(int(q.max(initial=1)), 1), head_dim=program.d_qk)
-    return Occupancy(**{**base, **overrides})
+    return occupancy_for(program, q_lens, num_sms, **overrides)
 
 
 def plan_split(program: ir.Program, layout, q_lens=None, *, policy=None, occupancy=None,
                num_sms: int = DEFAULT_SMS, block_rows: int | None = SPLIT_BLOCK_ROWS) -> SplitPlan:
-    """Plan a split-K/V call of ``program`` over ``layout`` (a validated KVLayout).
+    """Plan a split-K/V call of ``program`` over ``layout`` (a validated KVLayout): the pipeline's
+    layout -> manifest (phases) -> occupancy -> bounds (splits) -> schedule graph -> segments
+    (``analysis.PLAN_PIPELINE``).
 
     ``q_lens`` (default: one query row per non-empty request) gives each request's new query
     rows; ``policy`` overrides the spec's ``split =``; ``occupancy`` (or ``num_sms``) is what
     ``heuristic``/``auto`` read.  Every contract break is a PlanError, before any arithmetic."""
-    from .analysis import layout as lay
-    from .analysis import schedule
-    from .analysis.ledger import DecodeCall
-    from .analysis.phases import Manifest
     p = program
-    if (layout.heads_q, layout.heads_kv, layout.d_qk, layout.d_v) != (p.heads_q, p.heads_kv, p.d_qk, p.d_v):
-        raise PlanError(f"the layout has heads {layout.heads_q}/{layout.heads_kv} and head_dim "
-                        f"{layout.d_qk}/{layout.d_v}; spec '{p.name}' declares {p.heads_q}/{p.heads_kv} "
-                        f"and {p.d_qk}/{p.d_v}")
     kv = layout.kv_lens
     q = (kv > 0).astype(np.int64) if q_lens is None else q_lens
-    manifest = Manifest.from_lens(kv, q)
+    checked = run_plan_pipeline(("layout", "manifest"), program=p, kv_layout=layout, q_lens=q)
+    given = dict(checked)
     if policy is None:  # `split = auto` takes `attnc tune`'s split count for this key, if cached
         from . import tune
         try:
             key = tune.call_key(p, len(kv), [int(x) for x in q], [int(x) for x in kv], "numpy")
         except AttncError:
             key = None
-        policy = tune.tuned_split_policy(p, key) if key is not None else split_policy(p)
-    occ = occupancy if occupancy is not None else split_occupancy(p, manifest.C, num_sms)
-    bounds = policy.bounds(kv, occ)
-    call = DecodeCall.from_program(p)
-    graph = schedule.build(bounds, call, layout, manifest.C)
-    graph.graph["name"] = p.name
-    ptr, cols = [0], [[], [], [], []]
-    for b in range(bounds.batch):
-        for s in range(bounds.capacity):
-            if bounds.nonempty[b, s] and manifest.C[b] > 0:
-                a, e = int(bounds.starts[b, s]), int(bounds.ends[b, s])
-                t = a
-                for blk, off, n in lay.storage_segments(layout, b, a, e, block_rows):
-                    for col, x in zip(cols, (blk, off, n, t)):
-                        col.append(x)
-                    t += n
-            ptr.append(len(cols[0]))
-    arrays = [np.asarray(c, np.int64) for c in [ptr, *cols]]
-    for a in arrays:
-        a.setflags(write=False)
-    return SplitPlan(ir.digest(p), layout, manifest, bounds, call, graph, *arrays,
-                     num_sms=getattr(occ, "num_sms", None))
+        if key is not None:
+            given["policy"] = tune.tuned_split_policy(p, key)
+    else:
+        given["policy"] = policy
+    if occupancy is not None:
+        given["occupancy"] = occupancy
+    r = run_plan_pipeline(("layout", "manifest", "occupancy", "bounds", "call", "graph", "segments"),
+                          program=p, num_sms=num_sms, block_rows=block_rows, **given)
+    return SplitPlan(ir.digest(p), r["layout"], r["manifest"], r["bounds"], r["call"], r["graph"],
+                     *r["segments"], num_sms=getattr(r["occupancy"], "num_sms", None))
 
 
 def logical_layout(program: ir.Program, kv_lens):

@@ -234,7 +234,7 @@ def run_prefill(batch=4, heads=16, seq=8192, head_dim=128, masks=None, configs=N
         flops = 4.0 * head_dim * visible
         # reference for (b=0, h in {0, heads-1})
         bh = [(0, 0), (batch - 1, heads - 1)]
-        from attnc.backends.numpy import oracle
+        from attnc.compiler import oracle
         dense = {}
         for b, h in bh:
             vis = np.array(oracle.dense_mask(program, batch, seq, seq, tensors_np)[b, h])

@@ -540,6 +540,39 @@ def storage_segments(layout: KVLayout, b: int, start: int, end: int,
     return tuple(Segment(blk, off + i, min(cap, n - i)) for blk, off, n in segs for i in range(0, n, cap))
 
 
+def slot_segments(layout: KVLayout, bounds, q_lens, max_rows: int | None = None) -> tuple[np.ndarray, ...]:
+    """The storage runs of every producer slot ``(b, s)`` of split ``bounds`` (a
+    ``splits.SplitBounds``) as flat read-only int64 arrays ``(ptr, block, offset, count, t0)``:
+    slot ``(b, s)`` owns runs ``ptr[b * S_cap + s] .. ptr[b * S_cap + s + 1]``, each
+    :func:`storage_segments` of its ``[start, end)`` with its first logical position ``t0``.
+    A slot that is empty, or of a request with no query rows, owns none."""
+    ptr, cols = [0], [[], [], [], []]
+    for b in range(bounds.batch):
+        for s in range(bounds.capacity):
+            if bounds.nonempty[b, s] and q_lens[b] > 0:
+                a, e = int(bounds.starts[b, s]), int(bounds.ends[b, s])
+                t = a
+                for blk, off, n in storage_segments(layout, b, a, e, max_rows):
+                    for col, x in zip(cols, (blk, off, n, t)):
+                        col.append(x)
+                    t += n
+            ptr.append(len(cols[0]))
+    arrays = tuple(np.asarray(c, np.int64) for c in [ptr, *cols])
+    for a in arrays:
+        a.setflags(write=False)
+    return arrays
+
+
+def check_fits(layout: KVLayout, program) -> KVLayout:
+    """``layout`` when its heads and head dims are the spec's; else a PlanError naming both."""
+    p = program
+    if (layout.heads_q, layout.heads_kv, layout.d_qk, layout.d_v) != (p.heads_q, p.heads_kv, p.d_qk, p.d_v):
+        raise PlanError(f"the layout has heads {layout.heads_q}/{layout.heads_kv} and head_dim "
+                        f"{layout.d_qk}/{layout.d_v}; spec '{p.name}' declares {p.heads_q}/{p.heads_kv} "
+                        f"and {p.d_qk}/{p.d_v}")
+    return layout
+
+
 def invisible_tail(layout: KVLayout, b: int) -> tuple[int, tuple[int, ...]] | None:
     """The last page of request ``b`` and its allocated-but-invisible offsets (§0x04F), or
     None when the request is empty or its last page is full."""

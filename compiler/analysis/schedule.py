@@ -263,6 +263,23 @@ def ledger(g: nx.DiGraph) -> L.DecodeLedger:
                           tot.get("final_output", 0), tot.get("final_lse", 0))
 
 
+@dataclass(frozen=True)
+class SplitLedgers:
+    """A split plan's ledgers (M4.5 §0x04, §0x08F): its workspace, the bytes its schedule moves,
+    the resident metadata of its layout and the page-table lookups its producers make."""
+
+    workspace: L.Workspace
+    traffic: L.DecodeLedger
+    metadata: L.MetadataLedger
+    page_lookups: int
+
+
+def split_ledgers(g: nx.DiGraph, bounds: SplitBounds, call: L.DecodeCall, layout: KVLayout,
+                  q_lens) -> SplitLedgers:
+    return SplitLedgers(L.split_workspace(bounds, call, q_lens), ledger(g), L.metadata_bytes(layout),
+                        L.page_lookups(layout, bounds))
+
+
 def total_edge_bytes(g: nx.DiGraph) -> int:
     return sum(d["bytes"] for _, _, d in g.edges(data=True))
 

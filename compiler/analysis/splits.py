@@ -291,6 +291,15 @@ class Occupancy:
         return self.num_sms * self.ctas_per_sm
 
 
+def occupancy_for(program, q_lens, num_sms: int, **overrides) -> Occupancy:
+    """What the split heuristic reads for a call of ``program`` with per-request ``q_lens``
+    query rows on ``num_sms`` SMs; ``overrides`` replace fields."""
+    q = np.asarray(q_lens, np.int64)
+    base = dict(num_sms=num_sms, heads_q=program.heads_q, heads_kv=program.heads_kv,
+                q_len=max(int(q.max(initial=1)), 1), head_dim=program.d_qk)
+    return Occupancy(**{**base, **overrides})
+
+
 # ---------------------------------------------------------------- policies
 @dataclass(frozen=True)
 class Balanced:

@@ -5,7 +5,7 @@ import sys
 import numpy as np
 import pytest
 
-from attnc.backends.numpy import oracle
+from attnc.compiler import oracle
 from attnc.compiler import inputs
 from attnc.compiler.lower import compile_file
 from tests.conftest import EXAMPLES, ROOT

@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from attnc.backends.numpy.oracle import dense_mask
+from attnc.compiler.oracle import dense_mask
 from attnc.compiler import cli, explain
 from attnc.compiler.analysis.tiles import FULL, PARTIAL, SKIP
 from attnc.compiler.lower import compile_file

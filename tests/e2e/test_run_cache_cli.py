@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from attnc.backends.numpy import oracle
+from attnc.compiler import oracle
 from attnc.compiler import inputs
 from attnc.compiler.lower import compile_file, compile_spec
 from tests.conftest import ROOT

@@ -7,7 +7,7 @@ import pytest
 pytest.importorskip("greenlet", reason="greenlet (a project dependency) is not installed")
 
 from attnc.backends.ahbm import runtime  # noqa: E402
-from attnc.backends.numpy import oracle  # noqa: E402
+from attnc.compiler import oracle  # noqa: E402
 from attnc.compiler import inputs, numerics  # noqa: E402
 from attnc.compiler.lower import compile_file, compile_spec  # noqa: E402
 from tests.conftest import EXAMPLES, ROOT  # noqa: E402

@@ -13,7 +13,8 @@ from functools import lru_cache
 import numpy as np
 import pytest
 
-from attnc.backends.numpy import oracle, runtime
+from attnc.compiler import oracle
+from attnc.backends.numpy import runtime
 from attnc.compiler import inputs, numerics
 from attnc.compiler.analysis import layout as lay
 from attnc.compiler.analysis import splits as sp

@@ -4,7 +4,8 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from attnc.backends.numpy import oracle, runtime
+from attnc.compiler import oracle
+from attnc.backends.numpy import runtime
 from attnc.compiler import inputs, numerics
 from attnc.compiler.lower import compile_file
 from tests.conftest import EXAMPLES

@@ -4,7 +4,8 @@ masks are evaluated from the interval vectors instead of the tensors."""
 import numpy as np
 import pytest
 
-from attnc.backends.numpy import oracle, runtime
+from attnc.compiler import oracle
+from attnc.backends.numpy import runtime
 from attnc.compiler import inputs, numerics
 from attnc.compiler.ir import TileClass
 from attnc.compiler.lower import compile_file, compile_spec

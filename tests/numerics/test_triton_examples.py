@@ -6,7 +6,7 @@ import pytest
 pytest.importorskip("torch", reason="the Triton backend's tests need torch (pip install -e '.[test]')")
 pytest.importorskip("triton", reason="the Triton backend's tests need triton (pip install -e '.[test]')")
 
-from attnc.backends.numpy import oracle  # noqa: E402
+from attnc.compiler import oracle  # noqa: E402
 from attnc.backends.triton import runtime  # noqa: E402
 from attnc.compiler import inputs, numerics  # noqa: E402
 from attnc.compiler.errors import InputError  # noqa: E402

@@ -7,7 +7,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="the Triton backend's tests need torch (pip install -e '.[test]')")
 pytest.importorskip("triton", reason="the Triton backend's tests need triton (pip install -e '.[test]')")
 
-from attnc.backends.numpy import oracle  # noqa: E402
+from attnc.compiler import oracle  # noqa: E402
 from attnc.backends.triton import launch, runtime  # noqa: E402
 from attnc.compiler import inputs, numerics  # noqa: E402
 from attnc.compiler.lower import compile_file, compile_spec  # noqa: E402

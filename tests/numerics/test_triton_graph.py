@@ -10,7 +10,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="the Triton backend's tests need torch (pip install -e '.[test]')")
 pytest.importorskip("triton", reason="the Triton backend's tests need triton (pip install -e '.[test]')")
 
-from attnc.backends.numpy import oracle  # noqa: E402
+from attnc.compiler import oracle  # noqa: E402
 from attnc.backends.triton import runtime  # noqa: E402
 from attnc.compiler import inputs, numerics  # noqa: E402
 from attnc.compiler.errors import InputError, PlanError  # noqa: E402

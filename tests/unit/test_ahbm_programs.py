@@ -13,7 +13,7 @@ pytest.importorskip("greenlet", reason="greenlet (a project dependency) is not i
 from attnc.backends.ahbm import emit, runtime  # noqa: E402
 from attnc.backends.ahbm.sim import ScratchOverflowError, tree_levels, tree_root  # noqa: E402
 from attnc.backends.ahbm.sim.mesh import Topology  # noqa: E402
-from attnc.backends.numpy import oracle  # noqa: E402
+from attnc.compiler import oracle  # noqa: E402
 from attnc.compiler import inputs, numerics  # noqa: E402
 from attnc.compiler.analysis.tiles import FULL, PARTIAL, SKIP  # noqa: E402
 from attnc.compiler.cli import main  # noqa: E402

@@ -16,7 +16,7 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from attnc.backends.numpy.oracle import dense_mask
+from attnc.compiler.oracle import dense_mask
 from attnc.compiler import cli, explain, ir
 from attnc.compiler.errors import AttncError
 from attnc.compiler.lower import compile_file, compile_spec

@@ -17,7 +17,7 @@ import re
 import numpy as np
 import pytest
 
-from attnc.backends.numpy.oracle import dense_mask
+from attnc.compiler.oracle import dense_mask
 from attnc.compiler.analysis.intervals import analyze, row_intervals
 from attnc.compiler.analysis.tiles import FULL, SKIP, plan_tiles, summaries
 from attnc.compiler.errors import PlanError

@@ -3,7 +3,7 @@ the all-masked policy, and agreement with the split-state algebra row by row."""
 import numpy as np
 import pytest
 
-from attnc.backends.numpy import oracle
+from attnc.compiler import oracle
 from attnc.backends.numpy.state import finalize, summarize
 from attnc.compiler.errors import PlanError
 from attnc.compiler.lower import compile_spec

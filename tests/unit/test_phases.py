@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from attnc.backends.numpy import oracle
+from attnc.compiler import oracle
 from attnc.compiler.analysis.phases import (
     PHASES, Ledger, Manifest, Request, causal_ledger, causal_masked_cells, causal_visible_cells,
     phase_of, rect_cells, visible_cells,

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from attnc.backends.numpy.oracle import dense_mask
+from attnc.compiler.oracle import dense_mask
 from attnc.compiler.analysis.intervals import analyze, row_intervals
 from attnc.compiler.analysis.tiles import (
     FULL, PARTIAL, SKIP, SUMMARY_NAMES, TilePlan, classify_exact, classify_summaries, plan_tiles, summaries,

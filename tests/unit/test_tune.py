@@ -6,6 +6,7 @@ import json
 import numpy as np
 import pytest
 
+from attnc.backends.numpy import tune as numpy_tune
 from attnc.compiler import evidence, tune
 from attnc.compiler.dispatch import DispatchKey, Environment
 from attnc.compiler.errors import InputError
@@ -107,7 +108,7 @@ def test_tune_checks_then_times_and_stores_winner_with_raw_samples(tmp_path):
 def test_a_failing_candidate_is_recorded_and_never_timed(tmp_path, monkeypatch):
     p = compile_spec(SPEC)
 
-    class Broken(tune._NumpyRunner):
+    class Broken(numpy_tune.NumpyRunner):
         def prepare(self, cfg):
             launch, host = super().prepare(cfg)
             if cfg["BLOCK_N"] == 8:
@@ -118,7 +119,7 @@ def test_a_failing_candidate_is_recorded_and_never_timed(tmp_path, monkeypatch):
                 return boom, host
             return launch, host
 
-    monkeypatch.setitem(tune.RUNNERS, "numpy", Broken)
+    monkeypatch.setattr(numpy_tune, "RUNNER", Broken)
     timer, msgs = FakeTimer(), []
     [res] = tune.tune(p, tune.parse_shapes("1:16:16"), "numpy", cache=tmp_path / "t.json", timer=timer,
                       warmup=0, repeats=3, env=CPU, progress=_quiet(msgs))
@@ -139,12 +140,12 @@ def test_a_failing_candidate_is_recorded_and_never_timed(tmp_path, monkeypatch):
 def test_no_passing_candidate_is_an_error(tmp_path, monkeypatch):
     p = compile_spec(SPEC)
 
-    class Wrong(tune._NumpyRunner):
+    class Wrong(numpy_tune.NumpyRunner):
         def prepare(self, cfg):
             launch, host = super().prepare(cfg)
             return launch, lambda r: (host(r)[0] * 2 + 1, host(r)[1])
 
-    monkeypatch.setitem(tune.RUNNERS, "numpy", Wrong)
+    monkeypatch.setattr(numpy_tune, "RUNNER", Wrong)
     with pytest.raises(tune.TuneError, match="no candidate passed"):
         tune.tune(p, tune.parse_shapes("1:8:8"), "numpy", cache=tmp_path / "t.json", timer=FakeTimer(),
                   env=CPU, progress=lambda m: None)
@@ -199,7 +200,7 @@ def test_save_is_atomic(tmp_path, monkeypatch):
 
     def crash(*a, **k):
         raise OSError("disk full")
-    monkeypatch.setattr(tune.json, "dump", crash)
+    monkeypatch.setattr(json, "dump", crash)  # the stdlib module the cache writes with
     with pytest.raises(OSError, match="disk full"):
         cache.save()
     assert path.read_text() == before  # the old file, whole

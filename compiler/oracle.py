@@ -1,4 +1,5 @@
-"""The float64 dense oracle: the definition every backend is tested against.
+"""The float64 dense oracle: the definition every backend is tested against (the compiler's
+reference, not a backend: tuning, `attnc run --check` and the tests all read it).
 
 It evaluates the IR mask and score program over the whole
 ``[B, H_q, S_q, S_k]`` score rectangle with an IR interpreter of its own (not

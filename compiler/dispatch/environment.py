@@ -1,0 +1,63 @@
+"""The environment coordinate of a dispatch key: what is installed and which device runs."""
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass, fields
+from functools import lru_cache
+
+
+def distribution_version(dist: str) -> str | None:
+    """The installed version of distribution ``dist`` from its metadata (nothing is imported)."""
+    from importlib import metadata
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+@dataclass(frozen=True)
+class Environment:
+    """The environment coordinate: which code objects can exist and run here (§0x07A).
+
+    Versions come from distribution metadata (no import); the device is probed through torch
+    only when the caller does not name it."""
+
+    device_type: str = "cpu"
+    compute_capability: int | None = None  # major * 10 + minor (90 = sm_90)
+    device_name: str | None = None
+    interpreter: bool = False  # TRITON_INTERPRET=1: Triton kernels run on the CPU
+    torch: str | None = None
+    triton: str | None = None
+    cuda_runtime: str | None = None
+
+    @classmethod
+    def detect(cls, device_type: str | None = None) -> "Environment":
+        return _detect(device_type)
+
+    def to_json(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@lru_cache(maxsize=4)
+def _detect(device_type: str | None) -> Environment:
+    import importlib.util
+    interp = os.environ.get("TRITON_INTERPRET") == "1"
+    env = {"interpreter": interp, "torch": distribution_version("torch"),
+           "triton": distribution_version("triton")}
+    if device_type is None:
+        device_type = "cpu"
+        if not interp and env["torch"] and importlib.util.find_spec("torch") is not None:
+            import torch
+            if torch.cuda.is_available():
+                device_type = "cuda"
+    if device_type == "cuda" and env["torch"]:
+        # a broken driver leaves the fields unknown, not a crash
+        with contextlib.suppress(Exception):
+            import torch
+            if torch.cuda.is_available():
+                major, minor = torch.cuda.get_device_capability()
+                env.update(compute_capability=10 * major + minor, device_name=torch.cuda.get_device_name(),
+                           cuda_runtime=torch.version.cuda)
+    return Environment(device_type=device_type, **env)
+

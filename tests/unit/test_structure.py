@@ -1,0 +1,126 @@
+"""The repository's shape (DESIGN §1, §2): the compiler reaches a backend only through the
+registry, and the import graph has no cycles.
+
+The graph is built from the source with ``ast``, not by importing: one node per module of the
+``attnc`` package (``compiler/x.py`` is ``attnc.compiler.x``), one edge per ``import`` naming
+another of them, relative imports resolved.  ``from P import N`` is an edge to the module
+``P.N`` when there is one, else to ``P``.  A package's ``__init__`` importing its own
+submodules is not a cycle with them: Python runs the parent package before a submodule, but a
+submodule that names its parent explicitly gets that edge, and that would be one."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import networkx as nx
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+FOLDERS = ("attnc", "compiler", "backends")  # compiler/ and backends/ install as attnc.compiler, attnc.backends
+
+
+def _modules() -> dict[str, tuple[Path, bool]]:
+    """Module name -> (file, is a package's __init__)."""
+    out = {}
+    for folder in FOLDERS:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+            package = parts[-1] == "__init__"
+            if package:
+                parts.pop()
+            if parts[0] != "attnc":
+                parts.insert(0, "attnc")
+            out[".".join(parts)] = (path, package)
+    return out
+
+
+MODULES = _modules()
+
+
+def _targets(module: str, package: bool, node: ast.Import | ast.ImportFrom) -> list[str]:
+    """The fully qualified names ``node`` imports (modules where they are modules)."""
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names]
+    if node.level:
+        base = module.split(".") if package else module.split(".")[:-1]
+        base = base[:len(base) - (node.level - 1)]
+        source = ".".join(base + ([node.module] if node.module else []))
+    else:
+        source = node.module
+    return [f"{source}.{a.name}" if f"{source}.{a.name}" in MODULES else source for a in node.names]
+
+
+def _imports(module: str) -> list[tuple[str, bool, int]]:
+    """(imported name, inside a function, line) for every import statement of ``module``."""
+    path, package = MODULES[module]
+    out = []
+
+    def visit(node, in_function):
+        for child in ast.iter_child_nodes(node):
+            inner = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+            if isinstance(child, (ast.Import, ast.ImportFrom)):
+                out.extend((t, inner, child.lineno) for t in _targets(module, package, child))
+            visit(child, inner)
+
+    visit(ast.parse(path.read_text(), str(path)), False)
+    return out
+
+
+def _graph(*, function_level: bool, within: str = "attnc") -> nx.DiGraph:
+    g = nx.DiGraph()
+    for m in MODULES:
+        if not m.startswith(within):
+            continue
+        g.add_node(m)
+        for target, in_function, _ in _imports(m):
+            if target in MODULES and target != m and target.startswith(within) and (function_level or not in_function):
+                g.add_edge(m, target)
+    return g
+
+
+def test_the_scan_sees_the_package():
+    assert {"attnc", "attnc.compiler.plan", "attnc.compiler.dispatch.registry", "attnc.backends.triton.runtime",
+            "attnc.compiler.analysis.pipeline"} <= set(MODULES)
+    g = _graph(function_level=False)
+    assert g.has_edge("attnc.compiler.plan", "attnc.compiler.analysis")  # a package re-export
+    assert g.has_edge("attnc.backends.triton.tune", "attnc.compiler.tune")
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if m.startswith("attnc.compiler")))
+def test_the_compiler_imports_no_backend(module):
+    """Only the registry reaches a backend, by module-name string through importlib."""
+    bad = [(t, line) for t, _, line in _imports(module)
+           if t in ("attnc.backends", "backends") or t.startswith(("attnc.backends.", "backends."))]
+    assert not bad, f"{module} imports a backend: {bad}"
+
+
+def test_backends_never_import_each_other():
+    for m in MODULES:
+        if not m.startswith("attnc.backends.") or m == "attnc.backends.common":
+            continue
+        own = ".".join(m.split(".")[:3])
+        for target, _, line in _imports(m):
+            if target.startswith("attnc.backends.") and target != "attnc.backends.common":
+                assert target.startswith(own), f"{m}:{line} imports another backend's {target}"
+
+
+def test_module_level_imports_have_no_cycle():
+    cycles = list(nx.simple_cycles(_graph(function_level=False)))
+    assert not cycles, f"module-level import cycles: {cycles[:5]}"
+
+
+def test_compiler_imports_have_no_cycle_even_through_function_level_imports():
+    """A function-level import only postpones a cycle (plan -> tune -> runtime -> plan was one):
+    inside compiler/ both kinds of edge count."""
+    cycles = list(nx.simple_cycles(_graph(function_level=True, within="attnc.compiler")))
+    assert not cycles, f"import cycles within compiler/: {cycles[:5]}"
+
+
+def test_the_plan_pipeline_runs_in_its_listed_order():
+    """Every step reads call inputs or results of steps listed before it, and adds a new name."""
+    from attnc.compiler.analysis import PLAN_INPUTS, PLAN_PIPELINE
+    known = set(PLAN_INPUTS)
+    for step in PLAN_PIPELINE:
+        assert set(step.reads) <= known, f"step {step.name} reads {sorted(set(step.reads) - known)} before it exists"
+        assert step.name not in known, f"step {step.name} shadows an input or an earlier step"
+        known.add(step.name)
