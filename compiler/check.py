@@ -36,18 +36,19 @@ class Spec:
 
     node: ast.Attention
     name: str
-    heads_q: int
-    heads_kv: int
-    d_qk: int
-    d_v: int
-    dtype: str
-    scale: float
+    heads_q: int | None  # None: taken from each call (a shape-generic spec); likewise below
+    heads_kv: int | None
+    d_qk: int | None
+    d_v: int | None
+    dtype: str  # bf16 when left out: the call's in attnc.compile, the default elsewhere
+    scale: float | None  # None: 1 / sqrt(d_qk) of the call
     tensors: dict[str, ast.TensorDecl]
     tensor_types: dict[str, ir.TensorDecl]
     score: list[ast.Expr]
     mask: ast.Expr | None
     cache: ir.Cache = field(default_factory=ir.Cache)
     split: ir.Split = field(default_factory=ir.Split)
+    open_fields: tuple[str, ...] = ()
     state: ir.StateABI = ir.StateABI.LSE_O
     masked_rows: str = "zero"
 
@@ -124,7 +125,7 @@ class Checker:
         self.node = node
         self.sink = DiagnosticSink()
         self.tensors: dict[str, ast.TensorDecl] = {}
-        self.heads: tuple[int, int] = (1, 1)  # (H_q, H_kv) once 'heads' is checked
+        self.heads: tuple[int, int] | None = None  # (H_q, H_kv) once 'heads' is checked
 
     def error(self, message: str, span: Span | None, *notes: str) -> None:
         self.sink.error(message, span, *notes)
@@ -151,12 +152,11 @@ class Checker:
             if isinstance(stmt, ast.TensorDecl) and seen.get(f"tensor {stmt.name}") is stmt:
                 self._tensor(stmt)
 
-        spec = Spec(node=node, name=node.name, heads_q=1, heads_kv=1, d_qk=1, d_v=1, dtype="bf16",
-                    scale=1.0, tensors=self.tensors, tensor_types={}, score=[], mask=None)
-        for key in ("heads", "head_dim"):
-            if key not in seen:
-                self.error(f"missing '{key}' statement", node.name_span,
-                           "every attention declares 'heads = H_q / H_kv' and 'head_dim = d'")
+        # heads, head_dim and dtype left out are the call's (a shape-generic spec): None here,
+        # filled in by ir.specialize from the tensors of each call
+        spec = Spec(node=node, name=node.name, heads_q=None, heads_kv=None, d_qk=None, d_v=None, dtype="bf16",
+                    scale=None, tensors=self.tensors, tensor_types={}, score=[], mask=None,
+                    open_fields=tuple(n for n in ("heads", "head_dim", "dtype") if n not in seen))
         if "heads" in seen:
             spec.heads_q, spec.heads_kv = self._heads(seen["heads"])
             self.heads = (spec.heads_q, spec.heads_kv)
@@ -170,7 +170,8 @@ class Checker:
                 self.error(f"unknown dtype '{d.name}'; expected one of {_one_of(DTYPES)}", d.span,
                            *_suggest(d.name, DTYPES))
             spec.dtype = d.name
-        spec.scale = 1 / math.sqrt(spec.d_qk)
+        if spec.d_qk is not None:
+            spec.scale = 1 / math.sqrt(spec.d_qk)
         if "scale" in seen:
             spec.scale = self._scale(seen["scale"])
         spec.tensor_types = {n: self._tensor_type(t) for n, t in self.tensors.items()}
@@ -630,7 +631,7 @@ class Checker:
         an error."""
         t = self.tensors[sri.id]
         axes = [a.value for a in t.axes]
-        hq, hkv = self.heads
+        hq, hkv = self.heads or (None, None)  # a shape-generic spec: per query head or shared only
         heads = ("h", 1) + ((hkv,) if hkv != hq else ())
         if t.dtype == "i32" and len(axes) == 4 and axes[0] == "b" and axes[1] in heads and axes[2] == "s" \
                 and axes[3] in (1, 2, 4):

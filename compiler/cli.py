@@ -18,6 +18,16 @@ from .dispatch import REGISTRY, backend
 from .errors import AttncError, InputError
 from .lower import compile_file
 
+def _concrete(path: str):
+    """A spec the command can run without a call: one that declares heads and head_dim."""
+    program = compile_file(path)
+    if program.generic:
+        raise InputError(f"{path}: spec '{program.name}' leaves {' and '.join(program.generic)} to the call "
+                         "(a shape-generic spec): this command needs them declared; from Python, "
+                         "attnc.compile(spec) takes them from each call's tensors")
+    return program
+
+
 def _out(text: str, path: str | None) -> None:
     if path:
         Path(path).write_text(text)
@@ -36,13 +46,16 @@ def cmd_check(args) -> int:
             failed += 1
             continue
         if not args.quiet:
-            print(f"{path}: ok ({p.name}: heads {p.heads_q}/{p.heads_kv}, head_dim {p.d_qk}/{p.d_v}, "
-                  f"{p.dtype}, {len(p.tensors)} tensor(s), {len(p.score)} score statement(s))")
+            heads = "from the call" if "heads" in p.open_fields else f"{p.heads_q}/{p.heads_kv}"
+            dims = "from the call" if "head_dim" in p.open_fields else f"{p.d_qk}/{p.d_v}"
+            dtype = "dtype from the call" if "dtype" in p.open_fields else p.dtype
+            print(f"{path}: ok ({p.name}: heads {heads}, head_dim {dims}, "
+                  f"{dtype}, {len(p.tensors)} tensor(s), {len(p.score)} score statement(s))")
     return 1 if failed else 0
 
 
 def cmd_compile(args) -> int:
-    program = compile_file(args.spec)
+    program = _concrete(args.spec)
     _out(backend(args.backend).emit(program).text, args.output)
     return 0
 
@@ -62,7 +75,7 @@ def _load_npz(path: str) -> dict[str, np.ndarray]:
 
 
 def cmd_run(args) -> int:
-    program = compile_file(args.spec)
+    program = _concrete(args.spec)
     if args.inputs:
         arrays = _load_npz(args.inputs)
     elif program.cache.kind.value != "contiguous":  # a sampled paged/ragged cache (shuffled pages)
@@ -151,7 +164,7 @@ def _untuned_split_policy(program):
 def cmd_plan(args) -> int:
     from .analysis import schedule
     from .plan import logical_layout, plan_split
-    program = compile_file(args.spec)
+    program = _concrete(args.spec)
     kv = args.kv_lens
     q = args.q_lens if args.q_lens is not None else [1 if t > 0 else 0 for t in kv]
     if len(q) != len(kv):
@@ -198,7 +211,7 @@ def cmd_explain(args) -> int:
     from . import explain as ex
     if args.out and args.format is None:
         raise InputError("--out writes a --format export (paddle or flex)")
-    program = compile_file(args.spec)
+    program = _concrete(args.spec)
     s_k = args.kv_len
     s_q = args.q_len if args.q_len is not None else s_k
     tensors = ex.call_tensors(program, args.batch, s_q, s_k, _load_tensor_args(args.tensor), args.seed)
@@ -253,24 +266,28 @@ def _block(text: str) -> tuple[int, int]:
 
 
 def cmd_bench(args) -> int:
+    """The GPU benchmark harness lives in the repository's bench/ (not in the installed package)."""
     try:
         import torch
     except ImportError:
         raise AttncError("attnc bench needs torch and triton on a CUDA machine (pip install 'attnc[gpu]')") from None
     if not torch.cuda.is_available():
         raise AttncError("attnc bench measures GPU kernels; no CUDA device is visible")
-    bench = backend("triton").bench
+    root = Path(__file__).resolve().parent.parent
+    if not (root / "bench" / "harness.py").is_file():
+        raise AttncError("attnc bench runs from a source checkout of attnc (its bench/ folder is not installed)")
+    sys.path.insert(0, str(root))
+    from bench import harness
+    command = "attnc bench " + " ".join(sys.argv[2:] if len(sys.argv) > 2 else [args.what])
     if args.what == "decode":
-        bench.run_decode(out=args.out)
-        return 0
-    configs = None
-    if args.configs:
-        try:
-            configs = bench.parse_configs(args.configs)
-        except ValueError as e:
-            raise AttncError(f"--configs: {e}") from None
-    bench.run_prefill(masks=args.masks.split(",") if args.masks else None, configs=configs, out=args.out,
-                      flex_modes=tuple(args.flex_modes.split(",")))
+        cases = [tuple(int(x) for x in c.split(":")) for c in args.cases.split(",")] if args.cases else None
+        rows = harness.run_decode(cases=cases, out=args.out, command=command, graph=not args.no_graph)
+    else:
+        rows = harness.run_prefill(batch=args.batch, heads=args.heads, seq=args.seq, head_dim=args.head_dim,
+                                   masks=args.masks.split(",") if args.masks else None, out=args.out,
+                                   command=command, flex_modes=tuple(m for m in args.flex_modes.split(",") if m),
+                                   sdpa=not args.no_sdpa)
+    print(harness.summary(rows))
     return 0
 
 
@@ -291,7 +308,7 @@ def _load_call(path: str) -> dict:
 
 def cmd_dispatch(args) -> int:
     from .dispatch import CALL_ALIASES, DispatchKey, select
-    program = compile_file(args.spec)
+    program = _concrete(args.spec)
     call = _load_call(args.call)
     if args.force:  # the command line's request replaces the file's, whatever its spelling
         call = {n: v for n, v in call.items() if CALL_ALIASES.get(n, n) != "backend_request"}
@@ -303,7 +320,7 @@ def cmd_dispatch(args) -> int:
 
 def cmd_tune(args) -> int:
     from . import evidence, tune
-    program = compile_file(args.spec)
+    program = _concrete(args.spec)
     shapes = tune.parse_shapes(args.shapes)
     if args.evidence and args.repeats < evidence.MIN_SAMPLES:
         raise InputError(f"--evidence rows need at least {evidence.MIN_SAMPLES} raw samples; "
@@ -460,8 +477,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, metavar="FILE.jsonl")
     p.add_argument("--masks", default=None, help="prefill: comma-separated subset of "
                                                  "causal,sliding_window_1024,causal_document,prefix_lm_2048,full")
-    p.add_argument("--configs", default=None, help="prefill: BMxBNxWxS[t],... (t: TMA loads)")
-    p.add_argument("--flex-modes", default="default,max-autotune-no-cudagraphs")
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--seq", type=int, default=8192)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--flex-modes", default="default,max-autotune-no-cudagraphs", help="empty: no FlexAttention")
+    p.add_argument("--no-sdpa", action="store_true")
+    p.add_argument("--cases", default=None, help="decode: B:T,... (default 8:8192,32:8192,1:131072,64:2048)")
+    p.add_argument("--no-graph", action="store_true", help="decode: no CUDA-graph rows")
     p.set_defaults(fn=cmd_bench)
 
     p = sub.add_parser("demo", help="compile and run examples for prefill, append and decode "

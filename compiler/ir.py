@@ -233,12 +233,12 @@ class Split:
 @node
 class Program:
     name: str
-    heads_q: int
-    heads_kv: int
-    d_qk: int
-    d_v: int
-    dtype: str  # f16 | bf16 | f32 (storage of Q, K, V, O)
-    scale: float
+    heads_q: int | None  # None in a shape-generic spec: the call decides (``specialize``); likewise below
+    heads_kv: int | None
+    d_qk: int | None
+    d_v: int | None
+    dtype: str  # f16 | bf16 | f32 (storage of Q, K, V, O); bf16 where the spec leaves it to the call
+    scale: float | None  # None: 1 / sqrt(d_qk) of the call
     tensors: tuple[TensorDecl, ...]
     score: tuple[Expr, ...]  # ordered statements; each reads Var("score") = the previous value
     mask: Expr
@@ -246,6 +246,14 @@ class Program:
     split: Split = field(default_factory=Split)
     state: StateABI = StateABI.LSE_O
     masked_rows: str = "zero"
+    # what the spec leaves to each call (some of "heads", "head_dim", "dtype"): ``specialize`` fills
+    # them in from the call's tensors; heads and head dims are None until then, dtype is bf16
+    open_fields: tuple[str, ...] = ()
+
+    @property
+    def generic(self) -> tuple[str, ...]:
+        """What the spec leaves to the call that a program cannot run without: 'heads', 'head_dim'."""
+        return tuple(n for n in ("heads", "head_dim") if n in self.open_fields)
 
     @property
     def group(self) -> int:
@@ -339,7 +347,7 @@ def verify_expr(e: Expr, program: Program | None = None, allowed_vars=POSITION_V
 
 def verify(program: Program) -> Program:
     """Check the IR invariants; return the program so passes can chain it."""
-    if program.heads_q % program.heads_kv:
+    if program.heads_q is not None and program.heads_q % program.heads_kv:
         raise VerifyError("heads_q is not a multiple of heads_kv")
     verify_expr(program.mask, program)
     if program.mask.type is not BOOL:
@@ -394,3 +402,28 @@ def digest(program: Program) -> str:
     """sha256 of the program's canonical form: the compile-time cache key."""
     import hashlib
     return hashlib.sha256(repr(program).encode()).hexdigest()
+
+
+def specialize(program: Program, heads_q: int, heads_kv: int, d_qk: int, d_v: int, dtype: str) -> Program:
+    """The concrete program of a shape-generic spec for one call's shapes and dtype.  Declared
+    values are checks: a call that contradicts one is refused naming it.  A concrete spec comes
+    back unchanged when the call agrees with it."""
+    from .errors import InputError
+    declared = {"heads": (program.heads_q, program.heads_kv), "head_dim": (program.d_qk, program.d_v),
+                "dtype": program.dtype}
+    called = {"heads": (heads_q, heads_kv), "head_dim": (d_qk, d_v), "dtype": dtype}
+    shown = {"heads": lambda v: f"{v[0]} / {v[1]}", "head_dim": lambda v: f"{v[0]} / {v[1]}", "dtype": str}
+    for name, want in declared.items():
+        if name not in program.open_fields and want != called[name]:
+            raise InputError(f"inputs: spec '{program.name}' declares {name} = {shown[name](want)}; the call has "
+                             f"{name} {shown[name](called[name])}")
+    if heads_q < 1 or heads_kv < 1 or heads_q % heads_kv:
+        raise InputError(f"inputs: q has {heads_q} heads and k/v {heads_kv}: H_q must be a multiple of H_kv (GQA)")
+    if dtype not in ("f16", "bf16", "f32"):
+        raise InputError(f"inputs: q has dtype {dtype}; attention stores f16, bf16 or f32")
+    if not program.open_fields:
+        return program
+    import math
+    from dataclasses import replace
+    return replace(program, heads_q=heads_q, heads_kv=heads_kv, d_qk=d_qk, d_v=d_v, dtype=dtype,
+                   scale=program.scale if program.scale is not None else 1 / math.sqrt(d_qk), open_fields=())

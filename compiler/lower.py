@@ -152,7 +152,8 @@ def lower(spec: Spec) -> ir.Program:
     return ir.Program(
         name=spec.name, heads_q=spec.heads_q, heads_kv=spec.heads_kv, d_qk=spec.d_qk, d_v=spec.d_v,
         dtype=spec.dtype, scale=spec.scale, tensors=tuple(spec.tensor_types.values()), score=score,
-        mask=mask, cache=spec.cache, split=spec.split, state=spec.state, masked_rows=spec.masked_rows)
+        mask=mask, cache=spec.cache, split=spec.split, state=spec.state, masked_rows=spec.masked_rows,
+        open_fields=spec.open_fields)
 
 
 # ---------------------------------------------------------------- passes

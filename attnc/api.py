@@ -1,0 +1,268 @@
+"""The PyTorch front door: ``attnc.compile(spec)`` and the ``Attention`` it returns.
+
+``attn = attnc.compile("examples/causal_document.attn")`` (a path, or the spec's text), then
+``o = attn(q, k, v, doc=doc)`` on torch tensors in the spec's layout (bhsd by default).  CUDA
+tensors run the Triton backend, CPU tensors the numpy backend; ``backend=`` forces one, and a
+backend that refuses the call says why (the dispatch key's admission, DESIGN §6).  O comes back
+as a torch tensor of q's dtype, device and layout; ``return_lse=True`` adds LSE [B, H_q, S_q]
+(float32, natural log, -inf on rows that see no key).
+
+A spec may leave ``heads``, ``head_dim`` and ``dtype`` out: each call then supplies them (GQA
+from q's and k's head counts), and the compiled kernel is cached per specialisation, keyed
+explicitly by (H_q, H_kv, d_qk, d_v, dtype).  Declared values are checks.
+
+The call is a ``torch.library`` custom op (``attnc::attention``, with a fake implementation), so
+``torch.compile(model, fullgraph=True)`` traces through it with no graph break; outside
+compilation it runs directly (no dispatcher cost).  Masks that read tensors are planned from
+the tensors' values on the host, so their op (``attnc::attention_planned``) is marked unsafe for
+CUDA graphs and ``mode="reduce-overhead"`` leaves it out of the captured graph.  There is no
+backward pass yet: a call whose q, k or v requires grad is refused, never silently detached.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import replace
+from pathlib import Path
+
+from .compiler import ir
+from .compiler.errors import AttncError, InputError
+
+_DTYPES = {"torch.float16": "f16", "torch.bfloat16": "bf16", "torch.float32": "f32"}
+_HANDLES: dict[str, "Attention"] = {}
+_LOCK = threading.Lock()
+
+
+class BackendRefused(AttncError):
+    """The backend asked for (or every backend) refuses the call; the message has every reason."""
+
+
+def compile(spec: str | os.PathLike, *, name: str | None = None) -> "Attention":  # noqa: A001 - the API's name
+    """Parse, check and lower a spec (a path to a ``.attn`` file, or the spec's text)."""
+    from .compiler.lower import compile_file, compile_spec
+    text = str(spec)
+    if isinstance(spec, os.PathLike) or ("{" not in text and text.endswith(".attn")):
+        program = compile_file(spec)
+    elif "{" not in text and Path(text).is_file():
+        program = compile_file(text)
+    else:
+        program = compile_spec(text, name or "<spec>")
+    return Attention(program)
+
+
+class Attention:
+    """A compiled spec, callable on torch tensors (module docstring)."""
+
+    def __init__(self, program: ir.Program):
+        self.program = program
+        self.name = program.name
+        self.tensor_names = tuple(t.name for t in program.tensors)
+        self.reads_tensors = bool(ir.loads(program.mask)) or any(ir.loads(s) for s in program.score)
+        self._bshd = program.cache.layout is ir.Layout.BSHD
+        self._programs: dict = {}  # (H_q, H_kv, d_qk, d_v, dtype) -> concrete program
+        self._kernels: dict = {}  # (backend, program digest) -> backend kernel
+        self._routes: dict = {}  # call key -> (backend name, kernel)
+        self.handle = f"{program.name}-{ir.digest(program)[:16]}"
+        with _LOCK:
+            _HANDLES.setdefault(self.handle, self)
+
+    def __repr__(self) -> str:
+        open_ = f", from the call: {', '.join(self.program.open_fields)}" if self.program.open_fields else ""
+        return f"attnc.Attention({self.name}{open_})"
+
+    # ------------------------------------------------------------ specialisation
+    def _shape_of(self, q, k, v) -> tuple[int, int, int, int, str]:
+        for n, t in (("q", q), ("k", k), ("v", v)):
+            if t.dim() != 4:
+                layout = "[B, S, H, d]" if self._bshd else "[B, H, S, d]"
+                raise InputError(f"inputs: '{n}' has shape {list(t.shape)} (rank {t.dim()}); spec '{self.name}' "
+                                 f"takes q, k, v as {layout}")
+        h_ax = 2 if self._bshd else 1
+        dtype = _DTYPES.get(str(q.dtype))
+        if dtype is None:
+            raise InputError(f"inputs: 'q' has dtype {q.dtype}; attention takes float16, bfloat16 or float32")
+        if k.dtype != q.dtype or v.dtype != q.dtype:
+            raise InputError(f"inputs: q/k/v have dtypes {q.dtype}/{k.dtype}/{v.dtype}; K and V are stored in "
+                             "the query dtype")
+        return q.shape[h_ax], k.shape[h_ax], q.shape[3], v.shape[3], dtype
+
+    def specialize(self, heads_q: int, heads_kv: int, d_qk: int, d_v: int, dtype: str) -> ir.Program:
+        """The concrete program for one call's head counts, head dims and dtype (cached)."""
+        key = (heads_q, heads_kv, d_qk, d_v, dtype)
+        p = self._programs.get(key)
+        if p is None:
+            p = self._programs[key] = ir.specialize(self.program, *key)
+        return p
+
+    def kernel(self, backend: str, program: ir.Program):
+        """The backend's kernel for a concrete program (compiled once, cached)."""
+        from .compiler.dispatch import backend as load_backend
+        key = (backend, ir.digest(program))
+        k = self._kernels.get(key)
+        if k is None:
+            k = self._kernels[key] = load_backend(backend).load(program)
+        return k
+
+    def _route(self, program: ir.Program, q, k, backend: str | None) -> tuple[str, object]:
+        """Which backend runs calls like this one: the dispatch key's admission (auto, or forced)."""
+        from .compiler.dispatch import DispatchError, Environment, dispatch
+        from .backends.triton.launch import capability
+        cuda = q.is_cuda
+        env = Environment.detect("cuda" if cuda else "cpu")
+        if not cuda and backend != "triton":  # the interpreter is a test vehicle: CPU calls take numpy
+            env = replace(env, interpreter=False)
+        s_axis = 1 if self._bshd else 2
+        call = {"B": int(q.shape[0]), "S_q": int(q.shape[s_axis]), "S_k": int(k.shape[s_axis]),
+                "device": "cuda" if cuda else "cpu", "last_dim_contiguous": bool(q.stride(-1) == 1 and
+                                                                                k.stride(-1) == 1)}
+        if cuda:
+            call["compute_capability"] = capability(q.device)
+        if backend is not None:
+            call["backend"] = backend
+        try:
+            selection = dispatch(program, call, env)
+            name = selection.require()
+        except DispatchError as e:
+            raise BackendRefused(str(e)) from None
+        return name, self.kernel(name, program)
+
+    # ------------------------------------------------------------ the call
+    def __call__(self, q, k, v, *, return_lse: bool = False, backend: str | None = None, **tensors):
+        import torch
+        for n, t in (("q", q), ("k", k), ("v", v)):
+            if not isinstance(t, torch.Tensor):
+                raise InputError(f"inputs: '{n}' is a {type(t).__name__}; attnc.compile(...) takes torch tensors "
+                                 "(the backends' own kernels take numpy arrays)")
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+            raise InputError("inputs: q, k or v requires grad, and attnc has no backward pass yet: the gradient "
+                             "would be lost. Call it under torch.no_grad() or on detached tensors")
+        unknown = sorted(set(tensors) - set(self.tensor_names))
+        if unknown:
+            raise InputError(f"inputs: unknown keyword '{unknown[0]}' (spec '{self.name}' reads "
+                             f"{', '.join(self.tensor_names) or 'no tensors'})")
+        missing = [n for n in self.tensor_names if n not in tensors]
+        if missing:
+            raise InputError(f"inputs: missing tensor '{missing[0]}' (spec '{self.name}' reads it)")
+        if torch.compiler.is_compiling():
+            op = torch.ops.attnc.attention_planned if self.reads_tensors else torch.ops.attnc.attention
+            o, lse = op(self.handle, q, k, v, [tensors[n] for n in self.tensor_names], backend or "")
+        else:
+            o, lse = self.forward(q, k, v, tensors, backend)
+        return (o, lse) if return_lse else o
+
+    def forward(self, q, k, v, tensors: dict, backend: str | None = None):
+        """(O, LSE) of one call, on the backend the call's key selects (no autograd, no tracing)."""
+        key = (q.shape, k.shape, v.shape, q.dtype, q.device, k.device, backend)
+        route = self._routes.get(key)
+        if route is None:
+            program = self.specialize(*self._shape_of(q, k, v))
+            for n, t in (("k", k), ("v", v), *tensors.items()):
+                if hasattr(t, "device") and t.device != q.device:
+                    raise InputError(f"inputs: '{n}' is on {t.device}, q on {q.device}: every tensor of a call "
+                                     "lives on one device")
+            route = self._routes[key] = self._route(program, q, k, backend)
+        name, kernel = route
+        if name == "triton":
+            return kernel(q, k, v, return_lse=True, **tensors)
+        return self._host_call(kernel, q, k, v, tensors)
+
+    def _host_call(self, kernel, q, k, v, tensors: dict):
+        """A numpy backend call on torch tensors: float32 copies in (bf16 and f16 are exact in it),
+        O back as q's dtype on q's device."""
+        import torch
+        arrays = [x.detach().to("cpu", torch.float32).numpy() for x in (q, k, v)]
+        host = {n: t.detach().cpu().numpy() if isinstance(t, torch.Tensor) else t for n, t in tensors.items()}
+        o, lse = kernel(*arrays, return_lse=True, **host)
+        return (torch.from_numpy(o).to(device=q.device, dtype=q.dtype),
+                torch.from_numpy(lse).to(device=q.device, dtype=torch.float32))
+
+    def out_shapes(self, q, k, v) -> tuple[tuple, tuple]:
+        """The shapes of O and LSE for these inputs (the custom op's fake implementation)."""
+        d_v = v.shape[3]
+        if self._bshd:
+            return (q.shape[0], q.shape[1], q.shape[2], d_v), (q.shape[0], q.shape[2], q.shape[1])
+        return (q.shape[0], q.shape[1], q.shape[2], d_v), (q.shape[0], q.shape[1], q.shape[2])
+
+    # ------------------------------------------------------------ plans and split calls
+    def plan(self, q, k, v, **tensors):
+        """A plan made once for calls shaped like (q, k, v) with these mask tensors, for callers who
+        manage plans themselves (pass it back as ``attn.run(q, k, v, plan=...)``).  Calls without
+        ``plan=`` find their plan in the process's plan cache, keyed by shape and, for masks that
+        read tensors, by the tensors' identity and version."""
+        program = self.specialize(*self._shape_of(q, k, v))
+        name, kernel = self._route(program, q, k, None)
+        s_axis = 1 if self._bshd else 2
+        return kernel.plan(int(q.shape[0]), int(q.shape[s_axis]), int(k.shape[s_axis]), tensors)
+
+    def run(self, q, k, v, *, plan, return_lse: bool = False, **tensors):
+        """A call with a plan the caller made (``plan``)."""
+        program = self.specialize(*self._shape_of(q, k, v))
+        name, kernel = self._route(program, q, k, None)
+        if name == "triton":
+            o, lse = kernel(q, k, v, plan=plan, return_lse=True, **tensors)
+        else:
+            import torch
+            arrays = [x.detach().to("cpu", torch.float32).numpy() for x in (q, k, v)]
+            host = {n: t.detach().cpu().numpy() if isinstance(t, torch.Tensor) else t for n, t in tensors.items()}
+            o, lse = kernel(*arrays, plan=plan, return_lse=True, **host)
+            o, lse = torch.from_numpy(o).to(q.device, q.dtype), torch.from_numpy(lse).to(q.device)
+        return (o, lse) if return_lse else o
+
+    def decode(self, q, *, return_lse: bool = False, **cache):
+        """A split-K/V call (decode, append, mixed batches) over the spec's cache layout: packed
+        q [total_q, H_q, d_qk] and the cache by its keys (k_cache / v_cache with block_table and
+        kv_lens, or kv_indptr + kv_indices + kv_last_page_len; k / v with kv_lens or kv_indptr),
+        optional q_lens / qo_indptr, and the spec's tensors by name.  Returns O [total_q, H_q, d_v]
+        (and LSE [total_q, H_q])."""
+        import torch
+        if not isinstance(q, torch.Tensor) or q.dim() != 3:
+            raise InputError("inputs: a split call takes q as a torch tensor [total_q, H_q, d_qk]")
+        kv = cache.get("k_cache", cache.get("k"))
+        vv = cache.get("v_cache", cache.get("v"))
+        if kv is None or vv is None:
+            raise InputError("inputs: a split call needs the cache: k_cache / v_cache (paged) or k / v")
+        h_ax = {"paged": 2 if self.program.cache.layout.value == "nhd" else 1, "ragged": 1}.get(
+            self.program.cache.kind.value, 2 if self._bshd else 1)
+        dtype = _DTYPES.get(str(q.dtype))
+        program = self.specialize(q.shape[1], kv.shape[h_ax], q.shape[2], vv.shape[-1], dtype)
+        if q.is_cuda:
+            kernel = self.kernel("triton", program)
+            return kernel.decode(q, return_lse=return_lse, **cache)
+        kernel = self.kernel("numpy", program)
+        host = {n: (t.detach().to("cpu", torch.float32).numpy() if t.dtype.is_floating_point else t.cpu().numpy())
+                if isinstance(t, torch.Tensor) else t for n, t in cache.items()}
+        o, lse = kernel.run({"q": q.detach().float().cpu().numpy(), **host}, return_lse=True)
+        o = torch.from_numpy(o).to(q.device, q.dtype)
+        lse = torch.from_numpy(lse).to(q.device)
+        return (o, lse) if return_lse else o
+
+
+# ---------------------------------------------------------------- the torch.library operators
+SCHEMA = "(str handle, Tensor q, Tensor k, Tensor v, Tensor[] tensors, str backend) -> (Tensor, Tensor)"
+
+
+def _register_ops() -> None:
+    import torch
+
+    def impl(handle, q, k, v, tensors, backend):
+        attn = _HANDLES[handle]
+        o, lse = attn.forward(q, k, v, dict(zip(attn.tensor_names, tensors)), backend or None)
+        return o, lse
+
+    def fake(handle, q, k, v, tensors, backend):
+        attn = _HANDLES[handle]
+        o_shape, lse_shape = attn.out_shapes(q, k, v)
+        return q.new_empty(o_shape), q.new_empty(lse_shape, dtype=torch.float32)
+
+    unsafe = getattr(torch.Tag, "cudagraph_unsafe", None)
+    for name, tags in (("attnc::attention", ()), ("attnc::attention_planned", (unsafe,) if unsafe else ())):
+        op = torch.library.custom_op(name, impl, mutates_args=(), tags=tags, schema=SCHEMA)
+        op.register_fake(fake)
+
+
+try:
+    import torch as _torch  # noqa: F401
+except ImportError:  # attnc.compile needs torch; the compiler alone does not
+    pass
+else:
+    _register_ops()
