@@ -372,6 +372,7 @@ class PrefillLaunch:
             unused = arrays["merged_partial"]
             rows = (arrays["KS"], arrays["KE"]) if from_rows else (unused, unused)
             self.gl_dtype = None
+            self._layouts, self._descs = {}, {}
             self.fixed_tail = (arrays["q_tile_order"], arrays["merged_indptr"], arrays["merged_indices"],
                                arrays["merged_partial"], *rows)
             self.ints = (self.s_q, self.s_k, self.s_k - self.s_q, arrays["plan_b"], arrays["plan_h"],
@@ -382,6 +383,7 @@ class PrefillLaunch:
             self.config = replace(c, walk=walk)
             self.grid = (self.jobs,)
             from_intervals = c.mask_source == "intervals"
+            self._descs = {}
             self.launcher = Launcher(prefill._attn_fwd, dict(
                 MASK_FROM_INTERVALS=from_intervals, EVEN_N=(self.s_k % c.block_n == 0), USE_TMA=c.use_tma,
                 WALK=prefill.WALKS[walk], BLOCK_M=c.block_m, BLOCK_N=c.block_n, HEAD_GROUP=c.head_group, **spec),
@@ -404,23 +406,43 @@ class PrefillLaunch:
                 self.gl_dtype = {"torch.float16": gl.float16, "torch.bfloat16": gl.bfloat16}[str(q.dtype)]
             desc = self._descriptor
             counter = _counter(self.device) if self.schedule == 1 else self.arrays["merged_partial"]
-            args = (desc(q, gluon_engine.ROWS), desc(k, self.config.block_n), desc(v, self.config.block_n),
-                    desc(out, gluon_engine.ROWS), lse, counter, *self.fixed_tail, ts, *self.ints)
+            rows, bn = gluon_engine.ROWS, self.config.block_n
+            args = (desc(q, rows, "q"), desc(k, bn, "k"), desc(v, bn, "v"), desc(out, rows, "o"), lse, counter,
+                    *self.fixed_tail, ts, *self.ints)
         else:
             desc_k = desc_v = k
             if self.config.use_tma:  # Hopper bulk copies of K/V tiles from a [B * H_kv * S_k, d] view
-                from triton.tools.tensor_descriptor import TensorDescriptor
-                d_qk, d_v = self.module.SPEC["D_QK"], self.module.SPEC["D_V"]
-                desc_k = TensorDescriptor.from_tensor(k.reshape(-1, d_qk), [self.config.block_n, d_qk])
-                desc_v = TensorDescriptor.from_tensor(v.reshape(-1, d_v), [self.config.block_n, d_v])
+                desc_k, desc_v = self._tma(k, "k"), self._tma(v, "v")
             args = (q, k, v, out, lse, desc_k, desc_v, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
                     *self.plan_args, ts, *self.ints)
         self.launcher.launch(self.grid, args, key)
 
-    def _descriptor(self, t, rows):
+    def _tma(self, t, role):
+        """The Triton kernel's K or V descriptor (reused while the tensor is the same)."""
+        key = (t.data_ptr(), t.shape, t.stride())
+        hit = self._descs.get(role)
+        if hit is not None and hit[0] == key:
+            return hit[1]
+        from triton.tools.tensor_descriptor import TensorDescriptor
+        d = t.shape[-1]
+        desc = TensorDescriptor.from_tensor(t.reshape(-1, d), [self.config.block_n, d])
+        self._descs[role] = (key, desc)
+        return desc
+
+    def _descriptor(self, t, rows, role):
+        """A TMA descriptor of ``t`` viewed as [-1, d] in ``rows``-row blocks; the last one made for
+        each block shape is reused while the tensor (address, shape, strides) is the same."""
+        key = (t.data_ptr(), t.shape, t.stride())
+        hit = self._descs.get(role)
+        if hit is not None and hit[0] == key:
+            return hit[1]
         d = self.module.SPEC["D_QK"]
-        layout = gluon_engine.gl.NVMMASharedLayout.get_default_for([rows, d], self.gl_dtype)
-        return gluon_engine.TensorDescriptor.from_tensor(t.view(-1, d), [rows, d], layout)
+        layout = self._layouts.get(rows)
+        if layout is None:
+            layout = self._layouts[rows] = gluon_engine.gl.NVMMASharedLayout.get_default_for([rows, d], self.gl_dtype)
+        desc = gluon_engine.TensorDescriptor.from_tensor(t.view(-1, d), [rows, d], layout)
+        self._descs[role] = (key, desc)
+        return desc
 
 
 # ---------------------------------------------------------------- split calls
