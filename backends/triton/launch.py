@@ -470,6 +470,9 @@ class SplitLaunch:
         return lz
 
     def __call__(self, q, k_cache, v_cache, plan: dict, arrays: dict, ts: tuple, out, lse, workspace):
+        """Both launches of one split call.  The plan's arrays and the workspace's fields are 16-byte
+        aligned by construction, so the arguments' specialization is fixed by the strides, the
+        split count, the table's width and the caller's pointers (the key below)."""
         spec = self.module.SPEC
         total_q = q.shape[0]
         if total_q == 0:
@@ -477,15 +480,15 @@ class SplitLaunch:
         s_cap = plan["splits"]
         abi_mlu = plan["abi"] == "mlu"
         import torch
-        n, f32, size = split.workspace_layout(total_q, s_cap, plan["abi"], spec["H_Q"], spec["D_V"])
+        n, fields, size = split.workspace_layout(total_q, s_cap, plan["abi"], spec["H_Q"], spec["D_V"])
         if workspace.dtype != torch.uint8 or workspace.numel() < size:
             raise PlanError(f"workspace: {workspace.numel()} {workspace.dtype} elements; this call needs {size} uint8")
-        ws32 = workspace[:4 * f32].view(torch.float32)
-        d_v = spec["D_V"]
-        p_o = ws32[:n * d_v]
-        p_m = ws32[n * d_v:n * (d_v + 1)]
-        p_l = ws32[n * (d_v + 1):] if abi_mlu else p_m
-        p_valid = workspace[4 * f32:]
+
+        def field(name, dtype):
+            off, count = fields[name]
+            return workspace[off:off + count * (4 if dtype is torch.float32 else 1)].view(dtype)
+        p_o, p_m, p_valid = field("o", torch.float32), field("m", torch.float32), field("valid", torch.uint8)
+        p_l = field("l", torch.float32) if abi_mlu else p_m
         block_q = plan["block_q"]
         ks, vs = plan["k_strides"], plan["v_strides"]
         g_pad = max(split.next_power_of_2(spec["GROUP"]), 16 // block_q)
@@ -496,10 +499,14 @@ class SplitLaunch:
                 arrays["kv_lens"], arrays["qo_indptr"], arrays["tile_req"], arrays["tile_row0"], arrays["base"],
                 arrays["table"], plan["table_stride"], arrays["entry_ptr"], arrays["blocks"], arrays["partial"], ts,
                 s_cap, qk_scale(self.module))
-        producer.launch((s_cap, plan["tiles"] * spec["H_KV"]), args, spec_key(args))
+        aligned = (q.data_ptr() % 16 == 0, k_cache.data_ptr() % 16 == 0, v_cache.data_ptr() % 16 == 0,
+                   workspace.data_ptr() % 16 == 0)
+        key = (aligned, spec_key(q.stride() + tuple(ks) + tuple(vs) + (plan["table_stride"], s_cap)), spec_key(ts))
+        producer.launch((s_cap, plan["tiles"] * spec["H_KV"]), args, key)
         combine = self._launcher("combine", dict(ABI_MLU=abi_mlu, SPLITS_PAD=max(2, split.next_power_of_2(s_cap))))
         cargs = (p_o, p_m, p_l, p_valid, out, lse, *out.stride(), s_cap)
-        combine.launch((total_q * spec["H_Q"],), cargs, spec_key(cargs))
+        combine.launch((total_q * spec["H_Q"],), cargs,
+                       (aligned[3], out.data_ptr() % 16 == 0, spec_key(out.stride() + (s_cap,))))
         return out, lse
 
 

@@ -150,12 +150,17 @@ def _combine(P_O, P_M, P_L, P_VALID, O, LSE, s_ot, s_oh, s_od, S_CAP,
     tl.store(LSE + rh, lse)
 
 
-def workspace_layout(total_q: int, splits: int, abi: str, heads_q: int, d_v: int) -> tuple[int, int, int]:
-    """(states, float32 words, bytes) of the workspace: ``states`` (row, head, split) slots, each
-    a partial O, m, and l when the ABI is (m, l, u), in float32; then one valid byte each."""
+def workspace_layout(total_q: int, splits: int, abi: str, heads_q: int, d_v: int) -> tuple[int, dict, int]:
+    """(states, {field: (byte offset, elements)}, bytes) of the workspace: ``states`` (row, head,
+    split) slots, each a partial O (float32 x d_v), m, and l when the ABI is (m, l, u), then one
+    valid byte each; every field starts 16-byte aligned (the kernels' pointer specialization
+    then never changes with the call's size)."""
     n = total_q * heads_q * splits
-    f32 = n * (d_v + (2 if abi == "mlu" else 1))
-    return n, f32, 4 * f32 + n
+    fields, offset = {}, 0
+    for name, count, size in (("o", n * d_v, 4), ("m", n, 4), ("l", n if abi == "mlu" else 0, 4), ("valid", n, 1)):
+        fields[name] = (offset, count)
+        offset += -(-count * size // 16) * 16
+    return n, fields, offset
 
 
 def next_power_of_2(n: int) -> int:
