@@ -33,6 +33,11 @@ _HANDLES: dict[str, "Attention"] = {}
 _LOCK = threading.Lock()
 
 
+def _torch_module():
+    import torch
+    return torch
+
+
 class BackendRefused(AttncError):
     """The backend asked for (or every backend) refuses the call; the message has every reason."""
 
@@ -128,21 +133,17 @@ class Attention:
 
     # ------------------------------------------------------------ the call
     def __call__(self, q, k, v, *, return_lse: bool = False, backend: str | None = None, **tensors):
-        import torch
-        for n, t in (("q", q), ("k", k), ("v", v)):
-            if not isinstance(t, torch.Tensor):
-                raise InputError(f"inputs: '{n}' is a {type(t).__name__}; attnc.compile(...) takes torch tensors "
-                                 "(the backends' own kernels take numpy arrays)")
-        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        torch = _torch_module()
+        try:
+            needs_grad = q.requires_grad or k.requires_grad or v.requires_grad
+        except AttributeError:
+            raise InputError(f"inputs: q, k and v must be torch tensors (attnc.compile(...) takes torch tensors; "
+                             f"got {type(q).__name__}, {type(k).__name__}, {type(v).__name__})") from None
+        if needs_grad and torch.is_grad_enabled():
             raise InputError("inputs: q, k or v requires grad, and attnc has no backward pass yet: the gradient "
                              "would be lost. Call it under torch.no_grad() or on detached tensors")
-        unknown = sorted(set(tensors) - set(self.tensor_names))
-        if unknown:
-            raise InputError(f"inputs: unknown keyword '{unknown[0]}' (spec '{self.name}' reads "
-                             f"{', '.join(self.tensor_names) or 'no tensors'})")
-        missing = [n for n in self.tensor_names if n not in tensors]
-        if missing:
-            raise InputError(f"inputs: missing tensor '{missing[0]}' (spec '{self.name}' reads it)")
+        if len(tensors) != len(self.tensor_names) or (tensors and set(tensors) != set(self.tensor_names)):
+            self._check_tensors(tensors)
         if torch.compiler.is_compiling():
             op = torch.ops.attnc.attention_planned if self.reads_tensors else torch.ops.attnc.attention
             o, lse = op(self.handle, q, k, v, [tensors[n] for n in self.tensor_names], backend or "")
@@ -150,9 +151,21 @@ class Attention:
             o, lse = self.forward(q, k, v, tensors, backend)
         return (o, lse) if return_lse else o
 
+    def _check_tensors(self, tensors: dict) -> None:
+        unknown = sorted(set(tensors) - set(self.tensor_names))
+        if unknown:
+            raise InputError(f"inputs: unknown keyword '{unknown[0]}' (spec '{self.name}' reads "
+                             f"{', '.join(self.tensor_names) or 'no tensors'})")
+        missing = [n for n in self.tensor_names if n not in tensors]
+        raise InputError(f"inputs: missing tensor '{missing[0]}' (spec '{self.name}' reads it)")
+
     def forward(self, q, k, v, tensors: dict, backend: str | None = None):
         """(O, LSE) of one call, on the backend the call's key selects (no autograd, no tracing)."""
-        key = (q.shape, k.shape, v.shape, q.dtype, q.device, k.device, backend)
+        try:
+            key = (q.shape, k.shape, v.shape, q.dtype, q.device, k.device, v.device, backend)
+        except AttributeError:
+            raise InputError(f"inputs: q, k and v must be torch tensors (attnc.compile(...) takes torch tensors; "
+                             f"got {type(q).__name__}, {type(k).__name__}, {type(v).__name__})") from None
         route = self._routes.get(key)
         if route is None:
             program = self.specialize(*self._shape_of(q, k, v))

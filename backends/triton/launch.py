@@ -138,6 +138,8 @@ def gluon_spec_refusal(program: ir.Program) -> str | None:
         return "this Triton has no Gluon (triton.experimental.gluon)"
     if program.dtype not in ("f16", "bf16"):
         return f"the Gluon engine takes f16 / bf16, not {program.dtype}"
+    if program.cache.layout is ir.Layout.BSHD:
+        return "the Gluon engine reads and writes bhsd tensors (the spec's layout is bshd)"
     if not (program.d_qk == program.d_v and program.d_qk in (64, 128)):
         return f"the Gluon engine takes head_dim 64 or 128 for both q.k and v, not {program.d_qk} / {program.d_v}"
     return None
@@ -286,19 +288,21 @@ class Launcher:
         self.launches = {"jit": 0, "direct": 0}
 
     def launch(self, grid, args: tuple, key=None):
-        kernel = self.compiled.get(key) if key is not None and self.fast else None
+        kernel = self.compiled.get(key) if key is not None else None
         if kernel is not None:
             from triton import knobs
-            if knobs.runtime.launch_enter_hook is None and knobs.runtime.launch_exit_hook is None:
-                stream = _stream()
-                g = tuple(grid) + (1,) * (3 - len(grid))
-                kernel.run(g[0], g[1], g[2], stream, kernel.function, kernel.packed_metadata, None, None, None,
-                           *args, *self.tail)
-                self.launches["direct"] += 1
-                return
+            stream = _stream()
+            g = tuple(grid) + (1,) * (3 - len(grid))
+            enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+            meta = kernel.launch_metadata(g, stream, *args, *self.tail) if enter is not None else None
+            kernel.run(g[0], g[1], g[2], stream, kernel.function, kernel.packed_metadata, meta, enter, leave,
+                       *args, *self.tail)
+            self.launches["direct"] += 1
+            return
         compiled = self.fn[grid](*args, **self.constexprs, **self.options)
         self.launches["jit"] += 1
         if key is not None and self.fast and compiled is not None and hasattr(compiled, "packed_metadata"):
+            compiled._init_handles()  # (the launch above did it; this makes .function and .run ready)
             self.compiled[key] = compiled
 
 
