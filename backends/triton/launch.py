@@ -304,6 +304,8 @@ class Launcher:
         if key is not None and self.fast and compiled is not None and hasattr(compiled, "packed_metadata"):
             compiled._init_handles()  # (the launch above did it; this makes .function and .run ready)
             self.compiled[key] = compiled
+        elif key is not None and self.fast:  # (recorded for the host-time study)
+            self.launches["not_kept"] = type(compiled).__name__
 
 
 def _stream():
