@@ -57,15 +57,53 @@ def environment() -> dict:
             "python": platform.python_version(), "attnc": attnc.__version__}
 
 
+def evidence_row(row: dict, key, environment: dict, warmup: dict) -> dict:
+    """A measurement as an evidence row (compiler/evidence.py, M4.5 §0x0BI): environment,
+    dispatch key + digest, the implementation and its config, the correctness check, raw
+    samples; the validator's verdict is recorded in the row (``validation``), so a row that
+    skips a level says so instead of passing for evidence."""
+    from attnc.compiler import evidence
+    row = dict(row)
+    correctness = None
+    if "rel_l2_error" in row:
+        correctness = {"reference": row["reference"], "rel_error": row["rel_l2_error"],
+                       "tolerance": {"rel_l2": row["tolerance_rel_l2"]}, "pass": bool(row.get("pass"))}
+    config = row.pop("config", None) or {}
+    if not isinstance(config, dict):
+        config = {"config": config}
+    samples = row.pop("samples_ms", None) or None  # raw samples live in measurement.samples
+    out = evidence.make_row(environment=environment, key=key, selected=row["impl"], config=config,
+                            policy="forced", correctness=correctness, samples_ms=samples, warmup=warmup,
+                            synchronization="CUDA events around each call (triton.testing.do_bench)", **row)
+    report = evidence.validate_row(out)
+    out["validation"] = {"level": report.level, "claim": report.claim, "errors": report.errors,
+                         "missing": report.missing}
+    return out
+
+
+def call_key(program, batch, s_q, s_k):
+    from attnc.compiler import tune
+    return tune.call_key(program, batch, s_q, s_k, "triton")
+
+
+def evidence_environment() -> dict:
+    from attnc.compiler import evidence
+    from attnc.compiler.dispatch import Environment
+    return evidence.environment_record(Environment.detect())
+
+
 class Rows(list):
-    """Rows appended to a JSON-lines file as they come (a crash keeps what was measured)."""
+    """Rows appended to a JSON-lines file as they come (a crash keeps what was measured).  Rows
+    that carry ``_key`` become evidence rows (``evidence_row``)."""
 
     def __init__(self, path: str | None, command: str):
         super().__init__()
         self.path, self.command = path, command
 
     def append(self, row: dict) -> None:
-        row = {"schema": "attnc-bench-row/2", "command": self.command, **row}
+        row = {"command": self.command, **row}
+        if "_key" in row:
+            row = evidence_row(row, row.pop("_key"), evidence_environment(), {"warmup_ms": 50, "rep_ms": 300})
         super().append(row)
         if self.path:
             with open(self.path, "a") as f:
@@ -172,7 +210,7 @@ def run_prefill(batch=4, heads=16, seq=8192, head_dim=128, masks=None, out=None,
             den = sum((r ** 2).sum() for r in refs)
             return float((num / den).sqrt())
 
-        record = {"bench": "prefill", "mask": name, "B": batch, "H": heads, "S": seq, "D": head_dim,
+        record = {"_key": call_key(program, batch, seq, seq), "bench": "prefill", "mask": name, "B": batch, "H": heads, "S": seq, "D": head_dim,
                   "dtype": "bf16", "visible_cells": visible, "density": visible / (batch * seq * seq),
                   "tiles_128": counts, "plan_ms": plan_ms, "env": env,
                   "reference": f"float32 dense softmax on GPU, (b,h) in {planes}", "tolerance_rel_l2": 1e-2}
@@ -285,7 +323,7 @@ def run_decode(cases=None, heads_q=32, heads_kv=8, head_dim=128, page_size=16, o
             o = o[:, :, 0] if o.dim() == 4 else o
             return float((o.float() - ref).norm() / ref.norm())
 
-        record = {"bench": "decode", "B": batch, "T": t_len, "H_q": heads_q, "H_kv": heads_kv, "D": head_dim,
+        record = {"_key": call_key(program, batch, 1, [t_len] * batch), "bench": "decode", "B": batch, "T": t_len, "H_q": heads_q, "H_kv": heads_kv, "D": head_dim,
                   "dtype": "bf16", "page_size": page_size, "kv_bytes": kv_bytes, "env": env,
                   "reference": "float32 softmax on GPU (all rows)", "tolerance_rel_l2": 1e-2}
         label = f"decode B={batch:3} T={t_len:6}"

@@ -2,7 +2,7 @@
 evidence validator accepts, and flags rows that skip a level (runs on the CPU with fake samples)."""
 import pytest
 
-from attnc.backends.triton.bench import evidence_row
+from bench.harness import evidence_row
 from attnc.compiler import evidence, tune
 from attnc.compiler.dispatch import Environment
 from attnc.compiler.lower import compile_spec
@@ -32,21 +32,3 @@ def test_rows_that_skip_a_level_are_flagged_not_passed():
     assert few["validation"]["errors"]
     failed = _row([2.5] * 40, err=0.5)  # timing after a failing correctness check
     assert failed["validation"]["errors"]
-
-
-def test_bench_config_strings():
-    from attnc.backends.triton.bench import DEFAULT, parse_configs
-    assert parse_configs("128x128x8x3t,64x64x4x3tm,128x64x8x3,64x64x4x3tbp,128x128x8x2i,128x128x8x3tss,"
-                         "128x128x4x2G") == [
-        (128, 128, 8, 3, True, False, None, None, 0, None, "triton"),
-        (64, 64, 4, 3, True, False, "merged_blocks", None, 0, None, "triton"),
-        (128, 64, 8, 3, False, False, None, None, 0, None, "triton"),
-        (64, 64, 4, 3, True, False, "blocks", "predicate", 0, None, "triton"),
-        (128, 128, 8, 2, False, False, None, "intervals", 0, None, "triton"),
-        (128, 128, 8, 3, True, False, None, None, 2, None, "triton"),
-        (128, 128, 4, 2, False, False, None, None, 0, None, "gluon")]
-    assert parse_configs("default, 128x128x8x3to") == [DEFAULT, (128, 128, 8, 3, True, False, None, None, 0, 1,
-                                                                 "triton")]
-    for bad in ("128x128x8", "128x128x8x3z", "ax128x8x3", "defaults", "128x128x8x3tn"):
-        with pytest.raises(ValueError, match="expected 'default' or BMxBNxWxS"):
-            parse_configs(bad)
