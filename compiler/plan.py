@@ -300,7 +300,7 @@ def _row_lists(program, kv_lens, q_lens, tensors, block_n, block_q, one_row, lon
         return dr.run_lists(runs, kv_lens, q_lens, block_n, block_q)
     if q_lens.size and int(q_lens.max()) > 1:
         return None
-    if any(n not in tensors for n in ir.loads(program.mask)):
+    if any(n not in tensors for n in dr.mask_facts(program)[1]):
         return None
     try:
         return dr.slab_lists(program, kv_lens, q_lens, tensors, block_n)

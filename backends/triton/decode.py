@@ -192,15 +192,14 @@ _DECLARED: dict = {}
 
 
 def _declared(program) -> tuple[frozenset, tuple]:
-    """(declared tensor names, the names the mask reads, sorted), once per mask and declarations."""
-    key = (program.mask, program.tensors)
-    hit = _DECLARED.get(key)
-    if hit is None:
-        hit = (frozenset(t.name for t in program.tensors), tuple(sorted(ir.loads(program.mask))))
+    """(declared tensor names, the names the mask reads, sorted), remembered per program object."""
+    hit = _DECLARED.get(id(program))
+    if hit is None or hit[0] is not program:
         if len(_DECLARED) > 256:
             _DECLARED.clear()
-        _DECLARED[key] = hit
-    return hit
+        hit = _DECLARED[id(program)] = (program, (frozenset(t.name for t in program.tensors),
+                                                  tuple(sorted(ir.loads(program.mask)))))
+    return hit[1]
 
 
 _TUNE_PATH: dict = {}

@@ -13,12 +13,16 @@ classifier once per distinct (q_len, kv_len).  This module lists the same blocks
   transposed analysis (``intervals.row_intervals``'s, kept with every run) gives, once per spec
   and length bucket, the runs of keys ``[start, end)`` each position ``q`` sees, per head
   (:func:`position_runs`, cached); a call then looks its rows up and clips them at their
-  lengths: O(rows + blocks) numpy work, no Python loop over requests.
+  lengths: O(rows + blocks) numpy work, no Python loop over requests.  Decode (one row per
+  request, one head, one run of keys per row) reads a per-block-size table of every length's
+  lists (:func:`decode_table`): one gather, then the runs laid end to end.
 * **Row slab** — any other mask (it reads tensors, depends on b, or its runs are not exact)
   in a decode-shaped call (at most one query row per request) is evaluated at each request's
   one row over its keys, ``[tiles, H', S_k]`` cells (:func:`slab_lists`), with the IR
   interpreter's semantics and bounds checks; declared tensors are sliced, not gathered, where
-  the subscript is ``b``, ``h`` or ``k`` itself.
+  the subscript is ``b``, ``h`` or ``k`` itself.  This reads the tensor every call: O(B x H' x
+  max kv_len) cells, hundreds of microseconds at B = 64 (``bench/plan_decode_cost.py``), still
+  far below one analysis per distinct length.
 
 Both are exact: a block is listed iff some cell in range is visible and is FULL iff every
 cell in range (keys below the request's length) is — what the general route gives whenever
@@ -42,8 +46,8 @@ from .intervals import _Analyzer
 
 # the smallest length bucket of the position runs (a spec's runs are made once per bucket)
 MIN_POSITIONS = 1024
-# specs whose position runs are kept (least recently used first out)
-CACHE_SPECS = 32
+# specs whose position runs are kept (the one made longest ago goes first)
+CACHE_SPECS = 16
 
 
 @dataclass(frozen=True)
@@ -69,7 +73,21 @@ class PositionRuns:
 
 def reads_positions_only(program: ir.Program) -> bool:
     """Whether the mask's visibility is a function of (q, k, h) alone: no tensor, no ``b``."""
-    return not ir.loads(program.mask) and "b" not in ir.free_vars(program.mask)
+    names, loads = mask_facts(program)
+    return not loads and "b" not in names
+
+
+def mask_facts(program: ir.Program) -> tuple[frozenset, frozenset]:
+    """(the mask's variables, the tensors it reads), remembered per program object."""
+    mine = _FACTS.get(id(program))
+    if mine is None or mine[0] is not program:
+        if len(_FACTS) >= 4 * CACHE_SPECS:
+            _FACTS.clear()
+        mine = _FACTS[id(program)] = (program, (ir.free_vars(program.mask), ir.loads(program.mask)))
+    return mine[1]
+
+
+_FACTS: dict = {}
 
 
 def position_runs(program: ir.Program, length: int) -> PositionRuns | None:
@@ -334,8 +352,7 @@ def slab_lists(program: ir.Program, kv_lens: np.ndarray, q_lens: np.ndarray, ten
     bn, n = block_n, len(req)
     nb = nb_all
     s = int(t_len.max(initial=0))
-    names = ir.free_vars(program.mask)
-    heads = program.heads_q if "h" in names else 1
+    heads = program.heads_q if "h" in mask_facts(program)[0] else 1
     if n == 0:
         return _from_grid(np.zeros((0, 0), bool), np.zeros((0, 0), bool), nb)
     # positions in int32 (compares stay narrow; arithmetic widens to int64 as the interpreter's)
@@ -350,7 +367,10 @@ def slab_lists(program: ir.Program, kv_lens: np.ndarray, q_lens: np.ndarray, ten
     else:  # padded to whole blocks with hidden cells
         cells = np.zeros((n, heads, width), bool)
         cells[:, :, :s] = vis
-    if bn % 8 == 0:  # eight cells per word: count them with popcounts
+    if bn == 64:  # a block is eight words of eight cells: popcounts, summed by one multiply (SWAR)
+        counts = np.bitwise_count(cells.view(np.uint64)).reshape(n, heads, -1, 8)  # uint8, <= 8 each
+        seen = (counts.view(np.uint64)[..., 0] * np.uint64(0x0101010101010101)) >> np.uint64(56)
+    elif bn % 8 == 0:  # eight cells per word: count them with popcounts
         seen = np.bitwise_count(cells.view(np.uint64).reshape(n, heads, -1, bn // 8)).sum(axis=-1)
     else:
         seen = cells.reshape(n, heads, -1, bn).sum(axis=-1)
