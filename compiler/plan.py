@@ -24,6 +24,7 @@ from .analysis.intervals import MaskIntervals, RowIntervals
 from .analysis.splits import occupancy_for
 from .analysis.tiles import TilePlan
 from .dispatch import PLAN_DYNAMIC_FIELDS, PLAN_KEY_FIELDS, PlanKey
+from .analysis import decode_rows
 from .errors import AttncError, PlanError
 
 
@@ -175,26 +176,103 @@ class DecodeBlocks:
 
 
 def decode_blocks(program: ir.Program, kv_lens, tensors: dict | None, block_n: int, splits: int,
-                  q_lens=None, block_q: int = 1) -> DecodeBlocks:
+                  q_lens=None, block_q: int = 1, *, route: str = "auto") -> DecodeBlocks:
     """The block lists of a split call.  ``q_lens`` (default: one row per request, decode) gives
     each request's query rows, the last of its ``kv_lens[b]`` keys (bottom-right: row i is at
-    position ``kv_lens[b] - q_lens[b] + i``); a request with no rows has no tile.  The mask
-    analysis runs once per distinct (q_len, kv_len) with the tile plan's rows = ``block_q``."""
-    tensors = tensors or {}
+    position ``kv_lens[b] - q_lens[b] + i``); a request with no rows has no tile.
+
+    ``route``: "auto" lists the blocks from the rows (``analysis.decode_rows``: the spec's cached
+    position runs, or for a decode-shaped call the mask at each request's one row) where that
+    applies, else runs the general route; "general" always runs the column analysis and the tile
+    classifier once per distinct (q_len, kv_len) with the tile plan's rows = ``block_q``; "rows"
+    refuses to fall back (tests).  Both give the same lists wherever the general analysis is
+    exact (where it is not, the rows' lists are exact and the general ones only safe)."""
     kv_lens = np.asarray(kv_lens, np.int64)
     batch = len(kv_lens)
     if splits < 1:
         raise PlanError(f"split count must be at least 1, got {splits}")
     if block_q < 1:
         raise PlanError(f"query tile rows must be at least 1, got block_q = {block_q}")
-    q_lens = np.ones(batch, np.int64) if q_lens is None else np.asarray(q_lens, np.int64)
-    if q_lens.shape != (batch,):
-        raise PlanError(f"q_lens has {q_lens.size} entries; the cache holds B = {batch} requests")
-    for name, bad in (("is negative", q_lens < 0), ("exceeds kv_lens", (q_lens > kv_lens) & (kv_lens > 0))):
-        if bad.any():
-            b = int(np.flatnonzero(bad)[0])
-            raise PlanError(f"q_lens[{b}] = {int(q_lens[b])} {name} (kv_lens[{b}] = {int(kv_lens[b])})")
-    n_tiles = -(-q_lens // block_q)
+    if q_lens is not None:
+        q_lens = np.asarray(q_lens, np.int64)
+        if q_lens.shape != (batch,):
+            raise PlanError(f"q_lens has {q_lens.size} entries; the cache holds B = {batch} requests")
+        if batch and (q_lens.min() < 0 or (q_lens > kv_lens).any()):
+            for name, bad in (("is negative", q_lens < 0),
+                              ("exceeds kv_lens", (q_lens > kv_lens) & (kv_lens > 0))):
+                if bad.any():
+                    b = int(np.flatnonzero(bad)[0])
+                    raise PlanError(f"q_lens[{b}] = {int(q_lens[b])} {name} (kv_lens[{b}] = {int(kv_lens[b])})")
+        if batch and q_lens.min() == 1 and q_lens.max() == 1:
+            q_lens = None  # one row per request: decode
+    if route not in ("auto", "general", "rows"):
+        raise ValueError(f"route must be auto, general or rows, got {route!r}")
+    return split_blocks(program, kv_lens, tensors or {}, block_n, splits, q_lens, block_q, route=route)
+
+
+def split_blocks(program: ir.Program, kv_lens: np.ndarray, tensors: dict, block_n: int, splits: int,
+                 q_lens: np.ndarray | None, block_q: int, *, longest: int | None = None,
+                 nonempty: bool = False, route: str = "auto") -> DecodeBlocks:
+    """:func:`decode_blocks` for a caller that checked its arguments (``backends.triton.decode``):
+    ``kv_lens`` int64, ``q_lens`` int64 or None for one row per request; ``longest`` (the
+    largest length) and ``nonempty`` (every length >= 1) when it knows them."""
+    batch = len(kv_lens)
+    one_row = q_lens is None and batch > 0
+    if q_lens is None:
+        q_lens = decode_rows.constant("ones", batch)
+    n_tiles = q_lens if block_q == 1 or one_row else -(-q_lens // block_q)
+    lists = None
+    if route != "general":
+        lists = _row_lists(program, kv_lens, q_lens, tensors, block_n, block_q, one_row,
+                           int(kv_lens.max(initial=1)) if longest is None else max(longest, 1), nonempty)
+    if lists is None:
+        if route == "rows":
+            raise PlanError("the rows' route does not apply to this call")
+        lists = _general_lists(program, kv_lens, q_lens, n_tiles, tensors, block_n, block_q)
+    if splits == 1 and lists.ptr is not None:
+        entry_ptr = lists.ptr
+    elif splits == 1:
+        entry_ptr = np.zeros(len(lists.counts) + 1, np.int32)
+        np.cumsum(lists.counts, out=entry_ptr[1:])
+    else:
+        entry_ptr = np.zeros(len(lists.counts) * splits + 1, np.int32)
+        q, r = np.divmod(lists.counts, splits)  # balanced: the first r splits take one more block
+        np.cumsum((q[:, None] + (np.arange(splits) < r[:, None])).reshape(-1), out=entry_ptr[1:])
+    if one_row:  # a tile per request, its row 0
+        tile_req, tile_row0 = decode_rows.constant("arange32", batch), decode_rows.constant("zeros32", batch)
+    else:
+        tile_req = np.repeat(np.arange(batch), n_tiles).astype(np.int32)
+        first = np.cumsum(n_tiles) - n_tiles
+        tile_row0 = ((np.arange(len(tile_req)) - np.repeat(first, n_tiles)) * block_q).astype(np.int32)
+    return DecodeBlocks(block_n, splits, entry_ptr, lists.blocks, lists.partial, lists.skipped, block_q,
+                        tile_req, tile_row0)
+
+
+def _row_lists(program, kv_lens, q_lens, tensors, block_n, block_q, one_row, longest, nonempty):
+    """``analysis.decode_rows``' lists, or None where they do not apply (the general route
+    then runs, and raises its own errors for bad tensors)."""
+    dr = decode_rows
+    runs = dr.cached_position_runs(program, longest)
+    if runs is not None:
+        table = dr.decode_table(runs, block_n) if one_row else None
+        if table is not None:
+            return dr.one_row_lists(table, kv_lens, nonempty)
+        return dr.run_lists(runs, kv_lens, q_lens, block_n, block_q)
+    if q_lens.size and int(q_lens.max()) > 1:
+        return None
+    if any(n not in tensors for n in dr.mask_facts(program)[1]):
+        return None
+    try:
+        return dr.slab_lists(program, kv_lens, q_lens, tensors, block_n)
+    except PlanError:
+        return None
+
+
+def _general_lists(program, kv_lens, q_lens, n_tiles, tensors, block_n, block_q):
+    """The column analysis and the tile classifier once per distinct (kv_len, q_len)."""
+    tensors = {n: t.astype(np.int64) if t.dtype.kind in "iu" else t
+               for n, t in ((n, np.asarray(t)) for n, t in tensors.items())}
+    batch = len(kv_lens)
     # per request, its tiles' (block indices, partial flags)
     per_tile: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in range(batch)]
     skipped = 0
@@ -217,19 +295,10 @@ def decode_blocks(program: ir.Program, kv_lens, tensors: dict | None, block_n: i
                 idx = np.flatnonzero(visited[j]).astype(np.int32)
                 per_tile[b].append((idx, partial[j, idx].astype(np.int8)))
     tiles = [t for req in per_tile for t in req]
-    counts = []
-    for idx, _ in tiles:
-        q, r = divmod(len(idx), splits)  # balanced: the first r splits take one more block
-        counts += [q + (s < r) for s in range(splits)]
-    entry_ptr = np.zeros(len(counts) + 1, np.int32)
-    np.cumsum(counts, out=entry_ptr[1:])
+    counts = np.array([len(idx) for idx, _ in tiles], np.int64)
     blocks = np.concatenate([idx for idx, _ in tiles]) if tiles else np.zeros(0, np.int32)
     partial = np.concatenate([p for _, p in tiles]) if tiles else np.zeros(0, np.int8)
-    tile_req = np.repeat(np.arange(batch), n_tiles).astype(np.int32)
-    first = np.concatenate([[0], np.cumsum(n_tiles)])[:-1]
-    tile_row0 = ((np.arange(len(tile_req)) - np.repeat(first, n_tiles)) * block_q).astype(np.int32)
-    return DecodeBlocks(block_n, splits, entry_ptr, blocks.astype(np.int32), partial.astype(np.int8), skipped,
-                        block_q, tile_req, tile_row0)
+    return decode_rows.TileLists(counts, blocks.astype(np.int32), partial.astype(np.int8), skipped)
 
 
 # ---------------------------------------------------------------- split plans (decode, append, mixed batches)

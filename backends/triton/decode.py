@@ -1,81 +1,103 @@
 """Split calls on the host: the plan a split-K/V launch reads (decode, append, mixed batches
 over any cache layout), and its arrays on the device.
 
-``decode_plan`` validates the cache through the layout analysis, cuts every request's query
-rows into tiles of ``block_q`` rows, chooses the split count, lists every (tile, split)'s K/V
-blocks (``compiler.plan.decode_blocks``) and records what the generated ``decode`` launcher
-needs: cache kind, strides, per-request bases, page table.
+``decode_plan`` validates the cache through the layout analysis (``layout.quick_layout``'s few
+reductions for the common layouts, ``from_inputs`` for the rest and for every contract break),
+cuts every request's query rows into tiles of ``block_q`` rows, chooses the launch (`attnc
+tune`'s winner, else :func:`default_decode_config`), lists every (tile, split)'s K/V blocks
+(``compiler.plan.split_blocks``: from the rows' cached key runs where it can, see
+``compiler.analysis.decode_rows``) and records what the generated ``decode`` launcher needs:
+cache kind, strides, per-request bases, page table.  A decode plan for 64 requests is some tens
+of microseconds of host time (``bench/plan_decode_cost.py``).
 """
 from __future__ import annotations
 
+import functools
+import os
+
 import numpy as np
 
-from attnc.compiler import inputs, tune
+from attnc.compiler import inputs, ir, tune
 from attnc.compiler.analysis import layout as kvl
+from attnc.compiler.analysis.decode_rows import constant
 from attnc.compiler.errors import InputError, PlanError
-from attnc.compiler.plan import decode_blocks
+from attnc.compiler.plan import DEFAULT_SMS, split_blocks
 
 
 def interpreted() -> bool:
-    import os
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def decode_plan(program, arrays: dict, *, block_n: int = 64, splits: int | None = None,
+KV_KEYS = ("k", "v", "k_cache", "v_cache")
+
+
+def decode_plan(program, arrays: dict, *, block_n: int | None = None, splits: int | None = None,
                 num_sms: int | None = None, tensors: dict | None = None, block_q: int | None = None,
                 total_q: int | None = None) -> dict:
     """The split-K/V plan for a call given by DESIGN §5's cache keys (numpy or torch
     metadata; K/V arrays are only measured), with optional ``q_lens`` / ``qo_indptr`` (default:
-    one query row per request, decode) and ``total_q`` (q's packed rows, when known): validates
+    one query row per request, decode), ``total_q`` (q's packed rows, when known) and the spec's
+    declared tensors by name among the arrays (or apart in ``tensors``, as before): validates
     the cache (page ids, lengths, indptr...) through the layout analysis and the query rows
     as ``compiler.inputs.validate_cache`` does, cuts every request's rows into query tiles of
-    ``block_q`` rows, then lists every (tile, split)'s blocks."""
+    ``block_q`` rows, then lists every (tile, split)'s blocks (``compiler.plan.split_blocks``, the
+    checked half of ``decode_blocks``).
+    Options left out come from `attnc tune`'s winner for the call, else
+    :func:`default_decode_config`; the plan records the launch's ``num_warps`` / ``num_stages``."""
     p = program
-    meta = {n: (_shape_only(a) if n in ("k", "v", "k_cache", "v_cache") else _to_numpy(a))
-            for n, a in arrays.items()}
-    lay = kvl.from_inputs(p.cache, meta, heads_q=p.heads_q, heads_kv=p.heads_kv)
-    kvl.check_arrays(lay, meta)
+    arrays, tensors = _split_tensors(p, arrays, tensors) if (p.tensors or tensors) else (arrays, {})
+    meta = {n: (a if n in KV_KEYS else _to_numpy(a)) for n, a in arrays.items()}
+    lay = kvl.quick_layout(p.cache, meta, heads_q=p.heads_q, heads_kv=p.heads_kv)
+    if lay is None:  # something the quick checks do not cover, or a contract break: the full checks say which
+        meta = {n: (_shape_only(a) if n in KV_KEYS else a) for n, a in meta.items()}
+        lay = kvl.from_inputs(p.cache, meta, heads_q=p.heads_q, heads_kv=p.heads_kv, copy=False)
+        kvl.check_arrays(lay, meta)
     if (lay.d_qk, lay.d_v) != (p.d_qk, p.d_v):
         raise InputError(f"inputs: the cache has head_dim {lay.d_qk}/{lay.d_v}; spec '{p.name}' "
                          f"declares {p.d_qk}/{p.d_v}")
-    kv_lens = np.asarray(lay.kv_lens, np.int64)
-    batch = len(kv_lens)
+    kv_lens = lay.kv_lens  # int64, read-only
+    batch = kv_lens.size
+    longest = int(kv_lens.max()) if batch else 0
     q_lens, qo_indptr = _query_rows(meta, batch, total_q)
-    short = np.flatnonzero(kv_lens < q_lens)
-    if len(short):  # compiler.inputs.validate_cache's words
-        b = int(short[0])
+    one_row = q_lens is None  # decode: one row per request (q_lens and qo_indptr not given)
+    if one_row:
+        q_lens = constant("ones", batch)
+    short = (batch and kv_lens.min() < 1) if one_row else (batch and (kv_lens < q_lens).any())
+    if short:  # compiler.inputs.validate_cache's words
+        b = int(np.flatnonzero(kv_lens < q_lens)[0])
         raise InputError(f"inputs: request {b} has q_lens[{b}] = {int(q_lens[b])} query rows but only "
                          f"kv_len = {int(kv_lens[b])} keys; a query row is a token whose own key is "
                          "in the cache, so kv_len >= q_len (a request with no keys has no query rows)")
-    one_row = bool(np.all(q_lens == 1))
+    one_row = one_row or bool((q_lens == 1).all())
+    launch = {}
     if splits is None:  # `attnc tune`'s winner for this dispatch key, if the cache has it
-        s_q = 1 if one_row else [int(x) for x in q_lens]
-        tuned = tune.tuned_tiles(p, batch, s_q, [int(x) for x in kv_lens], "triton") or {}
-        splits, block_n = tuned.get("splits"), tuned.get("BLOCK_N", block_n)
-        block_q = block_q if block_q is not None else tuned.get("BLOCK_Q")
-    if block_q is None:
-        block_q = default_block_q(p.group, q_lens, interpreted())
+        tuned = _tuned(p, batch, 1 if one_row else q_lens, kv_lens)
+        if tuned:
+            splits, block_n = tuned.get("splits"), tuned.get("BLOCK_N", block_n)
+            block_q = block_q if block_q is not None else tuned.get("BLOCK_Q")
+            launch = {n: tuned[n] for n in ("num_warps", "num_stages") if n in tuned}
+    default = _default_config(p, batch, one_row, q_lens, longest, num_sms, block_n, block_q)
+    block_n = default["block_n"] if block_n is None else block_n
+    block_q = default["block_q"] if block_q is None else block_q
     if block_q < 1 or block_q & (block_q - 1):
         raise PlanError(f"block_q = {block_q} must be a positive power of two")
-    _check_gpu_tile(None, block_n)
-    n_tiles = int((-(-q_lens // block_q)).sum())
-    if splits is None:  # the heuristic: enough programs for two waves, never more splits than blocks
-        most = int(-(-kv_lens.max(initial=1) // block_n))
-        splits = int(np.clip(-(-2 * (num_sms or 132) // max(n_tiles * p.heads_kv, 1)), 1, min(most, 64)))
-    tensors = {n: _to_numpy(t) for n, t in (tensors or {}).items()}
-    blocks = decode_blocks(p, kv_lens, {n: t.astype(np.int64) if t.dtype.kind in "iu" else t
-                                        for n, t in tensors.items()}, block_n, splits, q_lens, block_q)
+    if block_n < GPU_MIN_TILE:
+        _check_gpu_tile(None, block_n)
+    splits = default["splits"] if splits is None else splits
+    blocks = split_blocks(p, kv_lens, tensors, block_n, splits, None if one_row else q_lens, block_q,
+                          longest=longest, nonempty=one_row)
     k_key = "k_cache" if lay.kind == "paged" else "k"
     v_key = "v_cache" if lay.kind == "paged" else "v"
     k_str, v_str = cache_strides(lay.kind, lay.order, arrays[k_key], arrays[v_key])
     rows = (np.asarray(lay.cache_batch_idx, np.int64) if lay.cache_batch_idx is not None
-            else np.arange(batch, dtype=np.int64))  # the cache row of each request
+            else constant("arange", batch))  # the cache row of each request
     if lay.kind == "paged":
-        if lay.table == "csr":
-            cache, table, base, tstride = 2, lay.kv_indices, lay.kv_indptr[:-1], 0
+        if lay.table == "csr":  # (copies: the plan keeps the call's pages, not the caller's arrays)
+            cache, table, base, tstride = 2, np.array(lay.kv_indices), lay.kv_indptr[:-1], 0
         else:  # the table's rows in request order (cache_batch_idx gathered here, not in the kernel)
-            cache, table, base = 1, np.ascontiguousarray(lay.block_table[rows]), np.zeros(batch)
-            tstride = table.shape[1]
+            table = (np.array(lay.block_table[:batch]) if lay.cache_batch_idx is None
+                     else np.ascontiguousarray(lay.block_table[rows]))
+            cache, base, tstride = 1, constant("zeros", batch), table.shape[1]
         page_size = lay.page_size
     else:
         if lay.kind == "ragged":
@@ -85,13 +107,120 @@ def decode_plan(program, arrays: dict, *, block_n: int = 64, splits: int | None 
         cache, table, tstride, page_size = 0, np.zeros(1), 0, 1
     return {"cache": cache, "page_size": int(page_size), "k_strides": k_str, "v_strides": v_str,
             "kv_lens": kv_lens, "q_lens": q_lens, "qo_indptr": qo_indptr, "total_q": int(qo_indptr[-1]),
-            "cache_rows": rows, "base": np.asarray(base, np.int64), "table": np.asarray(table),
-            "table_stride": int(tstride),
+            "cache_rows": rows, "base": base, "table": table, "table_stride": int(tstride),
             "tiles": blocks.tiles, "tile_req": blocks.tile_req, "tile_row0": blocks.tile_row0,
             "block_q": int(block_q), "one_row": bool(one_row and block_q == 1),
             "entry_ptr": blocks.entry_ptr, "blocks": blocks.blocks,
             "partial": blocks.partial, "splits": blocks.splits, "block_n": block_n,
-            "abi": program.state.value, "skipped_blocks": blocks.skipped}
+            "num_warps": launch.get("num_warps", default["num_warps"]),
+            "num_stages": launch.get("num_stages", default["num_stages"]),
+            "abi": p.state.value, "skipped_blocks": blocks.skipped}
+
+
+# ---------------------------------------------------------------- the untuned launch
+# Programs a split launch aims for, per SM (see default_decode_config), and the most splits
+MAX_SPLITS = 128
+PROGRAMS_PER_SM = 4
+
+
+def default_decode_config(program, kv_lens, q_lens, num_sms: int | None = None, *,
+                          block_n: int | None = None, block_q: int | None = None) -> dict:
+    """The untuned split launch (the plan's split count and tiles, the producer's warps and
+    stages) for a call's lengths, from the H200 decode rows under ``bench/results/``
+    (GQA 32/8, d = 128, bf16, paged page 16, 132 SMs; GPU time from CUDA-graph replays, or
+    ``do_bench`` where the host kept up):
+
+    * **splits**: about ``PROGRAMS_PER_SM`` = 4 programs per SM, counting a program per
+      (query tile, K/V head, split): ``round(4 * num_sms / (tiles * H_kv))``, at least 1, at
+      most the longest request's blocks and ``MAX_SPLITS``.  ``decode_h200_r28_graph.jsonl`` /
+      ``decode_h200_r30_recheck.jsonl``: B=8 T=8K (64 tile-heads) 10 splits = 640 programs
+      84.3-84.9 µs against 5 splits (the old rule, two waves) 96.6-96.9 µs and 2 splits 167 µs;
+      B=32 T=8K (256) 2 splits = 512 programs 260.7-264 µs against 4 splits 282.8-286 µs and
+      1 split 380 µs; B=1 T=128K (8) 66 splits = 528 programs 141.8-144.3 µs against 33 splits
+      194-197 µs (``decode_h200_r10_evidence.jsonl``: 142.0 against 194.3).  The rule gives 8,
+      2 and 66 there (8 splits at B=8 was not measured: 512 programs, between the measured 5
+      and 10); B=64 T=2K (512 tile-heads, no recorded row) gets 1 split, 512 programs of 32
+      blocks, like B=32's best (512 programs of 64 blocks).
+    * **block_n** 64: 128 loses or ties wherever both ran — B=32 (2 splits) 314.5 against
+      260.7 µs, B=1 (33 splits) 146-149 against 66 splits of 64 at 142-144, B=8 (5 splits)
+      83.3-87.1 against 10 splits of 64 at 84.3-84.9 (r28, r30).
+    * **num_warps** 4, **num_stages** 2: every recorded best ran them; 3 stages tie or lose
+      at the same splits (B=32 266.0 against 260.7 µs, B=8 96.1 against 96.9) except B=1 with
+      33 splits (175.6 against 194.4), which the 66-split launch beats at 2 stages.
+    * **block_q**: :func:`default_block_q` (1 for decode; enough rows to fill a 16-row dot for
+      several rows per request, 64 on a GPU).
+
+    ``block_n`` / ``block_q`` given: the split count follows them.  ``num_sms`` defaults to
+    ``compiler.plan.DEFAULT_SMS``."""
+    kv_lens = np.asarray(kv_lens, np.int64)
+    q_lens = np.asarray(q_lens, np.int64)
+    return _default_config(program, kv_lens.size, bool(q_lens.size and (q_lens == 1).all()), q_lens,
+                           int(kv_lens.max(initial=0)), num_sms, block_n, block_q)
+
+
+def _default_config(program, batch: int, one_row: bool, q_lens: np.ndarray, longest: int,
+                    num_sms: int | None, block_n: int | None, block_q: int | None) -> dict:
+    block_n = 64 if block_n is None else int(block_n)
+    if block_q is None:
+        block_q = 1 if one_row else default_block_q(program.group, q_lens, interpreted())
+    tiles = batch if one_row else int((-(-q_lens // block_q)).sum())
+    most = -(-max(longest, 1) // block_n)
+    want = PROGRAMS_PER_SM * (num_sms or DEFAULT_SMS) / max(tiles * program.heads_kv, 1)
+    splits = min(max(int(want + 0.5), 1), max(min(most, MAX_SPLITS), 1))
+    return {"block_n": block_n, "splits": splits, "num_warps": 4, "num_stages": 2, "block_q": int(block_q)}
+
+
+def _split_tensors(program, arrays: dict, tensors: dict | None) -> tuple[dict, dict]:
+    """(cache arrays, the mask's tensors as numpy): declared tensors are taken out of ``arrays``
+    by name and joined with ``tensors``; one the mask reads must be given, once."""
+    names = _declared(program)
+    given = dict(tensors or {})
+    if names[0] and any(n in arrays for n in names[0]):
+        arrays = dict(arrays)
+        for n in names[0]:
+            if n in arrays:
+                if n in given:
+                    raise InputError(f"inputs: tensor '{n}' is given twice (in the arrays and in tensors=)")
+                given[n] = arrays.pop(n)
+    missing = [n for n in names[1] if n not in given]
+    if missing:
+        raise InputError(f"inputs: missing key '{missing[0]}' (a tensor the mask of spec '{program.name}' reads)")
+    return arrays, {n: _to_numpy(t) for n, t in given.items()}
+
+
+_DECLARED: dict = {}
+
+
+def _declared(program) -> tuple[frozenset, tuple]:
+    """(declared tensor names, the names the mask reads, sorted), remembered per program object."""
+    hit = _DECLARED.get(id(program))
+    if hit is None or hit[0] is not program:
+        if len(_DECLARED) > 256:
+            _DECLARED.clear()
+        hit = _DECLARED[id(program)] = (program, (frozenset(t.name for t in program.tensors),
+                                                  tuple(sorted(ir.loads(program.mask)))))
+    return hit[1]
+
+
+_TUNE_PATH: dict = {}
+# what tune.default_cache_path reads, as os.environ stores the names
+_ENV_NAMES = ("ATTNC_TUNE_CACHE", "ATTNC_CACHE", "XDG_CACHE_HOME", "HOME")
+_ENV_KEYS = tuple(getattr(os.environ, "encodekey", lambda k: k)(n) for n in _ENV_NAMES)
+
+
+def _tuned(program, batch: int, s_q, kv_lens) -> dict:
+    """`attnc tune`'s winner for the call (``compiler.tune.tuned_tiles``), {} on a miss.  Its
+    cache file's path is worked out once per environment (``tune.default_cache_path``) and a
+    missing file costs one stat: the lookup itself builds the call's dispatch key."""
+    data = getattr(os.environ, "_data", None)  # (os.environ.get costs half a microsecond a name)
+    env = (tuple(data.get(k) for k in _ENV_KEYS) if isinstance(data, dict)
+           else tuple(os.environ.get(n) for n in _ENV_NAMES))
+    path = _TUNE_PATH.get(env)
+    if path is None:
+        path = _TUNE_PATH[env] = str(tune.default_cache_path())
+    if not os.path.exists(path):
+        return {}
+    return tune.tuned_tiles(program, batch, s_q, kv_lens, "triton", cache=path) or {}
 
 
 def decode_args(plan: dict, device) -> dict:
@@ -146,11 +275,14 @@ def default_block_q(group: int, q_lens, interpreter: bool = False) -> int:
     return max(16 // g_pad, 1, min(target // g_pad, longest))
 
 
-def _query_rows(meta: dict, batch: int, total_q: int | None) -> tuple[np.ndarray, np.ndarray]:
-    """(q_lens, qo_indptr) of a split call, checked as ``compiler.inputs.validate_cache`` does:
+def _query_rows(meta: dict, batch: int, total_q: int | None) -> tuple[np.ndarray | None, np.ndarray]:
+    """(q_lens, qo_indptr) of a split call (q_lens None: one row per request, no key names
+    them), checked as ``compiler.inputs.validate_cache`` does:
     q_lens / qo_indptr agree with each other and with q's packed rows, and no request has more
     query rows than keys (an InputError naming the request)."""
     rows = {n: meta[n] for n in ("q_lens", "qo_indptr") if n in meta}
+    if not rows and total_q in (None, batch):  # decode: one row per request (q_lens None: all ones)
+        return None, constant("arange", batch + 1)
     if total_q is None:  # q is not at hand: the metadata says how many rows it packs
         if "qo_indptr" in rows and np.asarray(rows["qo_indptr"]).size:
             total_q = int(np.asarray(rows["qo_indptr"]).reshape(-1)[-1])
@@ -170,9 +302,13 @@ def _rows_per_batch(order: str, k) -> int:
 
 def cache_strides(kind: str, order: str, k, v) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """K and V element strides in the decode kernel's (page, token, head, dim) order."""
+    return _cache_strides(kind, order, _strides(k), _strides(v))
+
+
+@functools.lru_cache(maxsize=256)
+def _cache_strides(kind: str, order: str, k_st: tuple, v_st: tuple) -> tuple[tuple[int, ...], tuple[int, ...]]:
     out = []
-    for a in (k, v):
-        st = _strides(a)
+    for st in (k_st, v_st):
         if kind == "paged":
             out.append(tuple(st[i] for i in {"nhd": (0, 1, 2, 3), "hnd": (0, 2, 1, 3)}[order]))
         elif kind == "ragged":  # [total, H_kv, d]
@@ -182,23 +318,27 @@ def cache_strides(kind: str, order: str, k, v) -> tuple[tuple[int, ...], tuple[i
             if st[0] % st[t_ax]:
                 raise PlanError("contiguous K/V: the batch stride must be a multiple of the token stride")
             out.append((0, st[t_ax], st[h_ax], st[3]))
-    if kind == "contiguous" and _strides(k)[0] * out[1][1] != _strides(v)[0] * out[0][1]:
+    if kind == "contiguous" and k_st[0] * out[1][1] != v_st[0] * out[0][1]:
         raise PlanError("contiguous K and V must have the same batch/token stride ratio")
     return out[0], out[1]
 
 
 def _to_numpy(a):
-    return a.detach().cpu().numpy() if hasattr(a, "detach") else np.asarray(a)
+    if isinstance(a, np.ndarray):
+        return a
+    return a.numpy(force=True) if hasattr(a, "detach") else np.asarray(a)
 
 
 def _shape_only(a):
     """A zero-cost stand-in with the array's shape and dtype (validation reads only those)."""
     if hasattr(a, "detach"):
-        import torch
-        itemsize = torch.empty((), dtype=a.dtype).element_size()
-        return np.broadcast_to(np.zeros((), {1: np.int8, 2: np.float16, 4: np.float32, 8: np.float64}[itemsize]),
-                               tuple(a.shape))
-    return np.broadcast_to(np.zeros((), np.asarray(a).dtype), np.shape(a))
+        return _stand_in(tuple(a.shape), {1: "int8", 2: "float16", 4: "float32", 8: "float64"}[a.dtype.itemsize])
+    return _stand_in(tuple(np.shape(a)), np.asarray(a).dtype.str)
+
+
+@functools.lru_cache(maxsize=64)
+def _stand_in(shape: tuple, dtype: str):
+    return np.broadcast_to(np.zeros((), dtype), shape)
 
 
 def _strides(a) -> tuple[int, ...]:

@@ -55,7 +55,8 @@ class DecodeGraph:
     docstring.  Built by ``Kernel.decode_graph``."""
 
     def __init__(self, kernel, q, *, max_kv_len: int | None = None, block_n: int | None = None, splits: int | None = None,
-                 block_q: int | None = None, num_warps: int = 4, num_stages: int = 2, capture: bool | None = None,
+                 block_q: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
+                 capture: bool | None = None,
                  **arrays):
         import torch
         from .runtime import TORCH_DTYPES, interpreted
@@ -112,7 +113,8 @@ class DecodeGraph:
         self.out = torch.empty(q.shape[0], p.heads_q, p.d_v, device=self.device, dtype=q.dtype)
         self.lse = torch.empty(q.shape[0], p.heads_q, device=self.device, dtype=torch.float32)
         self.workspace = kernel.workspace(int(q.shape[0]), plan["splits"], self.device)
-        self._warps, self._stages = num_warps, num_stages
+        self._warps = num_warps or plan.get("num_warps", 4)
+        self._stages = num_stages or plan.get("num_stages", 2)
         self._load(plan)
         self.graph = None
         if capture:

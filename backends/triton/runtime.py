@@ -363,8 +363,8 @@ class Kernel:
         return (o, lse) if return_lse else o
 
     def decode_graph(self, q, *, max_kv_len: int | None = None, block_n: int | None = None,
-                     splits: int | None = None, block_q: int | None = None, num_warps: int = 4,
-                     num_stages: int = 2, capture: bool | None = None, **arrays):
+                     splits: int | None = None, block_q: int | None = None, num_warps: int | None = None,
+                     num_stages: int | None = None, capture: bool | None = None, **arrays):
         """The split call ``decode(q, **arrays)`` captured as a CUDA graph over buffers it owns
         (``graph.DecodeGraph``): ``g.update(kv_lens=..., block_table=...)`` plans the next step,
         ``g(q)`` replays and returns (O, LSE)."""
@@ -372,7 +372,8 @@ class Kernel:
         return DecodeGraph(self, q, max_kv_len=max_kv_len, block_n=block_n, splits=splits, block_q=block_q,
                            num_warps=num_warps, num_stages=num_stages, capture=capture, **arrays)
 
-    def prepare_decode(self, q, plan: dict, *, num_warps: int = 4, num_stages: int = 2, **arrays):
+    def prepare_decode(self, q, plan: dict, *, num_warps: int | None = None, num_stages: int | None = None,
+                       **arrays):
         """A split call with its plan uploaded once: returns ``run()`` -> (O, LSE) (torch inputs on
         the kernel's device)."""
         torch = self._torch
@@ -384,7 +385,7 @@ class Kernel:
         plan["k_strides"], plan["v_strides"] = cache_strides(p.cache.kind.value, p.cache.layout.value, k_cache, v_cache)
         arrays_dev = self.decode_args(plan, q.device)
         ts = L.tensor_args(self.module, {n: device_tensor(t, q.device) for n, t in tensors.items()})
-        launch = self.split_launch(num_warps, num_stages)
+        launch = self.split_launch(num_warps or plan.get("num_warps", 4), num_stages or plan.get("num_stages", 2))
         total_q = int(q.shape[0])
 
         def run():
@@ -395,8 +396,8 @@ class Kernel:
         return run
 
     def decode(self, q, *, plan: dict | None = None, return_lse=False, block_n: int | None = None,
-               splits: int | None = None, block_q: int | None = None, num_warps: int = 4, num_stages: int = 2,
-               **arrays):
+               splits: int | None = None, block_q: int | None = None, num_warps: int | None = None,
+               num_stages: int | None = None, **arrays):
         """One split call: packed q [total_q, H_q, d_qk] (decode: [B, H_q, d_qk], the new token of
         every request), the cache by DESIGN §5's keys (k/v, k_cache/v_cache, block_table + kv_lens,
         kv_indptr + kv_indices + kv_last_page_len, kv_indptr for ragged, cache_batch_idx),
@@ -445,7 +446,8 @@ class Kernel:
         out = torch.empty(total_q, p.heads_q, p.d_v, device=dev, dtype=q_t.dtype)
         lse = torch.empty(total_q, p.heads_q, device=dev, dtype=torch.float32)
         ws = self.workspace(total_q, plan["splits"], dev)
-        self.split_launch(num_warps, num_stages)(q_t, k_cache, v_cache, plan, arrays_dev, ts, out, lse, ws)
+        launch = self.split_launch(num_warps or plan.get("num_warps", 4), num_stages or plan.get("num_stages", 2))
+        launch(q_t, k_cache, v_cache, plan, arrays_dev, ts, out, lse, ws)
         o = out.to(self._dtype) if carry != self._dtype else out
         if from_numpy:
             o, lse = o.float().cpu().numpy(), lse.cpu().numpy()

@@ -30,6 +30,8 @@ there, because every function here bounds ``t`` by the request's exact length (ย
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Mapping, NamedTuple
 
@@ -45,14 +47,16 @@ AXIS_NAMES = {"bshd": "NHD", "bhsd": "HND", "nhd": "NHD", "hnd": "HND"}
 
 
 # ---------------------------------------------------------------- validation helpers
-def _ints(name: str, values, ndim: int) -> np.ndarray:
-    """``values`` as a read-only int64 array of rank ``ndim`` (a PlanError names ``name``)."""
+def _ints(name: str, values, ndim: int, copy: bool = True) -> np.ndarray:
+    """``values`` as a read-only int64 array of rank ``ndim`` (a PlanError names ``name``).
+    ``copy=False``: an integer array keeps its dtype and is only viewed read-only (for a caller
+    that holds the layout no longer than the call: the view follows the caller's array)."""
     a = np.asarray(values)
     if a.size == 0:
         a = a.astype(np.int64)
-    if a.ndim != ndim or a.dtype == bool or not np.issubdtype(a.dtype, np.integer):
+    if a.ndim != ndim or a.dtype.kind not in "iu":
         raise PlanError(f"{name} must be a {ndim}-D integer array, got {a.dtype} {list(a.shape)}")
-    out = a.astype(np.int64, copy=True)
+    out = a.astype(np.int64, copy=True) if copy or a.dtype.kind != "i" else a.view()
     out.setflags(write=False)
     return out
 
@@ -68,19 +72,22 @@ def _idx(index) -> str:
 
 
 def _no_negatives(name: str, a: np.ndarray) -> None:
+    if not a.size or a.min() >= 0:
+        return
     bad = np.argwhere(a < 0)
     if len(bad):
         i = tuple(bad[0])
         raise PlanError(f"{name}[{_idx(i)}] = {int(a[i])} is negative")
 
 
-def _check_indptr(name: str, indptr: np.ndarray, nnz: int | None, nnz_name: str) -> None:
-    """``indptr[0] == 0``, non-decreasing, ``indptr[-1] == nnz``."""
+def _check_indptr(name: str, indptr: np.ndarray, nnz: int | None, nnz_name: str) -> np.ndarray:
+    """``indptr[0] == 0``, non-decreasing, ``indptr[-1] == nnz``; returns the row lengths."""
     if indptr.size == 0:
         raise PlanError(f"{name} is empty; it needs B + 1 entries, starting at 0")
     if indptr[0] != 0:
         raise PlanError(f"{name}[0] = {int(indptr[0])}, must be 0")
-    drop = np.flatnonzero(np.diff(indptr) < 0)
+    step = np.diff(indptr)
+    drop = np.flatnonzero(step < 0) if step.size and step.min() < 0 else ()
     if len(drop):
         i = int(drop[0]) + 1
         raise PlanError(f"{name} is not monotone: {name}[{i}] = {int(indptr[i])} < "
@@ -88,21 +95,22 @@ def _check_indptr(name: str, indptr: np.ndarray, nnz: int | None, nnz_name: str)
     if nnz is not None and indptr[-1] != nnz:
         last = indptr.size - 1
         raise PlanError(f"{name}[{last}] = {int(indptr[-1])} must equal {nnz_name} = {nnz}")
+    return step
 
 
 def _check_cache_batch_idx(idx: np.ndarray, batch: int, rows: int) -> None:
     if idx.size != batch:
         raise PlanError(f"cache_batch_idx has {idx.size} entries, the call has B = {batch} requests")
-    out = np.flatnonzero((idx < 0) | (idx >= rows))
-    if len(out):
-        b = int(out[0])
+    if idx.size and (idx.min() < 0 or idx.max() >= rows):
+        b = int(np.flatnonzero((idx < 0) | (idx >= rows))[0])
         raise PlanError(f"cache_batch_idx[{b}] = {int(idx[b])} is outside the cache rows [0, {rows})")
-    first: dict[int, int] = {}
-    for b, c in enumerate(idx.tolist()):
-        if c in first:
-            raise PlanError(f"cache_batch_idx[{b}] = {c} duplicates cache_batch_idx[{first[c]}]: two "
-                            "active requests would share one cache row")
-        first[c] = b
+    if idx.size and np.bincount(idx, minlength=rows).max() > 1:
+        first: dict[int, int] = {}
+        for b, c in enumerate(idx.tolist()):
+            if c in first:
+                raise PlanError(f"cache_batch_idx[{b}] = {c} duplicates cache_batch_idx[{first[c]}]: two "
+                                "active requests would share one cache row")
+            first[c] = b
 
 
 def kv_head_of(h_q, heads_q: int, heads_kv: int):
@@ -195,7 +203,26 @@ class KVLayout:
         return ("k_cache", "v_cache") if self.kind == PAGED else ("k", "v")
 
 
+_LAYOUT_DEFAULTS = {f.name: f.default for f in dataclasses.fields(KVLayout)
+                    if f.default is not dataclasses.MISSING}
+
+
 # ---------------------------------------------------------------- constructors
+def _memo(fn):
+    """``fn`` remembered per (typed) arguments, for checks every split call repeats; unhashable
+    arguments go straight to ``fn`` (which reports them)."""
+    memo = functools.lru_cache(maxsize=256, typed=True)(fn)  # typed: True is not a valid 1
+
+    @functools.wraps(fn)
+    def call(*args):
+        try:
+            return memo(*args)
+        except TypeError:
+            return fn(*args)
+    return call
+
+
+@_memo
 def _heads(heads_q, heads_kv) -> tuple[int, int]:
     hq, hkv = _positive("H_q", heads_q), _positive("H_kv", heads_kv)
     if hq % hkv:
@@ -203,6 +230,7 @@ def _heads(heads_q, heads_kv) -> tuple[int, int]:
     return hq, hkv
 
 
+@_memo
 def _dims(d_qk, d_v, elem_bytes) -> tuple[int, int, int]:
     d_qk = _positive("d_qk", d_qk)
     d_v = d_qk if d_v is None else _positive("d_v", d_v)
@@ -257,7 +285,7 @@ def ragged(indptr, *, heads_q: int, heads_kv: int, d_qk: int, d_v: int | None = 
 def _check_pages(name: str, pages: np.ndarray, where: np.ndarray, num_pages: int) -> None:
     """Page ids at the (visible) positions ``where`` of ``pages`` are inside the pool."""
     bad = where & ((pages < 0) | (pages >= num_pages))
-    hit = np.argwhere(bad)
+    hit = np.argwhere(bad) if bad.any() else ()
     if len(hit):
         i = tuple(hit[0])
         raise PlanError(f"{name}[{_idx(i)}] = {int(pages[i])} is outside the page pool [0, {num_pages})")
@@ -265,17 +293,20 @@ def _check_pages(name: str, pages: np.ndarray, where: np.ndarray, num_pages: int
 
 def paged_dense(block_table, kv_lens, *, page_size: int, num_pages: int, order: str = "nhd",
                 heads_q: int, heads_kv: int, d_qk: int, d_v: int | None = None, elem_bytes: int = 2,
-                cache_batch_idx=None) -> KVLayout:
+                cache_batch_idx=None, copy: bool = True) -> KVLayout:
     """A paged cache with a dense ``block_table [B_c, max_pages]`` indexed by cache row.
-    Entries past a request's visible blocks are never read and may be sentinels."""
+    Entries past a request's visible blocks are never read and may be sentinels.  ``copy=False``:
+    the table is viewed, not copied (``_ints``)."""
     if order not in ORDERS[PAGED]:
         raise PlanError(f"page layout must be one of {ORDERS[PAGED]}, got {order!r}")
     hq, hkv = _heads(heads_q, heads_kv)
     d_qk, d_v, eb = _dims(d_qk, d_v, elem_bytes)
     p, pool = _positive("page_size", page_size), _positive("num_pages", num_pages)
-    table = _ints("block_table", block_table, 2)
+    table = _ints("block_table", block_table, 2, copy)
     lens = _ints("kv_lens", kv_lens, 1)
-    _no_negatives("kv_lens", lens)
+    shortest, longest = (int(lens.min()), int(lens.max())) if lens.size else (0, 0)
+    if shortest < 0:
+        _no_negatives("kv_lens", lens)
     bc, width = table.shape
     idx = None if cache_batch_idx is None else _ints("cache_batch_idx", cache_batch_idx, 1)
     if idx is None:
@@ -285,22 +316,56 @@ def paged_dense(block_table, kv_lens, *, page_size: int, num_pages: int, order: 
     else:
         _check_cache_batch_idx(idx, lens.size, bc)
         rows = idx
-    over = np.flatnonzero(lens > width * p)
-    if len(over):
-        b = int(over[0])
+    if longest > width * p:
+        b = int(np.flatnonzero(lens > width * p)[0])
         raise PlanError(f"kv_lens[{b}] = {int(lens[b])} exceeds its block_table row "
                         f"(cache row {int(rows[b])}): {width} pages x page_size {p} = {width * p} rows")
-    visible = np.zeros(table.shape, bool)
-    blocks = -(-lens // p)
-    visible[rows] = np.arange(width)[None, :] < blocks[:, None]
-    _check_pages("block_table", table, visible, pool)
+    if not _prefixes_inside(table, rows if idx is not None else None, lens, p, pool):
+        blocks = -(-lens // p)
+        visible = np.zeros(table.shape, bool)
+        visible[rows] = np.arange(width)[None, :] < blocks[:, None]
+        _check_pages("block_table", table, visible, pool)
     return KVLayout(PAGED, order, hq, hkv, d_qk, d_v, eb, lens, idx, bc, None, None, p, pool,
                     "dense", table)
 
 
+def _prefixes_inside(table: np.ndarray, rows, lens: np.ndarray, page_size: int, pool: int) -> bool:
+    """Whether the first ``ceil(lens[b] / page_size)`` entries of table row ``rows[b]`` (default:
+    row b) all lie in ``[0, pool)``: one max over the whole rows, viewed unsigned (a negative id
+    wraps above the pool), and where that fails (sentinels), over the visible prefixes only
+    (``np.maximum.reduceat`` over [start, end) pairs of the flattened rows)."""
+    sub = table[:len(lens)] if rows is None else table[rows]
+    if not sub.size:
+        return True
+    flat = _unsigned(np.ascontiguousarray(sub).reshape(-1))  # negative ids become huge: one max checks both ends
+    if flat.max() < pool:  # the whole rows first: no sentinel, no more work
+        return True
+    blocks = -(-lens // page_size)
+    bounds = np.empty(2 * len(blocks), np.int64)  # [start, end) of each row's prefix, flattened
+    bounds[0::2] = _row_starts(len(blocks), sub.shape[1])
+    bounds[1::2] = bounds[0::2] + blocks
+    if bounds[-1] >= flat.size:  # the last prefix runs to the end: reduceat's last slice does too
+        bounds = bounds[:-1]
+    ends = np.maximum.reduceat(flat, bounds)[::2]  # (an empty prefix gives its first entry: left out)
+    ends = ends if blocks.min() > 0 else ends[blocks > 0]
+    return bool(not ends.size or ends.max() < pool)
+
+
+@functools.lru_cache(maxsize=64)
+def _row_starts(rows: int, width: int) -> np.ndarray:
+    out = np.arange(0, rows * width, width, dtype=np.int64)
+    out.setflags(write=False)
+    return out
+
+
+def _unsigned(a: np.ndarray) -> np.ndarray:
+    """A signed integer array viewed as unsigned (negatives wrap above every valid id)."""
+    return a.view(a.dtype.str.replace("i", "u")) if a.dtype.kind == "i" else a
+
+
 def paged_csr(kv_indptr, kv_indices, kv_last_page_len, *, page_size: int, num_pages: int,
               order: str = "nhd", heads_q: int, heads_kv: int, d_qk: int, d_v: int | None = None,
-              elem_bytes: int = 2) -> KVLayout:
+              elem_bytes: int = 2, copy: bool = True) -> KVLayout:
     """A paged cache with FlashInfer's CSR page lists in active-request order.  A non-empty
     request has ``T = P (n_pages - 1) + last_page_len`` with ``1 <= last_page_len <= P``; a
     request with no pages has ``T = 0`` and must say ``last_page_len = 0``."""
@@ -310,30 +375,33 @@ def paged_csr(kv_indptr, kv_indices, kv_last_page_len, *, page_size: int, num_pa
     d_qk, d_v, eb = _dims(d_qk, d_v, elem_bytes)
     p, pool = _positive("page_size", page_size), _positive("num_pages", num_pages)
     ptr = _ints("kv_indptr", kv_indptr, 1)
-    ind = _ints("kv_indices", kv_indices, 1)
+    ind = _ints("kv_indices", kv_indices, 1, copy)
     last = _ints("kv_last_page_len", kv_last_page_len, 1)
-    _check_indptr("kv_indptr", ptr, ind.size, "len(kv_indices)")
+    n_pages = _check_indptr("kv_indptr", ptr, ind.size, "len(kv_indices)")
     if last.size != ptr.size - 1:
         raise PlanError(f"kv_last_page_len has {last.size} entries, kv_indptr describes "
                         f"{ptr.size - 1} requests")
-    n_pages = np.diff(ptr)
-    bad = np.flatnonzero(np.where(n_pages > 0, (last < 1) | (last > p), last != 0))
-    if len(bad):
+    has = n_pages > 0  # 1 <= last <= P where a request has pages, last == 0 where it has none
+    if last.size and (np.minimum(last - has, p * has - last).min() < 0):
+        bad = np.flatnonzero(np.where(n_pages > 0, (last < 1) | (last > p), last != 0))
         b = int(bad[0])
         want = f"[1, page_size = {p}]" if n_pages[b] else "0 (the request has no pages)"
         raise PlanError(f"kv_last_page_len[{b}] = {int(last[b])} is outside {want}")
-    _check_pages("kv_indices", ind, np.ones(ind.shape, bool), pool)
-    lens = np.where(n_pages > 0, p * (n_pages - 1) + last, 0).astype(np.int64)
+    if ind.size and (ind.min() < 0 or ind.max() >= pool):
+        _check_pages("kv_indices", ind, np.ones(ind.shape, bool), pool)
+    lens = np.maximum(p * (n_pages - 1) + last, 0)  # a request without pages: -P + 0 -> 0
     lens.setflags(write=False)
     return KVLayout(PAGED, order, hq, hkv, d_qk, d_v, eb, lens, None, None, None, None, p, pool,
                     "csr", None, ptr, ind, last)
 
 
 def from_inputs(cache, arrays: Mapping[str, np.ndarray], *, heads_q: int, heads_kv: int,
-                elem_bytes: int | None = None) -> KVLayout:
+                elem_bytes: int | None = None, copy: bool = True) -> KVLayout:
     """The layout of an inputs dict with DESIGN ยง5's keys, for an ``ir.Cache``-like ``cache``
     (``kind``, ``layout``, ``page_size``, ``table`` as enums or strings).  Shapes come from the
-    K/V arrays; a contiguous cache without ``kv_lens`` is full (``T_b = S_k``)."""
+    K/V arrays; a contiguous cache without ``kv_lens`` is full (``T_b = S_k``).  ``copy=False``:
+    the page table / page list are viewed read-only, not copied, for a caller done with the
+    layout before it returns (a split call's plan)."""
     kind = getattr(cache.kind, "value", cache.kind)
     order = getattr(cache.layout, "value", cache.layout)
 
@@ -366,13 +434,124 @@ def from_inputs(cache, arrays: Mapping[str, np.ndarray], *, heads_q: int, heads_
     if k.ndim != 4:
         raise PlanError(f"'k_cache' must be 4-D for a paged {order} cache, got {list(k.shape)}")
     common = dict(page_size=cache.page_size, num_pages=k.shape[0], order=order, heads_q=heads_q,
-                  heads_kv=heads_kv, d_qk=k.shape[-1], d_v=v.shape[-1], elem_bytes=eb)
+                  heads_kv=heads_kv, d_qk=k.shape[-1], d_v=v.shape[-1], elem_bytes=eb, copy=copy)
     if (cache.table or "dense") == "csr":
         if cbi is not None:
             raise PlanError("cache_batch_idx does not apply to a CSR page table: kv_indptr is "
                             "already in active-request order")
         return paged_csr(need("kv_indptr"), need("kv_indices"), need("kv_last_page_len"), **common)
     return paged_dense(need("block_table"), need("kv_lens"), cache_batch_idx=cbi, **common)
+
+
+def quick_layout(cache, arrays: Mapping[str, np.ndarray], *, heads_q: int, heads_kv: int) -> KVLayout | None:
+    """:func:`from_inputs` (``copy=False``) and :func:`check_arrays` for the common calls, in a
+    few reductions and no per-request work: a paged cache (dense table, or CSR), a contiguous
+    cache, a ragged one, without ``cache_batch_idx``, with signed integer metadata and at least one
+    request.  K and V may be any arrays with a shape and a dtype (torch tensors included: they are
+    only measured); the metadata must be numpy.  It accepts only what those two accept and builds
+    the same layout; anything else (every contract break included) gives None, and the caller
+    runs :func:`from_inputs`, which says what is wrong.  A split call's plan runs it before every
+    launch."""
+    kind, order = getattr(cache.kind, "value", cache.kind), getattr(cache.layout, "value", cache.layout)
+    if "cache_batch_idx" in arrays or order not in ORDERS.get(kind, ()):
+        return None
+    hq, hkv = heads_q, heads_kv
+    if not (type(hq) is int and type(hkv) is int and 0 < hkv <= hq and hq % hkv == 0):
+        return None
+    keys = ("k_cache", "v_cache") if kind == PAGED else ("k", "v")
+    k, v = arrays.get(keys[0]), arrays.get(keys[1])
+    if k is None or v is None:
+        return None
+    ks, vs = tuple(np.shape(k)), tuple(np.shape(v))
+    if len(ks) != (3 if kind == RAGGED else 4) or len(vs) != len(ks) or min(ks) < 1 or min(vs) < 1:
+        return None
+    d_qk, d_v, eb = ks[-1], vs[-1], k.dtype.itemsize  # (numpy and torch dtypes both say)
+    if kind == PAGED:
+        p, pool = cache.page_size, ks[0]
+        if type(p) is not int or p < 1:
+            return None
+        inner = (p, hkv) if order == "nhd" else (hkv, p)
+        if ks[1:3] != inner or vs[:3] != ks[:3]:
+            return None
+        if (cache.table or "dense") == "csr":
+            ptr, ind, last = (_signed(arrays.get(n), 1) for n in ("kv_indptr", "kv_indices", "kv_last_page_len"))
+            if ptr is None or ind is None or last is None or ptr.size < 2 or last.size != ptr.size - 1:
+                return None
+            ptr = ptr.astype(np.int64)
+            n_pages = ptr[1:] - ptr[:-1]
+            # every request has pages (else from_inputs), its last page holds 1..P rows
+            if ptr[0] != 0 or n_pages.min() < 1 or ptr[-1] != ind.size:
+                return None
+            if _unsigned(last - 1).max() >= p or _unsigned(ind).max() >= pool:  # (last - 1 wraps: still >= P)
+                return None
+            last = last.astype(np.int64)
+            lens = p * (n_pages - 1) + last
+            ind = ind.view()
+            for a in (ptr, ind, last, lens):
+                a.setflags(write=False)
+            return _layout(kind=PAGED, order=order, heads_q=hq, heads_kv=hkv, d_qk=d_qk, d_v=d_v, elem_bytes=eb,
+                           kv_lens=lens, page_size=p, num_pages=pool, table="csr", kv_indptr=ptr, kv_indices=ind,
+                           kv_last_page_len=last)
+        table, lens = _signed(arrays.get("block_table"), 2), _signed(arrays.get("kv_lens"), 1)
+        if table is None or lens is None or not 0 < lens.size <= table.shape[0]:
+            return None
+        lens = lens.astype(np.int64)
+        if _unsigned(lens).max() > table.shape[1] * p:  # (negative lengths wrap above)
+            return None
+        if not _prefixes_inside(table, None, lens, p, pool):
+            return None
+        table = table.view()
+        lens.setflags(write=False)
+        table.setflags(write=False)
+        return _layout(kind=PAGED, order=order, heads_q=hq, heads_kv=hkv, d_qk=d_qk, d_v=d_v, elem_bytes=eb,
+                       kv_lens=lens, batch_capacity=table.shape[0], page_size=p, num_pages=pool, table="dense",
+                       block_table=table)
+    if ks[-2 if kind == RAGGED else (2 if order == "bshd" else 1)] != hkv:
+        return None
+    if kind == RAGGED:
+        ptr = _signed(arrays.get("kv_indptr"), 1)
+        if ptr is None or ptr.size < 2 or vs[:2] != ks[:2]:
+            return None
+        ptr = ptr.astype(np.int64)
+        lens = ptr[1:] - ptr[:-1]
+        if ptr[0] != 0 or lens.min() < 0 or ptr[-1] != ks[0]:
+            return None
+        ptr.setflags(write=False)
+        lens.setflags(write=False)
+        return _layout(kind=RAGGED, order="nhd", heads_q=hq, heads_kv=hkv, d_qk=d_qk, d_v=d_v, elem_bytes=eb,
+                       kv_lens=lens, indptr=ptr)
+    bc, tc = ks[0], (ks[1] if order == "bshd" else ks[2])
+    if vs[:3] != ks[:3]:
+        return None
+    if "kv_lens" in arrays:
+        lens = _signed(arrays["kv_lens"], 1)
+        if lens is None or not 0 < lens.size <= bc:
+            return None
+        lens = lens.astype(np.int64)
+        if _unsigned(lens).max() > tc:
+            return None
+    else:
+        lens = np.full(bc, tc, np.int64)
+    lens.setflags(write=False)
+    return _layout(kind=CONTIGUOUS, order=order, heads_q=hq, heads_kv=hkv, d_qk=d_qk, d_v=d_v, elem_bytes=eb,
+                   kv_lens=lens, batch_capacity=bc, token_capacity=tc)
+
+
+def _layout(**fields) -> KVLayout:
+    """A KVLayout of checked fields (the rest at their defaults) without the frozen dataclass's
+    generated __init__, which sets each of its twenty fields through object.__setattr__."""
+    out = object.__new__(KVLayout)
+    out.__dict__.update(_LAYOUT_DEFAULTS)
+    out.__dict__.update(fields)
+    return out
+
+
+def _signed(a, ndim: int) -> np.ndarray | None:
+    """``a`` as an array if it is a non-empty signed integer array of rank ``ndim``."""
+    if a is None:
+        return None
+    a = np.asarray(a)
+    return a if a.ndim == ndim and a.dtype.kind == "i" and a.size else None
 
 
 # ---------------------------------------------------------------- translation

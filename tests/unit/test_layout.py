@@ -379,3 +379,84 @@ def test_storage_segments_cover_a_range_in_order(L, cap, data):
     whole = lay.storage_segments(L, b, a, e)                 # uncapped: pages, or one run
     assert whole == (lay.page_segments(L, b, a, e) if L.kind == lay.PAGED else
                      ((rows[0][0], rows[0][1], e - a),) if e > a else ())
+
+
+# ---------------------------------------------------------------- quick_layout (a split call's checks)
+QUICK_CACHES = {
+    "paged_dense_nhd": "paged(page_size = 4, layout = nhd, table = dense)",
+    "paged_dense_hnd": "paged(page_size = 4, layout = hnd, table = dense)",
+    "paged_csr_nhd": "paged(page_size = 4, layout = nhd, table = csr)",
+    "paged_csr_hnd": "paged(page_size = 4, layout = hnd, table = csr)",
+    "contiguous_bhsd": "contiguous(layout = bhsd)",
+    "contiguous_bshd": "contiguous(layout = bshd)",
+    "ragged": "ragged",
+}
+
+
+def _set(key, index, value):
+    def mutate(a):
+        if key not in a:
+            return
+        a[key] = a[key].copy()
+        a[key][index] = value
+    return mutate
+
+
+QUICK_MUTATIONS = {
+    "none": lambda a: None,
+    "negative kv_len": _set("kv_lens", 1, -3),
+    "kv_len past the table / capacity": _set("kv_lens", 0, 10 ** 6),
+    "float kv_lens": lambda a: a.update(kv_lens=a["kv_lens"].astype(np.float32)) if "kv_lens" in a else None,
+    "unsigned kv_lens": lambda a: a.update(kv_lens=a["kv_lens"].astype(np.uint32)) if "kv_lens" in a else None,
+    "2-D kv_lens": lambda a: a.update(kv_lens=a["kv_lens"][None]) if "kv_lens" in a else None,
+    "no kv_lens": lambda a: a.pop("kv_lens", None),
+    "page past the pool": _set("block_table", (0, 0), 10 ** 6),
+    "negative page": _set("block_table", (2, 0), -1),
+    "sentinel past the visible pages": _set("block_table", (0, -1), -7),
+    "table short of rows": lambda a: a.update(block_table=a["block_table"][:1]) if "block_table" in a else None,
+    "csr page past the pool": _set("kv_indices", 0, 10 ** 6),
+    "indptr not monotone": _set("kv_indptr", 1, 10 ** 3),
+    "indptr[0] != 0": _set("kv_indptr", 0, 1),
+    "last page of 0": _set("kv_last_page_len", 0, 0),
+    "last page past P": _set("kv_last_page_len", 1, 5),
+    "K of another page size": lambda a: a.update(k_cache=a["k_cache"][:, :2]) if "k_cache" in a else None,
+    "V of another head count": lambda a: a.update(v=a["v"][..., :1, :]) if "v" in a and a["v"].ndim == 3 else None,
+    "K of rank 3": lambda a: a.update(**{n: a[n][0] for n in ("k", "k_cache") if n in a}),
+    "V with another first axis": lambda a: a.update(**{n: a[n][1:] for n in ("v", "v_cache") if n in a}),
+    "cache_batch_idx": lambda a: a.update(cache_batch_idx=np.arange(3, dtype=np.int32)),
+}
+
+
+def _fields(L):
+    import dataclasses
+    return {f.name: getattr(L, f.name) for f in dataclasses.fields(L)}
+
+
+@pytest.mark.parametrize("mutation", sorted(QUICK_MUTATIONS))
+@pytest.mark.parametrize("cache", sorted(QUICK_CACHES))
+def test_quick_layout_accepts_only_what_from_inputs_accepts(cache, mutation):
+    """quick_layout is from_inputs + check_arrays for the common calls: whatever it accepts the
+    full checks accept with the same layout, and every contract break sends the call to them."""
+    from attnc.compiler import inputs
+    from attnc.compiler.lower import compile_spec
+    p = compile_spec(f"attention quick {{ heads = 4 / 2 head_dim = 8 mask = causal "
+                     f"cache = {QUICK_CACHES[cache]} }}")
+    arrays = {n: a for n, a in inputs.sample_cache(p, [9, 5, 13], seed=1).items() if n not in ("q", "q_lens")}
+    QUICK_MUTATIONS[mutation](arrays)
+    try:
+        full = lay.from_inputs(p.cache, arrays, heads_q=4, heads_kv=2, copy=False)
+        lay.check_arrays(full, arrays)
+    except (PlanError, IndexError) as e:
+        full = e
+    quick = lay.quick_layout(p.cache, arrays, heads_q=4, heads_kv=2)
+    if mutation == "none":
+        assert quick is not None and not isinstance(full, Exception)
+    if quick is not None:
+        assert not isinstance(full, Exception), (mutation, full)
+        want, got = _fields(full), _fields(quick)
+        for name, value in want.items():
+            if isinstance(value, np.ndarray):
+                np.testing.assert_array_equal(got[name], value, err_msg=name)
+                assert not got[name].flags.writeable
+            else:
+                assert got[name] == value, name
