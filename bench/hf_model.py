@@ -55,6 +55,8 @@ def _args(argv):
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--runs", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--no-packed-check", action="store_true",
+                    help="attnc: register(packed_sequences=False), no position_ids restart check (one sync per forward)")
     ap.add_argument("--use-cache", action="store_true", help="forward with a DynamicCache (default: use_cache=False)")
     ap.add_argument("--warm-cache", action="store_true", help="keep the Triton / Inductor caches (default: cold)")
     ap.add_argument("--smoke", action="store_true", help="a tiny model on the CPU, to check the script")
@@ -80,7 +82,8 @@ def main(argv=None) -> int:
     import torch
     import transformers
     import attnc
-    import attnc.integrations.transformers  # noqa: F401  (registers "attnc")
+    import attnc.integrations.transformers as attnc_hf  # (registers "attnc")
+    attnc_hf.register(packed_sequences=not args.no_packed_check)
 
     device = "cpu" if args.smoke else "cuda"
     dtype = torch.float32 if args.smoke else torch.bfloat16
@@ -95,7 +98,7 @@ def main(argv=None) -> int:
     model_desc = {"model": "llama", "layers": args.layers, "hidden": args.hidden, "heads": args.heads,
                   "kv_heads": args.kv_heads, "head_dim": args.head_dim, "intermediate": args.intermediate,
                   "vocab": args.vocab, "dtype": str(dtype).removeprefix("torch."), "batch": args.batch,
-                  "use_cache": args.use_cache}
+                  "use_cache": args.use_cache, "attnc_packed_check": not args.no_packed_check}
 
     cfg = transformers.LlamaConfig(hidden_size=args.hidden, intermediate_size=args.intermediate,
                                    num_hidden_layers=args.layers, num_attention_heads=args.heads,
