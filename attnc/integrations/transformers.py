@@ -45,6 +45,12 @@ aligned: the unwritten slots follow the written ones; use the default ``DynamicC
 sequences over earlier cache content, and (from ``attnc.compile``'s call) q/k/v that require grad:
 attnc has no backward pass yet, so this is for inference (``torch.no_grad()``).
 
+Under ``torch.compile`` (``fullgraph=True`` too) the spec's handle is a constant of the trace and
+the call is attnc's custom op.  Host checks cannot run inside a graph, so there a multi-token call
+that holds every token reads its position ids as documents without looking (one document when
+nothing restarts: the causal mask, through a tensor), and a padding mask is passed on as it is
+(all-visible included).
+
 Decode and generation with a ``DynamicCache`` work as they are: attnc's masks are bottom-right
 aligned (query row ``i`` of ``S_q`` over ``S_k`` keys is at position ``S_k - S_q + i``), which is
 where the cache puts the new tokens, also in a sliding-window layer whose cache keeps only the
@@ -111,6 +117,19 @@ def attention_for(causal: bool = True, window: int | None = None, softcap: float
                                    documents=documents), name="transformers")
 
 
+_BY_HANDLE: dict = {}
+
+
+@torch.compiler.assume_constant_result
+def _handle_for(causal: bool, window: int | None, softcap: float | None, scale: float | None, padding: bool,
+                documents: bool) -> str:
+    """attention_for's handle: under torch.compile, dynamo runs this once while tracing and keeps
+    the string, so it never traces into the spec compiler; the call itself is attnc's custom op."""
+    attn = attention_for(causal, window, softcap, scale, padding, documents)
+    _BY_HANDLE[attn.handle] = attn
+    return attn.handle
+
+
 # ---------------------------------------------------------------- documents
 def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
     """doc[b, s]: how many times ``position_ids[b]`` has restarted (not increased by exactly one)
@@ -142,6 +161,10 @@ def _documents(kwargs: dict, batch: int, s_q: int, s_k: int):
     pos = kwargs.get("position_ids")
     if not isinstance(pos, torch.Tensor) or pos.dim() != 2 or pos.shape[1] != s_q or pos.shape[0] not in (1, batch):
         return None  # (absent, or multimodal 3D rope positions: no packing information)
+    if torch.compiler.is_compiling():
+        # no host check inside a compiled graph: a call holding every token reads its position ids
+        # as documents (one document when nothing restarts: the causal mask, through a tensor)
+        return document_ids(pos).expand(batch, -1).contiguous() if s_q == s_k else None
     version = None if pos.is_inference() else pos._version  # (inference tensors have no version counter)
     for ref, v, b, k, doc in _DOCS:
         if ref() is pos and v == version and b == batch and k == s_k:
@@ -183,7 +206,7 @@ def _tracked(t: torch.Tensor) -> torch.Tensor:
     """``t``, or a copy of it made outside inference mode when it is an inference tensor: attnc's
     plan cache keys a mask tensor by identity and version counter, which inference tensors lack
     (a forward under ``torch.inference_mode()`` makes its position ids and masks in it)."""
-    if not t.is_inference():
+    if torch.compiler.is_compiling() or not t.is_inference():
         return t
     with torch.inference_mode(False):
         return t.clone()
@@ -215,9 +238,9 @@ def attnc_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     # transformers hands value (and, without RoPE, key) over as a transposed view of its
     # [B, S, H, d] projection; the fastest engine (Gluon, on Hopper) reads contiguous bhsd tensors
     query, key, value = (t if t.is_contiguous() else t.contiguous() for t in (query, key, value))
-    attn = attention_for(bool(causal), None if sliding_window is None else int(sliding_window),
-                         float(softcap) if softcap else None, None if scaling is None else float(scaling),
-                         "pad" in tensors, "doc" in tensors)
+    attn = _BY_HANDLE[_handle_for(bool(causal), None if sliding_window is None else int(sliding_window),
+                                  float(softcap) if softcap else None, None if scaling is None else float(scaling),
+                                  "pad" in tensors, "doc" in tensors)]
     o = attn(query, key, value, backend=_OPTIONS["backend"], **tensors)
     return o.transpose(1, 2).contiguous(), None
 
@@ -240,6 +263,8 @@ def attnc_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_of
     if attention_mask is None:
         return None
     attention_mask = attention_mask[:, -kv_length:]
+    if torch.compiler.is_compiling():  # (no host check in a graph: the mask goes to the spec as it is)
+        return attention_mask.contiguous()
     if attention_mask.shape[1] == kv_length and bool(attention_mask.all()):
         return None
     return _tracked(attention_mask.contiguous())  # (one tensor for every layer: their plans are shared)

@@ -166,6 +166,23 @@ def test_the_triton_backend_under_inference_mode(llama):
         hf.register()
 
 
+def test_the_attention_function_compiles_with_fullgraph(llama):
+    """Under torch.compile the spec's handle is a traced constant and the call attnc's custom op;
+    position ids become a doc tensor without a host check (one document when nothing restarts)."""
+    module = llama[1].model.layers[0].self_attn
+    q, k, v = torch.randn(2, 4, 12, 16), torch.randn(2, 2, 12, 16), torch.randn(2, 2, 12, 16)
+    position_ids = torch.tensor([list(range(5)) + list(range(7)), list(range(12))])
+
+    def attention(q, k, v, position_ids):
+        return hf.attnc_attention_forward(module, q, k, v, None, scaling=0.3, softcap=2.0, sliding_window=6,
+                                          position_ids=position_ids)[0]
+
+    torch._dynamo.reset()
+    compiled = torch.compile(attention, fullgraph=True, backend="eager")
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(q, k, v, position_ids), attention(q, k, v, position_ids))
+
+
 # ---------------------------------------------------------------- specs and refusals
 def test_spec_text_maps_window_softcap_scaling_padding_and_documents():
     text = hf.spec_text(causal=True, window=4096, softcap=50.0, scale=0.0625, padding=True)
