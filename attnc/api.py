@@ -234,14 +234,19 @@ class Attention:
         vv = cache.get("v_cache", cache.get("v"))
         if kv is None or vv is None:
             raise InputError("inputs: a split call needs the cache: k_cache / v_cache (paged) or k / v")
-        h_ax = {"paged": 2 if self.program.cache.layout.value == "nhd" else 1, "ragged": 1}.get(
-            self.program.cache.kind.value, 2 if self._bshd else 1)
-        dtype = _DTYPES.get(str(q.dtype))
-        program = self.specialize(q.shape[1], kv.shape[h_ax], q.shape[2], vv.shape[-1], dtype)
+        route_key = ("decode", q.shape, kv.shape, vv.shape, q.dtype, q.device)
+        route = self._routes.get(route_key)
+        if route is None:
+            h_ax = {"paged": 2 if self.program.cache.layout.value == "nhd" else 1, "ragged": 1}.get(
+                self.program.cache.kind.value, 2 if self._bshd else 1)
+            dtype = _DTYPES.get(str(q.dtype))
+            if dtype is None:
+                raise InputError(f"inputs: 'q' has dtype {q.dtype}; attention takes float16, bfloat16 or float32")
+            program = self.specialize(q.shape[1], kv.shape[h_ax], q.shape[2], vv.shape[-1], dtype)
+            route = self._routes[route_key] = (program, self.kernel("triton" if q.is_cuda else "numpy", program))
+        program, kernel = route
         if q.is_cuda:
-            kernel = self.kernel("triton", program)
             return kernel.decode(q, return_lse=return_lse, **cache)
-        kernel = self.kernel("numpy", program)
         host = {n: (t.detach().to("cpu", torch.float32).numpy() if t.dtype.is_floating_point else t.cpu().numpy())
                 if isinstance(t, torch.Tensor) else t for n, t in cache.items()}
         o, lse = kernel.run({"q": q.detach().float().cpu().numpy(), **host}, return_lse=True)

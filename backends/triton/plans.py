@@ -117,12 +117,24 @@ def upload(arrays: dict, device, dtypes: dict | None = None) -> dict:
 
 # ---------------------------------------------------------------- keys
 def tensor_key(name: str, t) -> tuple:
-    """What identifies a mask tensor's values for the cache (module docstring)."""
-    if hasattr(t, "_version"):
-        return (name, "torch", id(t), t._version, t.data_ptr(), tuple(t.shape), tuple(t.stride()), str(t.dtype),
-                str(t.device))
+    """What identifies a mask tensor's values for the cache (module docstring).  An inference
+    tensor (``torch.inference_mode``) has no version counter: it is known by its bytes."""
+    if _is_torch(t):
+        if not t.is_inference():
+            return (name, "torch", id(t), t._version, t.data_ptr(), tuple(t.shape), tuple(t.stride()), str(t.dtype),
+                    str(t.device))
+        t = t.detach().cpu().numpy()
     a = np.ascontiguousarray(t)
     return (name, "numpy", a.dtype.str, a.shape, hashlib.blake2b(a.view(np.uint8).reshape(-1), digest_size=16).digest())
+
+
+def _is_torch(t) -> bool:
+    return type(t).__module__.startswith("torch") and hasattr(t, "is_inference")
+
+
+def _tracked(t) -> bool:
+    """A torch tensor whose identity and version the cache can key on."""
+    return _is_torch(t) and not t.is_inference()
 
 
 class _Entry:
@@ -166,7 +178,7 @@ class PlanCache:
     def put(self, key, value, nbytes: int, tensors=()) -> None:
         if nbytes > self.budget:
             return
-        refs = tuple(weakref.ref(t) if hasattr(t, "_version") else None for t in tensors)
+        refs = tuple(weakref.ref(t) if _tracked(t) else None for t in tensors)
         with self._lock:
             if key in self._items:
                 self._drop(key)
