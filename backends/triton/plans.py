@@ -85,31 +85,51 @@ def walk_arrays(plan: Plan) -> dict:
     return args
 
 
+_TORCH_DTYPES: dict = {}
+
+
+def _torch_dtype(dt: np.dtype):
+    t = _TORCH_DTYPES.get(dt)
+    if t is None:
+        import torch
+        t = _TORCH_DTYPES[dt] = getattr(torch, dt.name)
+    return t
+
+
+_NP_DTYPES: dict = {}
+
+
+def _np_dtype(name) -> np.dtype:
+    d = _NP_DTYPES.get(name)
+    if d is None:
+        d = _NP_DTYPES[name] = np.dtype(name)
+    return d
+
+
 def upload(arrays: dict, device, dtypes: dict | None = None) -> dict:
     """The numpy arrays of ``arrays`` on ``device`` (int32 unless ``dtypes`` names another) in one
-    host-to-device copy: they are packed into one buffer and handed back as views of it; other
-    values pass through."""
+    host-to-device copy: they are packed into one buffer and handed back as views of it, each
+    starting 16-byte aligned (Triton specializes on it); other values pass through."""
     import torch
     dtypes = dtypes or {}
-    names = [n for n, a in arrays.items() if isinstance(a, np.ndarray)]
-    parts, spans, offset = [], {}, 0
-    for n in names:
-        dt = np.dtype(dtypes.get(n, "int32"))
-        raw = np.ascontiguousarray(arrays[n], dt).reshape(-1).view(np.uint8)
-        pad = (-offset) % 16  # every view starts 16-byte aligned (Triton specializes on it)
-        if pad:
-            parts.append(np.zeros(pad, np.uint8))
-            offset += pad
-        spans[n] = (offset, raw.size, dt, arrays[n].shape)
-        parts.append(raw)
-        offset += raw.size
-    host = np.concatenate(parts) if parts else np.zeros(0, np.uint8)
+    spans, offset = {}, 0
+    for n, a in arrays.items():
+        if not isinstance(a, np.ndarray):
+            continue
+        dt = _np_dtype(dtypes.get(n, "int32"))
+        offset += (-offset) % 16
+        size = a.size * dt.itemsize
+        spans[n] = (offset, size, dt, a.shape)
+        offset += size
+    host = np.empty(offset, np.uint8)
+    for n, (off, size, dt, shape) in spans.items():
+        host[off:off + size].view(dt)[:] = arrays[n].reshape(-1)
     buf = torch.from_numpy(host)
     if str(device) != "cpu":
         buf = buf.pin_memory().to(device, non_blocking=True) if torch.cuda.is_available() else buf.to(device)
     out = {n: a for n, a in arrays.items() if n not in spans}
     for n, (off, size, dt, shape) in spans.items():
-        t = buf[off:off + size].view(getattr(torch, dt.name))
+        t = buf[off:off + size].view(_torch_dtype(dt))
         out[n] = t.view(shape) if len(shape) > 1 else t
     out["_buffer"] = buf
     return out
