@@ -281,7 +281,8 @@ def cmd_bench(args) -> int:
     command = "attnc bench " + " ".join(sys.argv[2:] if len(sys.argv) > 2 else [args.what])
     if args.what == "decode":
         cases = [tuple(int(x) for x in c.split(":")) for c in args.cases.split(",")] if args.cases else None
-        rows = harness.run_decode(cases=cases, out=args.out, command=command, graph=not args.no_graph)
+        rows = harness.run_decode(cases=cases, out=args.out, command=command, graph=not args.no_graph,
+                                  configs=() if args.no_configs else harness.DECODE_CONFIGS)
     else:
         rows = harness.run_prefill(batch=args.batch, heads=args.heads, seq=args.seq, head_dim=args.head_dim,
                                    masks=args.masks.split(",") if args.masks else None, out=args.out,
@@ -485,6 +486,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-sdpa", action="store_true")
     p.add_argument("--cases", default=None, help="decode: B:T,... (default 8:8192,32:8192,1:131072,64:2048)")
     p.add_argument("--no-graph", action="store_true", help="decode: no CUDA-graph rows")
+    p.add_argument("--no-configs", action="store_true", help="decode: no fixed-config rows")
     p.set_defaults(fn=cmd_bench)
 
     p = sub.add_parser("demo", help="compile and run examples for prefill, append and decode "

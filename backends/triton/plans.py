@@ -106,6 +106,43 @@ def _np_dtype(name) -> np.dtype:
     return d
 
 
+class Staging:
+    """Pinned host buffers for plan uploads, used in turn: a plan's bytes are copied into the next
+    buffer and sent with one asynchronous copy, so the host never waits for the GPU's queue (a
+    copy from pageable memory would) and never pins memory per call.  Before a buffer is reused,
+    the event recorded after its last copy is waited on (by then long done)."""
+
+    def __init__(self, slots: int = 8):
+        self.slots = slots
+        self._buffers: list = []
+        self._events: list = []
+        self._next = 0
+
+    def copy_to(self, host: np.ndarray, device):
+        import torch
+        i = self._next
+        self._next = (i + 1) % self.slots
+        if len(self._buffers) < self.slots:
+            self._buffers.append(None)
+            self._events.append(None)
+        buf, event = self._buffers[i], self._events[i]
+        if event is not None:
+            event.synchronize()
+        if buf is None or buf.numel() < host.size:
+            buf = self._buffers[i] = torch.empty(max(host.size, 1 << 16), dtype=torch.uint8, pin_memory=True)
+        staged = buf[:host.size]
+        staged.numpy()[:] = host
+        out = torch.empty(host.size, dtype=torch.uint8, device=device)
+        out.copy_(staged, non_blocking=True)
+        if event is None:
+            event = self._events[i] = torch.cuda.Event()
+        event.record()
+        return out
+
+
+STAGING = Staging()
+
+
 def upload(arrays: dict, device, dtypes: dict | None = None) -> dict:
     """The numpy arrays of ``arrays`` on ``device`` (int32 unless ``dtypes`` names another) in one
     host-to-device copy: they are packed into one buffer and handed back as views of it, each
@@ -126,7 +163,7 @@ def upload(arrays: dict, device, dtypes: dict | None = None) -> dict:
         host[off:off + size].view(dt)[:] = arrays[n].reshape(-1)
     buf = torch.from_numpy(host)
     if str(device) != "cpu":
-        buf = buf.pin_memory().to(device, non_blocking=True) if torch.cuda.is_available() else buf.to(device)
+        buf = STAGING.copy_to(host, device) if torch.cuda.is_available() else buf.to(device)
     out = {n: a for n, a in arrays.items() if n not in spans}
     for n, (off, size, dt, shape) in spans.items():
         t = buf[off:off + size].view(_torch_dtype(dt))
@@ -137,12 +174,12 @@ def upload(arrays: dict, device, dtypes: dict | None = None) -> dict:
 
 # ---------------------------------------------------------------- keys
 def tensor_key(name: str, t) -> tuple:
-    """What identifies a mask tensor's values for the cache (module docstring).  An inference
-    tensor (``torch.inference_mode``) has no version counter: it is known by its bytes."""
+    """What identifies a mask tensor's values for the cache (module docstring), beside its shape,
+    strides, dtype and device (the caller's key holds those).  An inference tensor
+    (``torch.inference_mode``) has no version counter: it is known by its bytes."""
     if _is_torch(t):
         if not t.is_inference():
-            return (name, "torch", id(t), t._version, t.data_ptr(), tuple(t.shape), tuple(t.stride()), str(t.dtype),
-                    str(t.device))
+            return (id(t), t._version, t.data_ptr())
         t = t.detach().cpu().numpy()
     a = np.ascontiguousarray(t)
     return (name, "numpy", a.dtype.str, a.shape, hashlib.blake2b(a.view(np.uint8).reshape(-1), digest_size=16).digest())
