@@ -235,7 +235,7 @@ class PlanCache:
     def put(self, key, value, nbytes: int, tensors=()) -> None:
         if nbytes > self.budget:
             return
-        refs = tuple(weakref.ref(t) if _tracked(t) else None for t in tensors)
+        refs = tuple(weakref.ref(t) if t is not None and _tracked(t) else None for t in tensors)
         with self._lock:
             if key in self._items:
                 self._drop(key)

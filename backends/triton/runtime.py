@@ -395,6 +395,37 @@ class Kernel:
             return launch(q, k_cache, v_cache, plan, arrays_dev, ts, out, lse, ws)
         return run
 
+    # A split call's plan depends on its metadata (lengths, page tables, query rows, mask tensors);
+    # a call whose inputs are all torch tensors is cached under their identity and version, as a
+    # prefill call's mask tensors are: the layers of a model's decode step share one plan, and a
+    # step that changes the metadata in place (kv_lens += 1) makes a new one.
+    def _split_key(self, q, arrays: dict):
+        parts = []
+        for n in sorted(arrays):
+            part = _split_key_part(n, arrays[n])
+            if part is None:
+                return None, None
+            parts.append(part)
+        objects = [None if n in _KV_KEYS else arrays[n] for n in sorted(arrays)]
+        return (self.digest, "split", q.shape, q.stride(), q.dtype, q.device, q.data_ptr() % 16 == 0,
+                tuple(parts)), objects
+
+    def _split_bound(self, q, arrays: dict):
+        key, objects = self._split_key(q, arrays)
+        return P.PLANS.get(key, objects) if key is not None else None
+
+    def _run_split(self, bound, q, arrays: dict, return_lse: bool):
+        plan, arrays_dev, ts, _, _, launch, ws_bytes = bound
+        k_cache = arrays.get("k_cache", arrays.get("k"))
+        v_cache = arrays.get("v_cache", arrays.get("v"))
+        torch = self._torch
+        total_q = q.shape[0]
+        out = torch.empty(total_q, self.program.heads_q, self.program.d_v, device=q.device, dtype=q.dtype)
+        lse = torch.empty(total_q, self.program.heads_q, device=q.device, dtype=torch.float32)
+        ws = torch.empty(ws_bytes, device=q.device, dtype=torch.uint8)
+        launch(q, k_cache, v_cache, plan, arrays_dev, ts, out, lse, ws)
+        return (out, lse) if return_lse else out
+
     def decode(self, q, *, plan: dict | None = None, return_lse=False, block_n: int | None = None,
                splits: int | None = None, block_q: int | None = None, num_warps: int | None = None,
                num_stages: int | None = None, **arrays):
@@ -406,6 +437,11 @@ class Kernel:
         [total_q, H_q, d_v] (and LSE [total_q, H_q])."""
         torch = self._torch
         p = self.program
+        if plan is None and block_n is None and splits is None and block_q is None and num_warps is None \
+                and num_stages is None and not isinstance(q, np.ndarray):
+            bound = self._split_bound(q, arrays)
+            if bound is not None:  # the plan for this metadata, made and uploaded by an earlier call
+                return self._run_split(bound, q, arrays, return_lse)
         tensors = self.split_tensors(arrays)
         from_numpy = isinstance(q, np.ndarray)
         if not from_numpy:
@@ -414,9 +450,12 @@ class Kernel:
         if len(q.shape) != 3 or tuple(q.shape[1:]) != (p.heads_q, p.d_qk):
             raise InputError(f"inputs: 'q' has shape {list(q.shape)}; a split call packs its query rows "
                              f"as [total_q, H_q={p.heads_q}, d_qk={p.d_qk}]")
+        cache_key = cache_objects = None
         if plan is None:
             options = {n: x for n, x in (("block_n", block_n), ("splits", splits), ("block_q", block_q))
                        if x is not None}
+            if not options and num_warps is None and num_stages is None and not from_numpy:
+                cache_key, cache_objects = self._split_key(q, {**arrays, **tensors})
             plan = self.decode_plan(arrays, tensors=tensors, total_q=int(q.shape[0]), **options)
         elif int(q.shape[0]) != plan["total_q"]:
             raise InputError(f"inputs: 'q' has {int(q.shape[0])} packed rows; the plan was made for "
@@ -448,10 +487,28 @@ class Kernel:
         ws = self.workspace(total_q, plan["splits"], dev)
         launch = self.split_launch(num_warps or plan.get("num_warps", 4), num_stages or plan.get("num_stages", 2))
         launch(q_t, k_cache, v_cache, plan, arrays_dev, ts, out, lse, ws)
+        if cache_key is not None and carry == self._dtype:
+            bound = (plan, arrays_dev, ts, k_cache, v_cache, launch,
+                     L.workspace_bytes(self.module, total_q, plan["splits"], p.state.value))
+            P.PLANS.put(cache_key, bound, P.nbytes_of(arrays_dev), cache_objects)
         o = out.to(self._dtype) if carry != self._dtype else out
         if from_numpy:
             o, lse = o.float().cpu().numpy(), lse.cpu().numpy()
         return (o, lse) if return_lse else o
+
+
+_KV_KEYS = ("k", "v", "k_cache", "v_cache")
+
+
+def _split_key_part(n, t):
+    """A split call's input as a plan-cache key part: metadata and mask tensors by identity and
+    version (and layout); the K/V tensors by layout and address only (the plan never reads their
+    values, and a step writes new tokens into them); anything else makes the call uncacheable."""
+    if not P._tracked(t):
+        return None
+    if n in _KV_KEYS:
+        return (n, tuple(t.shape), t.stride(), t.dtype, t.device, t.data_ptr())
+    return (n, tuple(t.shape), t.stride(), t.dtype, t.device, *P.tensor_key(n, t))
 
 
 def load(program: ir.Program) -> Kernel:

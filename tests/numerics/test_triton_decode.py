@@ -235,3 +235,26 @@ def test_gpu_tiles_below_16_are_plan_errors(monkeypatch):
     with pytest.raises(PlanError, match="block_m = 4: on a GPU"):
         decode._check_gpu_tile(4, 64)
     decode._check_gpu_tile(16, 16)
+
+
+def test_split_calls_reuse_their_plan_until_the_metadata_changes():
+    """Torch metadata is a plan-cache key by identity and version: the layers of a decode step
+    share one plan; kv_lens changed in place (the next step) makes a new one, and the answer
+    follows the new lengths."""
+    import torch
+    from attnc.backends.triton import plans
+    program = compile_spec("attention d { heads = 4 / 2 head_dim = 16 dtype = f32 mask = causal "
+                           "cache = paged(page_size = 8, layout = nhd) }")
+    kernel = runtime.load(program)
+    arrays = inputs.sample_cache(program, [40, 17], None, seed=3)
+    t = {n: torch.as_tensor(a) for n, a in arrays.items()}
+    t["kv_lens"] = t["kv_lens"].to(torch.int32)
+    call = {n: x for n, x in t.items() if n != "q"}
+    first = kernel.decode(t["q"], **call)
+    hits = plans.PLANS.hits
+    assert torch.equal(kernel.decode(t["q"], **call), first) and plans.PLANS.hits == hits + 1
+    t["kv_lens"][1] -= 5  # a shorter request: a new plan, the oracle's answer
+    again = kernel.decode(t["q"], **call)
+    host = {n: x.numpy() for n, x in t.items()}
+    ref_o, _ = oracle.reference_cache(program, inputs.validate_cache(program, host))
+    assert np.allclose(again.numpy(), ref_o, atol=1e-4) and not torch.allclose(again, first)
