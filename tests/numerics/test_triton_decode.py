@@ -248,13 +248,16 @@ def test_split_calls_reuse_their_plan_until_the_metadata_changes():
     kernel = runtime.load(program)
     arrays = inputs.sample_cache(program, [40, 17], None, seed=3)
     t = {n: torch.as_tensor(a) for n, a in arrays.items()}
-    t["kv_lens"] = t["kv_lens"].to(torch.int32)
+    t["kv_lens"] = t["kv_lens"].to(torch.int32)  # metadata on the host, q and the cache where the kernel runs
+    for n in ("q", "k_cache", "v_cache"):
+        t[n] = t[n].to(kernel.device)
     call = {n: x for n, x in t.items() if n != "q"}
     first = kernel.decode(t["q"], **call)
     hits = plans.PLANS.hits
     assert torch.equal(kernel.decode(t["q"], **call), first) and plans.PLANS.hits == hits + 1
     t["kv_lens"][1] -= 5  # a shorter request: a new plan, the oracle's answer
     again = kernel.decode(t["q"], **call)
-    host = {n: x.numpy() for n, x in t.items()}
+    host = {n: x.cpu().numpy() for n, x in t.items()}
     ref_o, _ = oracle.reference_cache(program, inputs.validate_cache(program, host))
-    assert np.allclose(again.numpy(), ref_o, atol=1e-4) and not torch.allclose(again, first)
+    tol = 1e-4 if runtime.interpreted() else 2e-2  # (f32 dots run in TF32 on a GPU)
+    assert np.allclose(again.cpu().numpy(), ref_o, atol=tol) and not torch.allclose(again, first)
