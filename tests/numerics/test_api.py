@@ -169,3 +169,17 @@ def test_torch_compile_reduce_overhead_on_cuda():
 def _capture(fn):
     from attnc.backends.triton.graph import capture
     return capture(fn)
+
+
+def test_a_plan_made_by_the_caller_runs_and_is_checked():
+    """``attn.plan`` / ``attn.run``: the FlashInfer-style plan-once, run-many use; a plan made for
+    other lengths is refused by name."""
+    attn = attnc.compile("examples/causal_document.attn")
+    q, k, v = (torch.randn(2, 4, 32, 64, device=DEVICE, dtype=torch.bfloat16) for _ in range(3))
+    doc = torch.as_tensor(np.repeat(np.arange(4), 8)[None].repeat(2, 0), dtype=torch.int32, device=DEVICE)
+    plan = attn.plan(q, k, v, doc=doc)
+    with torch.no_grad():
+        assert torch.equal(attn.run(q, k, v, plan=plan, doc=doc), attn(q, k, v, doc=doc))
+        short = [x[:, :, :16].contiguous() for x in (q, k, v)]
+        with pytest.raises(attnc.AttncError, match="plan was made for"):
+            attn.run(*short, plan=plan, doc=doc[:, :16])
