@@ -20,6 +20,7 @@ backward pass yet: a call whose q, k or v requires grad is refused, never silent
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import threading
 from dataclasses import replace
@@ -159,8 +160,9 @@ class Attention:
         missing = [n for n in self.tensor_names if n not in tensors]
         raise InputError(f"inputs: missing tensor '{missing[0]}' (spec '{self.name}' reads it)")
 
-    def forward(self, q, k, v, tensors: dict, backend: str | None = None):
-        """(O, LSE) of one call, on the backend the call's key selects (no autograd, no tracing)."""
+    def _kernel_for(self, q, k, v, tensors: dict, backend: str | None):
+        """(backend name, kernel) of calls shaped like this one: specialised, checked and selected
+        once per (shapes, dtype, devices, backend asked), then looked up."""
         try:
             key = (q.shape, k.shape, v.shape, q.dtype, q.device, k.device, v.device, backend)
         except AttributeError:
@@ -174,18 +176,22 @@ class Attention:
                     raise InputError(f"inputs: '{n}' is on {t.device}, q on {q.device}: every tensor of a call "
                                      "lives on one device")
             route = self._routes[key] = self._route(program, q, k, backend)
-        name, kernel = route
-        if name == "triton":
-            return kernel(q, k, v, return_lse=True, **tensors)
-        return self._host_call(kernel, q, k, v, tensors)
+        return route
 
-    def _host_call(self, kernel, q, k, v, tensors: dict):
+    def forward(self, q, k, v, tensors: dict, backend: str | None = None, plan=None):
+        """(O, LSE) of one call, on the backend the call's key selects (no autograd, no tracing)."""
+        name, kernel = self._kernel_for(q, k, v, tensors, backend)
+        if name == "triton":
+            return kernel(q, k, v, return_lse=True, plan=plan, **tensors)
+        return self._host_call(kernel, q, k, v, tensors, plan)
+
+    def _host_call(self, kernel, q, k, v, tensors: dict, plan=None):
         """A numpy backend call on torch tensors: float32 copies in (bf16 and f16 are exact in it),
         O back as q's dtype on q's device."""
         import torch
         arrays = [x.detach().to("cpu", torch.float32).numpy() for x in (q, k, v)]
         host = {n: t.detach().cpu().numpy() if isinstance(t, torch.Tensor) else t for n, t in tensors.items()}
-        o, lse = kernel(*arrays, return_lse=True, **host)
+        o, lse = kernel(*arrays, return_lse=True, plan=plan, **host)
         return (torch.from_numpy(o).to(device=q.device, dtype=q.dtype),
                 torch.from_numpy(lse).to(device=q.device, dtype=torch.float32))
 
@@ -202,23 +208,13 @@ class Attention:
         manage plans themselves (pass it back as ``attn.run(q, k, v, plan=...)``).  Calls without
         ``plan=`` find their plan in the process's plan cache, keyed by shape and, for masks that
         read tensors, by the tensors' identity and version."""
-        program = self.specialize(*self._shape_of(q, k, v))
-        name, kernel = self._route(program, q, k, None)
+        _, kernel = self._kernel_for(q, k, v, tensors, None)
         s_axis = 1 if self._bshd else 2
         return kernel.plan(int(q.shape[0]), int(q.shape[s_axis]), int(k.shape[s_axis]), tensors)
 
     def run(self, q, k, v, *, plan, return_lse: bool = False, **tensors):
         """A call with a plan the caller made (``plan``)."""
-        program = self.specialize(*self._shape_of(q, k, v))
-        name, kernel = self._route(program, q, k, None)
-        if name == "triton":
-            o, lse = kernel(q, k, v, plan=plan, return_lse=True, **tensors)
-        else:
-            import torch
-            arrays = [x.detach().to("cpu", torch.float32).numpy() for x in (q, k, v)]
-            host = {n: t.detach().cpu().numpy() if isinstance(t, torch.Tensor) else t for n, t in tensors.items()}
-            o, lse = kernel(*arrays, plan=plan, return_lse=True, **host)
-            o, lse = torch.from_numpy(o).to(q.device, q.dtype), torch.from_numpy(lse).to(q.device)
+        o, lse = self.forward(q, k, v, tensors, None, plan)
         return (o, lse) if return_lse else o
 
     def decode(self, q, *, return_lse: bool = False, **cache):
@@ -278,9 +274,5 @@ def _register_ops() -> None:
         op.register_fake(fake)
 
 
-try:
-    import torch as _torch  # noqa: F401
-except ImportError:  # attnc.compile needs torch; the compiler alone does not
-    pass
-else:
+if importlib.util.find_spec("torch") is not None:  # attnc.compile needs torch; the compiler alone does not
     _register_ops()

@@ -140,7 +140,7 @@ def timed(fn, check, record: dict, rows: Rows, label: str, work: float, unit: st
     samples = triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="all") if ok else []
     med = float(np.median(samples)) if samples else float("nan")
     hus = host_us(fn) if ok else float("nan")
-    rate = work / med / (1e9 if unit == "TFLOPs" else 1e9) if samples else None
+    rate = work / med / 1e9 if samples else None  # FLOP (or bytes) per ms / 1e9: TFLOP/s (or TB/s)
     row = {**record, "rel_l2_error": err, "pass": ok, "median_ms": med, "host_us": hus, unit: rate,
            "samples_ms": samples}
     rows.append(row)

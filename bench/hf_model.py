@@ -93,8 +93,8 @@ def main(argv=None) -> int:
     try:
         import triton
         env["triton"] = triton.__version__
-    except ImportError:
-        pass
+    except ImportError:  # (the CPU smoke run needs no Triton)
+        env["triton"] = None
     model_desc = {"model": "llama", "layers": args.layers, "hidden": args.hidden, "heads": args.heads,
                   "kv_heads": args.kv_heads, "head_dim": args.head_dim, "intermediate": args.intermediate,
                   "vocab": args.vocab, "dtype": str(dtype).removeprefix("torch."), "batch": args.batch,

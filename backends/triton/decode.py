@@ -25,6 +25,7 @@ from attnc.compiler.plan import DEFAULT_SMS, split_blocks
 
 
 def interpreted() -> bool:
+    """Whether Triton kernels run in its CPU interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 

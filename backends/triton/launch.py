@@ -26,7 +26,6 @@ multiples of 16, which pointers are 16-byte aligned): the caller's key must fix 
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -35,6 +34,7 @@ from attnc.compiler import ir
 from attnc.compiler.errors import InputError, PlanError
 
 from . import gluon_engine, prefill, split
+from .decode import interpreted  # noqa: F401  (the launch layer's, as the tests patch it)
 
 HEAD_GROUP = 4  # heads whose tiles interleave, longest first (``prefill._job``)
 GLUON_TILES = (128, 128)
@@ -45,10 +45,6 @@ MERGED_RUN_BLOCKS = 24  # the merged walk once the plan's runs average this many
 INTERPRETER_TILES = (16, 16)
 ENGINES = (None, "gluon", "triton")
 MASK_SOURCES = (None, "predicate", "intervals", "rows")
-
-
-def interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 _CAPABILITY: dict = {}
@@ -360,12 +356,14 @@ class PrefillLaunch:
         self.bh = self.batch * module.SPEC["H_Q"]
         self.jobs = arrays["q_tiles"] * self.bh
         c = config
+        self._descs = {}  # role -> ((address, shape, strides), TMA descriptor): reused while the tensor is
+        self.ints = (self.s_q, self.s_k, self.s_k - self.s_q, arrays["plan_b"], arrays["plan_h"],
+                     arrays["q_tiles"], qk_scale(module), self.bh)
         if c.engine == "gluon":
-            import torch
             self.schedule = gluon_engine.SCHEDULES[c.schedule]
             self.grid = (self.jobs,) if self.schedule == 0 else (min(self.jobs, sm_count(device)),)
             d, bn = module.SPEC["D_QK"], c.block_n
-            elem = 2
+            elem = 2  # f16 / bf16: the only storage the engine takes
             fixed = (1 if self.schedule == 0 else 2) * 2 * gluon_engine.ROWS * d * elem
             stages = max(1, min(c.num_stages, (gluon_engine.SMEM - fixed - 1024) // (2 * bn * d * elem)))
             maxnreg, consumer, producer = gluon_engine.REGS
@@ -378,18 +376,14 @@ class PrefillLaunch:
             unused = arrays["merged_partial"]
             rows = (arrays["KS"], arrays["KE"]) if from_rows else (unused, unused)
             self.gl_dtype = None
-            self._layouts, self._descs = {}, {}
+            self._layouts = {}
             self.fixed_tail = (arrays["q_tile_order"], arrays["merged_indptr"], arrays["merged_indices"],
                                arrays["merged_partial"], *rows)
-            self.ints = (self.s_q, self.s_k, self.s_k - self.s_q, arrays["plan_b"], arrays["plan_h"],
-                         arrays["q_tiles"], qk_scale(module), self.bh)
-            self._torch = torch
         else:
             walk = c.walk or default_walk(arrays["mean_merged_run_blocks"], c.mask_source)
             self.config = replace(c, walk=walk)
             self.grid = (self.jobs,)
             from_intervals = c.mask_source == "intervals"
-            self._descs = {}
             self.launcher = Launcher(prefill._attn_fwd, dict(
                 MASK_FROM_INTERVALS=from_intervals, EVEN_N=(self.s_k % c.block_n == 0), USE_TMA=c.use_tma,
                 WALK=prefill.WALKS[walk], BLOCK_M=c.block_m, BLOCK_N=c.block_n, HEAD_GROUP=c.head_group, **spec),
@@ -400,8 +394,6 @@ class PrefillLaunch:
                               arrays["full_indptr"], arrays["full_indices"], arrays["merged_run_ptr"],
                               arrays["merged_run_lo"], arrays["merged_run_hi"], arrays["merged_run_base"],
                               arrays["merged_partial"], arrays["merged_indptr"], arrays["merged_indices"], *vecs)
-            self.ints = (self.s_q, self.s_k, self.s_k - self.s_q, arrays["plan_b"], arrays["plan_h"],
-                         arrays["q_tiles"], qk_scale(module), self.bh)
 
     def __call__(self, q, k, v, ts: tuple, out, lse, key=None):
         """Launch on bhsd views (strides carry the layout).  ``key``: the caller's binding key, which
@@ -410,7 +402,7 @@ class PrefillLaunch:
             if self.gl_dtype is None:
                 gl = gluon_engine.gl
                 self.gl_dtype = {"torch.float16": gl.float16, "torch.bfloat16": gl.bfloat16}[str(q.dtype)]
-            desc = self._descriptor
+            desc = self._gluon_descriptor
             counter = _counter(self.device) if self.schedule == 1 else self.arrays["merged_partial"]
             rows, bn = gluon_engine.ROWS, self.config.block_n
             args = (desc(q, rows, "q"), desc(k, bn, "k"), desc(v, bn, "v"), desc(out, rows, "o"), lse, counter,
@@ -418,37 +410,36 @@ class PrefillLaunch:
         else:
             desc_k = desc_v = k
             if self.config.use_tma:  # Hopper bulk copies of K/V tiles from a [B * H_kv * S_k, d] view
-                desc_k, desc_v = self._tma(k, "k"), self._tma(v, "v")
+                desc_k, desc_v = self._tma_descriptor(k, "k"), self._tma_descriptor(v, "v")
             args = (q, k, v, out, lse, desc_k, desc_v, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
                     *self.plan_args, ts, *self.ints)
         self.launcher.launch(self.grid, args, key)
 
-    def _tma(self, t, role):
-        """The Triton kernel's K or V descriptor (reused while the tensor is the same)."""
+    def _cached(self, t, role, make):
+        """``make()``'s descriptor of ``t`` for ``role``, reused while the tensor (address, shape,
+        strides) is the one it was made for: a descriptor holds nothing else of the tensor."""
         key = (t.data_ptr(), t.shape, t.stride())
         hit = self._descs.get(role)
         if hit is not None and hit[0] == key:
             return hit[1]
-        from triton.tools.tensor_descriptor import TensorDescriptor
-        d = t.shape[-1]
-        desc = TensorDescriptor.from_tensor(t.reshape(-1, d), [self.config.block_n, d])
+        desc = make()
         self._descs[role] = (key, desc)
         return desc
 
-    def _descriptor(self, t, rows, role):
-        """A TMA descriptor of ``t`` viewed as [-1, d] in ``rows``-row blocks; the last one made for
-        each block shape is reused while the tensor (address, shape, strides) is the same."""
-        key = (t.data_ptr(), t.shape, t.stride())
-        hit = self._descs.get(role)
-        if hit is not None and hit[0] == key:
-            return hit[1]
+    def _tma_descriptor(self, t, role):
+        """The Triton kernel's K or V descriptor over a [-1, d] view in BLOCK_N-row blocks."""
+        from triton.tools.tensor_descriptor import TensorDescriptor
+        d = t.shape[-1]
+        return self._cached(t, role, lambda: TensorDescriptor.from_tensor(t.reshape(-1, d), [self.config.block_n, d]))
+
+    def _gluon_descriptor(self, t, rows, role):
+        """The Gluon engine's descriptor of ``t`` viewed as [-1, d] in ``rows``-row blocks."""
         d = self.module.SPEC["D_QK"]
         layout = self._layouts.get(rows)
         if layout is None:
             layout = self._layouts[rows] = gluon_engine.gl.NVMMASharedLayout.get_default_for([rows, d], self.gl_dtype)
-        desc = gluon_engine.TensorDescriptor.from_tensor(t.view(-1, d), [rows, d], layout)
-        self._descs[role] = (key, desc)
-        return desc
+        return self._cached(t, role, lambda: gluon_engine.TensorDescriptor.from_tensor(t.view(-1, d), [rows, d],
+                                                                                      layout))
 
 
 # ---------------------------------------------------------------- split calls

@@ -186,7 +186,7 @@ def tensor_key(name: str, t) -> tuple:
 
 
 def _is_torch(t) -> bool:
-    return type(t).__module__.startswith("torch") and hasattr(t, "is_inference")
+    return hasattr(t, "is_inference")  # (torch tensors; numpy arrays have no such method)
 
 
 def _tracked(t) -> bool:

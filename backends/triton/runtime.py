@@ -15,6 +15,8 @@ set before triton is imported; the tests do).
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from attnc.compiler import inputs, ir
@@ -23,20 +25,15 @@ from attnc.compiler.plan import Plan, plan as make_plan
 from attnc.backends.common import load_module
 
 from . import launch as L
-from .launch import default_prefill_config  # noqa: F401  (the tuner's default)
 from . import plans as P
-from .decode import (DECODE_ARRAYS, GPU_MIN_TILE, _check_gpu_tile, _rows_per_batch, _to_numpy,  # noqa: F401
-                     cache_strides, decode_plan, default_block_q, device_tensor)
+from .decode import (DECODE_ARRAYS, GPU_MIN_TILE, KV_KEYS, _check_gpu_tile, _rows_per_batch,  # noqa: F401
+                     _to_numpy, cache_strides, decode_plan, device_tensor, interpreted)
 from .emit import Source, emit
 
 TORCH_DTYPES = {"f16": "float16", "bf16": "bfloat16", "f32": "float32"}
 # keyword options of a prefill call that are the launch layer's (everything else is a mask tensor)
 PREFILL_OPTIONS = ("block_m", "block_n", "num_warps", "num_stages", "use_tma", "walk", "mask_source", "head_group",
                    "engine", "schedule")
-
-
-def interpreted() -> bool:
-    return L.interpreted()
 
 
 def _kind(t) -> str:
@@ -46,15 +43,16 @@ def _kind(t) -> str:
     return "b" if t.dtype == torch.bool else "i"
 
 
-class _Bound:
-    """What one prefill key fixes: the validated shapes, the output allocation, the bhsd views'
-    strides, and how to find the launch (``plan_key`` is constant for masks that read no tensor)."""
+class _Bound(NamedTuple):
+    """What one prefill key fixes once it is validated: the call's lengths, O's shape in q's
+    layout, whether that layout is bshd, and whether bf16 is carried in float32 (interpreter)."""
 
-    __slots__ = ("batch", "s_q", "s_k", "out_shape", "bshd", "emulate", "dtype", "names", "digest", "static")
-
-    def __init__(self, **fields):
-        for n, v in fields.items():
-            setattr(self, n, v)
+    batch: int
+    s_q: int
+    s_k: int
+    out_shape: tuple
+    bshd: bool
+    emulate: bool
 
 
 class Kernel:
@@ -117,8 +115,8 @@ class Kernel:
         if plan is None and not any(v is not None for v in options.values()):
             try:
                 key = self._key(q, k, v, kwargs)
-            except (NotImplementedError, RuntimeError, AttributeError):  # (meta tensors have no address)
-                key = None
+            except (NotImplementedError, RuntimeError, AttributeError):
+                key = None  # e.g. a meta tensor has no address: the validating path names what is wrong
             bound = self._bound.get(key)
             if bound is not None:
                 o, lse = self._launch(bound, key, q, k, v, kwargs, None)
@@ -133,13 +131,14 @@ class Kernel:
                 q.device, k.device, v.device, q.data_ptr() % 16 == 0, k.data_ptr() % 16 == 0,
                 v.data_ptr() % 16 == 0, ts)
 
-    def _call_slow(self, q, k, v, tensors: dict, plan, options: dict):
-        """Validate the call, then bind it (no options, no plan given) or run it once as asked."""
+    def _validate(self, q, k, v, tensors: dict, *, storage: bool = True) -> _Bound:
+        """Check a prefill call's devices, keys, shapes (and, ``storage``, that q/k/v are in the
+        spec's dtype); what the call's key then fixes."""
         torch = self._torch
         L.check_device({"q": q, "k": k, "v": v, **tensors}, self.device)
         metas = {n: (tuple(t.shape), _kind(t), str(t.dtype)) for n, t in {"q": q, "k": k, "v": v, **tensors}.items()}
         batch, s_q, s_k = inputs.check_shapes(self.program, metas)
-        if any(x.dtype != self._dtype for x in (q, k, v)):
+        if storage and any(x.dtype != self._dtype for x in (q, k, v)):
             raise InputError(f"inputs: q/k/v have dtypes {q.dtype}/{k.dtype}/{v.dtype}; "
                              f"the spec stores {self.program.dtype}")
         p = self.program
@@ -147,15 +146,18 @@ class Kernel:
         out_shape = (batch, s_q, p.heads_q, p.d_v) if bshd else (batch, p.heads_q, s_q, p.d_v)
         # The Triton interpreter (3.9) reads bf16 tensors as garbage: on the CPU, bf16 specs carry
         # their (already bf16-rounded) values in float32 and O is rounded to bf16 after.
-        emulate = interpreted() and self._dtype == torch.bfloat16
-        bound = _Bound(batch=batch, s_q=s_q, s_k=s_k, out_shape=out_shape, bshd=bshd, emulate=emulate,
-                       dtype=self._dtype, names=self._tensor_names, digest=self.digest, static=None)
+        emulate = storage and interpreted() and self._dtype == torch.bfloat16
+        return _Bound(batch, s_q, s_k, out_shape, bshd, emulate)
+
+    def _call_slow(self, q, k, v, tensors: dict, plan, options: dict):
+        """Validate the call, then bind it (no options, no plan given) or run it once as asked."""
+        bound = self._validate(q, k, v, tensors)
         if plan is None and not any(v is not None for v in options.values()):
             key = self._key(q, k, v, tensors)
             self._bound[key] = bound
             return self._launch(bound, key, q, k, v, tensors, None)
         if plan is not None:
-            plan.check_call(p, batch, s_q, s_k)
+            plan.check_call(self.program, bound.batch, bound.s_q, bound.s_k)
         return self._launch(bound, None, q, k, v, tensors, (plan, options))
 
     def _launch(self, bound: _Bound, key, q, k, v, tensors: dict, asked):
@@ -246,25 +248,18 @@ class Kernel:
         config ``kwargs``' options select (torch inputs in the spec's layout)."""
         options = {n: kwargs.pop(n) for n in PREFILL_OPTIONS if n in kwargs}
         tensors = kwargs
-        L.check_device({"q": q, "k": k, "v": v, **tensors}, self.device)
-        metas = {n: (tuple(t.shape), _kind(t), str(t.dtype)) for n, t in {"q": q, "k": k, "v": v, **tensors}.items()}
-        batch, s_q, s_k = inputs.check_shapes(self.program, metas)
-        p = self.program
-        bshd = p.cache.layout is ir.Layout.BSHD
-        qb, kb, vb = (x.transpose(1, 2) for x in (q, k, v)) if bshd else (q, k, v)
-        bound = _Bound(batch=batch, s_q=s_q, s_k=s_k, out_shape=None, bshd=bshd, emulate=False, dtype=q.dtype,
-                       names=self._tensor_names, digest=self.digest, static=None)
+        # (the tuner carries bf16 values in float32 under the interpreter: no storage check)
+        bound = self._validate(q, k, v, tensors, storage=False)
+        qb, kb, vb = (x.transpose(1, 2) for x in (q, k, v)) if bound.bshd else (q, k, v)
         launch = self._make_launch(bound, qb, kb, vb, tensors, plan, options)
         ts = L.tensor_args(self.module, tensors)
         torch = self._torch
-        shape = (batch, s_q, p.heads_q, p.d_v) if bshd else (batch, p.heads_q, s_q, p.d_v)
-
         key = ("prepared", id(launch))  # one binding: the arguments' specialization is fixed
 
         def run():
-            out = torch.empty(shape, device=q.device, dtype=q.dtype)
-            lse = torch.empty((batch, p.heads_q, s_q), device=q.device, dtype=torch.float32)
-            self._run_launch(launch, qb, kb, vb, ts, out.transpose(1, 2) if bshd else out, lse, key)
+            out = torch.empty(bound.out_shape, device=q.device, dtype=q.dtype)
+            lse = torch.empty((bound.batch, self.program.heads_q, bound.s_q), device=q.device, dtype=torch.float32)
+            self._run_launch(launch, qb, kb, vb, ts, out.transpose(1, 2) if bound.bshd else out, lse, key)
             return out, lse
         run.config = launch.config
         return run
@@ -372,59 +367,52 @@ class Kernel:
         return DecodeGraph(self, q, max_kv_len=max_kv_len, block_n=block_n, splits=splits, block_q=block_q,
                            num_warps=num_warps, num_stages=num_stages, capture=capture, **arrays)
 
+    def _bind_split(self, plan: dict, device, k_cache, v_cache, tensors: dict, num_warps, num_stages) -> "_Split":
+        """A split call's plan bound to the K/V tensors it reads (their strides, a contiguous cache's
+        row bases), uploaded to ``device`` in one copy, with its launch."""
+        p = self.program
+        kind, order = p.cache.kind.value, p.cache.layout.value
+        plan = dict(plan)
+        plan["k_strides"], plan["v_strides"] = cache_strides(kind, order, k_cache, v_cache)
+        if kind == "contiguous":
+            plan["base"] = np.asarray(_to_numpy(plan["cache_rows"]), np.int64) * _rows_per_batch(order, k_cache)
+        launch = self.split_launch(num_warps or plan.get("num_warps", 4), num_stages or plan.get("num_stages", 2))
+        ts = L.tensor_args(self.module, {n: device_tensor(t, device) for n, t in tensors.items()})
+        ws = L.workspace_bytes(self.module, plan["total_q"], plan["splits"], p.state.value)
+        return _Split(plan, self.decode_args(plan, device), ts, launch, ws)
+
+    def _launch_split(self, bound: "_Split", q, k_cache, v_cache):
+        """Allocate O, LSE and the workspace; launch the producer and the combine."""
+        torch = self._torch
+        total_q = q.shape[0]
+        out = torch.empty(total_q, self.program.heads_q, self.program.d_v, device=q.device, dtype=q.dtype)
+        lse = torch.empty(total_q, self.program.heads_q, device=q.device, dtype=torch.float32)
+        ws = torch.empty(bound.workspace_bytes, device=q.device, dtype=torch.uint8)
+        return bound.launch(q, k_cache, v_cache, bound.plan, bound.arrays, bound.ts, out, lse, ws)
+
     def prepare_decode(self, q, plan: dict, *, num_warps: int | None = None, num_stages: int | None = None,
                        **arrays):
         """A split call with its plan uploaded once: returns ``run()`` -> (O, LSE) (torch inputs on
         the kernel's device)."""
-        torch = self._torch
         tensors = self.split_tensors(arrays)
-        k_cache = arrays.get("k_cache", arrays.get("k"))
-        v_cache = arrays.get("v_cache", arrays.get("v"))
-        plan = dict(plan)
-        p = self.program
-        plan["k_strides"], plan["v_strides"] = cache_strides(p.cache.kind.value, p.cache.layout.value, k_cache, v_cache)
-        arrays_dev = self.decode_args(plan, q.device)
-        ts = L.tensor_args(self.module, {n: device_tensor(t, q.device) for n, t in tensors.items()})
-        launch = self.split_launch(num_warps or plan.get("num_warps", 4), num_stages or plan.get("num_stages", 2))
-        total_q = int(q.shape[0])
-
-        def run():
-            out = torch.empty(total_q, p.heads_q, p.d_v, device=q.device, dtype=q.dtype)
-            lse = torch.empty(total_q, p.heads_q, device=q.device, dtype=torch.float32)
-            ws = self.workspace(total_q, plan["splits"], q.device)
-            return launch(q, k_cache, v_cache, plan, arrays_dev, ts, out, lse, ws)
-        return run
+        k_cache, v_cache = arrays.get("k_cache", arrays.get("k")), arrays.get("v_cache", arrays.get("v"))
+        bound = self._bind_split(plan, q.device, k_cache, v_cache, tensors, num_warps, num_stages)
+        return lambda: self._launch_split(bound, q, k_cache, v_cache)
 
     # A split call's plan depends on its metadata (lengths, page tables, query rows, mask tensors);
     # a call whose inputs are all torch tensors is cached under their identity and version, as a
     # prefill call's mask tensors are: the layers of a model's decode step share one plan, and a
     # step that changes the metadata in place (kv_lens += 1) makes a new one.
     def _split_key(self, q, arrays: dict):
-        parts = []
+        parts, objects = [], []
         for n in sorted(arrays):
             part = _split_key_part(n, arrays[n])
             if part is None:
                 return None, None
             parts.append(part)
-        objects = [None if n in _KV_KEYS else arrays[n] for n in sorted(arrays)]
+            objects.append(None if n in KV_KEYS else arrays[n])
         return (self.digest, "split", q.shape, q.stride(), q.dtype, q.device, q.data_ptr() % 16 == 0,
                 tuple(parts)), objects
-
-    def _split_bound(self, q, arrays: dict):
-        key, objects = self._split_key(q, arrays)
-        return P.PLANS.get(key, objects) if key is not None else None
-
-    def _run_split(self, bound, q, arrays: dict, return_lse: bool):
-        plan, arrays_dev, ts, _, _, launch, ws_bytes = bound
-        k_cache = arrays.get("k_cache", arrays.get("k"))
-        v_cache = arrays.get("v_cache", arrays.get("v"))
-        torch = self._torch
-        total_q = q.shape[0]
-        out = torch.empty(total_q, self.program.heads_q, self.program.d_v, device=q.device, dtype=q.dtype)
-        lse = torch.empty(total_q, self.program.heads_q, device=q.device, dtype=torch.float32)
-        ws = torch.empty(ws_bytes, device=q.device, dtype=torch.uint8)
-        launch(q, k_cache, v_cache, plan, arrays_dev, ts, out, lse, ws)
-        return (out, lse) if return_lse else out
 
     def decode(self, q, *, plan: dict | None = None, return_lse=False, block_n: int | None = None,
                splits: int | None = None, block_q: int | None = None, num_warps: int | None = None,
@@ -437,67 +425,61 @@ class Kernel:
         [total_q, H_q, d_v] (and LSE [total_q, H_q])."""
         torch = self._torch
         p = self.program
-        if plan is None and block_n is None and splits is None and block_q is None and num_warps is None \
-                and num_stages is None and not isinstance(q, np.ndarray):
-            bound = self._split_bound(q, arrays)
-            if bound is not None:  # the plan for this metadata, made and uploaded by an earlier call
-                return self._run_split(bound, q, arrays, return_lse)
-        tensors = self.split_tensors(arrays)
         from_numpy = isinstance(q, np.ndarray)
+        cache_key = cache_objects = None
+        if plan is None and block_n is None and splits is None and block_q is None and num_warps is None \
+                and num_stages is None and not from_numpy:
+            cache_key, cache_objects = self._split_key(q, arrays)
+            bound = P.PLANS.get(cache_key, cache_objects) if cache_key is not None else None
+            if bound is not None:  # the plan for this metadata, made and uploaded by an earlier call
+                o, lse = self._launch_split(bound, q, arrays.get("k_cache", arrays.get("k")),
+                                            arrays.get("v_cache", arrays.get("v")))
+                return (o, lse) if return_lse else o
+        tensors = self.split_tensors(arrays)
         if not from_numpy:
-            L.check_device({"q": q, **{n: a for n, a in arrays.items() if n in ("k", "v", "k_cache", "v_cache")},
-                            **tensors}, self.device)
+            L.check_device({"q": q, **{n: a for n, a in arrays.items() if n in KV_KEYS}, **tensors}, self.device)
         if len(q.shape) != 3 or tuple(q.shape[1:]) != (p.heads_q, p.d_qk):
             raise InputError(f"inputs: 'q' has shape {list(q.shape)}; a split call packs its query rows "
                              f"as [total_q, H_q={p.heads_q}, d_qk={p.d_qk}]")
-        cache_key = cache_objects = None
         if plan is None:
             options = {n: x for n, x in (("block_n", block_n), ("splits", splits), ("block_q", block_q))
                        if x is not None}
-            if not options and num_warps is None and num_stages is None and not from_numpy:
-                cache_key, cache_objects = self._split_key(q, {**arrays, **tensors})
             plan = self.decode_plan(arrays, tensors=tensors, total_q=int(q.shape[0]), **options)
         elif int(q.shape[0]) != plan["total_q"]:
             raise InputError(f"inputs: 'q' has {int(q.shape[0])} packed rows; the plan was made for "
                              f"{plan['total_q']} (q_lens {np.asarray(_to_numpy(plan['q_lens'])).tolist()})")
+        # numpy inputs are copied to the kernel's device in the spec's dtype (bf16 carried in
+        # float32 under the interpreter, which reads bf16 as garbage)
         carry = torch.float32 if interpreted() and self._dtype == torch.bfloat16 else self._dtype
         dev = self.device if from_numpy else q.device
 
-        def dev_tensor(a, dt=None):
-            t = a if isinstance(a, torch.Tensor) else torch.as_tensor(np.ascontiguousarray(a))
-            return t.to(dev, dt) if dt is not None else t.to(dev)
+        def on_device(a):
+            if not isinstance(a, np.ndarray):
+                return a
+            return torch.as_tensor(np.ascontiguousarray(a, np.float32)).to(dev, self._dtype).to(carry)
 
-        kv = {n: dev_tensor(np.asarray(a, np.float32), self._dtype).to(carry) if isinstance(a, np.ndarray) else a
-              for n, a in arrays.items() if n in ("k", "v", "k_cache", "v_cache")}
-        k_cache = kv.get("k_cache", kv.get("k"))
-        v_cache = kv.get("v_cache", kv.get("v"))
-        # strides of the tensors the kernel actually reads (numpy inputs were made contiguous)
-        kind = p.cache.kind.value
-        plan = dict(plan)
-        plan["k_strides"], plan["v_strides"] = cache_strides(kind, p.cache.layout.value, k_cache, v_cache)
-        if kind == "contiguous":
-            plan["base"] = np.asarray(_to_numpy(plan["cache_rows"]), np.int64) * _rows_per_batch(
-                p.cache.layout.value, k_cache)
-        q_t = dev_tensor(np.asarray(q, np.float32), self._dtype).to(carry) if from_numpy else q
-        arrays_dev = self.decode_args(plan, dev)
-        ts = L.tensor_args(self.module, {n: device_tensor(t, dev) for n, t in tensors.items()})
-        total_q = int(q_t.shape[0])
-        out = torch.empty(total_q, p.heads_q, p.d_v, device=dev, dtype=q_t.dtype)
-        lse = torch.empty(total_q, p.heads_q, device=dev, dtype=torch.float32)
-        ws = self.workspace(total_q, plan["splits"], dev)
-        launch = self.split_launch(num_warps or plan.get("num_warps", 4), num_stages or plan.get("num_stages", 2))
-        launch(q_t, k_cache, v_cache, plan, arrays_dev, ts, out, lse, ws)
-        if cache_key is not None and carry == self._dtype:
-            bound = (plan, arrays_dev, ts, k_cache, v_cache, launch,
-                     L.workspace_bytes(self.module, total_q, plan["splits"], p.state.value))
-            P.PLANS.put(cache_key, bound, P.nbytes_of(arrays_dev), cache_objects)
-        o = out.to(self._dtype) if carry != self._dtype else out
+        k_cache = on_device(arrays.get("k_cache", arrays.get("k")))
+        v_cache = on_device(arrays.get("v_cache", arrays.get("v")))
+        q_t = on_device(q)
+        bound = self._bind_split(plan, dev, k_cache, v_cache, tensors, num_warps, num_stages)
+        o, lse = self._launch_split(bound, q_t, k_cache, v_cache)
+        if cache_key is not None:
+            P.PLANS.put(cache_key, bound, P.nbytes_of(bound.arrays), cache_objects)
+        o = o.to(self._dtype) if carry != self._dtype else o
         if from_numpy:
             o, lse = o.float().cpu().numpy(), lse.cpu().numpy()
         return (o, lse) if return_lse else o
 
 
-_KV_KEYS = ("k", "v", "k_cache", "v_cache")
+class _Split(NamedTuple):
+    """A split call bound once: its plan (with the K/V strides), the plan's arrays on the device,
+    the mask tensors' argument tuple, the launch and the workspace's size."""
+
+    plan: dict
+    arrays: dict
+    ts: tuple
+    launch: L.SplitLaunch
+    workspace_bytes: int
 
 
 def _split_key_part(n, t):
@@ -506,7 +488,7 @@ def _split_key_part(n, t):
     values, and a step writes new tokens into them); anything else makes the call uncacheable."""
     if not P._tracked(t):
         return None
-    if n in _KV_KEYS:
+    if n in KV_KEYS:
         return (n, tuple(t.shape), t.stride(), t.dtype, t.device, t.data_ptr())
     return (n, tuple(t.shape), t.stride(), t.dtype, t.device, *P.tensor_key(n, t))
 
