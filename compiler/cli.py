@@ -283,6 +283,11 @@ def cmd_bench(args) -> int:
         cases = [tuple(int(x) for x in c.split(":")) for c in args.cases.split(",")] if args.cases else None
         rows = harness.run_decode(cases=cases, out=args.out, command=command, graph=not args.no_graph,
                                   configs=() if args.no_configs else harness.DECODE_CONFIGS)
+    elif args.what == "backward":
+        from bench.backward import run_backward
+        rows = run_backward(batch=args.batch, heads=args.heads, seq=args.seq, head_dim=args.head_dim,
+                            masks=args.masks.split(",") if args.masks else None, out=args.out, command=command,
+                            flex_modes=tuple(m for m in args.flex_modes.split(",") if m), sdpa=not args.no_sdpa)
     else:
         rows = harness.run_prefill(batch=args.batch, heads=args.heads, seq=args.seq, head_dim=args.head_dim,
                                    masks=args.masks.split(",") if args.masks else None, out=args.out,
@@ -474,7 +479,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="GPU: our Triton kernels against FlexAttention and SDPA in one "
                                      "process; JSON lines with correctness and raw samples")
-    p.add_argument("what", choices=["prefill", "decode"])
+    p.add_argument("what", choices=["prefill", "decode", "backward"])
     p.add_argument("--out", required=True, metavar="FILE.jsonl")
     p.add_argument("--masks", default=None, help="prefill: comma-separated subset of "
                                                  "causal,sliding_window_1024,causal_document,prefix_lm_2048,full")
