@@ -15,7 +15,7 @@ derivative 0, and so has ``cast_f32`` of an integer):
 ``a + b, a - b``   ``da + db``, ``da - db``
 ``a * b``          ``da * b + a * db``
 ``a / b``          ``(da - (a / b) * db) / b``
-``a // b`` (f32)   0 (floor is piecewise constant: torch's ``floor_divide`` has no gradient)
+``a // b`` (f32)   0 (``floor(a / b)`` is piecewise constant; torch's ``floor`` has gradient 0)
 ``a % b`` (f32)    ``da - db * (a // b)`` (``a % b = a - b * floor(a / b)``; torch's remainder)
 ``-a``             ``-da``
 ``where(c, a, b)`` ``where(c, da, db)``: the derivative of the branch taken
