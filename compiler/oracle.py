@@ -6,12 +6,15 @@ It evaluates the IR mask and score program over the whole
 the code generator's printer, so the two check each other), with
 bottom-right positions ``q = S_k - S_q + i`` (M4.5 §0x08B) and the all-masked
 policy ``O = 0, LSE = -inf`` (§0x02C).  Inputs are logical ``bhsd`` arrays.
+:func:`reference_backward` is the float64 backward pass, from the score program's symbolic
+derivatives (``compiler/autodiff.py``) evaluated by the same interpreter.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from attnc.compiler import ir
+from attnc.compiler.autodiff import score_grad
 from attnc.compiler.errors import PlanError
 from attnc.compiler.interp import evaluate, load  # noqa: F401 (load: re-exported)
 
@@ -116,7 +119,6 @@ def reference_backward(program: ir.Program, q, k, v, do, tensors: dict | None = 
     :func:`compiler.autodiff.score_grad`'s expressions evaluated by the IR interpreter (the
     numpy backend prints the same expressions: the two check each other).  P comes from the
     forward's LSE: ``P = exp(s_n - LSE)`` on visible cells, zero on rows with no visible key."""
-    from .autodiff import score_grad
     grad = score_grad(program)
     tensors = tensors or {}
     q, k, v, do = (np.asarray(x, np.float64) for x in (q, k, v, do))
@@ -126,17 +128,16 @@ def reference_backward(program: ir.Program, q, k, v, do, tensors: dict | None = 
     kx, vx = k[:, kv_head], v[:, kv_head]
     values, visible = _score_values(program, q, kx, env, tensors)
     o, lse = _softmax(values[-1], visible, vx)
-    row = lse[..., None]
-    live = visible & np.isfinite(row)
-    p = np.exp(np.where(live, values[-1] - np.where(np.isfinite(row), row, 0.0), -np.inf))
+    row = lse[..., None]  # -inf on rows with no visible key, and those rows have no visible cell
+    p = np.exp(np.where(visible, values[-1] - np.where(np.isfinite(row), row, 0.0), -np.inf))
     ds = p * (do @ vx.swapaxes(-1, -2) - (do * o).sum(axis=-1, keepdims=True))
     dtensors = {n: np.zeros(np.shape(tensors[n])) for n in grad.tensors}
     shape = ds.shape
     for i in reversed(range(len(grad.forward))):
         at = {**env, "score": values[i]}
-        for _, load, d in (x for x in grad.dloads if x[0] == i):
-            index = tuple(np.broadcast_to(evaluate(x, env, tensors), shape) for x in load.index)
-            np.add.at(dtensors[load.tensor], index, ds * _derivative(d, at, tensors, visible, i, ir.format_expr(load)))
+        for _, read, d in (x for x in grad.dloads if x[0] == i):
+            index = tuple(np.broadcast_to(evaluate(x, env, tensors), shape) for x in read.index)
+            np.add.at(dtensors[read.tensor], index, ds * _derivative(d, at, tensors, visible, i, ir.format_expr(read)))
         ds = ds * _derivative(grad.dscore[i], at, tensors, visible, i, "score")
     dq = program.scale * ds @ kx
     group = (batch, program.heads_kv, program.group)

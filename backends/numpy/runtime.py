@@ -31,6 +31,11 @@ The call is planned (:func:`compiler.plan.plan_split`: split bounds from the spe
 storage segments, workspace of its ``state =`` ABI, the validated schedule graph) before any
 arithmetic; ``plan=`` reuses a :class:`compiler.plan.SplitPlan`, ``occupancy=`` sets what the
 ``heuristic``/``auto`` split policies read.  ``kernel.run(arrays)`` takes the same keys as a dict.
+
+**The float64 reference and the backward pass** (contiguous calls only) --
+``kernel.forward64(q, k, v, **tensors) -> (o, lse)`` and ``kernel.backward(q, k, v, o, lse, do,
+**tensors) -> (dq, dk, dv, dtensors)``: a generated module (backends/numpy/backward.py), emitted
+on first use, computes them densely in float64 from the score program and its derivatives.
 """
 from __future__ import annotations
 
