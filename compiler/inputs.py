@@ -145,7 +145,7 @@ def _check_tensors(program: ir.Program, metas, sizes: dict[str, int]) -> None:
                              f"(declared {t.signature()})")
 
 
-def _convert_tensors(program: ir.Program, arrays) -> dict[str, np.ndarray]:
+def _convert_tensors(program: ir.Program, arrays, float_dtype=np.float32) -> dict[str, np.ndarray]:
     tensors = {}
     for t in program.tensors:
         a = arrays[t.name]
@@ -154,13 +154,14 @@ def _convert_tensors(program: ir.Program, arrays) -> dict[str, np.ndarray]:
                 raise InputError(f"inputs: tensor '{t.name}' has values outside the i32 range")
             a = a.astype(np.int64)
         elif t.dtype is ir.F32:
-            a = a.astype(np.float32)
+            a = a.astype(float_dtype)
         tensors[t.name] = a
     return tensors
 
 
-def validate(program: ir.Program, arrays: dict[str, np.ndarray]) -> Call:
-    """Check keys, ranks, dtypes and shapes; return the call in logical bhsd."""
+def validate(program: ir.Program, arrays: dict[str, np.ndarray], float_dtype=np.float32) -> Call:
+    """Check keys, ranks, dtypes and shapes; return the call in logical bhsd (q, k, v and f32
+    tensors as ``float_dtype``: float64 for the float64 references)."""
     arrays = {n: np.asarray(a) for n, a in arrays.items()}
     for n, a in arrays.items():
         if a.dtype.kind not in "fiub":
@@ -168,7 +169,57 @@ def validate(program: ir.Program, arrays: dict[str, np.ndarray]) -> Call:
     check_shapes(program, {n: (a.shape, a.dtype.kind, str(a.dtype)) for n, a in arrays.items()})
     qkv = {n: arrays[n] if _layout(program) == "bhsd" else arrays[n].transpose(0, 2, 1, 3)
            for n in ("q", "k", "v")}
-    return Call(*(qkv[n].astype(np.float32) for n in ("q", "k", "v")), _convert_tensors(program, arrays))
+    return Call(*(qkv[n].astype(float_dtype) for n in ("q", "k", "v")), _convert_tensors(program, arrays, float_dtype))
+
+
+# ---------------------------------------------------------------- backward calls
+SAVED_KEYS = ("o", "lse", "do")
+
+
+def contiguous_only(program: ir.Program, keys=()) -> None:
+    """The backward pass takes contiguous calls: one S_q and S_k for the whole batch."""
+    if program.cache.kind is not ir.CacheKind.CONTIGUOUS:
+        raise InputError(f"spec '{program.name}' declares a {program.cache.kind.value} K/V cache; the backward "
+                         "pass takes contiguous calls (q, k, v arrays with one S_q and S_k for the batch): "
+                         "train with a contiguous variant of the spec (cache = contiguous)")
+    split = [n for n in SPLIT_KEYS if n in keys]
+    if split:
+        raise InputError(f"inputs: '{split[0]}' describes a split call; the backward pass takes contiguous "
+                         "calls (q, k, v arrays with one S_q and S_k for the batch)")
+
+
+def validate_backward(program: ir.Program, arrays: dict[str, np.ndarray]) -> tuple[Call, dict[str, np.ndarray]]:
+    """Check a backward call: the forward's keys (q, k, v, tensors, as :func:`validate`, kept in
+    float64) plus the saved outputs ``o`` (q's layout, head dim d_v) and ``lse [B, H_q, S_q]``
+    (natural log, -inf on rows with no visible key) and the incoming gradient ``do`` (o's
+    shape).  Returns the call and ``{"o", "lse", "do"}`` as float64 arrays in the spec's layout."""
+    contiguous_only(program, arrays)
+    call = validate(program, {n: a for n, a in arrays.items() if n not in SAVED_KEYS}, np.float64)
+    logical = (call.batch, program.heads_q, call.s_q, program.d_v)
+    want = {"o": logical, "do": logical, "lse": logical[:3]}
+    named = {"o": ["B", f"H_q={program.heads_q}", "S_q", f"d_v={program.d_v}"]}
+    if _layout(program) == "bshd":
+        want["o"] = want["do"] = (logical[0], logical[2], logical[1], logical[3])
+        named["o"] = [named["o"][i] for i in (0, 2, 1, 3)]
+    named.update(do=named["o"], lse=["B", f"H_q={program.heads_q}", "S_q"])
+    saved = {}
+    for n in SAVED_KEYS:
+        if n not in arrays:
+            raise InputError(f"inputs: missing key '{n}' (a backward call takes q, k, v, o, lse, do and the "
+                             "declared tensors)")
+        a = np.asarray(arrays[n])
+        if a.dtype.kind != "f":
+            raise InputError(f"inputs: '{n}' has dtype {a.dtype}; expected a floating dtype")
+        if a.shape != want[n]:
+            raise InputError(f"inputs: '{n}' has shape {_fmt(a.shape)}; expected {_fmt(named[n])} = "
+                             f"{_fmt(want[n])} for this call")
+        saved[n] = a.astype(np.float64)
+    bad = np.isnan(saved["lse"]) | np.isposinf(saved["lse"])
+    if bad.any():
+        where = tuple(int(x[0]) for x in np.nonzero(bad))
+        raise InputError(f"inputs: 'lse' is {saved['lse'][where]} at [b, h, i] = {list(where)}; the saved LSE "
+                         "is finite, or -inf on a row with no visible key")
+    return call, saved
 
 
 # ---------------------------------------------------------------- K/V caches (split calls)

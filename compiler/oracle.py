@@ -6,12 +6,15 @@ It evaluates the IR mask and score program over the whole
 the code generator's printer, so the two check each other), with
 bottom-right positions ``q = S_k - S_q + i`` (M4.5 §0x08B) and the all-masked
 policy ``O = 0, LSE = -inf`` (§0x02C).  Inputs are logical ``bhsd`` arrays.
+:func:`reference_backward` is the float64 backward pass, from the score program's symbolic
+derivatives (``compiler/autodiff.py``) evaluated by the same interpreter.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from attnc.compiler import ir
+from attnc.compiler.autodiff import score_grad
 from attnc.compiler.errors import PlanError
 from attnc.compiler.interp import evaluate, load  # noqa: F401 (load: re-exported)
 
@@ -74,9 +77,19 @@ def _attend(program: ir.Program, q, k, v, env: dict, tensors: dict):
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
     kv_head = np.arange(program.heads_q) // program.group
     k, v = k[:, kv_head], v[:, kv_head]  # GQA: query head h reads K/V head h // G
+    values, visible = _score_values(program, q, k, env, tensors)
+    return _softmax(values[-1], visible, v)
+
+
+def _score_values(program: ir.Program, q, k, env: dict, tensors: dict):
+    """``([s_0, ..., s_n], visible)`` over the score rectangle: s_0 = scale * q.k and the value
+    of each score statement; a non-finite final score at a visible cell is a PlanError.
+    ``k`` is already expanded to the query heads."""
     scores = np.einsum("bhid,bhjd->bhij", q, k) * program.scale
+    values = [scores]
     for stmt in program.score:
-        scores = np.broadcast_to(evaluate(stmt, {**env, "score": scores}, tensors), scores.shape)
+        values.append(np.broadcast_to(evaluate(stmt, {**env, "score": values[-1]}, tensors), scores.shape))
+    scores = values[-1]
     visible = np.broadcast_to(evaluate(program.mask, env, tensors), scores.shape)
     bad = visible & ~np.isfinite(scores)
     if bad.any():
@@ -84,6 +97,10 @@ def _attend(program: ir.Program, q, k, v, env: dict, tensors: dict):
         b, q_pos = (int(np.broadcast_to(env[n], scores.shape)[idx]) for n in ("b", "q"))
         raise PlanError(f"the score program produced {scores[idx]} at visible cell "
                         f"(b={b}, h={idx[1]}, q={q_pos}, k={idx[3]})")
+    return values, visible
+
+
+def _softmax(scores, visible, v):
     scores = np.where(visible, scores, -np.inf)
     m = scores.max(axis=-1, keepdims=True, initial=-np.inf)
     valid = np.isfinite(m)
@@ -92,3 +109,52 @@ def _attend(program: ir.Program, q, k, v, env: dict, tensors: dict):
     o = np.where(valid, (p @ v) / np.where(valid, l, 1.0), 0.0)
     lse = np.where(valid, m + np.log(np.where(valid, l, 1.0)), -np.inf)[..., 0]
     return o, lse
+
+
+def reference_backward(program: ir.Program, q, k, v, do, tensors: dict | None = None):
+    """Float64 gradients of attention for the incoming ``do [B,H_q,S_q,d_v]`` (bhsd, like
+    :func:`reference`): returns ``(dq, dk, dv, dtensors)`` with ``dtensors`` mapping each f32
+    tensor the score program reads to its gradient (its own shape; a tensor element read by
+    many cells sums them).  The score program's derivatives are
+    :func:`compiler.autodiff.score_grad`'s expressions evaluated by the IR interpreter (the
+    numpy backend prints the same expressions: the two check each other).  P comes from the
+    forward's LSE: ``P = exp(s_n - LSE)`` on visible cells, zero on rows with no visible key."""
+    grad = score_grad(program)
+    tensors = tensors or {}
+    q, k, v, do = (np.asarray(x, np.float64) for x in (q, k, v, do))
+    batch, _, s_q, _ = q.shape
+    env = positions(batch, program.heads_q, s_q, k.shape[2])
+    kv_head = np.arange(program.heads_q) // program.group
+    kx, vx = k[:, kv_head], v[:, kv_head]
+    values, visible = _score_values(program, q, kx, env, tensors)
+    o, lse = _softmax(values[-1], visible, vx)
+    row = lse[..., None]  # -inf on rows with no visible key, and those rows have no visible cell
+    p = np.exp(np.where(visible, values[-1] - np.where(np.isfinite(row), row, 0.0), -np.inf))
+    ds = p * (do @ vx.swapaxes(-1, -2) - (do * o).sum(axis=-1, keepdims=True))
+    dtensors = {n: np.zeros(np.shape(tensors[n])) for n in grad.tensors}
+    shape = ds.shape
+    for i in reversed(range(len(grad.forward))):
+        at = {**env, "score": values[i]}
+        for _, read, d in (x for x in grad.dloads if x[0] == i):
+            index = tuple(np.broadcast_to(evaluate(x, env, tensors), shape) for x in read.index)
+            np.add.at(dtensors[read.tensor], index, ds * _derivative(d, at, tensors, visible, i, ir.format_expr(read)))
+        ds = ds * _derivative(grad.dscore[i], at, tensors, visible, i, "score")
+    dq = program.scale * ds @ kx
+    group = (batch, program.heads_kv, program.group)
+    dk = (program.scale * ds.swapaxes(-1, -2) @ q).reshape(*group, *k.shape[2:]).sum(axis=2)
+    dv = (p.swapaxes(-1, -2) @ do).reshape(*group, *v.shape[2:]).sum(axis=2)
+    return dq, dk, dv, dtensors
+
+
+def _derivative(expr: ir.Expr, env: dict, tensors: dict, visible, statement: int, wrt: str):
+    """A score derivative over the rectangle: finite where visible (else a PlanError naming the
+    cell), zero where hidden."""
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        value = np.broadcast_to(evaluate(expr, env, tensors), visible.shape).astype(np.float64)
+    bad = visible & ~np.isfinite(value)
+    if bad.any():
+        idx = tuple(int(x[0]) for x in np.nonzero(bad))
+        b, q_pos = (int(np.broadcast_to(env[n], visible.shape)[idx]) for n in ("b", "q"))
+        raise PlanError(f"the derivative of score statement {statement + 1} with respect to {wrt} is "
+                        f"{value[idx]} at visible cell (b={b}, h={idx[1]}, q={q_pos}, k={idx[3]})")
+    return np.where(visible, value, 0.0)
