@@ -156,7 +156,7 @@ class Attention:
             self._check_tensors(tensors)
         if torch.is_grad_enabled() and (needs_grad or any(
                 getattr(tensors[n], "requires_grad", False) for n in self.tensor_names)):
-            self._check_grads(tensors)
+            self._check_grads(q, k, v, tensors, backend)
             op = torch.ops.attnc.attention_planned if self.reads_tensors else torch.ops.attnc.attention
             o, lse = op(self.handle, q, k, v, [tensors[n] for n in self.tensor_names], backend or "")
         elif torch.compiler.is_compiling():
@@ -166,10 +166,10 @@ class Attention:
             o, lse = self.forward(q, k, v, tensors, backend)
         return (o, lse) if return_lse else o
 
-    def _check_grads(self, tensors: dict) -> None:
+    def _check_grads(self, q, k, v, tensors: dict, backend: str | None) -> None:
         """Refuse, before the forward runs, a gradient the backward cannot give: of a tensor the score
         program does not read as a float (masks, indices), or of a score tensor on a backend
-        without tensor gradients."""
+        without tensor gradients (the Triton backward gives dQ, dK, dV)."""
         asked = [n for n in self.tensor_names if getattr(tensors[n], "requires_grad", False)]
         if not asked:
             return
@@ -180,11 +180,11 @@ class Attention:
                 raise InputError(f"inputs: tensor '{n}' requires grad, but spec '{self.name}' has no gradient for it: "
                                  "only float tensors read by the score program are differentiable (masks and "
                                  "indices are not); pass it detached")
-        q = tensors[asked[0]]
-        if getattr(q, "is_cuda", False):
-            raise BackendRefused(f"inputs: tensor '{asked[0]}' requires grad: gradients of score tensors are "
-                                 "computed by the numpy backend (CPU) only; the Triton backward gives dQ, dK, dV. "
-                                 "Pass the tensor detached on the GPU")
+        name, _ = self._kernel_for(q, k, v, tensors, backend)
+        if name != "numpy":
+            raise BackendRefused(f"inputs: tensor '{asked[0]}' requires grad: the {name} backward gives dQ, dK, dV "
+                                 "only (gradients of score tensors come from the numpy backend, on the CPU); pass "
+                                 "the tensor detached")
 
     def _check_tensors(self, tensors: dict) -> None:
         unknown = sorted(set(tensors) - set(self.tensor_names))
@@ -236,9 +236,8 @@ class Attention:
         wide = torch.float64
         arrays = [x.detach().to("cpu", wide).numpy() for x in (q, k, v, o, lse, do)]
         host = {n: t.detach().cpu().numpy() if isinstance(t, torch.Tensor) else t for n, t in tensors.items()}
-        if dlse is not None:
-            host["dlse"] = dlse.detach().to("cpu", wide).numpy()
-        dq, dk, dv, dts = kernel.backward(*arrays, **host)
+        wide_dlse = dlse.detach().to("cpu", wide).numpy() if dlse is not None else None
+        dq, dk, dv, dts = kernel.backward(*arrays, dlse=wide_dlse, **host)
         back = [torch.from_numpy(np.ascontiguousarray(g)).to(device=x.device, dtype=x.dtype)
                 for g, x in ((dq, q), (dk, k), (dv, v))]
         dtensors = {n: torch.from_numpy(np.ascontiguousarray(dts[n])).to(device=tensors[n].device,

@@ -88,7 +88,7 @@ class Kernel:
         except module.AttncRuntimeError as e:
             raise PlanError(str(e)) from None
 
-    def backward(self, q, k, v, o, lse, do, **tensors):
+    def backward(self, q, k, v, o, lse, do, dlse=None, **tensors):
         """``(dq, dk, dv, dtensors)`` in float64 for a contiguous call: the saved ``o`` (q's layout)
         and ``lse [B, H_q, S_q]`` of the forward and the incoming gradient ``do``; dq, dk, dv come
         in the layouts of q, k, v and ``dtensors`` maps every f32 tensor the score program reads
@@ -97,8 +97,11 @@ class Kernel:
                                                               "do": do, **tensors})
         module = self.backward_module
         try:
+            if dlse is not None and np.shape(dlse) != saved["lse"].shape:
+                raise InputError(f"inputs: 'dlse' has shape {list(np.shape(dlse))}; LSE's is "
+                                 f"{list(saved['lse'].shape)}")
             return module.backward(*(np.asarray(x, np.float64) for x in (q, k, v)), saved["o"], saved["lse"],
-                                   saved["do"], **call.tensors)
+                                   saved["do"], dlse, **call.tensors)
         except module.AttncRuntimeError as e:
             raise PlanError(str(e)) from None
 

@@ -72,8 +72,9 @@ def _probs(s_raw, b, h, q_pos, k_pos, lse2, TS, S_K, Q_END, MASKED: tl.constexpr
 
 
 @triton.jit
-def _dkdv_step(dk, dv, k, v, q_base, do_base, LSE, DELTA, C_IDX, i, b, h, bh, k_pos, offs_dk, offs_dv,
-               s_qm, s_qd, s_dm, s_dd, TS, S_Q, S_K, Q_OFF, MASKED: tl.constexpr, EVEN_M: tl.constexpr,
+def _dkdv_step(dk, dv, k, v, q_base, do_base, LSE, DELTA, DQA, C_IDX, i, b, h, bh, k_pos, offs_dk, offs_dv,
+               s_qm, s_qd, s_dm, s_dd, TS, S_Q, S_K, Q_OFF, ATOMIC_DQ: tl.constexpr, MASKED: tl.constexpr,
+               EVEN_M: tl.constexpr,
                EVEN_N: tl.constexpr, BLOCK_M: tl.constexpr, VISIBLE: tl.constexpr, SCORE_GRAD: tl.constexpr,
                HAS_SCORE: tl.constexpr, SCALE: tl.constexpr, D_QK: tl.constexpr, D_V: tl.constexpr,
                D_QK_PAD: tl.constexpr, D_V_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr):
@@ -107,19 +108,23 @@ def _dkdv_step(dk, dv, k, v, q_base, do_base, LSE, DELTA, C_IDX, i, b, h, bh, k_
     if HAS_SCORE:
         dst = tl.where(pt > 0.0, dst * gt, 0.0)
     dk = tl.dot(dst.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
+    if ATOMIC_DQ:  # this block's share of dQ, added in whatever order the programs arrive
+        dq = tl.dot(tl.trans(dst).to(k.dtype), k, input_precision=DOT_PRECISION)
+        tl.atomic_add(DQA + (bh * S_Q + offs_m[:, None]) * D_QK_PAD + offs_dk[None, :], dq, sem="relaxed",
+                      mask=row_in[:, None])
     return dk, dv
 
 
 @triton.jit
-def _dkdv_program(t, Q, K, V, DO, DK, DV, LSE, DELTA,
+def _dkdv_program(t, Q, K, V, DO, DK, DV, LSE, DELTA, DQA,
                   s_qb, s_qh, s_qm, s_qd, s_kb, s_kh, s_kn, s_kd, s_vb, s_vh, s_vn, s_vd,
                   s_db, s_dh, s_dm, s_dd, s_dkb, s_dkh, s_dkn, s_dkd, s_dvb, s_dvh, s_dvn, s_dvd,
                   C_ORDER, C_PTR, C_IDX, TS, S_Q, S_K, Q_OFF, PLAN_B, PLAN_H, K_TILES, BKV,
                   EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  HEAD_GROUP: tl.constexpr, VISIBLE: tl.constexpr, SCORE_GRAD: tl.constexpr,
-                  HAS_SCORE: tl.constexpr, SCALE: tl.constexpr, H_Q: tl.constexpr, H_KV: tl.constexpr,
-                  GROUP: tl.constexpr, D_QK: tl.constexpr, D_V: tl.constexpr, D_QK_PAD: tl.constexpr,
-                  D_V_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                  HEAD_GROUP: tl.constexpr, ATOMIC_DQ: tl.constexpr, VISIBLE: tl.constexpr,
+                  SCORE_GRAD: tl.constexpr, HAS_SCORE: tl.constexpr, SCALE: tl.constexpr, H_Q: tl.constexpr,
+                  H_KV: tl.constexpr, GROUP: tl.constexpr, D_QK: tl.constexpr, D_V: tl.constexpr,
+                  D_QK_PAD: tl.constexpr, D_V_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """dK and dV of one K/V block of one (request, K/V head), summed over its query group: job t
     in ``prefill._job``'s order (heads in groups, each head's heaviest column first)."""
     rank, bkv = _job(t, BKV, K_TILES, HEAD_GROUP)
@@ -146,12 +151,12 @@ def _dkdv_program(t, Q, K, V, DO, DK, DV, LSE, DELTA,
         do_base = DO + b * s_db + h * s_dh
         lo, mid, hi = tl.load(C_PTR + 2 * col), tl.load(C_PTR + 2 * col + 1), tl.load(C_PTR + 2 * col + 2)
         for i in tl.range(lo, mid):  # FULL blocks: no element mask
-            dk, dv = _dkdv_step(dk, dv, k, v, q_base, do_base, LSE, DELTA, C_IDX, i, b, h, bh, k_pos, offs_dk, offs_dv,
-                                s_qm, s_qd, s_dm, s_dd, TS, S_Q, S_K, Q_OFF, False, EVEN_M, EVEN_N, BLOCK_M,
+            dk, dv = _dkdv_step(dk, dv, k, v, q_base, do_base, LSE, DELTA, DQA, C_IDX, i, b, h, bh, k_pos, offs_dk,
+                                offs_dv, s_qm, s_qd, s_dm, s_dd, TS, S_Q, S_K, Q_OFF, ATOMIC_DQ, False, EVEN_M, EVEN_N, BLOCK_M,
                                 VISIBLE, SCORE_GRAD, HAS_SCORE, SCALE, D_QK, D_V, D_QK_PAD, D_V_PAD, DOT_PRECISION)
         for i in tl.range(mid, hi):  # PARTIAL blocks: the spec's predicate
-            dk, dv = _dkdv_step(dk, dv, k, v, q_base, do_base, LSE, DELTA, C_IDX, i, b, h, bh, k_pos, offs_dk, offs_dv,
-                                s_qm, s_qd, s_dm, s_dd, TS, S_Q, S_K, Q_OFF, True, EVEN_M, EVEN_N, BLOCK_M,
+            dk, dv = _dkdv_step(dk, dv, k, v, q_base, do_base, LSE, DELTA, DQA, C_IDX, i, b, h, bh, k_pos, offs_dk,
+                                offs_dv, s_qm, s_qd, s_dm, s_dd, TS, S_Q, S_K, Q_OFF, ATOMIC_DQ, True, EVEN_M, EVEN_N, BLOCK_M,
                                 VISIBLE, SCORE_GRAD, HAS_SCORE, SCALE, D_QK, D_V, D_QK_PAD, D_V_PAD, DOT_PRECISION)
     dk = dk * SCALE
     tl.store(DK + b * s_dkb + kv_h * s_dkh + offs_n[:, None] * s_dkn + offs_dk[None, :] * s_dkd,
@@ -237,28 +242,29 @@ def _dq_program(t, Q, K, V, DO, DQ, LSE, DELTA,
 
 
 @triton.jit
-def _bwd_main(Q, K, V, DO, DQ, DK, DV, LSE, DELTA,
+def _bwd_main(Q, K, V, DO, DQ, DK, DV, LSE, DELTA, DQA,
               s_qb, s_qh, s_qm, s_qd, s_kb, s_kh, s_kn, s_kd, s_vb, s_vh, s_vn, s_vd, s_db, s_dh, s_dm, s_dd,
               s_dqb, s_dqh, s_dqm, s_dqd, s_dkb, s_dkh, s_dkn, s_dkd, s_dvb, s_dvh, s_dvn, s_dvd,
               C_ORDER, C_PTR, C_IDX, R_ORDER, R_PTR, R_IDX, TS, S_Q, S_K, Q_OFF, PLAN_B, PLAN_H, K_TILES, Q_TILES,
               BKV, BH, DKDV_JOBS,
               EVEN_M1: tl.constexpr, EVEN_N1: tl.constexpr, EVEN_M2: tl.constexpr, EVEN_N2: tl.constexpr,
               BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
-              PASSES: tl.constexpr, HEAD_GROUP: tl.constexpr, VISIBLE: tl.constexpr, SCORE_GRAD: tl.constexpr,
+              PASSES: tl.constexpr, HEAD_GROUP: tl.constexpr, ATOMIC_DQ: tl.constexpr, VISIBLE: tl.constexpr, SCORE_GRAD: tl.constexpr,
               HAS_SCORE: tl.constexpr, SCALE: tl.constexpr, H_Q: tl.constexpr, H_KV: tl.constexpr,
               GROUP: tl.constexpr, D_QK: tl.constexpr, D_V: tl.constexpr, D_QK_PAD: tl.constexpr,
               D_V_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """The dK/dV and dQ passes.  PASSES: 3 = both in one launch (the dK/dV jobs first, then the
     dQ jobs: the two passes share the GPU instead of waiting for each other), 1 = dK/dV only,
-    2 = dQ only."""
+    2 = dQ only.  ATOMIC_DQ: the dK/dV pass also adds each block's dQ into the float32 DQA
+    (FlashAttention-2's schedule: five GEMMs per block instead of seven, not deterministic)."""
     t = tl.program_id(0)
     if PASSES == 2:
         t += DKDV_JOBS
     if t < DKDV_JOBS:
-        _dkdv_program(t, Q, K, V, DO, DK, DV, LSE, DELTA, s_qb, s_qh, s_qm, s_qd, s_kb, s_kh, s_kn, s_kd,
+        _dkdv_program(t, Q, K, V, DO, DK, DV, LSE, DELTA, DQA, s_qb, s_qh, s_qm, s_qd, s_kb, s_kh, s_kn, s_kd,
                       s_vb, s_vh, s_vn, s_vd, s_db, s_dh, s_dm, s_dd, s_dkb, s_dkh, s_dkn, s_dkd, s_dvb, s_dvh, s_dvn,
                       s_dvd, C_ORDER, C_PTR, C_IDX, TS, S_Q, S_K, Q_OFF, PLAN_B, PLAN_H, K_TILES, BKV,
-                      EVEN_M1, EVEN_N1, BLOCK_M1, BLOCK_N1, HEAD_GROUP, VISIBLE, SCORE_GRAD, HAS_SCORE, SCALE,
+                      EVEN_M1, EVEN_N1, BLOCK_M1, BLOCK_N1, HEAD_GROUP, ATOMIC_DQ, VISIBLE, SCORE_GRAD, HAS_SCORE, SCALE,
                       H_Q, H_KV, GROUP, D_QK, D_V, D_QK_PAD, D_V_PAD, DOT_PRECISION)
     else:
         _dq_program(t - DKDV_JOBS, Q, K, V, DO, DQ, LSE, DELTA, s_qb, s_qh, s_qm, s_qd, s_kb, s_kh, s_kn, s_kd,
@@ -266,3 +272,16 @@ def _bwd_main(Q, K, V, DO, DQ, DK, DV, LSE, DELTA,
                     R_ORDER, R_PTR, R_IDX, TS, S_Q, S_K, Q_OFF, PLAN_B, PLAN_H, Q_TILES, BH,
                     EVEN_M2, EVEN_N2, BLOCK_M2, BLOCK_N2, HEAD_GROUP, VISIBLE, SCORE_GRAD, HAS_SCORE, SCALE,
                     H_Q, H_KV, GROUP, D_QK, D_V, D_QK_PAD, D_V_PAD, DOT_PRECISION)
+
+
+@triton.jit
+def _bwd_dq_store(DQA, DQ, s_b, s_h, s_m, s_d, S_Q, H_Q: tl.constexpr, BLOCK: tl.constexpr,
+                  D_QK: tl.constexpr, D_QK_PAD: tl.constexpr, SCALE: tl.constexpr):
+    """dQ = SCALE * the float32 accumulator, in dQ's dtype and strides (ATOMIC_DQ)."""
+    bh = tl.program_id(1)
+    offs_m = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    offs_d = tl.arange(0, D_QK_PAD)
+    inside = (offs_m[:, None] < S_Q) & (offs_d[None, :] < D_QK)
+    acc = tl.load(DQA + (bh * S_Q + offs_m[:, None]) * D_QK_PAD + offs_d[None, :], mask=inside, other=0.0)
+    tl.store(DQ + (bh // H_Q) * s_b + (bh % H_Q) * s_h + offs_m[:, None] * s_m + offs_d[None, :] * s_d,
+             (acc * SCALE).to(DQ.dtype.element_ty), mask=inside)

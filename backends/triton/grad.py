@@ -30,7 +30,8 @@ class BackwardConfig:
     num_warps: int = 8
     num_stages: int = 3
     fused: bool = True  # both passes in one launch (False: dK/dV, then dQ)
-    head_group: int = 8  # jobs run heads in groups of this many, each head's heaviest tile first
+    head_group: int = 1  # jobs run heads in groups of this many, each head's heaviest tile first
+    deterministic: bool = True  # False: dQ by float32 atomics in the dK/dV pass (5 GEMMs a block, not 7)
 
     def tiles(self) -> tuple[tuple[int, int], tuple[int, int]]:
         return (self.block_m1, self.block_n1), (self.block_m2, self.block_n2)
@@ -103,10 +104,13 @@ class BackwardLaunch:
                       EVEN_M1=self.s_q % c.block_m1 == 0, EVEN_N1=self.s_k % c.block_n1 == 0,
                       EVEN_M2=self.s_q % c.block_m2 == 0, EVEN_N2=self.s_k % c.block_n2 == 0,
                       BLOCK_M1=c.block_m1, BLOCK_N1=c.block_n1, BLOCK_M2=c.block_m2, BLOCK_N2=c.block_n2,
-                      HEAD_GROUP=c.head_group)
+                      HEAD_GROUP=c.head_group, ATOMIC_DQ=not c.deterministic)
         self.delta = {n: Launcher(K._bwd_delta, dict(H_Q=spec["H_Q"], HAS_DLSE=n, BLOCK=DELTA_ROWS, D_V=spec["D_V"],
                                                      D_V_PAD=spec["D_V_PAD"])) for n in (False, True)}
-        passes = (3,) if c.fused else (1, 2)
+        passes = (1,) if not c.deterministic else (3,) if c.fused else (1, 2)
+        self.store = Launcher(K._bwd_dq_store, dict(H_Q=spec["H_Q"], BLOCK=DELTA_ROWS, D_QK=spec["D_QK"],
+                                                   D_QK_PAD=spec["D_QK_PAD"], SCALE=spec["SCALE"]))
+        self.d_qk_pad = spec["D_QK_PAD"]
         self.passes = [(Launcher(K._bwd_main, dict(PASSES=n, **consts), num_warps=c.num_warps,
                                  num_stages=c.num_stages), {3: sum(self.jobs), 1: self.jobs[0], 2: self.jobs[1]}[n])
                        for n in passes]
@@ -122,11 +126,18 @@ class BackwardLaunch:
         self.delta[has_dlse].launch(
             (triton_cdiv(self.s_q, DELTA_ROWS), self.batch * self.h_q),
             (o, do, dlse if has_dlse else delta, delta, *o.stride(), *do.stride(), self.s_q), key)
-        args = (q, k, v, do, dq, dk, dv, lse, delta, *q.stride(), *k.stride(), *v.stride(), *do.stride(),
+        dqa = delta
+        if not self.config.deterministic:
+            dqa = torch.zeros((self.batch * self.h_q * self.s_q * self.d_qk_pad,), device=q.device,
+                              dtype=torch.float32)
+        args = (q, k, v, do, dq, dk, dv, lse, delta, dqa, *q.stride(), *k.stride(), *v.stride(), *do.stride(),
                 *dq.stride(), *dk.stride(), *dv.stride(), a["c_order"], a["c_ptr"], a["c_idx"], a["r_order"],
                 a["r_ptr"], a["r_idx"], ts, *self.ints)
         for launcher, jobs in self.passes:
             launcher.launch((jobs,), args, key)
+        if not self.config.deterministic:
+            self.store.launch((triton_cdiv(self.s_q, DELTA_ROWS), self.batch * self.h_q),
+                              (dqa, dq, *dq.stride(), self.s_q), key)
 
 
 DELTA_ROWS = 64

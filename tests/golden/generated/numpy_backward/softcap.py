@@ -158,9 +158,10 @@ def forward(q, k, v, **tensors):
     return _spec_layout(o), lse
 
 
-def backward(q, k, v, o, lse, do, **tensors):
+def backward(q, k, v, o, lse, do, dlse=None, **tensors):
     """(dQ, dK, dV, dtensors) in float64 from the saved O (q's layout), LSE [B, H_q, S_q] and the
-    incoming dO (O's layout); dQ, dK, dV come in the layouts of q, k, v and ``dtensors`` maps
+    incoming dO (O's layout) and, optionally, dLSE [B, H_q, S_q] (d LSE / d s = P: it enters as
+    D - dLSE); dQ, dK, dV come in the layouts of q, k, v and ``dtensors`` maps
     each f32 tensor the score reads (none) to its gradient (its own shape)."""
     q, k, v, o, do = (_bhsd(x) for x in (q, k, v, o, do))
     lse = _f64(lse)
@@ -183,6 +184,8 @@ def backward(q, k, v, o, lse, do, **tensors):
             p = np.exp(np.where(keep, values[-1] - np.where(np.isfinite(row), row, 0.0), -np.inf))
             dp = do[b, h] @ v[b, kv_h].T
             delta = (do[b, h] * o[b, h]).sum(axis=1, keepdims=True)
+            if dlse is not None:
+                delta = delta - np.where(np.isfinite(row), _f64(dlse)[b, h][:, None], 0.0)
             with np.errstate(divide="ignore", invalid="ignore", over="ignore"):  # hidden cells: never used
                 ds = score_chain(values, p * (dp - delta), keep, dtensors, b, h, q_pos, k_pos, *tensors)
             dq[b, h] = SCALE * ds @ k[b, kv_h]
