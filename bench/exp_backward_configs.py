@@ -11,9 +11,10 @@ from __future__ import annotations
 import argparse
 import json
 
-CONFIGS = [(64, 128, 128, 64, 8, 3, True, 8), (64, 128, 128, 64, 8, 3, False, 8), (64, 128, 128, 64, 8, 3, True, 4),
-           (64, 128, 128, 64, 8, 3, True, 16), (64, 128, 128, 64, 8, 4, True, 8), (64, 128, 128, 128, 8, 3, True, 8),
-           (64, 128, 128, 64, 8, 2, True, 8)]
+CONFIGS = [(64, 128, 128, 64, 8, 3, True, 1), (64, 128, 128, 64, 8, 3, False, 1), (64, 128, 128, 64, 8, 3, True, 2),
+           (64, 128, 128, 128, 8, 3, True, 1), (64, 128, 128, 64, 8, 3, True, 1, False),
+           (64, 128, 128, 64, 8, 2, True, 1, False), (128, 128, 128, 64, 8, 2, True, 1, False),
+           (64, 64, 128, 64, 4, 3, True, 1, False)]
 
 
 def main(argv=None) -> int:
@@ -34,16 +35,22 @@ def main(argv=None) -> int:
         program = attn.specialize(H, H, D, D, "bf16")
         kernel = attn.kernel("triton", program)
         q, k, v, do = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
-        o, lse = kernel(q, k, v, return_lse=True)
-        base = kernel.backward(q, k, v, o, lse, do)
-        cells = B * H * (S * (S + 1) // 2 if name == "causal" else S * S)
+        tensors = {}
+        if program.tensors:
+            from attnc.compiler import inputs
+            sample = inputs.sample(program, B, S, S, 0)
+            tensors = {t.name: torch.as_tensor(sample[t.name].astype("int32"), device="cuda") for t in program.tensors}
+        o, lse = kernel(q, k, v, return_lse=True, **tensors)
+        base = kernel.backward(q, k, v, o, lse, do, **tensors)
+        from bench.harness import _visible_cells
+        cells = H * _visible_cells(program, B, S, tensors)
         flops = 2.5 * 4.0 * D * cells
         for c in CONFIGS:
             cfg = BackwardConfig(*c)
             try:
-                got = kernel.backward(q, k, v, o, lse, do, config=cfg)
+                got = kernel.backward(q, k, v, o, lse, do, config=cfg, **tensors)
                 err = max(float((a.float() - b.float()).norm() / b.float().norm()) for a, b in zip(got, base))
-                ms = triton.testing.do_bench(lambda: kernel.backward(q, k, v, o, lse, do, config=cfg), warmup=25,
+                ms = triton.testing.do_bench(lambda: kernel.backward(q, k, v, o, lse, do, config=cfg, **tensors), warmup=25,
                                              rep=200)
             except Exception as e:  # noqa: BLE001
                 print(f"{name} {c}: ERROR {type(e).__name__}: {str(e)[-200:]}", flush=True)
