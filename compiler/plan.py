@@ -411,6 +411,15 @@ class SplitPlan:
             raise PlanError(f"plan was made for q_lens {self.q_lens.tolist()}, the call has "
                             f"{np.asarray(q_lens).tolist()}")
 
+    def microbatch(self, request_ids=None, cache_rows=None):
+        """The call's frozen manifest (``analysis.microbatch``): ``request_ids`` (default 0..B-1)
+        and ``cache_rows`` (default the layout's ``cache_batch_idx``, else 0..B-1) with its T, C."""
+        from .analysis.microbatch import MicrobatchManifest
+        b = np.arange(self.batch)
+        rows = self.layout.cache_batch_idx if cache_rows is None else cache_rows
+        return MicrobatchManifest.freeze(b if request_ids is None else request_ids, b if rows is None else rows,
+                                         self.manifest.T, self.manifest.C)
+
     # ------------------------------------------------------------ reports (`attnc plan`)
     def ledgers(self):
         """The plan's ledgers (``analysis.schedule.SplitLedgers``), the pipeline's last step over
@@ -418,9 +427,9 @@ class SplitPlan:
         return run_plan_pipeline(("ledgers",), graph=self.graph, bounds=self.bounds, call=self.call,
                                  layout=self.layout, manifest=self.manifest)["ledgers"]
 
-    def report(self) -> dict:
-        """Split bounds, grids, owners, workspace and ledgers as one JSON-able dict
-        (DESIGN §7 field names)."""
+    def report(self, request_ids=None, cache_rows=None) -> dict:
+        """Split bounds, grids, owners, workspace, ledgers and the manifest (:meth:`microbatch`) as
+        one JSON-able dict (DESIGN §7 field names)."""
         from .analysis import ledger as L
         from .analysis import schedule as S
         g, lay = self.graph, self.layout
@@ -449,6 +458,7 @@ class SplitPlan:
             "ledgers": {**led.as_dict(), "kv_reuse_factor": led.kv_reuse_factor,
                         "metadata": {"fields": dict(meta.fields), "table": meta.table, "total": meta.total},
                         "page_lookups": ledgers.page_lookups},
+            "manifest": self.microbatch(request_ids, cache_rows).to_json(),
         }
 
     def text(self) -> str:

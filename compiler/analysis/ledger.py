@@ -346,6 +346,8 @@ def metadata_bytes(layout, index_dtype: str = "i32") -> MetadataLedger:
     table: tuple[str, ...] = ()
     if layout.kind == "ragged":
         sizes["kv_indptr"] = layout.indptr.size
+        if not np.array_equal(np.diff(layout.indptr), layout.kv_lens):  # regions with room
+            sizes["kv_lens"] = layout.kv_lens.size
     elif layout.kind == "paged" and layout.table == "dense":
         sizes["block_table"] = layout.block_table.size
         sizes["kv_lens"] = layout.kv_lens.size
