@@ -66,22 +66,7 @@ class _Transaction:
     def __init__(self, attn, q, k_new, v_new, cache: dict, backend, manifest, request_ids):
         import torch
         self.torch = torch
-        for n, t in (("q", q), ("k_new", k_new), ("v_new", v_new)):
-            if not isinstance(t, torch.Tensor) or t.dim() != 3:
-                raise InputError(f"inputs: an append takes '{n}' as a torch tensor [total_q, heads, d] (packed "
-                                 f"rows; got {type(t).__name__} {list(getattr(t, 'shape', []))})")
-        dtype = _DTYPES.get(str(q.dtype))
-        if dtype is None:
-            raise InputError(f"inputs: 'q' has dtype {q.dtype}; attention takes float16, bfloat16 or float32")
-        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_new, v_new)):
-            raise InputError("inputs: an append has no backward pass (it mutates the cache): call it under "
-                             "torch.no_grad()")
-        self.program = p = attn.specialize(q.shape[1], k_new.shape[1], q.shape[2], v_new.shape[2], dtype)
-        n = q.shape[0]
-        for name, t, want in (("k_new", k_new, (n, p.heads_kv, p.d_qk)), ("v_new", v_new, (n, p.heads_kv, p.d_v))):
-            if tuple(t.shape) != want:
-                raise InputError(f"inputs: '{name}' has shape {list(t.shape)}; q has {n} packed rows, so "
-                                 f"[{n}, H_kv={p.heads_kv}, {'d_qk' if name == 'k_new' else 'd_v'}={want[2]}]")
+        self.program = p = _program_of_rows(attn, q, k_new, v_new)
         self.backend = backend or ("triton" if q.is_cuda else "numpy")
         if self.backend not in BACKENDS:
             raise InputError(f"inputs: backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
@@ -91,34 +76,24 @@ class _Transaction:
         if missing:
             raise InputError(f"inputs: missing tensor '{missing[0]}' (spec '{attn.name}' reads it)")
         keys = {k: v for k, v in cache.items() if k not in names}
-        required, _ = append_keys(p)
-        self.k_key, self.v_key = required[:2]
-        for key in (self.k_key, self.v_key):
-            if key not in keys:
-                raise InputError(f"inputs: an append over a {inputs.cache_description(p)} needs '{key}'")
-            t = keys[key]
-            if not isinstance(t, torch.Tensor) or t.dtype != q.dtype:
-                raise InputError(f"inputs: '{key}' must be a torch tensor of q's dtype {q.dtype} (the cache is "
-                                 f"written in place), got {getattr(t, 'dtype', type(t).__name__)}")
-        for name, t in (("k_new", k_new), ("v_new", v_new), *self.tensors.items(), *keys.items()):
-            if isinstance(t, torch.Tensor) and t.device != q.device:
-                raise InputError(f"inputs: '{name}' is on {t.device}, q on {q.device}: every tensor of a call "
-                                 "lives on one device")
-        if k_new.dtype != q.dtype or v_new.dtype != q.dtype:
-            raise InputError(f"inputs: q/k_new/v_new have dtypes {q.dtype}/{k_new.dtype}/{v_new.dtype}; the new "
-                             "rows are stored in the cache's dtype, q's")
-        self.kv_lens = keys["kv_lens"] if "kv_lens" in keys else None
-        if not (isinstance(self.kv_lens, torch.Tensor) and not self.kv_lens.dtype.is_floating_point
-                and self.kv_lens.dtype != torch.bool) and "kv_lens" in keys:
+        self.k_key, self.v_key = append_keys(p)[0][:2]
+        self.k, self.v = (_storage(p, keys, key, q) for key in (self.k_key, self.v_key))
+        for name, t in (("k_new", k_new), ("v_new", v_new), *self.tensors.items(), (self.k_key, self.k),
+                        (self.v_key, self.v)):
+            if isinstance(t, torch.Tensor) and t.device != q.device:  # (metadata may stay on the host)
+                raise InputError(f"inputs: '{name}' is on {t.device}, q on {q.device}: the rows, the cache and "
+                                 "the mask tensors live on one device")
+        self.kv_lens = keys.get("kv_lens")
+        if "kv_lens" in keys and not (isinstance(self.kv_lens, torch.Tensor) and not self.kv_lens.is_floating_point()
+                                      and self.kv_lens.dtype != torch.bool):
             raise InputError("inputs: 'kv_lens' (the committed rows) advances in place when the append commits: "
                              f"pass it as an integer torch tensor, got {type(self.kv_lens).__name__}")
         meta = {k: (v if k in (self.k_key, self.v_key) else _host(v)) for k, v in keys.items()}
+        self.call: AppendCall = validate_append(p, meta, q.shape[0], manifest=manifest, request_ids=request_ids)
         metas = {name: (tuple(t.shape), _kind(t), str(t.dtype)) for name, t in self.tensors.items()}
-        self.call: AppendCall = validate_append(p, meta, n, manifest=manifest, request_ids=request_ids)
-        sizes = {"b": self.call.layout.batch, "h": p.heads_q, "s": int(self.call.committed.max(initial=0))}
-        inputs._check_tensors(p, metas, sizes)
+        inputs._check_tensors(p, metas, {"b": self.call.layout.batch, "h": p.heads_q,
+                                         "s": int(self.call.committed.max(initial=0))})
         self.q, self.k_new, self.v_new = q, k_new, v_new
-        self.k, self.v = keys[self.k_key], keys[self.v_key]
         self.runner = RUNNERS[self.backend](attn, p)
 
     # ------------------------------------------------------------ stage, restore, commit
@@ -143,6 +118,44 @@ class _Transaction:
     def commit(self) -> None:
         committed = self.torch.as_tensor(self.call.committed, dtype=self.kv_lens.dtype)
         self.kv_lens.copy_(committed.to(self.kv_lens.device))
+
+
+def _program_of_rows(attn, q, k_new, v_new) -> ir.Program:
+    """The concrete program of an append's packed rows (their heads, head dims and dtype), after
+    checking q [N, H_q, d_qk], k_new [N, H_kv, d_qk] and v_new [N, H_kv, d_v]."""
+    import torch
+    for n, t in (("q", q), ("k_new", k_new), ("v_new", v_new)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            raise InputError(f"inputs: an append takes '{n}' as a torch tensor [total_q, heads, d] (packed "
+                             f"rows; got {type(t).__name__} {list(getattr(t, 'shape', []))})")
+    dtype = _DTYPES.get(str(q.dtype))
+    if dtype is None:
+        raise InputError(f"inputs: 'q' has dtype {q.dtype}; attention takes float16, bfloat16 or float32")
+    if k_new.dtype != q.dtype or v_new.dtype != q.dtype:
+        raise InputError(f"inputs: q/k_new/v_new have dtypes {q.dtype}/{k_new.dtype}/{v_new.dtype}; the new "
+                         "rows are stored in the cache's dtype, q's")
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_new, v_new)):
+        raise InputError("inputs: an append has no backward pass (it mutates the cache): call it under "
+                         "torch.no_grad()")
+    p = attn.specialize(q.shape[1], k_new.shape[1], q.shape[2], v_new.shape[2], dtype)
+    n = q.shape[0]
+    for name, t, want in (("k_new", k_new, (n, p.heads_kv, p.d_qk)), ("v_new", v_new, (n, p.heads_kv, p.d_v))):
+        if tuple(t.shape) != want:
+            raise InputError(f"inputs: '{name}' has shape {list(t.shape)}; q has {n} packed rows, so "
+                             f"[{n}, H_kv={p.heads_kv}, {'d_qk' if name == 'k_new' else 'd_v'}={want[2]}]")
+    return p
+
+
+def _storage(program: ir.Program, keys: dict, key: str, q):
+    """The K or V storage tensor of an append: a torch tensor of q's dtype (it is written in place)."""
+    import torch
+    if key not in keys:
+        raise InputError(f"inputs: an append over a {inputs.cache_description(program)} needs '{key}'")
+    t = keys[key]
+    if not isinstance(t, torch.Tensor) or t.dtype != q.dtype:
+        raise InputError(f"inputs: '{key}' must be a torch tensor of q's dtype {q.dtype} (the cache is written in "
+                         f"place), got {getattr(t, 'dtype', type(t).__name__)}")
+    return t
 
 
 def _host(a) -> np.ndarray:

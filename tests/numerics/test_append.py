@@ -5,6 +5,7 @@ run as prefill -> append -> decode on one cache, commits to the request's cache 
 poisoned (NaN) everywhere outside the committed rows whose every byte outside the rows the call
 commits is unchanged, on success, on refusal and on an error after staging."""
 import hashlib
+import os
 from functools import lru_cache
 
 import numpy as np
@@ -28,6 +29,7 @@ LAYOUTS = {
     "paged_csr_hnd": f"paged(page_size = {PAGE}, layout = hnd, table = csr)",
 }
 BACKENDS = ["numpy", "triton", "ahbm"]
+GPU = os.environ.get("ATTNC_TEST_GPU") == "1"  # the Triton backend then runs on CUDA tensors
 DOC = "causal & doc[b, q] == doc[b, k]"
 # a mixed batch (§0x08F): a prefill, an append, a decode, an idle request, an append over pages
 T_MIX, C_MIX = [0, 6, 9, 3, 5], [4, 2, 1, 0, 6]
@@ -104,10 +106,16 @@ class Cache:
     def snapshot(self) -> dict:
         return {n: t.clone() for n, t in self.arrays.items()}
 
+    def to(self, backend: str) -> "Cache":
+        """The cache on the backend's device (CUDA for Triton in a GPU run)."""
+        if backend == "triton" and GPU:
+            self.arrays = {n: t.cuda() for n, t in self.arrays.items()}
+        return self
+
     def rows(self, b: int, lo: int, hi: int, arrays: dict | None = None):
         """Request b's logical K and V rows [lo, hi) as stored (of ``arrays``, default the cache's)."""
-        k, v = (arrays or {n: self.arrays[n].float().numpy() for n in self.keys})[self.keys[0]], \
-            (arrays or {n: self.arrays[n].float().numpy() for n in self.keys})[self.keys[1]]
+        arrays = arrays or {n: self.arrays[n].float().cpu().numpy() for n in self.keys}
+        k, v = arrays[self.keys[0]], arrays[self.keys[1]]
         t = np.arange(lo, hi)
         if self.kind.startswith("paged"):
             pg, off = self.pages[b][t // PAGE], t % PAGE
@@ -125,8 +133,8 @@ class Cache:
 def new_rows(cache: Cache, seed=1, heads_q=4, d=16):
     rng = np.random.default_rng(seed)
     n = int(cache.C.sum())
-    q, k, v = (_round(rng.standard_normal((n, h, d)), cache.dtype) for h in (heads_q, 2, 2))
-    return q, k, v
+    device = cache.arrays["kv_lens"].device
+    return tuple(_round(rng.standard_normal((n, h, d)), cache.dtype).to(device) for h in (heads_q, 2, 2))
 
 
 def doc_ids(T, C, seed=3):
@@ -139,15 +147,15 @@ def reference(attn, cache: Cache, q, k_new, v_new, tensors):
     p = attn.specialize(4, 2, 16, 16, cache.dtype)
     o = np.zeros((q.shape[0], 4, 16))
     lse = np.full((q.shape[0], 4), -np.inf)
-    host = {n: t.numpy() for n, t in tensors.items()}
+    host = {n: t.cpu().numpy() for n, t in tensors.items()}
     first = 0
     for b, (t, c) in enumerate(zip(cache.T, cache.C)):
         if c:
             rows = slice(first, first + c)
-            k = np.concatenate([cache.committed[b][0], k_new[rows].float().numpy()])
-            v = np.concatenate([cache.committed[b][1], v_new[rows].float().numpy()])
+            k = np.concatenate([cache.committed[b][0], k_new[rows].float().cpu().numpy()])
+            v = np.concatenate([cache.committed[b][1], v_new[rows].float().cpu().numpy()])
             kc, vc = (np.asarray(_round(x, cache.dtype).float()) for x in (k, v))
-            o[rows], lse[rows] = oracle.reference_request(p, b, q[rows].float().numpy(), kc, vc, host)
+            o[rows], lse[rows] = oracle.reference_request(p, b, q[rows].float().cpu().numpy(), kc, vc, host)
         first += c
     return o, lse
 
@@ -168,7 +176,7 @@ def assert_unchanged_outside(cache: Cache, before: dict, committed) -> None:
             if hi > cache.T[b]:
                 mine = cache.rows(b, int(cache.T[b]), int(hi), {cache.keys[0]: ids, cache.keys[1]: ids})
                 keep[torch.as_tensor(np.asarray(mine[0]).reshape(-1))] = False
-        was, now = _bits(before[n]).reshape(-1), _bits(cache.arrays[n]).reshape(-1)
+        was, now = _bits(before[n]).reshape(-1).cpu(), _bits(cache.arrays[n]).reshape(-1).cpu()
         assert torch.equal(was[keep], now[keep]), f"{n}: bytes outside the rows the call commits changed"
 
 
@@ -178,23 +186,24 @@ def assert_untouched(cache: Cache, before: dict) -> None:
 
 
 def check_call(attn, cache: Cache, backend, tensors=None, **extra):
-    tensors = tensors or {}
+    cache.to(backend)
+    tensors = {n: t.to(cache.arrays["kv_lens"].device) for n, t in (tensors or {}).items()}
     q, k_new, v_new = new_rows(cache)
     before = cache.snapshot()
     o, lse = attn.append(q, k_new, v_new, q_lens=torch.as_tensor(cache.C), return_lse=True, backend=backend,
                          **cache.arrays, **tensors, **extra)
     ref_o, ref_lse = reference(attn, cache, q, k_new, v_new, tensors)
     tol = 2e-2 if cache.dtype == "bf16" else 2e-5
-    np.testing.assert_allclose(o.float().numpy(), ref_o, atol=tol, rtol=tol)
-    np.testing.assert_allclose(lse.numpy(), ref_lse, atol=tol, rtol=tol)
+    np.testing.assert_allclose(o.float().cpu().numpy(), ref_o, atol=tol, rtol=tol)
+    np.testing.assert_allclose(lse.cpu().numpy(), ref_lse, atol=tol, rtol=tol)
     post = cache.T + cache.C
     assert cache.arrays["kv_lens"].tolist() == post.tolist()
     assert_unchanged_outside(cache, before, post)
     first = 0
     for b, (t, c) in enumerate(zip(cache.T, cache.C)):  # the new rows went to the request's own rows
         k, v = cache.rows(b, int(t), int(t + c))
-        assert np.array_equal(k, k_new[first:first + c].float().numpy())
-        assert np.array_equal(v, v_new[first:first + c].float().numpy())
+        assert np.array_equal(k, k_new[first:first + c].float().cpu().numpy())
+        assert np.array_equal(v, v_new[first:first + c].float().cpu().numpy())
         first += c
     return o, lse
 
@@ -208,48 +217,42 @@ def test_prefill_append_decode_fixture(backend):
     length from kv_lens."""
     fixture = {c["name"]: c for c in seed_contracts()["phase"]["cases"] if "T" in c}
     attn = compiled(LAYOUTS["paged_dense_nhd"])
-    cache = Cache("paged_dense_nhd", [0], [9], seed=7)  # room for all nine rows
-    cache.C = np.asarray([0])
-    history_k, history_v = [], []
+    cache = Cache("paged_dense_nhd", [0], [9], seed=7).to(backend)  # room for all nine rows
+    dev = cache.arrays["kv_lens"].device
+    history_v = []
     for name in ("prefill", "append", "decode"):
         case = fixture[name]
         T, C = case["T"], case["C"]
         assert cache.arrays["kv_lens"].tolist() == [T]
-        q = torch.zeros(C, 4, 16)
-        k_new, v_new = torch.randn(C, 2, 16), torch.randn(C, 2, 16)
+        q = torch.zeros(C, 4, 16, device=dev)
+        k_new, v_new = torch.randn(C, 2, 16, device=dev), torch.randn(C, 2, 16, device=dev)
         plan = attn.plan_append(q, k_new, v_new, q_lens=torch.tensor([C]), backend=backend, **cache.arrays)
         entry = plan.manifest.entries[0]
         assert (entry.T, entry.C, entry.phase, entry.post_length) == (T, C, name, case["post"])
         o, lse = attn.append(q, k_new, v_new, q_lens=torch.tensor([C]), plan=plan, return_lse=True,
                              backend=backend, **cache.arrays)
-        visible = np.exp(lse.double().numpy()).sum(axis=0)  # per query head
+        visible = np.exp(lse.double().cpu().numpy()).sum(axis=0)  # per query head
         rect = entry.C * (entry.T + entry.C)
         assert rect == case["rect"]
         np.testing.assert_allclose(visible, case["visible"], rtol=1e-5)
         assert rect - int(round(visible[0])) == case["masked"]
         assert cache.arrays["kv_lens"].tolist() == [case["post"]]
-        history_k.append(k_new), history_v.append(v_new)
+        history_v.append(v_new)
         # each row's O is the mean of the V rows it saw: [0, T + i]
-        v_all = torch.cat(history_v).double()
+        v_all = torch.cat(history_v).double().cpu()
         want = torch.stack([v_all[:T + i + 1].mean(0) for i in range(C)])  # [C, H_kv, d]
-        np.testing.assert_allclose(o.double().numpy(), want.repeat_interleave(2, dim=1).numpy(), atol=1e-5)
+        np.testing.assert_allclose(o.double().cpu().numpy(), want.repeat_interleave(2, dim=1).numpy(), atol=1e-5)
 
 
 # ---------------------------------------------------------------- a mixed batch on every layout
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-@pytest.mark.parametrize("backend", ["numpy", "triton"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_mixed_batch_commits_to_cache_rows(layout, backend):
+    """A prefill, an append, a decode and an idle request in shuffled cache rows (pages) with a
+    document mask; AHBM runs ADR-0060's decode (C = 1) and prefill (C > 1) programs per request."""
     attn = compiled(LAYOUTS[layout], DOC)
     cache = Cache(layout, T_MIX, C_MIX, seed=len(layout))
     check_call(attn, cache, backend, {"doc": doc_ids(T_MIX, C_MIX)})
-
-
-@pytest.mark.parametrize("layout", ["contiguous_bhsd", "paged_csr_hnd"])
-def test_mixed_batch_on_ahbm(layout):
-    """ADR-0060's decode (C = 1) and prefill (C > 1) programs on the staged cache."""
-    attn = compiled(LAYOUTS[layout], DOC)
-    cache = Cache(layout, T_MIX, C_MIX, seed=2)
-    check_call(attn, cache, "ahbm", {"doc": doc_ids(T_MIX, C_MIX)})
 
 
 def test_bf16_cache():
