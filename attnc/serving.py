@@ -19,6 +19,8 @@ failed call leaves every byte of the cache and ``kv_lens`` as it found them.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from .compiler import inputs, ir
@@ -230,8 +232,8 @@ class _AhbmRunner:
     decode program (C = 1) or the prefill program (C > 1) attends at bottom-right positions."""
 
     def __init__(self, attn, program):
-        self.program = program
-        self.kernel = attn.kernel("ahbm", inputs.contiguous_variant(program))
+        self.program = program  # the request's rows are handed over as contiguous bhsd K/V
+        self.kernel = attn.kernel("ahbm", replace(program, cache=ir.Cache()))
 
     def plan(self, txn: _Transaction):
         for expr in (self.program.mask, *self.program.score):
