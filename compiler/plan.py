@@ -459,7 +459,22 @@ class SplitPlan:
                         "metadata": {"fields": dict(meta.fields), "table": meta.table, "total": meta.total},
                         "page_lookups": ledgers.page_lookups},
             "manifest": self.microbatch(request_ids, cache_rows).to_json(),
+            **self._fallback_report(ws),
         }
+
+    def _fallback_report(self, ws) -> dict:
+        """A shared-shift plan's fallback (M4.5 §0x09C): the field it adds to the workspace and the
+        logical demand of recomputing every output with (m, l, u) -- its worst case."""
+        from dataclasses import replace as _replace
+        from .analysis import ledger as L
+        extra = L.fallback_fields(self.call.abi)
+        if not extra:
+            return {}
+        worst = L.decode_ledger(self.bounds, _replace(self.call, abi="mlu"), self.q_lens)
+        return {"fallback": {"fields": [{"name": f.name, "dtype": f.dtype,
+                                         "bytes": ws.capacity_states * f.bytes_per_state(ws.d_v_padded)}
+                                        for f in extra],
+                             "worst_case": worst.as_dict()}}
 
     def text(self) -> str:
         """:meth:`report` for a reader."""
@@ -488,6 +503,10 @@ class SplitPlan:
                      f"capacity {n(w['capacity'])} B")
         for f in r["workspace"]["fields"]:
             lines.append(f"  {f['name']:<14} {f['dtype']:>4} {str(f['shape']):<22} {n(f['bytes']):>12} B")
+        if "fallback" in r:
+            fb = r["fallback"]
+            lines.append("  fallback (m, l, u) adds " + ", ".join(f"{f['name']} {n(f['bytes'])} B" for f in fb["fields"])
+                         + f"; recomputing every output demands {n(fb['worst_case']['two_launch_demand'])} B")
         led = r["ledgers"]
         lines += ["ledgers (logical bytes):",
                   f"  unique Q {n(led['unique_q'])}, Q demand {n(led['q_demand'])}",
