@@ -186,20 +186,18 @@ BN = 8 if tr_runtime.interpreted() else 16
 
 
 def run_triton(p, arrays):
-    """The Triton split call with the workspace kept: (O, LSE, need [total_q, H_q])."""
+    """The Triton split call through ``Kernel.decode_graph`` (captured on a GPU; run directly in
+    the interpreter), whose workspace it owns: (O, LSE, need [total_q, H_q]), ``need`` being the
+    (row, head)s the guard sent to the fallback."""
     kernel = tr_runtime.load(p)
-    dev = kernel.device
-    t = {n: torch.as_tensor(a).to(dev) for n, a in arrays.items()}
+    t = {n: torch.as_tensor(a).to(kernel.device) for n, a in arrays.items()}
     q = t.pop("q")
-    plan = kernel.decode_plan(t, block_n=BN, splits=3, total_q=int(q.shape[0]))
-    bound = kernel._bind_split(plan, q.device, t["k_cache"], t["v_cache"], {}, None, None)
-    assert isinstance(bound.launch, ShiftLaunch)
-    out = torch.empty(q.shape[0], p.heads_q, p.d_v, device=dev)
-    lse = torch.empty(q.shape[0], p.heads_q, device=dev)
-    ws = torch.empty(bound.workspace_bytes, device=dev, dtype=torch.uint8)
-    bound.launch(q, t["k_cache"], t["v_cache"], bound.plan, bound.arrays, bound.ts, out, lse, ws)
-    need = bound.launch.fields(ws, q.shape[0], plan["splits"])["need"].view(q.shape[0], p.heads_q)
-    return out.cpu().numpy(), lse.cpu().numpy(), need.cpu().numpy()
+    graph = kernel.decode_graph(q, block_n=BN, splits=3, capture=not tr_runtime.interpreted(), **t)
+    o, lse = graph(q)
+    launch = kernel.split_launch(graph._warps, graph._stages)
+    assert isinstance(launch, ShiftLaunch)
+    need = launch.fields(graph.workspace, q.shape[0], graph.plan["splits"])["need"].view(q.shape[0], p.heads_q)
+    return o.cpu().numpy(), lse.cpu().numpy(), need.cpu().numpy()
 
 
 KV_T, Q_T = [30, 0, 17, 21, 9], [1, 0, 3, 1, 2]  # smaller: the interpreter runs every program
