@@ -312,6 +312,24 @@ class Attention:
         lse = torch.from_numpy(lse).to(q.device)
         return (o, lse) if return_lse else o
 
+    def append(self, q, k_new, v_new, *, manifest=None, plan=None, request_ids=None, return_lse: bool = False,
+               backend: str | None = None, **cache):
+        """Append-then-attend as one transaction (``attnc.serving``): packed q [total_q, H_q, d_qk] with
+        its new K/V rows k_new / v_new [total_q, H_kv, d], the cache by its keys (``kv_lens`` = the
+        committed rows, advanced in place to T + C on commit), optional q_lens / qo_indptr, a
+        ``manifest`` (``attnc.MicrobatchManifest``) and a ``plan`` from :meth:`plan_append`; ``backend``
+        "numpy", "triton" or "ahbm" (default: triton for CUDA tensors, else numpy)."""
+        from .serving import append
+        return append(self, q, k_new, v_new, manifest=manifest, plan=plan, request_ids=request_ids,
+                      return_lse=return_lse, backend=backend, **cache)
+
+    def plan_append(self, q, k_new, v_new, *, manifest=None, request_ids=None, backend: str | None = None,
+                    **cache):
+        """The plan of an append call (validated; nothing written), for :meth:`append`'s ``plan=``."""
+        from .serving import plan_append
+        return plan_append(self, q, k_new, v_new, manifest=manifest, request_ids=request_ids, backend=backend,
+                           **cache)
+
 
 # ---------------------------------------------------------------- the torch.library operators
 SCHEMA = "(str handle, Tensor q, Tensor k, Tensor v, Tensor[] tensors, str backend) -> (Tensor, Tensor)"

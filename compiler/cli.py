@@ -153,6 +153,11 @@ def _lengths_arg(text: str) -> list[int]:
     return out
 
 
+def _ids_arg(text: str) -> list:
+    """Comma-separated request ids: integers where they parse as one, else strings."""
+    return [int(x) if x.strip().lstrip("-").isdigit() else x.strip() for x in text.split(",")]
+
+
 def _untuned_split_policy(program):
     """The spec's own split policy when no tuning cache exists, else None (plan_split then looks
     `split = auto` up in the cache).  Looking up needs the call's dispatch key, whose device probe
@@ -179,7 +184,7 @@ def cmd_plan(args) -> int:
         except OSError as e:
             raise InputError(f"cannot write {dot}: {e}") from None
     if args.json:
-        report = plan.report()
+        report = plan.report(args.request_ids, args.cache_rows)
         if args.graph:
             report["graph"] = {"dot": str(dot), "json": str(dot.with_suffix(".json"))}
         print(json.dumps(report))
@@ -441,7 +446,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--q-lens", type=_lengths_arg, default=None, metavar="C0,C1,...",
                    help="query rows of each request (default 1 per non-empty request: decode)")
     p.add_argument("--sms", type=int, default=132, help="SMs the heuristic/auto split plans for (default 132)")
-    p.add_argument("--json", action="store_true", help="one JSON object (stable field names)")
+    p.add_argument("--request-ids", type=_ids_arg, default=None,
+                   metavar="ID0,ID1,...", help="the manifest's request ids (default 0,1,...)")
+    p.add_argument("--cache-rows", type=_lengths_arg, default=None, metavar="R0,R1,...",
+                   help="the manifest's cache row of each request (default 0,1,...)")
+    p.add_argument("--json", action="store_true", help="one JSON object (stable field names), with the "
+                                                       "frozen microbatch manifest")
     p.add_argument("--graph", metavar="FILE.dot", help="write the schedule graph as DOT, and as JSON beside it")
     p.set_defaults(fn=cmd_plan)
 

@@ -235,8 +235,8 @@ def cache_keys(program: ir.Program) -> tuple[tuple[str, ...], tuple[str, ...]]:
     c = program.cache
     if c.kind is ir.CacheKind.CONTIGUOUS:
         return ("q", "k", "v"), ("kv_lens", "cache_batch_idx", *ROW_KEYS)
-    if c.kind is ir.CacheKind.RAGGED:
-        return ("q", "k", "v", "kv_indptr"), ROW_KEYS
+    if c.kind is ir.CacheKind.RAGGED:  # kv_lens: each region's visible rows (default: all of it)
+        return ("q", "k", "v", "kv_indptr"), ("kv_lens", *ROW_KEYS)
     if (c.table or "dense") == "csr":
         return ("q", "k_cache", "v_cache", "kv_indptr", "kv_indices", "kv_last_page_len"), ROW_KEYS
     return ("q", "k_cache", "v_cache", "block_table", "kv_lens"), ("cache_batch_idx", *ROW_KEYS)

@@ -411,6 +411,15 @@ class SplitPlan:
             raise PlanError(f"plan was made for q_lens {self.q_lens.tolist()}, the call has "
                             f"{np.asarray(q_lens).tolist()}")
 
+    def microbatch(self, request_ids=None, cache_rows=None):
+        """The call's frozen manifest (``analysis.microbatch``): ``request_ids`` (default 0..B-1)
+        and ``cache_rows`` (default the layout's ``cache_batch_idx``, else 0..B-1) with its T, C."""
+        from .analysis.microbatch import MicrobatchManifest
+        b = np.arange(self.batch)
+        rows = self.layout.cache_batch_idx if cache_rows is None else cache_rows
+        return MicrobatchManifest.freeze(b if request_ids is None else request_ids, b if rows is None else rows,
+                                         self.manifest.T, self.manifest.C)
+
     # ------------------------------------------------------------ reports (`attnc plan`)
     def ledgers(self):
         """The plan's ledgers (``analysis.schedule.SplitLedgers``), the pipeline's last step over
@@ -418,9 +427,9 @@ class SplitPlan:
         return run_plan_pipeline(("ledgers",), graph=self.graph, bounds=self.bounds, call=self.call,
                                  layout=self.layout, manifest=self.manifest)["ledgers"]
 
-    def report(self) -> dict:
-        """Split bounds, grids, owners, workspace and ledgers as one JSON-able dict
-        (DESIGN §7 field names)."""
+    def report(self, request_ids=None, cache_rows=None) -> dict:
+        """Split bounds, grids, owners, workspace, ledgers and the manifest (:meth:`microbatch`) as
+        one JSON-able dict (DESIGN §7 field names)."""
         from .analysis import ledger as L
         from .analysis import schedule as S
         g, lay = self.graph, self.layout
@@ -449,7 +458,23 @@ class SplitPlan:
             "ledgers": {**led.as_dict(), "kv_reuse_factor": led.kv_reuse_factor,
                         "metadata": {"fields": dict(meta.fields), "table": meta.table, "total": meta.total},
                         "page_lookups": ledgers.page_lookups},
+            "manifest": self.microbatch(request_ids, cache_rows).to_json(),
+            **self._fallback_report(ws),
         }
+
+    def _fallback_report(self, ws) -> dict:
+        """A shared-shift plan's fallback (M4.5 §0x09C): the field it adds to the workspace and the
+        logical demand of recomputing every output with (m, l, u) -- its worst case."""
+        from dataclasses import replace as _replace
+        from .analysis import ledger as L
+        extra = L.fallback_fields(self.call.abi)
+        if not extra:
+            return {}
+        worst = L.decode_ledger(self.bounds, _replace(self.call, abi="mlu"), self.q_lens)
+        return {"fallback": {"fields": [{"name": f.name, "dtype": f.dtype,
+                                         "bytes": ws.capacity_states * f.bytes_per_state(ws.d_v_padded)}
+                                        for f in extra],
+                             "worst_case": worst.as_dict()}}
 
     def text(self) -> str:
         """:meth:`report` for a reader."""
@@ -478,6 +503,10 @@ class SplitPlan:
                      f"capacity {n(w['capacity'])} B")
         for f in r["workspace"]["fields"]:
             lines.append(f"  {f['name']:<14} {f['dtype']:>4} {str(f['shape']):<22} {n(f['bytes']):>12} B")
+        if "fallback" in r:
+            fb = r["fallback"]
+            lines.append("  fallback (m, l, u) adds " + ", ".join(f"{f['name']} {n(f['bytes'])} B" for f in fb["fields"])
+                         + f"; recomputing every output demands {n(fb['worst_case']['two_launch_demand'])} B")
         led = r["ledgers"]
         lines += ["ledgers (logical bytes):",
                   f"  unique Q {n(led['unique_q'])}, Q demand {n(led['q_demand'])}",

@@ -107,7 +107,7 @@ def emit(program: ir.Program, block_m: int = BLOCK_M, block_n: int = BLOCK_N,
 
 
 _IDENTITY = {"partial_u": "0.0", "partial_o": "0.0", "partial_m": "-np.inf", "partial_lse": "-np.inf",
-             "partial_l": "0.0", "partial_valid": "0"}
+             "partial_l": "0.0", "partial_valid": "0", "partial_n": "0.0", "partial_guard": "0"}
 
 
 def emit_split(program: ir.Program) -> Source:
@@ -130,6 +130,8 @@ def emit_split(program: ir.Program) -> Source:
         cache=kind, order=p.cache.layout.value, cache_desc=cache_description(p),
         block_name={"paged": "page", "ragged": "request's packed rows", "contiguous": "cache row"}[kind],
         split=str(from_ir(p.split)), state=p.state.value,
+        shift=[repr(float(x)) for x in (p.state.phi, p.state.lower, p.state.upper)] if p.state.value == "shared_shift"
+        else [],
         fields=[f"{f.name} {f.dtype}" for f in fields],
         workspace=[{"name": f.name, "dtype": f.dtype, "identity": _IDENTITY[f.name]} for f in fields],
         k_shape=fmt(k_shape), v_shape=fmt(v_shape),

@@ -508,6 +508,9 @@ class SplitLaunch:
 
 
 def workspace_bytes(module, total_q: int, splits: int, abi: str) -> int:
+    if abi == "shared_shift":
+        from .shared_shift import workspace_layout
+        return workspace_layout(total_q, splits, module.SPEC["H_Q"], module.SPEC["D_V"])[2]
     return split.workspace_layout(total_q, splits, abi, module.SPEC["H_Q"], module.SPEC["D_V"])[2]
 
 

@@ -354,7 +354,11 @@ class Kernel:
     def split_launch(self, num_warps: int = 4, num_stages: int = 2) -> L.SplitLaunch:
         key = (num_warps, num_stages)
         if key not in self._splits:
-            self._splits[key] = L.SplitLaunch(self.module, num_warps, num_stages)
+            if isinstance(self.program.state, ir.SharedShift):  # FlashDecoding++'s guarded shared frame
+                from .shared_shift import ShiftLaunch
+                self._splits[key] = ShiftLaunch(self.module, self.program.state, num_warps, num_stages)
+            else:
+                self._splits[key] = L.SplitLaunch(self.module, num_warps, num_stages)
         return self._splits[key]
 
     def workspace(self, total_q: int, splits: int, device):
