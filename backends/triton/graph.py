@@ -47,7 +47,7 @@ def capture(fn):
 
 # plan fields the captured launch bakes in: an update must keep them
 _FIXED = ("cache", "page_size", "splits", "block_n", "block_q", "one_row", "tiles", "total_q", "abi",
-          "k_strides", "v_strides", "table_stride")
+          "k_strides", "v_strides", "table_stride", "bounded")
 
 
 class DecodeGraph:
@@ -125,8 +125,9 @@ class DecodeGraph:
         """Entries of the variable-length arrays at ``max_kv_len`` keys per request: the tiles'
         block lists hold ceil(max_kv_len / block_n) blocks per tile, the CSR page list
         ceil(max_kv_len / page_size) pages per request, in total (one request may outgrow
-        max_kv_len while the others are shorter)."""
-        per_tile = -(-self.max_kv_len // plan["block_n"])
+        max_kv_len while the others are shorter).  Under a spec's split policy a block that a slot
+        bound cuts is listed for both slots: up to splits - 1 more entries per tile."""
+        per_tile = -(-self.max_kv_len // plan["block_n"]) + (plan["splits"] - 1 if plan["bounded"] else 0)
         cap = {"blocks": max(1, plan["tiles"] * per_tile)}
         cap["partial"] = cap["blocks"]
         if plan["cache"] == 2:  # paged, CSR table: kv_indices
