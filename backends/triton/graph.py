@@ -93,6 +93,8 @@ class DecodeGraph:
         plan = kernel.decode_plan(arrays, tensors=tensors, total_q=int(q.shape[0]), **options)
         self._call = {**{n: a for n, a in arrays.items() if n not in self._kv_keys}, **tensors}
         self._options = {"block_n": plan["block_n"], "splits": plan["splits"], "block_q": plan["block_q"]}
+        if plan["bounded"]:  # the spec's split policy cuts every step's slots (its slot count must hold)
+            del self._options["splits"]
         longest = int(np.max(plan["kv_lens"], initial=0))
         self.max_kv_len = longest if max_kv_len is None else int(max_kv_len)
         if self.max_kv_len < longest:
