@@ -26,6 +26,7 @@ multiples of 16, which pointers are 16-byte aligned): the caller's key must fix 
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -518,9 +519,13 @@ def workspace_bytes(module, total_q: int, splits: int, abi: str) -> int:
 
 def vector_torch_dtype(module, abi: str):
     """The workspace's partial O / u dtype: the ledger's declared one for the spec's storage."""
+    return _vector_torch_dtype(abi, module.DTYPE)
+
+
+@functools.lru_cache(maxsize=None)
+def _vector_torch_dtype(abi: str, storage: str):
     import torch
-    name = vector_dtype(abi, module.DTYPE)
-    return {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}[name]
+    return {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}[vector_dtype(abi, storage)]
 
 
 def check_device(named: dict, device: str) -> None:
