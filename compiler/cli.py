@@ -171,7 +171,7 @@ def cmd_plan(args) -> int:
     from .plan import logical_layout, plan_split
     program = _concrete(args.spec)
     kv = args.kv_lens
-    q = args.q_lens if args.q_lens is not None else [1 if t > 0 else 0 for t in kv]
+    q = args.q_lens if args.q_lens is not None else [1] * len(kv)  # decode, as the kernels' default
     if len(q) != len(kv):
         raise InputError(f"--q-lens has {len(q)} entries, --kv-lens {len(kv)}")
     plan = plan_split(program, logical_layout(program, kv), np.asarray(q, np.int64), num_sms=args.sms,
@@ -444,7 +444,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-lens", type=_lengths_arg, required=True, metavar="T0,T1,...",
                    help="visible K/V length of each request (its query rows included)")
     p.add_argument("--q-lens", type=_lengths_arg, default=None, metavar="C0,C1,...",
-                   help="query rows of each request (default 1 per non-empty request: decode)")
+                   help="query rows of each request (default 1 per request: decode; a request with "
+                        "kv_len 0 then has one row that sees nothing)")
     p.add_argument("--sms", type=int, default=132, help="SMs the heuristic/auto split plans for (default 132)")
     p.add_argument("--request-ids", type=_ids_arg, default=None,
                    metavar="ID0,ID1,...", help="the manifest's request ids (default 0,1,...)")

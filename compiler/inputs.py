@@ -345,6 +345,16 @@ def query_rows(arrays, batch: int, total_q: int) -> tuple[np.ndarray, np.ndarray
     return q_lens.astype(np.int64), out
 
 
+def short_request(b: int, q_lens, kv_lens) -> InputError:
+    """The error for request ``b`` with more query rows than keys (every backend's words).  A
+    request with no keys at all may have rows (a decode step over an empty context, M4.5
+    §0x03G's capacity tail): they see nothing, O = 0 and LSE = -inf."""
+    return InputError(f"inputs: request {b} has q_lens[{b}] = {int(q_lens[b])} query rows but only "
+                      f"kv_len = {int(kv_lens[b])} keys; a query row is a token whose own key is in the "
+                      "cache, so kv_len >= q_len (only a request with no keys at all may have rows: "
+                      "they see nothing)")
+
+
 def validate_cache(program: ir.Program, arrays: dict[str, np.ndarray]) -> CacheCall:
     """Check a split call's keys, dtypes, shapes and cache metadata (DESIGN §5); every
     contract break is an InputError or a PlanError naming the key, the index and the value."""
@@ -386,12 +396,9 @@ def validate_cache(program: ir.Program, arrays: dict[str, np.ndarray]) -> CacheC
     if layout.batch == 0:
         raise InputError("inputs: empty call (the cache metadata describes B = 0 requests)")
     q_lens, qo_indptr = query_rows(arrays, layout.batch, q.shape[0])
-    short = np.flatnonzero(layout.kv_lens < q_lens)
+    short = np.flatnonzero((layout.kv_lens < q_lens) & (layout.kv_lens > 0))
     if len(short):
-        b = int(short[0])
-        raise InputError(f"inputs: request {b} has q_lens[{b}] = {int(q_lens[b])} query rows but only "
-                         f"kv_len = {int(layout.kv_lens[b])} keys; a query row is a token whose own key is "
-                         "in the cache, so kv_len >= q_len (a request with no keys has no query rows)")
+        raise short_request(int(short[0]), q_lens, layout.kv_lens)
     sizes = {"b": layout.batch, "h": p.heads_q, "s": int(layout.kv_lens.max(initial=0))}
     _check_tensors(p, {t: (arrays[t].shape, arrays[t].dtype.kind, str(arrays[t].dtype)) for t in names}, sizes)
     return CacheCall(layout, q.astype(np.float32), k.astype(np.float32), v.astype(np.float32),

@@ -62,12 +62,13 @@ def reference_request(program: ir.Program, b: int, q, k, v, tensors: dict | None
 
 def reference_cache(program: ir.Program, call):
     """Float64 attention of a validated split call (compiler.inputs.CacheCall), request by
-    request on its gathered logical K/V: ``(O [total_q, H_q, d_v], LSE [total_q, H_q])``."""
+    request on its gathered logical K/V: ``(O [total_q, H_q, d_v], LSE [total_q, H_q])``.  The
+    rows of a request with no keys see nothing: the all-masked policy (O = 0, LSE = -inf)."""
     o = np.zeros((call.q.shape[0], program.heads_q, program.d_v))
     lse = np.full((call.q.shape[0], program.heads_q), -np.inf)
     for b in range(call.batch):
         rows = slice(call.qo_indptr[b], call.qo_indptr[b + 1])
-        if rows.stop > rows.start:
+        if rows.stop > rows.start and call.kv_lens[b] > 0:
             k, v = call.kv(b)
             o[rows], lse[rows] = reference_request(program, b, call.q_rows(b), k, v, call.tensors)
     return o, lse

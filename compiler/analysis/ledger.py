@@ -118,10 +118,19 @@ class DecodeCall:
     def vector_dtype_resolved(self) -> str:
         if self.vector_dtype is not None:
             return self.vector_dtype
-        return self.out_dtype if self.abi == "lse_o" else "f32"
+        return vector_dtype(self.abi, self.out_dtype)
 
 
 # ---------------------------------------------------------------- workspace (§0x03D-E)
+def vector_dtype(abi: str, out_dtype: str) -> str:
+    """The stored dtype of a state's vector field, the article's baseline (§0x03D, §0x03H) and
+    what every backend stores: float32 ``u`` for (m, l, u), whose unnormalized sums can leave the
+    storage range; the output dtype for the normalized ``O`` of (LSE, O), a convex combination
+    of V rows (it always fits, and rounding it costs at most one output rounding).  The shared
+    shift's numerator is an unnormalized sum too: float32."""
+    return out_dtype if getattr(abi, "value", abi) == "lse_o" else "f32"
+
+
 @dataclass(frozen=True)
 class StateField:
     """One stored field of a partial state: ``vector`` fields hold ``d_v`` lanes per state."""
