@@ -25,6 +25,9 @@ def __getattr__(name: str):
     if name in ("compile", "Attention"):
         from .api import Attention, compile
         return {"compile": compile, "Attention": Attention}[name]
+    if name == "distributed":  # context parallelism (imports torch)
+        import importlib
+        return importlib.import_module(".distributed", __name__)
     if name == "AttncError":
         from .compiler.errors import AttncError
         return AttncError
