@@ -95,6 +95,27 @@ def test_strategy_owners():
     np.testing.assert_array_equal(balanced_owner(np.zeros(6), np.zeros(7), 3), even_owner(6, 3))
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_balanced_owner_has_the_least_worst_crossing_under_the_cap(seed):
+    """Against every partition of 9 tiles into 3 non-empty contiguous ranges."""
+    import itertools
+    rng = np.random.default_rng(seed)
+    work = rng.integers(0, 20, 9).astype(float)
+    crossing = np.concatenate([[0], rng.integers(0, 4, 8), [0]])
+    slack = 0.2
+    parts = [(a, b) for a, b in itertools.combinations(range(1, 9), 2)]
+    load = lambda a, b: max(work[:a].sum(), work[a:b].sum(), work[b:].sum())  # noqa: E731
+    best = min(load(a, b) for a, b in parts)
+    fits = [(a, b) for a, b in parts if load(a, b) <= best * (1 + slack)]
+    worst = min(max(crossing[a], crossing[b]) for a, b in fits)
+    dev = lambda a, b: abs(work[:a].sum() - work.sum() / 3) + abs(work[:b].sum() - 2 * work.sum() / 3)  # noqa: E731
+    closest = min(dev(a, b) for a, b in fits if max(crossing[a], crossing[b]) == worst)
+    owner = balanced_owner(work, crossing, 3, slack)
+    a, b = (int(np.flatnonzero(owner == r)[0]) for r in (1, 2))
+    assert load(a, b) <= best * (1 + slack) + 1e-9
+    assert max(crossing[a], crossing[b]) == worst and dev(a, b) == pytest.approx(closest)
+
+
 def test_cut_crossings_match_brute_force():
     rng = np.random.default_rng(3)
     needed = rng.random((12, 12)) < 0.2
