@@ -47,7 +47,7 @@ import torch.distributed as dist
 
 from .api import Attention, BackendRefused, compile as compile_spec
 from .backends.numpy.state import OutputState, merge_output_state
-from .compiler import inputs, oracle
+from .compiler import inputs, ir, oracle
 from .compiler.cp import DEFAULT_BLOCK, CPPlan, plan_cp
 from .compiler.errors import InputError, PlanError
 
@@ -68,13 +68,13 @@ class ShardPlan:
     """A context-parallel plan as one rank holds it: :class:`compiler.cp.CPPlan` plus this rank,
     its group and the mask's tensors; shards inputs and gathers outputs."""
 
-    def __init__(self, cp: CPPlan, rank: int, group, tensors: dict, bshd: bool):
+    def __init__(self, cp: CPPlan, rank: int, group, tensors: dict):
         self.cp = cp
         self.rank = rank
         self.group = group
         self.tensors = tensors  # as the caller gave them (the one-rank plain call reads these)
         self.program = cp.program
-        self._seq_axis = 1 if bshd else 2
+        self.seq_axis = 1 if cp.program.cache.layout is ir.Layout.BSHD else 2  # of 4-D q, k, v, O
         self._positions = torch.from_numpy(cp.positions(rank))
         self._whole = cp.ranks == 1
 
@@ -97,7 +97,7 @@ class ShardPlan:
         return self.cp.report()
 
     def _dim(self, x, dim: int | None) -> int:
-        d = (self._seq_axis if x.dim() == 4 else 1) if dim is None else dim
+        d = (self.seq_axis if x.dim() == 4 else 1) if dim is None else dim
         if not -x.dim() <= d < x.dim():
             raise InputError(f"dim {dim} is outside a tensor of shape {list(x.shape)}")
         return d % x.dim()
@@ -184,7 +184,7 @@ class ContextParallel:
             if differ:
                 raise PlanError(f"context-parallel plan: rank(s) {differ} planned differently from rank 0 (other "
                                 "lengths, tensors, block or strategy); every rank must plan the same call")
-        return ShardPlan(cp, self.rank, self.group, dict(tensors), self.attn._bshd)
+        return ShardPlan(cp, self.rank, self.group, dict(tensors))
 
     # ------------------------------------------------------------ the call
     def __call__(self, q, k, v, *, plan: ShardPlan, return_lse: bool = False, gather: bool = False,
@@ -198,7 +198,13 @@ class ContextParallel:
         if plan.rank != self.rank or plan.ranks != self.ranks:
             raise PlanError(f"the plan was made for rank {plan.rank} of {plan.ranks}; this is rank {self.rank} "
                             f"of {self.ranks}")
-        if any(t.requires_grad for t in (q, k, v)) and torch.is_grad_enabled():
+        for n, t in (("q", q), ("k", k), ("v", v)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 4:
+                raise InputError(f"inputs: '{n}' must be a 4-D torch tensor in the spec's layout")
+            if t.shape[0] != plan.cp.batch or t.shape[plan.seq_axis] != plan.tokens:
+                raise InputError(f"inputs: '{n}' has shape {list(t.shape)}; rank {plan.rank}'s shard holds "
+                                 f"B = {plan.cp.batch} requests of {plan.tokens} tokens (plan.shard(...))")
+        if (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled():
             raise InputError("inputs: q, k or v requires grad, and attnc.distributed has no backward pass yet: "
                              "call it under torch.no_grad() or on detached tensors")
         if backend not in (None, "numpy", "triton", "reference"):
@@ -213,21 +219,15 @@ class ContextParallel:
 
     def _check_call(self, q, k, v, plan: ShardPlan, backend: str) -> None:
         cp = plan.cp
-        if backend == "triton" or q.is_cuda:
+        if plan.ranks > 1 and (backend == "triton" or q.is_cuda):
             raise BackendRefused(
                 "attnc.distributed: a multi-rank call on CUDA tensors needs query/key position offsets in the "
                 "Triton kernels, which they do not have yet; run the ranks on CPU tensors (numpy backend over "
                 "a gloo group) or plan with one rank")
-        if "gloo" not in str(dist.get_backend(plan.group)):
+        if plan.ranks > 1 and "gloo" not in str(dist.get_backend(plan.group)):
             raise BackendRefused(f"attnc.distributed: a multi-rank call moves CPU tensors; the process group's "
                                  f"backend is {dist.get_backend(plan.group)!r} (create it with 'gloo')")
-        for n, t in (("q", q), ("k", k), ("v", v)):
-            if not isinstance(t, torch.Tensor) or t.dim() != 4:
-                raise InputError(f"inputs: '{n}' must be a 4-D torch tensor in the spec's layout")
-            if t.shape[0] != cp.batch or t.shape[plan._seq_axis] != plan.tokens:
-                raise InputError(f"inputs: '{n}' has shape {list(t.shape)}; rank {plan.rank}'s shard holds "
-                                 f"B = {cp.batch} requests of {plan.tokens} tokens (plan.shard(...))")
-        h = 2 if plan._seq_axis == 1 else 1
+        h = 2 if plan.seq_axis == 1 else 1
         shape = (q.shape[h], k.shape[h], q.shape[3], v.shape[3], _DTYPES.get(q.dtype))
         p = cp.program
         if shape != (p.heads_q, p.heads_kv, p.d_qk, p.d_v, p.dtype) or k.dtype != q.dtype or v.dtype != q.dtype:
@@ -237,7 +237,7 @@ class ContextParallel:
 
     def _run(self, q, k, v, plan: ShardPlan, backend: str):
         self._check_call(q, k, v, plan, backend)
-        cp, axis = plan.cp, plan._seq_axis
+        cp, axis = plan.cp, plan.seq_axis
         blocks = _NumpyBlocks(self.attn, cp) if backend == "numpy" else _ReferenceBlocks(cp)
         exchange = _Exchange(plan, k, v, blocks.host)
         as_bhsd = (lambda t: t.transpose(1, 2)) if axis == 1 else (lambda t: t)
@@ -256,7 +256,7 @@ class _NumpyBlocks:
     def __init__(self, attn: Attention, cp: CPPlan):
         self.cp = cp
         self.kernel = attn.kernel("numpy", cp.program)
-        self.bshd = attn._bshd
+        self.bshd = cp.program.cache.layout is ir.Layout.BSHD
 
     @staticmethod
     def host(t: torch.Tensor) -> np.ndarray:
@@ -345,7 +345,7 @@ class _Exchange:
     receive waited for when its blocks are next."""
 
     def __init__(self, plan: ShardPlan, k: torch.Tensor, v: torch.Tensor, host):
-        cp, rank, self.axis = plan.cp, plan.rank, plan._seq_axis
+        cp, rank, self.axis = plan.cp, plan.rank, plan.seq_axis
         self.host = host  # torch -> the blocks' numpy containers
         self.k_shape, self.v_shape = list(k.shape), list(v.shape)
         self.dtype = k.dtype
