@@ -4,7 +4,7 @@ H=16, S=8192, d=128, bf16.  The outputs are checked to be equal first; then both
 turns (rounds), as GPU time per call over back-to-back calls (CUDA events) and as host time per
 call.  One JSON line per (mask, B); the goal is a ratio of at most 1.05.
 
-    python3 bench/cp_overhead.py --out bench/results/cp_overhead_h200.jsonl     # on the GPU
+    python3 bench/cp_overhead.py --out bench/results/studies/cp_overhead_h200.jsonl     # on the GPU
 
 ``--device cpu`` runs the same on the numpy backend (small shapes: ``--seq 64 --heads 2
 --head-dim 16``), which is how CI runs this script.

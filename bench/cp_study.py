@@ -3,7 +3,7 @@ masks at 128K-1M tokens over 8-64 ranks, each strategy's imbalance (max/mean com
 rank) and K/V bytes moved per rank, next to the token-even split (``even``), and which one
 ``auto`` picks.  One JSON line per (mask, S, ranks, strategy); a plot beside it.
 
-    python3 bench/cp_study.py --out bench/results/cp_study.jsonl --png bench/results/cp_study.png
+    python3 bench/cp_study.py --out bench/results/studies/cp_study.jsonl --png bench/results/studies/cp_study.png
 
 Shape: B=1, H=16 (MHA), d=128, bf16 (the prefill bench's), tiles of 128 tokens; the documents'
 ids are the bench's (`segments(256, 2048)`, seed 0).
