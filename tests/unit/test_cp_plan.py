@@ -1,4 +1,4 @@
-"""The context-parallel planner (compiler/cp.py, issue 19): owners, computed cells and K/V traffic
+"""The context-parallel planner (compiler/cp.py, compiler/analysis/partition.py, issue 19): owners, computed cells and K/V traffic
 against brute force over the tile classes; each strategy's shape; auto's choice; refusals."""
 from __future__ import annotations
 
@@ -6,9 +6,8 @@ import numpy as np
 import pytest
 
 from attnc.compiler.analysis.tiles import SKIP
-from attnc.compiler.cp import (
-    balanced_owner, cut_crossings, even_owner, plan_cp, tile_costs, zigzag_owner,
-)
+from attnc.compiler.analysis.partition import balanced_owner, cut_crossings, even_owner, zigzag_owner
+from attnc.compiler.cp import plan_cp, tile_costs
 from attnc.compiler.errors import InputError, PlanError
 from attnc.compiler.lower import compile_spec
 
