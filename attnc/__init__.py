@@ -28,6 +28,9 @@ def __getattr__(name: str):
     if name == "MicrobatchManifest":
         from .compiler.analysis.microbatch import MicrobatchManifest
         return MicrobatchManifest
+    if name == "distributed":  # context parallelism (imports torch)
+        import importlib
+        return importlib.import_module(".distributed", __name__)
     if name == "AttncError":
         from .compiler.errors import AttncError
         return AttncError

@@ -170,6 +170,8 @@ def cmd_plan(args) -> int:
     from .analysis import schedule
     from .plan import logical_layout, plan_split
     program = _concrete(args.spec)
+    if args.ranks is not None:
+        return _plan_ranks(args, program)
     kv = args.kv_lens
     q = args.q_lens if args.q_lens is not None else [1] * len(kv)  # decode, as the kernels' default
     if len(q) != len(kv):
@@ -192,6 +194,25 @@ def cmd_plan(args) -> int:
         sys.stdout.write(plan.text())
         if args.graph:
             print(f"schedule graph -> {dot}, {dot.with_suffix('.json')}")
+    return 0
+
+
+def _plan_ranks(args, program) -> int:
+    """`attnc plan --ranks N`: a context-parallel plan of B prefill requests of one length."""
+    from .cp import plan_cp
+    from .explain import call_tensors
+    kv = args.kv_lens
+    if args.q_lens is not None and args.q_lens != kv:
+        raise InputError("--ranks plans prefill (every token a query row and a key): drop --q-lens")
+    if len(set(kv)) != 1:
+        raise InputError(f"--ranks: the requests of a context-parallel call share one length; --kv-lens has "
+                         f"{', '.join(str(x) for x in sorted(set(kv)))}")
+    if args.graph:
+        raise InputError("--graph writes a split call's schedule; it does not apply with --ranks")
+    batch, seq = len(kv), kv[0]
+    tensors = call_tensors(program, batch, seq, seq, _load_tensor_args(args.tensor), args.seed)
+    plan = plan_cp(program, batch, seq, args.ranks, tensors, block=args.block, strategy=args.strategy)
+    sys.stdout.write(json.dumps(plan.report()) + "\n" if args.json else plan.text())
     return 0
 
 
@@ -454,6 +475,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="one JSON object (stable field names), with the "
                                                        "frozen microbatch manifest")
     p.add_argument("--graph", metavar="FILE.dot", help="write the schedule graph as DOT, and as JSON beside it")
+    cp = p.add_argument_group("context parallelism (--ranks): B prefill requests of --kv-lens tokens each")
+    cp.add_argument("--ranks", type=int, default=None, metavar="N",
+                    help="plan the call over N ranks: tokens, computed cells and K/V bytes per rank")
+    cp.add_argument("--strategy", default="auto", choices=("auto", "even", "zigzag", "balanced"),
+                    help="how tiles are assigned to ranks (default auto)")
+    cp.add_argument("--block", type=int, default=128, help="tokens per tile (default 128)")
+    cp.add_argument("--tensor", action="append", default=[], metavar="NAME=FILE.npy",
+                    help="a declared tensor's value (repeatable); the others are sampled")
+    cp.add_argument("--seed", type=int, default=0, help="seed of the sampled tensors")
     p.set_defaults(fn=cmd_plan)
 
     p = sub.add_parser("dispatch", help="the dispatch key of a call, every backend's admission "

@@ -45,7 +45,8 @@ def compare(what: str, x, ref, atol: float, rtol: float) -> Comparison:
         return Comparison(what, np.inf, np.inf, atol, rtol, False,
                           f"infinity mismatch at {idx}: {x[idx]} vs {ref[idx]}")
     finite = np.isfinite(ref)
-    err = np.where(finite, np.abs(x - ref), 0.0)
+    with np.errstate(invalid="ignore"):  # -inf - -inf on rows with nothing visible: masked out below
+        err = np.where(finite, np.abs(x - ref), 0.0)
     excess = err - (atol + rtol * np.abs(np.where(finite, ref, 0.0)))
     worst = float(excess.max()) if excess.size else 0.0
     detail = ""

@@ -18,16 +18,21 @@ from attnc.compiler.autodiff import score_grad
 from attnc.compiler.errors import PlanError
 from attnc.compiler.interp import evaluate, load  # noqa: F401 (load: re-exported)
 
-def positions(batch: int, heads: int, s_q: int, s_k: int) -> dict[str, np.ndarray]:
-    """Broadcastable b, h, q, k grids over [B, H_q, S_q, S_k] with bottom-right q."""
-    if s_q > s_k:
-        raise PlanError(f"S_q = {s_q} query rows exceed S_k = {s_k} keys; every query row is a "
-                        "token whose own key is in the cache (bottom-right alignment)")
+def positions(batch: int, heads: int, s_q: int, s_k: int, q_offset: int | None = None,
+              k_offset: int = 0) -> dict[str, np.ndarray]:
+    """Broadcastable b, h, q, k grids over [B, H_q, S_q, S_k]: bottom-right q by default; a block
+    of a larger call (context parallelism) puts its rows at ``q_offset + i`` and its keys at
+    ``k_offset + j``."""
+    if q_offset is None:
+        if s_q > s_k:
+            raise PlanError(f"S_q = {s_q} query rows exceed S_k = {s_k} keys; every query row is a "
+                            "token whose own key is in the cache (bottom-right alignment)")
+        q_offset = s_k - s_q
     return {
         "b": np.arange(batch).reshape(-1, 1, 1, 1),
         "h": np.arange(heads).reshape(1, -1, 1, 1),
-        "q": (s_k - s_q + np.arange(s_q)).reshape(1, 1, -1, 1),
-        "k": np.arange(s_k).reshape(1, 1, 1, -1),
+        "q": (q_offset + np.arange(s_q)).reshape(1, 1, -1, 1),
+        "k": (k_offset + np.arange(s_k)).reshape(1, 1, 1, -1),
     }
 
 
@@ -38,14 +43,17 @@ def dense_mask(program: ir.Program, batch: int, s_q: int, s_k: int, tensors: dic
     return np.broadcast_to(m, (batch, program.heads_q, s_q, s_k))
 
 
-def reference(program: ir.Program, q, k, v, tensors: dict | None = None):
+def reference(program: ir.Program, q, k, v, tensors: dict | None = None, *, q_offset: int | None = None,
+              k_offset: int = 0):
     """Float64 attention: returns (O [B,H_q,S_q,d_v], LSE [B,H_q,S_q]).
 
-    q [B,H_q,S_q,d_qk], k [B,H_kv,S_k,d_qk], v [B,H_kv,S_k,d_v] (bhsd)."""
+    q [B,H_q,S_q,d_qk], k [B,H_kv,S_k,d_qk], v [B,H_kv,S_k,d_v] (bhsd).  ``q_offset``/``k_offset``:
+    a block of a larger call, rows and keys at those positions (:func:`positions`), the
+    tensors the whole call's."""
     q = np.asarray(q)
     batch, _, s_q, _ = q.shape
-    return _attend(program, q, k, v, positions(batch, program.heads_q, s_q, np.asarray(k).shape[2]),
-                   tensors or {})
+    env = positions(batch, program.heads_q, s_q, np.asarray(k).shape[2], q_offset, k_offset)
+    return _attend(program, q, k, v, env, tensors or {})
 
 
 def reference_request(program: ir.Program, b: int, q, k, v, tensors: dict | None = None):

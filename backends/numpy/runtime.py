@@ -149,6 +149,21 @@ class Kernel:
             o = o.astype(np.float16)
         return (o, lse) if return_lse else o
 
+    def block(self, q, k, v, block: dict, tensors: dict):
+        """One block of a larger contiguous call (context parallelism, ``compiler.cp``): query
+        rows and keys in the spec's layout, ``block`` the block's tile lists and the positions of
+        its first row and key (``CPPlan.block_args``), ``tensors`` the whole call's, validated
+        with its plan.  Returns the partial state: O [.., d_v] in float32 as computed (not
+        rounded to the storage dtype) and LSE [B, H_q, rows]."""
+        if self.source.family != "attention":
+            raise PlanError(f"spec '{self.program.name}' declares a {self.program.cache.kind.value} cache: "
+                            "a block of a contiguous call needs a contiguous one")
+        fn = getattr(self.module, self.source.entry)
+        try:
+            return fn(np.asarray(q), np.asarray(k), np.asarray(v), plan=block, return_lse=True, **tensors)
+        except self.module.AttncRuntimeError as e:
+            raise PlanError(str(e)) from None
+
     def run(self, arrays: dict, *, plan: Plan | SplitPlan | None = None, return_lse=False,
             stats: dict | None = None, occupancy=None):
         """A call given as a dict of DESIGN §5 keys (what ``attnc run`` reads from an npz)."""

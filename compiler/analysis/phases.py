@@ -59,6 +59,8 @@ def phase_of(T: int, C: int) -> str:
     """The phase of one request (§0x08B), one of :data:`PHASES`.  Causal training over S
     tokens is ``(0, S)``, so it reads "prefill": same visibility; the state it owns instead
     (backward, LSE/RNG, no cache mutation, §0x08E) is invisible in (T, C)."""
+    if C > 0 and T == -C:  # a request with no keys whose rows see nothing
+        return "empty"
     r = Request(T, C)  # validates: integers, not negative
     return "idle" if r.C == 0 else "prefill" if r.T == 0 else "decode" if r.C == 1 else "append"
 
