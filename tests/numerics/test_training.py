@@ -4,6 +4,8 @@ gradcheck in float64 on the numpy path (q, k, v and a learned bias), the float32
 torch's dense autograd (GQA, empty rows, a document mask read from a tensor), the Triton kernel
 (interpreter) against the numpy path, torch.compile through the custom op's autograd, refusals,
 and a 50-step training run that follows the same model with eager attention."""
+import os
+
 import numpy as np
 import pytest
 
@@ -12,6 +14,8 @@ torch = pytest.importorskip("torch", reason="attnc.compile runs on torch tensors
 import attnc  # noqa: E402
 from attnc.compiler.errors import InputError  # noqa: E402
 
+# the Triton backend's device: the GPU under ATTNC_TEST_GPU=1, else the CPU interpreter
+TRITON_DEVICE = "cuda" if os.environ.get("ATTNC_TEST_GPU") == "1" and torch.cuda.is_available() else "cpu"
 DOC = "attention d { heads = 4 / 2 head_dim = 8 tensor doc: i32[b, s] mask = causal & doc[b, q] == doc[b, k] }"
 BIAS = ("attention lb { heads = 2 head_dim = 4 tensor bias: f32[h, s, s] score = score + bias[h, q, k] "
         "score = softcap(score, 5.0) mask = causal }")
@@ -74,10 +78,10 @@ def test_triton_kernel_gradients_match_the_numpy_path():
     base = [torch.randn(1, h, 16, 8, generator=gen) for h in (4, 2, 2)]
     do = torch.randn(1, 4, 16, 8, generator=gen)
     grads = {}
-    for backend in ("numpy", "triton"):
-        leaves = [x.clone().requires_grad_() for x in base]
-        (attn(*leaves, doc=doc, backend=backend) * do).sum().backward()
-        grads[backend] = [x.grad for x in leaves]
+    for backend, dev in (("numpy", "cpu"), ("triton", TRITON_DEVICE)):
+        leaves = [x.clone().to(dev).requires_grad_() for x in base]
+        (attn(*leaves, doc=doc.to(dev), backend=backend) * do.to(dev)).sum().backward()
+        grads[backend] = [x.grad.cpu() for x in leaves]
     for a, b in zip(grads["numpy"], grads["triton"]):
         assert torch.allclose(a, b, atol=2e-5, rtol=1e-4)
 
@@ -103,8 +107,8 @@ def test_float64_on_the_gpu_is_refused():
 def test_triton_refuses_a_score_tensor_gradient():
     pytest.importorskip("triton")
     attn = attnc.compile(BIAS)
-    q = torch.randn(1, 2, 6, 4, requires_grad=True)
-    bias = torch.zeros(2, 6, 6, requires_grad=True)
+    q = torch.randn(1, 2, 6, 4, device=TRITON_DEVICE, requires_grad=True)
+    bias = torch.zeros(2, 6, 6, device=TRITON_DEVICE, requires_grad=True)
     with pytest.raises(attnc.api.BackendRefused, match="tensor 'bias' requires grad: the triton backward gives "
                                                       "dQ, dK, dV only"):
         attn(q, q.detach(), q.detach(), bias=bias, backend="triton")
