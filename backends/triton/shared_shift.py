@@ -174,8 +174,8 @@ def _fallback_split(NEED, Q, K, V, P_O, P_M, P_L, P_VALID,
         split._decode_split(Q, K, V, P_O, P_M, P_L, P_VALID,
                             s_qt, s_qh, s_qd, s_kp, s_kt, s_kh, s_kd, s_vp, s_vt, s_vh, s_vd,
                             KV_LENS, QO_INDPTR, TILE_REQ, TILE_ROW0, BASE, TABLE, s_tb, ENTRY_PTR, BLOCKS, PARTIAL,
-                            TS, S_CAP, qk_scale,
-                            CACHE, PAGE_SIZE, ABI_MLU, ONE_ROW, BLOCK_Q, BLOCK_N, G_PAD,
+                            TS, S_CAP, qk_scale, KV_LENS,  # (no split bounds: the fast route's even splits)
+                            CACHE, PAGE_SIZE, ABI_MLU, False, ONE_ROW, BLOCK_Q, BLOCK_N, G_PAD,
                             VISIBLE, SCORE, HAS_SCORE, SCALE, H_Q, H_KV, GROUP, D_QK, D_V, D_QK_PAD, D_V_PAD,
                             DOT_PRECISION)
 
@@ -252,6 +252,11 @@ class ShiftLaunch:
         total_q = q.shape[0]
         if total_q == 0:
             return out, lse
+        if plan.get("bounded"):
+            from attnc.compiler.errors import PlanError
+            raise PlanError(f"state = shared_shift runs the Triton backend's block-share splits; this spec also "
+                            f"declares split = {plan['policy']}, which the shared frame's kernels do not take yet "
+                            "(use split = auto, or state = lse_o / mlu)")
         s_cap = plan["splits"]
         f = self.fields(workspace, total_q, s_cap)
         block_q = plan["block_q"]
