@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import __version__, inputs, numerics, oracle
+from . import __version__, inputs, numerics, oracle, resources
 from .dispatch import REGISTRY, backend
 from .errors import AttncError, InputError
 from .lower import compile_file
@@ -66,24 +66,16 @@ def cmd_ir(args) -> int:
     return 0
 
 
-def _load_npz(path: str) -> dict[str, np.ndarray]:
-    try:
-        with np.load(path, allow_pickle=False) as f:
-            return {k: f[k] for k in f.files}
-    except (OSError, ValueError) as e:
-        raise InputError(f"cannot read inputs file {path}: {e}") from None
-
-
 def cmd_run(args) -> int:
     program = _concrete(args.spec)
     if args.inputs:
-        arrays = _load_npz(args.inputs)
+        arrays = inputs.load_npz(args.inputs)
     elif program.cache.kind.value != "contiguous":  # a sampled paged/ragged cache (shuffled pages)
         arrays = inputs.sample_cache(program, [args.kv_len] * args.batch,
-                                     [args.q_len or args.kv_len] * args.batch, args.seed)
+                                     [args.kv_len if args.q_len is None else args.q_len] * args.batch, args.seed)
     else:
         s_k = args.kv_len
-        arrays = inputs.sample(program, args.batch, args.q_len or s_k, s_k, args.seed)
+        arrays = inputs.sample(program, args.batch, s_k if args.q_len is None else args.q_len, s_k, args.seed)
     if inputs.is_split_call(program, arrays):
         return _run_split(args, program, arrays)
     if args.cuda_graph:
@@ -143,6 +135,38 @@ def _run_split(args, program, arrays) -> int:
     return 0
 
 
+def _integer(text: str, lo: int, hi: int | None = None) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < lo:
+        raise argparse.ArgumentTypeError(f"expected an integer >= {lo}, got {text!r}")
+    if hi is not None and value > hi:
+        raise argparse.ArgumentTypeError(f"{value} exceeds {hi} (2^31 - 1): positions are int32 in every kernel")
+    return value
+
+
+def _positive(text: str) -> int:
+    return _integer(text, 1)
+
+
+def _count(text: str) -> int:
+    return _integer(text, 0)
+
+
+def _length(text: str) -> int:
+    """A sequence length: 1 <= n <= 2^31 - 1 (int32 positions)."""
+    return _integer(text, 1, resources.MAX_LENGTH)
+
+
+def _size(text: str) -> int:
+    try:
+        return resources.parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _lengths_arg(text: str) -> list[int]:
     try:
         out = [int(x) for x in text.split(",") if x.strip()]
@@ -150,6 +174,10 @@ def _lengths_arg(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
     if not out or any(x < 0 for x in out):
         raise argparse.ArgumentTypeError(f"expected non-negative lengths, got {text!r}")
+    too_long = [x for x in out if x > resources.MAX_LENGTH]
+    if too_long:
+        raise argparse.ArgumentTypeError(f"length {too_long[0]} exceeds {resources.MAX_LENGTH} (2^31 - 1): "
+                                         "positions are int32 in every kernel")
     return out
 
 
@@ -198,12 +226,7 @@ def _load_tensor_args(items: list[str]) -> dict[str, np.ndarray]:
             raise InputError(f"--tensor takes NAME=FILE.npy, got {item!r}")
         if name in out:
             raise InputError(f"--tensor {name} given twice")
-        try:
-            out[name] = np.load(path, allow_pickle=False)
-        except (OSError, ValueError, EOFError) as e:
-            raise InputError(f"cannot read tensor file {path} for '{name}': {e}") from None
-        if not isinstance(out[name], np.ndarray):
-            raise InputError(f"tensor file {path} for '{name}' is not a .npy array")
+        out[name] = inputs.load_npy(path, f"tensor file for '{name}'")
     return out
 
 
@@ -364,6 +387,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--version", action="version", version=f"attnc {__version__}")
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
     backends = sorted(REGISTRY)
+    limits = argparse.ArgumentParser(add_help=False)  # the commands that plan, sample or evaluate
+    limits.add_argument("--memory-limit", type=_size, default=None, metavar="SIZE",
+                        help=f"refuse a call whose estimated host memory exceeds SIZE (e.g. 8GiB; default "
+                             f"${resources.ENV_VAR} or {resources.format_size(resources.DEFAULT_MEMORY_LIMIT)})")
 
     p = sub.add_parser("check", help="parse and check specs; exit 1 with located errors")
     p.add_argument("spec", nargs="+")
@@ -381,17 +408,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output")
     p.set_defaults(fn=cmd_ir)
 
-    p = sub.add_parser("run", help="run a spec on inputs (npz) or on sampled inputs")
+    p = sub.add_parser("run", parents=[limits], help="run a spec on inputs (npz) or on sampled inputs")
     p.add_argument("spec")
     p.add_argument("--backend", default="numpy", choices=backends)
     p.add_argument("--inputs", help="npz with q, k, v and every declared tensor")
     p.add_argument("--out", help="npz to write o and lse to")
     p.add_argument("--check", action="store_true", help="compare with the float64 oracle")
-    p.add_argument("--batch", type=int, default=2, help="sampled inputs: B")
-    p.add_argument("--q-len", type=int, default=None, help="sampled inputs: S_q (default S_k)")
-    p.add_argument("--kv-len", type=int, default=128, help="sampled inputs: S_k")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--sp", type=int, default=None, metavar="N",
+    p.add_argument("--batch", type=_positive, default=2, help="sampled inputs: B")
+    p.add_argument("--q-len", type=_length, default=None, help="sampled inputs: S_q (default S_k)")
+    p.add_argument("--kv-len", type=_length, default=128, help="sampled inputs: S_k")
+    p.add_argument("--seed", type=_count, default=0)
+    p.add_argument("--sp", type=_positive, default=None, metavar="N",
                    help="ahbm: N PEs per (request, K/V head): decode round-robin + tree, prefill ring")
     p.add_argument("--report", action="store_true",
                    help="ahbm: print the simulated latency per engine and PE, and the op-log counters")
@@ -400,19 +427,19 @@ def build_parser() -> argparse.ArgumentParser:
                         "call in a CUDA graph and replay it (graph_mode; Kernel.decode_graph)")
     p.set_defaults(fn=cmd_run)
 
-    p = sub.add_parser("explain", help="FlashMask intervals, representability, tile classes and "
+    p = sub.add_parser("explain", parents=[limits], help="FlashMask intervals, representability, tile classes and "
                                        "metadata ledger for one call shape; Paddle / Flex exports",
                        description="Analyse the mask for B requests of S_q query rows over S_k keys "
                                    "(bottom-right aligned). Tensors come from --tensor files, else "
                                    "from the spec's sample distributions (the values `attnc run` draws for the "
                                    "same --batch, lengths and --seed).")
     p.add_argument("spec")
-    p.add_argument("--q-len", type=int, default=None, help="S_q (default S_k: prefill)")
-    p.add_argument("--kv-len", type=int, required=True, help="S_k")
-    p.add_argument("--batch", type=int, default=1, help="B (default 1)")
+    p.add_argument("--q-len", type=_length, default=None, help="S_q (default S_k: prefill)")
+    p.add_argument("--kv-len", type=_length, required=True, help="S_k")
+    p.add_argument("--batch", type=_positive, default=1, help="B (default 1)")
     p.add_argument("--tensor", action="append", default=[], metavar="NAME=FILE.npy",
                    help="a declared tensor's value (repeatable); the others are sampled")
-    p.add_argument("--seed", type=int, default=0, help="seed of the sampled tensors")
+    p.add_argument("--seed", type=_count, default=0, help="seed of the sampled tensors")
     p.add_argument("--block", type=_block, default=(128, 64), metavar="MxN",
                    help="tile: block_m query rows x block_n keys (default 128x64)")
     fmt = p.add_mutually_exclusive_group()
@@ -425,7 +452,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--png", metavar="FILE", help="tile-class map of (b=0, h=0) as a PNG (needs attnc[plot])")
     p.set_defaults(fn=cmd_explain)
 
-    p = sub.add_parser("plan", help="split bounds, launch grids, workspace bytes and ledgers of a "
+    p = sub.add_parser("plan", parents=[limits], help="split bounds, launch grids, workspace bytes and ledgers of a "
                                     "split call; the schedule graph",
                        description="Plan a split-K/V call of B requests (bottom-right positions): the "
                                    "spec's split policy and state ABI, its heads, head_dim, dtype and "
@@ -435,7 +462,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="visible K/V length of each request (its query rows included)")
     p.add_argument("--q-lens", type=_lengths_arg, default=None, metavar="C0,C1,...",
                    help="query rows of each request (default 1 per non-empty request: decode)")
-    p.add_argument("--sms", type=int, default=132, help="SMs the heuristic/auto split plans for (default 132)")
+    p.add_argument("--sms", type=_positive, default=132, help="SMs the heuristic/auto split plans for (default 132)")
     p.add_argument("--json", action="store_true", help="one JSON object (stable field names)")
     p.add_argument("--graph", metavar="FILE.dot", help="write the schedule graph as DOT, and as JSON beside it")
     p.set_defaults(fn=cmd_plan)
@@ -453,7 +480,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="one JSON object: key, digest, candidates, selection")
     p.set_defaults(fn=cmd_dispatch)
 
-    p = sub.add_parser("tune", help="search a backend's launch configs per dispatch key; store the "
+    p = sub.add_parser("tune", parents=[limits], help="search a backend's launch configs per dispatch key; store the "
                                     "winners with raw samples in the tuning cache",
                        description="For each B:S_q:S_k shape, check every candidate config against the "
                                    "float64 oracle before timing it, time the passing ones (synchronized "
@@ -464,9 +491,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", default="triton", help="backend whose space is searched (default triton)")
     p.add_argument("--cache", metavar="FILE", default=None,
                    help="tuning cache (default $ATTNC_TUNE_CACHE or ~/.cache/attnc/tune.json)")
-    p.add_argument("--warmup", type=int, default=5, help="untimed calls before the samples (default 5)")
-    p.add_argument("--repeats", type=int, default=20, help="raw samples per candidate (default 20)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the sampled inputs")
+    p.add_argument("--warmup", type=_count, default=5, help="untimed calls before the samples (default 5)")
+    p.add_argument("--repeats", type=_positive, default=20, help="raw samples per candidate (default 20)")
+    p.add_argument("--seed", type=_count, default=0, help="seed of the sampled inputs")
     p.add_argument("--retune", action="store_true", help="tune keys the cache already has again")
     p.add_argument("--evidence", metavar="FILE.jsonl", help="append one validated evidence row per candidate")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
@@ -478,10 +505,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, metavar="FILE.jsonl")
     p.add_argument("--masks", default=None, help="prefill: comma-separated subset of "
                                                  "causal,sliding_window_1024,causal_document,prefix_lm_2048,full")
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--seq", type=int, default=8192)
-    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--batch", type=_positive, default=4)
+    p.add_argument("--heads", type=_positive, default=16)
+    p.add_argument("--seq", type=_length, default=8192)
+    p.add_argument("--head-dim", type=_positive, default=128)
     p.add_argument("--flex-modes", default="default,max-autotune-no-cudagraphs", help="empty: no FlexAttention")
     p.add_argument("--no-sdpa", action="store_true")
     p.add_argument("--cases", default=None, help="decode: B:T,... (default 8:8192,32:8192,1:131072,64:2048)")
@@ -489,13 +516,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-configs", action="store_true", help="decode: no fixed-config rows")
     p.set_defaults(fn=cmd_bench)
 
-    p = sub.add_parser("demo", help="compile and run examples for prefill, append and decode "
+    p = sub.add_parser("demo", parents=[limits], help="compile and run examples for prefill, append and decode "
                                     "against the float64 oracle")
     p.add_argument("spec", nargs="*", help="specs (default: every example shipped with attnc)")
     p.add_argument("--backend", default="numpy", choices=backends)
-    p.add_argument("--length", type=int, default=128, help="S_k of every phase")
-    p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--length", type=_length, default=128, help="S_k of every phase")
+    p.add_argument("--batch", type=_positive, default=2)
+    p.add_argument("--seed", type=_count, default=0)
     p.set_defaults(fn=cmd_demo)
     return ap
 
@@ -503,7 +530,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return args.fn(args)
+        with resources.overridden(getattr(args, "memory_limit", None)):
+            return args.fn(args)
     except AttncError as e:
         if args.debug:
             raise

@@ -8,6 +8,8 @@ user gives none (tensor declarations carry ``~ kind(args)``).
 """
 from __future__ import annotations
 
+import zipfile
+import zlib
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -55,6 +57,54 @@ def to_storage(x: np.ndarray, dtype: str) -> np.ndarray:
     if dtype == "bf16":
         return round_bf16(x)
     return x
+
+
+# ---------------------------------------------------------------- input files
+_NPZ_MAGIC = (b"PK\x03\x04", b"PK\x05\x06")  # a zip archive (np.savez), an empty one
+_NPY_MAGIC = b"\x93NUMPY"
+# what numpy, zipfile and zlib raise on a damaged file
+_READ_ERRORS = (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error)
+
+
+def _file_kind(path: str, what: str) -> str:
+    """'npz' or 'npy' from the file's first bytes; an InputError for anything else."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(6)
+    except OSError as e:
+        raise InputError(f"cannot read {what} {path}: {e.strerror or e}") from None
+    if not head:
+        raise InputError(f"{what} {path} is empty")
+    if head.startswith(_NPZ_MAGIC):
+        return "npz"
+    if head.startswith(_NPY_MAGIC):
+        return "npy"
+    raise InputError(f"{what} {path} is neither a numpy .npz archive nor a .npy array "
+                     f"(it starts with {head!r})")
+
+
+def load_npz(path: str) -> dict[str, np.ndarray]:
+    """The named arrays of an ``.npz`` inputs file (``np.savez``); an InputError naming the
+    file for anything else (an empty file, a ``.npy`` array, a damaged archive, pickled objects)."""
+    what = "inputs file"
+    if _file_kind(path, what) == "npy":
+        raise InputError(f"{what} {path} is a single .npy array; --inputs takes an .npz archive of named "
+                         "arrays (q, k, v and every declared tensor): np.savez(path, q=q, k=k, v=v, ...)")
+    try:
+        with np.load(path, allow_pickle=False) as f:
+            return {k: np.asarray(f[k]) for k in f.files}
+    except _READ_ERRORS as e:
+        raise InputError(f"{what} {path} is damaged or not readable: {type(e).__name__}: {e}") from None
+
+
+def load_npy(path: str, what: str) -> np.ndarray:
+    """The array of a ``.npy`` file; an InputError naming ``what`` and the file otherwise."""
+    if _file_kind(path, what) == "npz":
+        raise InputError(f"{what} {path} is an .npz archive; it takes one .npy array (np.save)")
+    try:
+        return np.asarray(np.load(path, allow_pickle=False))
+    except _READ_ERRORS as e:
+        raise InputError(f"{what} {path} is damaged or not readable: {type(e).__name__}: {e}") from None
 
 
 # ---------------------------------------------------------------- validation

@@ -95,7 +95,7 @@ def test_tensor_files_replace_sampled_values(tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--tensor", "nope=x.npy"], "cannot read tensor file x.npy for 'nope'"),
+    (["--tensor", "nope=x.npy"], "cannot read tensor file for 'nope' x.npy: No such file"),
     (["--tensor", "doc"], "--tensor takes NAME=FILE.npy, got 'doc'"),
     (["--q-len", "65"], "S_q = 65 query rows exceed S_k = 64 keys"),
     (["--out", "x.npz"], "--out writes a --format export (paddle or flex)"),
