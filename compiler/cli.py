@@ -78,10 +78,13 @@ def cmd_run(args) -> int:
         arrays = inputs.sample(program, args.batch, s_k if args.q_len is None else args.q_len, s_k, args.seed)
     if inputs.is_split_call(program, arrays):
         return _run_split(args, program, arrays)
+
     if args.cuda_graph:
         raise InputError("--cuda-graph replays split calls (a paged or ragged cache, or per-request lengths); "
                          "this is a prefill over a contiguous cache, which the launcher runs directly")
     call = inputs.validate(program, arrays)
+    if args.check:  # refused before the kernel runs, not after
+        oracle.require_rectangle(program, call.batch * program.heads_q * call.s_q * call.s_k)
     if (args.sp or args.report) and args.backend != "ahbm":
         raise InputError("--sp and --report run on the AHBM mesh simulator: add --backend ahbm")
     kernel = backend(args.backend).load(program, **({"sp": args.sp} if args.sp else {}))
@@ -110,6 +113,8 @@ def _run_split(args, program, arrays) -> int:
     """`attnc run` over a paged/ragged cache or with per-request lengths (DESIGN §5 keys):
     packed q, o [total_q, H_q, d_v], lse [total_q, H_q]."""
     call = inputs.validate_cache(program, arrays)
+    if args.check:
+        oracle.require_rectangle(program, program.heads_q * int((call.q_lens * call.kv_lens).sum()))
     kernel = backend(args.backend).load(program)
     if not hasattr(kernel, "run"):
         raise InputError(f"the {args.backend} backend does not run {inputs.cache_description(program)} "

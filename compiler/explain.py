@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from . import inputs, ir
+from . import inputs, ir, resources
 from .analysis import run_plan_pipeline
 from .analysis.intervals import MaskIntervals
 from .analysis.tiles import FULL, PARTIAL, SKIP, TilePlan
@@ -27,6 +27,7 @@ from .errors import AttncError, InputError
 
 DEFAULT_BLOCK = (128, 64)  # block_m (query rows) x block_n (keys), as in DESIGN §7's example
 SAMPLE_BUDGET = 1 << 25  # q/k/v elements `inputs.sample` may draw before explain slims them
+FLEX_BYTES_PER_TILE = 120  # kv_indices and full_kv_indices: argsort temporaries and Python lists
 
 
 # ---------------------------------------------------------------- arguments
@@ -332,6 +333,8 @@ def flex_block_mask(plan: TilePlan, s_q: int, s_k: int) -> dict:
     blocks (``kv_num_blocks``/``kv_indices``, mask_mod applied) and FULL blocks
     (``full_kv_*``, mask_mod skipped), ``BLOCK_SIZE = (block_m, block_n)``, shape
     ``[B', H', T_r(, T_c)]``."""
+    resources.require(f"the FlexAttention export of {plan.classes.size:,} tiles (index arrays and their JSON lists)",
+                      FLEX_BYTES_PER_TILE * plan.classes.size)
     out = {"BLOCK_SIZE": [plan.block_m, plan.block_n], "seq_lengths": [s_q, s_k],
            "shape": list(plan.classes.shape)}
     for name, a in plan.flex_block_mask().items():

@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from . import ir
+from . import ir, resources
 from .errors import InputError
 
 
@@ -174,6 +174,7 @@ def check_shapes(program: ir.Program, metas: dict[str, tuple[tuple[int, ...], st
         if logical[n] != want[n]:
             raise InputError(f"inputs: '{n}' has shape {_fmt(metas[n][0])}; expected "
                              f"{_fmt(expected_shapes(program, batch, s_q, s_k)[n])}")
+    resources.check_length("S_k", s_k)
     if s_q > s_k:
         raise InputError(f"inputs: 'q' has S_q = {s_q} rows but 'k' has S_k = {s_k} keys; "
                          "S_q <= S_k (query rows are the last S_q positions)")
@@ -413,6 +414,8 @@ def sample_cache(program: ir.Program, kv_lens, q_lens=None, seed: int = 0, *, sp
     p, c = program, program.cache
     kv = np.asarray(kv_lens, np.int64)
     q_lens = (kv > 0).astype(np.int64) if q_lens is None else np.asarray(q_lens, np.int64)
+    B = max(kv.size, 1)
+    _require_sample(p, B, -(-int(q_lens.sum()) // B), int(kv.max(initial=0)) + (c.page_size or 3))
     B, fill = kv.size, np.nan if poison else 0.0
     store = np.float16 if p.dtype == "f16" else np.float32
     q = to_storage(rng.standard_normal((int(q_lens.sum()), p.heads_q, p.d_qk), np.float32), p.dtype)
@@ -488,9 +491,26 @@ def _prefix_ends(rng, doc, lo, hi):
     return out
 
 
+def sample_bytes(program: ir.Program, batch: int, s_q: int, s_k: int) -> int:
+    """Peak bytes of :func:`sample` (and of a split call's :func:`sample_cache` over as many rows):
+    float32 q/k/v drawn, rounded and laid out (three copies), tensors drawn as int64 or float64."""
+    p = program
+    qkv = batch * (p.heads_q * s_q * p.d_qk + p.heads_kv * s_k * (p.d_qk + p.d_v))
+    sizes = {"b": batch, "h": p.heads_q, "s": s_k}
+    tensors = sum(int(np.prod([sizes[x] if isinstance(x, str) else x for x in t.axes])) for t in p.tensors)
+    return 12 * qkv + 16 * tensors
+
+
+def _require_sample(program: ir.Program, batch: int, s_q: int, s_k: int) -> None:
+    resources.check_length("S_k", s_k)
+    resources.require(f"sampled inputs of '{program.name}' (B = {batch}, S_q = {s_q}, S_k = {s_k})",
+                      sample_bytes(program, batch, s_q, s_k))
+
+
 def sample(program: ir.Program, batch: int, s_q: int, s_k: int, seed: int = 0) -> dict[str, np.ndarray]:
     """Example inputs in the spec's layout: q/k/v ~ N(0, 1) rounded to the storage dtype, and
     every declared tensor drawn from its ``~ kind(args)``."""
+    _require_sample(program, batch, s_q, s_k)
     rng = np.random.default_rng(seed)
     p = program
     arrays = {

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from . import ir
+from . import ir, resources
 from .analysis import run_plan_pipeline
 from .analysis.intervals import MaskIntervals, RowIntervals
 from .analysis.splits import occupancy_for
@@ -554,6 +554,7 @@ def logical_layout(program: ir.Program, kv_lens):
     from .analysis.ledger import dtype_bytes
     p = program
     kv = np.asarray(kv_lens, np.int64)
+    resources.check_lengths("kv_lens", kv)
     dims = dict(heads_q=p.heads_q, heads_kv=p.heads_kv, d_qk=p.d_qk, d_v=p.d_v, elem_bytes=dtype_bytes(p.dtype))
     kind = p.cache.kind.value
     if kind == "contiguous":
@@ -562,6 +563,9 @@ def logical_layout(program: ir.Program, kv_lens):
         return lay.ragged(np.concatenate([[0], np.cumsum(kv)]), **dims)
     size = p.cache.page_size
     n_pages = -(-kv // size)
+    table_entries = int(n_pages.sum()) if (p.cache.table or "dense") == "csr" \
+        else kv.size * int(n_pages.max(initial=1))
+    resources.require(f"the page table of {int(n_pages.sum()):,} pages", 24 * table_entries)
     first = np.concatenate([[0], np.cumsum(n_pages)])
     pool = max(int(first[-1]), 1)
     common = dict(page_size=size, num_pages=pool, order=p.cache.layout.value, **dims)

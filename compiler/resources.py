@@ -114,9 +114,9 @@ def check_lengths(name: str, values) -> None:
 
 # ---------------------------------------------------------------- estimates (bytes)
 # Peak bytes per unit, measured with tracemalloc on the steps below and rounded up.
-COLUMN_BYTES = 160  # interval analysis: per analysed column (B' x H' x S_k), int64 row sets and temporaries
-TILE_BYTES = 24  # tile plan: per tile of the [B', H', T_r, T_c] grid (classes, masks, CSR lists)
-PAGE_BYTES = 700  # split plan: per page or storage run (Python segment records, the schedule graph)
+COLUMN_BYTES = 420  # interval analysis: per analysed column (B' x H' x S_k); measured 180-410
+TILE_BYTES = 24  # tile plan: per tile of the [B', H', T_r, T_c] grid (classes, CSR lists); measured 7-22
+PAGE_BYTES = 400  # split plan: per storage run (a page, or a piece of block_rows rows); measured 250-270
 CELL_BYTES = 3  # a dense boolean mask evaluated in column chunks: per cell, with its temporaries
 
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from attnc.compiler import ir
+from attnc.compiler import ir, resources
 from attnc.compiler.errors import PlanError
 from attnc.compiler.interp import evaluate, load
 
@@ -225,10 +225,14 @@ class _Analyzer:
             raise PlanError(f"negative length: B = {batch}, S_q = {s_q}, S_k = {s_k}")
         if s_q > s_k and not transposed:
             raise PlanError(f"S_q = {s_q} query rows exceed S_k = {s_k} keys (bottom-right alignment)")
+        resources.check_length("S_k" if not transposed else "S_q", max(s_q, s_k))
         self.program, self.tensors = program, tensors
         names = ir.free_vars(program.mask)
         self.shape = (batch if "b" in names else 1, program.heads_q if "h" in names else 1, s_k)
         self.n = int(np.prod(self.shape))
+        resources.require(f"the interval analysis of '{program.name}' ({self.n:,} columns: B' x H' x "
+                          f"{'S_q' if transposed else 'S_k'} = {self.shape[0]} x {self.shape[1]} x {s_k})",
+                          resources.intervals_bytes(self.n))
         self.rows, self.q0 = s_q, s_k - s_q
         self.env = {"b": np.arange(self.shape[0]).reshape(-1, 1, 1),
                     "h": np.arange(self.shape[1]).reshape(1, -1, 1),

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from attnc.compiler import resources
 from attnc.compiler.ir import TileClass
 from .intervals import MaskIntervals
 
@@ -136,6 +137,10 @@ def plan_tiles(mi: MaskIntervals, block_m: int, block_n: int, method: str = "aut
     representable, else the exact classifier regardless of cost (correct first)."""
     if block_m < 1 or block_n < 1:
         raise ValueError(f"tile sizes must be positive, got {block_m}x{block_n}")
+    b_, h_, s_k = mi.shape
+    t_r, t_c = -(-mi.s_q // block_m), -(-s_k // block_n)
+    resources.require(f"the tile plan ({b_} x {h_} x {t_r:,} x {t_c:,} tiles of {block_m}x{block_n})",
+                      resources.tiles_bytes(b_ * h_, mi.s_q, s_k, block_m, block_n))
     if method == "auto":
         width = mi.visible.must.start.shape[1] + mi.visible.may.start.shape[1]
         work = -(-mi.s_q // block_m) * mi.visible.must.columns * max(width, 1)
