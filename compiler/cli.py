@@ -361,28 +361,40 @@ def cmd_tune(args) -> int:
         rows = [r for res in results for r in res.rows]
         for r in rows:
             evidence.check_row(r)
-        with open(args.evidence, "a") as f:
-            f.writelines(json.dumps(r) + "\n" for r in rows)
+        try:
+            with open(args.evidence, "a") as f:
+                f.writelines(json.dumps(r) + "\n" for r in rows)
+        except OSError as e:
+            raise InputError(f"cannot write evidence rows to {args.evidence}: {e.strerror or e}") from None
+    stored = not cache.write_errors  # (each failure was reported on stderr as it happened)
+
+    def untuned(e) -> dict:  # an entry from the file may predate these fields
+        return e["untuned"] if isinstance(e.get("untuned"), dict) else {}
+
     if args.json:
-        print(json.dumps({"spec": program.name, "backend": args.backend, "cache": str(cache.path),
+        print(json.dumps({"spec": program.name, "backend": args.backend, "cache": str(cache.path), "stored": stored,
                           "results": [{"shape": str(r.shape), "digest": r.key.digest, "cached": r.cached,
                                        "config": r.config, "median_ms": r.entry["median_ms"],
-                                       "untuned": r.entry["untuned"],
-                                       "speedup_vs_untuned": r.entry["speedup_vs_untuned"]} for r in results]}))
-        return 0
+                                       "untuned": untuned(r.entry),
+                                       "speedup_vs_untuned": r.entry.get("speedup_vs_untuned")} for r in results]}))
+        return 0 if stored else 1
     print(f"{program.name} on {args.backend}: tuning cache {cache.path}")
     print(f"  {'B:S_q:S_k':14} {'key':12}  {'median ms':>10} {'untuned ms':>10} {'speedup':>7}  winner")
     for r in results:
         e = r.entry
-        base = e["untuned"].get("median_ms")
-        sp = f"{e['speedup_vs_untuned']:.2f}x" if e.get("speedup_vs_untuned") else "-"
+        base = untuned(e).get("median_ms")
+        base = base if isinstance(base, (int, float)) and not isinstance(base, bool) else None
+        speedup = e.get("speedup_vs_untuned")
+        sp = f"{speedup:.2f}x" if isinstance(speedup, (int, float)) and speedup else "-"
         cfg = " ".join(f"{k}={v}" for k, v in e["config"].items())
         print(f"  {str(r.shape):14} {r.key.digest[:12]}  {e['median_ms']:10.4g} "
               f"{base if base is None else format(base, '10.4g'):>10} {sp:>7}  {cfg}"
               + ("  (cached)" if r.cached else ""))
     if args.evidence:
         print(f"evidence rows -> {args.evidence}")
-    return 0
+    if not stored:
+        print(f"not stored: {cache.write_errors[0]}", file=sys.stderr)
+    return 0 if stored else 1
 
 
 # ---------------------------------------------------------------- parser
@@ -495,7 +507,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shapes", required=True, metavar="B:S_q:S_k,...", help="call shapes to tune")
     p.add_argument("--backend", default="triton", help="backend whose space is searched (default triton)")
     p.add_argument("--cache", metavar="FILE", default=None,
-                   help="tuning cache (default $ATTNC_TUNE_CACHE or ~/.cache/attnc/tune.json)")
+                   help="tuning cache (default $ATTNC_TUNE_CACHE or ~/.cache/attnc/tune.json; a directory "
+                        "means DIR/tune.json)")
     p.add_argument("--warmup", type=_count, default=5, help="untimed calls before the samples (default 5)")
     p.add_argument("--repeats", type=_positive, default=20, help="raw samples per candidate (default 20)")
     p.add_argument("--seed", type=_count, default=0, help="seed of the sampled inputs")
