@@ -85,16 +85,16 @@ def cmd_run(args) -> int:
     call = inputs.validate(program, arrays)
     if args.check:  # refused before the kernel runs, not after
         oracle.require_rectangle(program, call.batch * program.heads_q * call.s_q * call.s_k)
-    if (args.sp or args.report) and args.backend != "ahbm":
+    name = _select_backend(args, program, [call.s_q] * call.batch, [call.s_k] * call.batch)
+    if (args.sp or args.report) and name != "ahbm":
         raise InputError("--sp and --report run on the AHBM mesh simulator: add --backend ahbm")
-    kernel = backend(args.backend).load(program, **({"sp": args.sp} if args.sp else {}))
+    kernel = backend(name).load(program, **({"sp": args.sp} if args.sp else {}))
     t0 = time.perf_counter()
     o, lse = kernel(arrays["q"], arrays["k"], arrays["v"], return_lse=True,
                     **{t.name: arrays[t.name] for t in program.tensors})
     elapsed = time.perf_counter() - t0
-    if args.out:
-        np.savez(args.out, o=o, lse=lse)
-    print(f"{program.name} on {args.backend}: B={call.batch} S_q={call.s_q} S_k={call.s_k} "
+    _save_outputs(args.out, o, lse)
+    print(f"{program.name} on {name}: B={call.batch} S_q={call.s_q} S_k={call.s_k} "
           f"o {list(o.shape)} {o.dtype}, lse {list(lse.shape)} in {elapsed * 1e3:.1f} ms"
           + (f" -> {args.out}" if args.out else ""))
     if args.report:  # the simulated latency per engine and the op-log counters
@@ -109,25 +109,45 @@ def cmd_run(args) -> int:
     return 0
 
 
+def _select_backend(args, program, s_q: list[int], s_k: list[int]) -> str:
+    """The backend this call runs on: dispatch admission under ``--backend`` (auto: the first
+    eligible by priority; a name: that backend or an error with every reason it refuses)."""
+    from .dispatch import dispatch, run_environment
+    request = args.backend
+    env = run_environment("ahbm" if request == "ahbm" else None, request)
+    call = {"B": len(s_k), "S_q": [int(x) for x in s_q], "S_k": [int(x) for x in s_k],
+            "graph_mode": bool(args.cuda_graph), "backend_request": request}
+    return dispatch(program, call, env).require()
+
+
+def _save_outputs(path: str | None, o, lse) -> None:
+    if path:
+        try:
+            np.savez(path, o=o, lse=lse)
+        except OSError as e:
+            raise InputError(f"cannot write {path}: {e.strerror or e}") from None
+
+
 def _run_split(args, program, arrays) -> int:
     """`attnc run` over a paged/ragged cache or with per-request lengths (DESIGN §5 keys):
     packed q, o [total_q, H_q, d_v], lse [total_q, H_q]."""
     call = inputs.validate_cache(program, arrays)
     if args.check:
         oracle.require_rectangle(program, program.heads_q * int((call.q_lens * call.kv_lens).sum()))
-    kernel = backend(args.backend).load(program)
+    active = np.flatnonzero(call.q_lens > 0)
+    if not active.size:
+        raise InputError("inputs: no request has a query row (q_lens are all 0): nothing to compute")
+    name = _select_backend(args, program, call.q_lens[active].tolist(), call.kv_lens[active].tolist())
+    kernel = backend(name).load(program)
     if not hasattr(kernel, "run"):
-        raise InputError(f"the {args.backend} backend does not run {inputs.cache_description(program)} "
+        raise InputError(f"the {name} backend does not run {inputs.cache_description(program)} "
                          "calls yet; use --backend numpy")
-    if args.cuda_graph and args.backend != "triton":
-        raise InputError(f"--cuda-graph: the {args.backend} backend has no CUDA graphs; use --backend triton")
     t0 = time.perf_counter()
     o, lse = kernel.run(arrays, return_lse=True, **({"cuda_graph": True} if args.cuda_graph else {}))
     elapsed = time.perf_counter() - t0
-    if args.out:
-        np.savez(args.out, o=o, lse=lse)
+    _save_outputs(args.out, o, lse)
     lens = call.kv_lens.tolist()
-    print(f"{program.name} on {args.backend}: B={call.batch} over a {inputs.cache_description(program)}, "
+    print(f"{program.name} on {name}: B={call.batch} over a {inputs.cache_description(program)}, "
           f"kv_lens {lens}, q_lens {call.q_lens.tolist()}: o {list(o.shape)} {o.dtype}, "
           f"lse {list(lse.shape)} in {elapsed * 1e3:.1f} ms" + (" (captured, replayed)" if args.cuda_graph else "")
           + (f" -> {args.out}" if args.out else ""))
@@ -427,7 +447,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("run", parents=[limits], help="run a spec on inputs (npz) or on sampled inputs")
     p.add_argument("spec")
-    p.add_argument("--backend", default="numpy", choices=backends)
+    p.add_argument("--backend", default="auto", choices=["auto", *backends],
+                   help="auto (default): the first backend whose admission takes the call (attnc dispatch "
+                        "explains the choice); a name forces that backend or fails with every reason")
     p.add_argument("--inputs", help="npz with q, k, v and every declared tensor")
     p.add_argument("--out", help="npz to write o and lse to")
     p.add_argument("--check", action="store_true", help="compare with the float64 oracle")
