@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from . import ir, resources
-from .errors import InputError
+from .errors import InputError, PlanError
 
 
 @dataclass(frozen=True)
@@ -210,6 +210,47 @@ def _convert_tensors(program: ir.Program, arrays) -> dict[str, np.ndarray]:
     return tensors
 
 
+def check_flashmask(program: ir.Program, tensors: dict) -> None:
+    """The values of every tensor ``flashmask(tensor, causal)`` reads keep Paddle's
+    ``startend_row_indices`` contract (its docstring; the generators of
+    flashmask/tests/generate_startend_row_indices.py), over ``S`` rows = the tensor's ``s`` axis:
+    every bound >= 0; a range's end (LTE, UTE) <= S and >= its start (LTS <= LTE, UTS <= UTE);
+    the hidden upper rows end where the lower ones start or before (UTE <= LTS, where both are
+    non-empty).  An open tail's start (LTS without LTE) may exceed S: it hides nothing.  A
+    PlanError names the tensor, the index and the values."""
+    for c in program.flashmask:
+        if c.tensor not in tensors:
+            continue  # (a missing tensor is the caller's error to name)
+        a = np.asarray(tensors[c.tensor]).astype(np.int64, copy=False)
+        if not a.size:
+            continue
+        s = a.shape[2]
+        col = {n: a[..., j] for j, n in enumerate(c.columns)}
+        where = {n: j for j, n in enumerate(c.columns)}
+
+        def refuse(bad: np.ndarray, why) -> None:
+            if bad.any():
+                idx = tuple(int(x) for x in np.argwhere(bad)[0])
+                at = lambda n: f"{c.tensor}[{', '.join(map(str, idx))}, {where[n]}] = {int(col[n][idx])}"  # noqa: E731
+                raise PlanError(f"flashmask({c.tensor}, {'true' if c.causal else 'false'}): {why(at)} "
+                                f"(Paddle's startend_row_indices [{', '.join(c.columns)}]; S = {s} rows)")
+
+        for n in c.columns:
+            refuse(col[n] < 0, lambda at, n=n: f"{at(n)}: {n} is negative; bounds are row indices in [0, S]")
+        for start, end in (("LTS", "LTE"), ("UTS", "UTE")):
+            if end in col:
+                refuse(col[end] > s, lambda at, end=end: f"{at(end)}: {end} exceeds S = {s}")
+                if start in col:
+                    refuse(col[start] > col[end], lambda at, start=start, end=end:
+                           f"{at(start)} > {at(end)}: {start} > {end} (the hidden rows [{start}, {end}) are reversed)")
+        if not c.causal:  # the upper range [UTS or 0, UTE) ends before the lower [LTS, LTE or S) starts
+            upper = col["UTE"] > col.get("UTS", 0)
+            lower = col["LTS"] < col.get("LTE", s)
+            refuse(upper & lower & (col["UTE"] > col["LTS"]), lambda at:
+                   f"{at('UTE')} > {at('LTS')}: the hidden upper rows end after the hidden lower rows start "
+                   "(UTE > LTS: the ranges overlap)")
+
+
 def validate(program: ir.Program, arrays: dict[str, np.ndarray]) -> Call:
     """Check keys, ranks, dtypes and shapes; return the call in logical bhsd."""
     arrays = {n: np.asarray(a) for n, a in arrays.items()}
@@ -219,7 +260,9 @@ def validate(program: ir.Program, arrays: dict[str, np.ndarray]) -> Call:
     check_shapes(program, {n: (a.shape, a.dtype.kind, str(a.dtype)) for n, a in arrays.items()})
     qkv = {n: arrays[n] if _layout(program) == "bhsd" else arrays[n].transpose(0, 2, 1, 3)
            for n in ("q", "k", "v")}
-    return Call(*(qkv[n].astype(np.float32) for n in ("q", "k", "v")), _convert_tensors(program, arrays))
+    tensors = _convert_tensors(program, arrays)
+    check_flashmask(program, tensors)
+    return Call(*(qkv[n].astype(np.float32) for n in ("q", "k", "v")), tensors)
 
 
 # ---------------------------------------------------------------- K/V caches (split calls)
@@ -394,8 +437,10 @@ def validate_cache(program: ir.Program, arrays: dict[str, np.ndarray]) -> CacheC
                          "in the cache, so kv_len >= q_len (a request with no keys has no query rows)")
     sizes = {"b": layout.batch, "h": p.heads_q, "s": int(layout.kv_lens.max(initial=0))}
     _check_tensors(p, {t: (arrays[t].shape, arrays[t].dtype.kind, str(arrays[t].dtype)) for t in names}, sizes)
+    tensors = _convert_tensors(p, arrays)
+    check_flashmask(p, tensors)
     return CacheCall(layout, q.astype(np.float32), k.astype(np.float32), v.astype(np.float32),
-                     q_lens, qo_indptr, _convert_tensors(p, arrays))
+                     q_lens, qo_indptr, tensors)
 
 
 def sample_cache(program: ir.Program, kv_lens, q_lens=None, seed: int = 0, *, spare_pages: int = 3,

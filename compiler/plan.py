@@ -143,6 +143,9 @@ def plan(program: ir.Program, batch: int, s_q: int, s_k: int, tensors: dict | No
          workspace_device: str | None = None, graph_mode: bool = False) -> Plan:
     """The frozen plan of one call shape with its plan key (``device`` None: host arrays only):
     the pipeline's intervals -> rows -> tiles (``analysis.PLAN_PIPELINE``)."""
+    if program.flashmask:
+        from .inputs import check_flashmask
+        check_flashmask(program, tensors or {})
     r = run_plan_pipeline(("intervals", "rows", "tiles"), program=program, batch=batch, s_q=s_q, s_k=s_k,
                           tensors=tensors or {}, block_m=block_m, block_n=block_n, method=method)
     key = PlanKey.of(program, device=device, workspace_device=workspace_device, graph_mode=graph_mode)
@@ -217,6 +220,9 @@ def split_blocks(program: ir.Program, kv_lens: np.ndarray, tensors: dict, block_
     ``kv_lens`` int64, ``q_lens`` int64 or None for one row per request; ``longest`` (the
     largest length) and ``nonempty`` (every length >= 1) when it knows them."""
     batch = len(kv_lens)
+    if program.flashmask:
+        from .inputs import check_flashmask
+        check_flashmask(program, tensors)
     one_row = q_lens is None and batch > 0
     if q_lens is None:
         q_lens = decode_rows.constant("ones", batch)
