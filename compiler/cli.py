@@ -266,7 +266,7 @@ def cmd_explain(args) -> int:
     block_m, block_n = args.block
     expl = ex.explain(program, args.batch, s_q, s_k, tensors, block_m, block_n)
     if args.format == "paddle":
-        pm = ex.paddle_startend_row_indices(expl.intervals, program, args.batch)
+        pm = expl.paddle()
         if args.out:
             _save_arrays(args.out, {"startend_row_indices": pm.startend_row_indices,
                                     "causal": np.asarray(pm.causal)})

@@ -329,3 +329,48 @@ def test_exports_keep_the_flashmask_contract():
             back = flashmask_spec(n, pm.causal, f"{program.heads_q} / {program.heads_kv}",
                                   "1" if pm.startend_row_indices.shape[1] == 1 else str(program.heads_kv))
             inputs.check_flashmask(back, {"sri": pm.startend_row_indices})
+
+
+# ---------------------------------------------------------------- issue 18: export depends on the mask
+ISSUE_MASKS = {  # masks FlashMask represents that the interval analysis cannot solve, with their tensors
+    "block diffusion, % on q": ("mask = q - q % 16 >= k - k % 16", {}),
+    "batchified causal": ("mask = q // 16 == k // 16 & q % 16 >= k % 16", {}),
+    "clamp": ("mask = k <= q & k >= q - min(max(q % 7, 2), 5)", {}),
+    "nested tensor reads": ("tensor doc: i32[b, s]\n tensor off: i32[b, 4]\n mask = causal & k >= off[b, doc[b, q]]",
+                            {"doc": np.repeat(np.arange(4), [10, 20, 14, 20])[None],
+                             "off": np.array([[0, 10, 30, 44]])}),
+    "bool tensor": ("tensor seq: bool[b, s]\n mask = seq[b, q] == seq[b, k]",
+                    {"seq": (np.arange(64) < 24)[None]}),
+    "q - start[b, q]": ("tensor start: i32[b, s]\n mask = causal & q - k <= q - start[b, q]",
+                        {"start": np.repeat([0, 30, 50], [30, 20, 14])[None]}),
+    "abs of floats": ("mask = abs(q / 12 - k / 12) <= 3", {}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ISSUE_MASKS))
+def test_paddle_export_depends_on_the_mask_not_how_it_is_written(name):
+    body, tensors = ISSUE_MASKS[name]
+    program = compile_spec(f"attention t {{ heads = 2 head_dim = 8\n {body} }}")
+    e = explain.explain(program, 1, 64, 64, tensors)
+    assert not e.intervals.exact and e.columns.method == "evaluation"  # the analysis alone refused these
+    pm = e.paddle()
+    got = explain.startend_row_indices_to_mask(pm.startend_row_indices, pm.causal, 64, 2)
+    assert np.array_equal(got, dense_mask(program, 1, 64, 64, tensors))
+
+
+def test_the_minimal_pair_exports_the_same_mask():
+    a, b = (compile_spec(f"attention t {{ heads = 2 head_dim = 8 mask = {m} }}")
+            for m in ("causal & q // 16 == k // 16", "q // 16 == k // 16 & q % 16 >= k % 16"))
+    pa, pb = (explain.explain(p, 1, 64, 64).paddle() for p in (a, b))
+    assert pa.causal == pb.causal and np.array_equal(pa.startend_row_indices, pb.startend_row_indices)
+
+
+def test_the_per_column_evaluation_is_bounded_by_the_memory_limit():
+    from attnc.compiler import resources
+    program = compile_spec("attention t { heads = 2 head_dim = 8 mask = q // 16 == k // 16 & q % 16 >= k % 16 }")
+    with resources.overridden(240_000):  # the analysis fits (512 columns), the evaluation (512^2 cells) does not
+        e = explain.explain(program, 1, 512, 512)
+        assert e.evaluated is None and "262,144 cells" in e.skipped and "over the limit" in e.skipped
+        with pytest.raises(AttncError, match="not FlashMask-representable.*the per-column evaluation that decides "
+                                             "it exactly was skipped"):
+            e.paddle()
