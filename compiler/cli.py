@@ -68,6 +68,9 @@ def cmd_ir(args) -> int:
 
 def cmd_run(args) -> int:
     program = _concrete(args.spec)
+    if args.check and not args.inputs:  # the oracle's rectangle, refused before anything is drawn
+        s_q = args.kv_len if args.q_len is None else args.q_len
+        oracle.require_rectangle(program, args.batch * program.heads_q * s_q * args.kv_len)
     if args.inputs:
         arrays = inputs.load_npz(args.inputs)
     elif program.cache.kind.value != "contiguous":  # a sampled paged/ragged cache (shuffled pages)

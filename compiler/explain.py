@@ -73,12 +73,7 @@ def call_tensors(program: ir.Program, batch: int, s_q: int, s_k: int,
         source = program if elements <= SAMPLE_BUDGET else slim
         drawn = inputs.sample(source, batch, s_q, s_k, seed)
         given.update({n: drawn[n] for n in missing})
-    shell = {
-        "q": np.zeros((batch, program.heads_q, 1, 1), np.float32),
-        "k": np.zeros((batch, program.heads_kv, s_k, 1), np.float32),
-        "v": np.zeros((batch, program.heads_kv, s_k, 1), np.float32),
-    }
-    return inputs.validate(replace(slim, cache=ir.Cache()), {**shell, **given}).tensors
+    return inputs.validate_tensors(program, given, batch, s_k)
 
 
 # ---------------------------------------------------------------- the ledger

@@ -251,6 +251,21 @@ def check_flashmask(program: ir.Program, tensors: dict) -> None:
                    "(UTE > LTS: the ranges overlap)")
 
 
+def validate_tensors(program: ir.Program, arrays: dict, batch: int, s_k: int) -> dict[str, np.ndarray]:
+    """The declared tensors of a call of ``batch`` requests over ``s_k`` keys, without q/k/v:
+    keys, dtypes and shapes checked and values converted as :func:`validate` does them."""
+    arrays = {n: np.asarray(a) for n, a in arrays.items()}
+    names = [t.name for t in program.tensors]
+    missing = [n for n in names if n not in arrays]
+    if missing:
+        raise InputError(f"inputs: missing tensor '{missing[0]}'")
+    _check_tensors(program, {n: (arrays[n].shape, arrays[n].dtype.kind, str(arrays[n].dtype)) for n in names},
+                   {"b": batch, "h": program.heads_q, "s": s_k})
+    tensors = _convert_tensors(program, arrays)
+    check_flashmask(program, tensors)
+    return tensors
+
+
 def validate(program: ir.Program, arrays: dict[str, np.ndarray]) -> Call:
     """Check keys, ranks, dtypes and shapes; return the call in logical bhsd."""
     arrays = {n: np.asarray(a) for n, a in arrays.items()}
@@ -538,12 +553,13 @@ def _prefix_ends(rng, doc, lo, hi):
 
 def sample_bytes(program: ir.Program, batch: int, s_q: int, s_k: int) -> int:
     """Peak bytes of :func:`sample` (and of a split call's :func:`sample_cache` over as many rows):
-    float32 q/k/v drawn, rounded and laid out (three copies), tensors drawn as int64 or float64."""
+    q/k/v drawn in float32 and rounded to the storage dtype through 64-bit integers (measured 25.4
+    bytes per element), tensors drawn as int64 or float64."""
     p = program
     qkv = batch * (p.heads_q * s_q * p.d_qk + p.heads_kv * s_k * (p.d_qk + p.d_v))
     sizes = {"b": batch, "h": p.heads_q, "s": s_k}
     tensors = sum(int(np.prod([sizes[x] if isinstance(x, str) else x for x in t.axes])) for t in p.tensors)
-    return 12 * qkv + 16 * tensors
+    return 28 * qkv + 16 * tensors
 
 
 def _require_sample(program: ir.Program, batch: int, s_q: int, s_k: int) -> None:

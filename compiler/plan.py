@@ -569,9 +569,10 @@ def logical_layout(program: ir.Program, kv_lens):
         return lay.ragged(np.concatenate([[0], np.cumsum(kv)]), **dims)
     size = p.cache.page_size
     n_pages = -(-kv // size)
-    table_entries = int(n_pages.sum()) if (p.cache.table or "dense") == "csr" \
-        else kv.size * int(n_pages.max(initial=1))
-    resources.require(f"the page table of {int(n_pages.sum()):,} pages", 24 * table_entries)
+    pages = int(n_pages.sum())
+    table_entries = pages if (p.cache.table or "dense") == "csr" else kv.size * int(n_pages.max(initial=1))
+    resources.require(f"the split plan over {pages:,} pages (the page table, a storage run per page)",
+                      24 * table_entries + resources.split_plan_bytes(pages))
     first = np.concatenate([[0], np.cumsum(n_pages)])
     pool = max(int(first[-1]), 1)
     common = dict(page_size=size, num_pages=pool, order=p.cache.layout.value, **dims)

@@ -220,20 +220,32 @@ class MaskIntervals:
         return {"UTS": self.UTS, "UTE": self.UTE, "LTS": self.LTS, "LTE": self.LTE}
 
 
+def column_shape(program: ir.Program, batch: int, s_k: int) -> tuple[int, int, int]:
+    """``(B', H', S_k)``: the analysed columns (B' = B if the mask reads b, else 1; H' likewise)."""
+    names = ir.free_vars(program.mask)
+    return (batch if "b" in names else 1, program.heads_q if "h" in names else 1, s_k)
+
+
+def require_columns(program: ir.Program, batch: int, s_k: int, axis: str = "S_k") -> tuple[int, int, int]:
+    """:func:`column_shape`, after refusing a length past int32 positions or an analysis over the
+    memory limit."""
+    resources.check_length(axis, s_k)
+    shape = column_shape(program, batch, s_k)
+    n = shape[0] * shape[1] * s_k
+    resources.require(f"the interval analysis of '{program.name}' ({n:,} columns: B' x H' x {axis} = "
+                      f"{shape[0]} x {shape[1]} x {s_k})", resources.intervals_bytes(n))
+    return shape
+
+
 class _Analyzer:
     def __init__(self, program: ir.Program, batch: int, s_q: int, s_k: int, tensors: dict, transposed=False):
         if s_q < 0 or s_k < 0 or batch < 0:
             raise PlanError(f"negative length: B = {batch}, S_q = {s_q}, S_k = {s_k}")
         if s_q > s_k and not transposed:
             raise PlanError(f"S_q = {s_q} query rows exceed S_k = {s_k} keys (bottom-right alignment)")
-        resources.check_length("S_k" if not transposed else "S_q", max(s_q, s_k))
         self.program, self.tensors = program, tensors
-        names = ir.free_vars(program.mask)
-        self.shape = (batch if "b" in names else 1, program.heads_q if "h" in names else 1, s_k)
+        self.shape = require_columns(program, batch, s_k, "S_q" if transposed else "S_k")
         self.n = int(np.prod(self.shape))
-        resources.require(f"the interval analysis of '{program.name}' ({self.n:,} columns: B' x H' x "
-                          f"{'S_q' if transposed else 'S_k'} = {self.shape[0]} x {self.shape[1]} x {s_k})",
-                          resources.intervals_bytes(self.n))
         self.rows, self.q0 = s_q, s_k - s_q
         self.env = {"b": np.arange(self.shape[0]).reshape(-1, 1, 1),
                     "h": np.arange(self.shape[1]).reshape(1, -1, 1),
@@ -562,8 +574,8 @@ EVAL_BYTES_PER_CELL = 1
 
 def evaluation_cells(program: ir.Program, batch: int, s_q: int, s_k: int) -> int:
     """Cells :func:`evaluate_columns` visits: B' x H' x S_q x S_k (B', H' as in :func:`analyze`)."""
-    names = ir.free_vars(program.mask)
-    return (batch if "b" in names else 1) * (program.heads_q if "h" in names else 1) * s_q * s_k
+    b_, h_, _ = column_shape(program, batch, s_k)
+    return b_ * h_ * s_q * s_k
 
 
 def evaluate_columns(program: ir.Program, batch: int, s_q: int, s_k: int,
