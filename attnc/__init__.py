@@ -17,7 +17,7 @@ _root = _os.path.dirname(_here)
 if not _os.path.isdir(_os.path.join(_here, "compiler")) and _os.path.isdir(_os.path.join(_root, "compiler")):
     __path__.append(_root)  # noqa: F821 - the package's own __path__
 
-__all__ = ["compile", "Attention", "AttncError", "__version__"]
+__all__ = ["compile", "Attention", "AttncError", "MicrobatchManifest", "__version__"]
 
 
 def __getattr__(name: str):
@@ -25,6 +25,12 @@ def __getattr__(name: str):
     if name in ("compile", "Attention"):
         from .api import Attention, compile
         return {"compile": compile, "Attention": Attention}[name]
+    if name == "MicrobatchManifest":
+        from .compiler.analysis.microbatch import MicrobatchManifest
+        return MicrobatchManifest
+    if name == "distributed":  # context parallelism (imports torch)
+        import importlib
+        return importlib.import_module(".distributed", __name__)
     if name == "AttncError":
         from .compiler.errors import AttncError
         return AttncError

@@ -15,8 +15,12 @@ The call is a ``torch.library`` custom op (``attnc::attention``, with a fake imp
 ``torch.compile(model, fullgraph=True)`` traces through it with no graph break; outside
 compilation it runs directly (no dispatcher cost).  Masks that read tensors are planned from
 the tensors' values on the host, so their op (``attnc::attention_planned``) is marked unsafe for
-CUDA graphs and ``mode="reduce-overhead"`` leaves it out of the captured graph.  There is no
-backward pass yet: a call whose q, k or v requires grad is refused, never silently detached.
+CUDA graphs and ``mode="reduce-overhead"`` leaves it out of the captured graph.
+
+The call is differentiable in q, k and v (and in float tensors the score program reads, on the
+numpy backend): the op's autograd formula saves O and LSE only and runs the backend's backward
+(``attnc::attention_backward``, also a custom op, so compiled training traces through it).
+float64 tensors on the CPU run the numpy backend in float64 end to end (``gradcheck``).
 """
 from __future__ import annotations
 
@@ -24,6 +28,8 @@ import importlib.util
 import os
 import threading
 from pathlib import Path
+
+import numpy as np
 
 from .compiler import ir
 from .compiler.errors import AttncError, InputError
@@ -84,8 +90,14 @@ class Attention:
                                  f"takes q, k, v as {layout}")
         h_ax = 2 if self._bshd else 1
         dtype = _DTYPES.get(str(q.dtype))
-        if dtype is None:
-            raise InputError(f"inputs: 'q' has dtype {q.dtype}; attention takes float16, bfloat16 or float32")
+        if str(q.dtype) == "torch.float64" and not q.is_cuda:
+            # a reference-precision call (numpy backend, float64 throughout): the spec's storage dtype
+            # is not applied, so it is not checked against the call
+            dtype = "f32" if "dtype" in self.program.open_fields else self.program.dtype
+        elif dtype is None:
+            raise InputError(f"inputs: 'q' has dtype {q.dtype}; attention takes float16, bfloat16 or float32"
+                             + (" (float64 runs on the CPU only, on the numpy backend)" if q.is_cuda and
+                                str(q.dtype) == "torch.float64" else ""))
         if k.dtype != q.dtype or v.dtype != q.dtype:
             raise InputError(f"inputs: q/k/v have dtypes {q.dtype}/{k.dtype}/{v.dtype}; K and V are stored in "
                              "the query dtype")
@@ -137,17 +149,39 @@ class Attention:
         except AttributeError:
             raise InputError(f"inputs: q, k and v must be torch tensors (attnc.compile(...) takes torch tensors; "
                              f"got {type(q).__name__}, {type(k).__name__}, {type(v).__name__})") from None
-        if needs_grad and torch.is_grad_enabled():
-            raise InputError("inputs: q, k or v requires grad, and attnc has no backward pass yet: the gradient "
-                             "would be lost. Call it under torch.no_grad() or on detached tensors")
         if len(tensors) != len(self.tensor_names) or (tensors and set(tensors) != set(self.tensor_names)):
             self._check_tensors(tensors)
-        if torch.compiler.is_compiling():
+        if torch.is_grad_enabled() and (needs_grad or any(
+                getattr(tensors[n], "requires_grad", False) for n in self.tensor_names)):
+            self._check_grads(q, k, v, tensors, backend)
+            op = torch.ops.attnc.attention_planned if self.reads_tensors else torch.ops.attnc.attention
+            o, lse = op(self.handle, q, k, v, [tensors[n] for n in self.tensor_names], backend or "")
+        elif torch.compiler.is_compiling():
             op = torch.ops.attnc.attention_planned if self.reads_tensors else torch.ops.attnc.attention
             o, lse = op(self.handle, q, k, v, [tensors[n] for n in self.tensor_names], backend or "")
         else:
             o, lse = self.forward(q, k, v, tensors, backend)
         return (o, lse) if return_lse else o
+
+    def _check_grads(self, q, k, v, tensors: dict, backend: str | None) -> None:
+        """Refuse, before the forward runs, a gradient the backward cannot give: of a tensor the score
+        program does not read as a float (masks, indices), or of a score tensor on a backend
+        without tensor gradients (the Triton backward gives dQ, dK, dV)."""
+        asked = [n for n in self.tensor_names if getattr(tensors[n], "requires_grad", False)]
+        if not asked:
+            return
+        from .compiler.autodiff import score_grad
+        differentiable = set(score_grad(self.program).tensors) if self.program.score else set()
+        for n in asked:
+            if n not in differentiable:
+                raise InputError(f"inputs: tensor '{n}' requires grad, but spec '{self.name}' has no gradient for it: "
+                                 "only float tensors read by the score program are differentiable (masks and "
+                                 "indices are not); pass it detached")
+        name, _ = self._kernel_for(q, k, v, tensors, backend)
+        if name != "numpy":
+            raise BackendRefused(f"inputs: tensor '{asked[0]}' requires grad: the {name} backward gives dQ, dK, dV "
+                                 "only (gradients of score tensors come from the numpy backend, on the CPU); pass "
+                                 "the tensor detached")
 
     def _check_tensors(self, tensors: dict) -> None:
         unknown = sorted(set(tensors) - set(self.tensor_names))
@@ -182,12 +216,40 @@ class Attention:
             return kernel(q, k, v, return_lse=True, plan=plan, **tensors)
         return self._host_call(kernel, q, k, v, tensors, plan)
 
+    def backward(self, q, k, v, o, lse, do, dlse, tensors: dict, backend: str | None = None,
+                 want: tuple[str, ...] = ()):
+        """(dQ, dK, dV, {tensor: gradient} for the names in ``want``) of one call from its saved O
+        and LSE, on the backend that ran its forward."""
+        import torch
+        name, kernel = self._kernel_for(q, k, v, tensors, backend)
+        if name == "triton":
+            if want:
+                raise BackendRefused(f"tensor '{want[0]}': the Triton backward gives dQ, dK, dV only")
+            dq, dk, dv = kernel.backward(q, k, v, o, lse, do, dlse, **tensors)
+            return dq, dk, dv, {}
+        if name != "numpy":
+            raise BackendRefused(f"the {name} backend has no backward pass; run the call on the numpy or Triton "
+                                 "backend")
+        wide = torch.float64
+        arrays = [x.detach().to("cpu", wide).numpy() for x in (q, k, v, o, lse, do)]
+        host = {n: t.detach().cpu().numpy() if isinstance(t, torch.Tensor) else t for n, t in tensors.items()}
+        wide_dlse = dlse.detach().to("cpu", wide).numpy() if dlse is not None else None
+        dq, dk, dv, dts = kernel.backward(*arrays, dlse=wide_dlse, **host)
+        back = [torch.from_numpy(np.ascontiguousarray(g)).to(device=x.device, dtype=x.dtype)
+                for g, x in ((dq, q), (dk, k), (dv, v))]
+        dtensors = {n: torch.from_numpy(np.ascontiguousarray(dts[n])).to(device=tensors[n].device,
+                                                                          dtype=tensors[n].dtype) for n in want}
+        return (*back, dtensors)
+
     def _host_call(self, kernel, q, k, v, tensors: dict, plan=None):
         """A numpy backend call on torch tensors: float32 copies in (bf16 and f16 are exact in it),
-        O back as q's dtype on q's device."""
+        O back as q's dtype on q's device.  float64 inputs run the float64 reference path."""
         import torch
-        arrays = [x.detach().to("cpu", torch.float32).numpy() for x in (q, k, v)]
         host = {n: t.detach().cpu().numpy() if isinstance(t, torch.Tensor) else t for n, t in tensors.items()}
+        if q.dtype == torch.float64:
+            o, lse = kernel.forward64(*(x.detach().cpu().numpy() for x in (q, k, v)), **host)
+            return torch.from_numpy(np.ascontiguousarray(o)), torch.from_numpy(np.ascontiguousarray(lse))
+        arrays = [x.detach().to("cpu", torch.float32).numpy() for x in (q, k, v)]
         o, lse = kernel(*arrays, return_lse=True, plan=plan, **host)
         return (torch.from_numpy(o).to(device=q.device, dtype=q.dtype),
                 torch.from_numpy(lse).to(device=q.device, dtype=torch.float32))
@@ -247,9 +309,29 @@ class Attention:
         lse = torch.from_numpy(lse).to(q.device)
         return (o, lse) if return_lse else o
 
+    def append(self, q, k_new, v_new, *, manifest=None, plan=None, request_ids=None, return_lse: bool = False,
+               backend: str | None = None, **cache):
+        """Append-then-attend as one transaction (``attnc.serving``): packed q [total_q, H_q, d_qk] with
+        its new K/V rows k_new / v_new [total_q, H_kv, d], the cache by its keys (``kv_lens`` = the
+        committed rows, advanced in place to T + C on commit), optional q_lens / qo_indptr, a
+        ``manifest`` (``attnc.MicrobatchManifest``) and a ``plan`` from :meth:`plan_append`; ``backend``
+        "numpy", "triton" or "ahbm" (default: triton for CUDA tensors, else numpy)."""
+        from .serving import append
+        return append(self, q, k_new, v_new, manifest=manifest, plan=plan, request_ids=request_ids,
+                      return_lse=return_lse, backend=backend, **cache)
+
+    def plan_append(self, q, k_new, v_new, *, manifest=None, request_ids=None, backend: str | None = None,
+                    **cache):
+        """The plan of an append call (validated; nothing written), for :meth:`append`'s ``plan=``."""
+        from .serving import plan_append
+        return plan_append(self, q, k_new, v_new, manifest=manifest, request_ids=request_ids, backend=backend,
+                           **cache)
+
 
 # ---------------------------------------------------------------- the torch.library operators
 SCHEMA = "(str handle, Tensor q, Tensor k, Tensor v, Tensor[] tensors, str backend) -> (Tensor, Tensor)"
+BACKWARD_SCHEMA = ("(str handle, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, Tensor do, Tensor? dlse, "
+                   "Tensor[] tensors, int[] want, str backend) -> (Tensor, Tensor, Tensor, Tensor[])")
 
 
 def _register_ops() -> None:
@@ -265,10 +347,44 @@ def _register_ops() -> None:
         o_shape, lse_shape = attn.out_shapes(q, k, v)
         return q.new_empty(o_shape), q.new_empty(lse_shape, dtype=torch.float32)
 
+    def backward_impl(handle, q, k, v, o, lse, do, dlse, tensors, want, backend):
+        attn = _HANDLES[handle]
+        named = dict(zip(attn.tensor_names, tensors))
+        dq, dk, dv, dts = attn.backward(q, k, v, o, lse, do, dlse, named, backend or None,
+                                        tuple(attn.tensor_names[i] for i in want))
+        return dq, dk, dv, [dts[attn.tensor_names[i]] for i in want]
+
+    def backward_fake(handle, q, k, v, o, lse, do, dlse, tensors, want, backend):
+        return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
+                [torch.empty_like(tensors[i]) for i in want])
+
     unsafe = getattr(torch.Tag, "cudagraph_unsafe", None)
+    bwd = torch.library.custom_op("attnc::attention_backward", backward_impl, mutates_args=(),
+                                  tags=(unsafe,) if unsafe else (), schema=BACKWARD_SCHEMA)
+    bwd.register_fake(backward_fake)
+
+    def setup_context(ctx, inputs, output):
+        handle, q, k, v, tensors, backend = inputs
+        o, lse = output
+        ctx.handle, ctx.backend, ctx.n_tensors = handle, backend, len(tensors)
+        ctx.want = [i for i, t in enumerate(tensors) if t.requires_grad]
+        ctx.save_for_backward(q, k, v, o, lse, *tensors)
+
+    def grad_fn(ctx, grad_o, grad_lse):
+        q, k, v, o, lse, *tensors = ctx.saved_tensors
+        if grad_o is None:
+            grad_o = torch.zeros_like(o)
+        dq, dk, dv, dts = bwd(ctx.handle, q, k, v, o, lse, grad_o.contiguous(), grad_lse, tensors, ctx.want,
+                              ctx.backend)
+        grads = [None] * ctx.n_tensors
+        for i, g in zip(ctx.want, dts):
+            grads[i] = g
+        return None, dq, dk, dv, grads, None
+
     for name, tags in (("attnc::attention", ()), ("attnc::attention_planned", (unsafe,) if unsafe else ())):
         op = torch.library.custom_op(name, impl, mutates_args=(), tags=tags, schema=SCHEMA)
         op.register_fake(fake)
+        op.register_autograd(grad_fn, setup_context=setup_context)
 
 
 if importlib.util.find_spec("torch") is not None:  # attnc.compile needs torch; the compiler alone does not

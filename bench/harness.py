@@ -375,7 +375,7 @@ def summary(rows) -> str:
     for r in rows:
         if not r.get("pass"):
             continue
-        case = (r["bench"], r.get("mask", ""), r.get("B"), r.get("S", r.get("T")))
+        case = (r["bench"], r.get("mask", ""), r.get("B"), r.get("S", r.get("T")), r.get("phase", ""))
         best = cases.setdefault(case, {})
         if r["impl"] not in best or r["median_ms"] < best[r["impl"]]["median_ms"]:
             best[r["impl"]] = r

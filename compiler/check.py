@@ -49,7 +49,7 @@ class Spec:
     cache: ir.Cache = field(default_factory=ir.Cache)
     split: ir.Split = field(default_factory=ir.Split)
     open_fields: tuple[str, ...] = ()
-    state: ir.StateABI = ir.StateABI.LSE_O
+    state: ir.StateABI | ir.SharedShift = ir.StateABI.LSE_O
     masked_rows: str = "zero"
 
 
@@ -82,6 +82,10 @@ def _positive(v):
     return None if v >= 1 else f"must be at least 1, got {v}"
 
 
+def _within(v, bound):
+    return None if math.isfinite(v) and -bound <= v <= bound else f"must be in [-{bound:g}, {bound:g}], got {v}"
+
+
 def _fraction(v):
     return None if 0 < v <= 1 else f"must be in (0, 1], got {v}"
 
@@ -102,10 +106,13 @@ POLICIES: dict[str, dict[str, tuple[Param, ...]]] = {
                      Param("capacity", int, required=True, check=_positive)),
         "heuristic": (Param("fraction", float, required=True, check=_fraction),),
     },
-    "state": {"lse_o": (), "mlu": ()},
+    "state": {"lse_o": (), "mlu": (),
+              "shared_shift": (Param("phi", float, required=True, check=lambda v: _within(v, 1e4)),
+                               Param("lower", float, required=True, check=lambda v: _within(v, ir.SHIFT_WINDOW)),
+                               Param("upper", float, required=True, check=lambda v: _within(v, ir.SHIFT_WINDOW)))},
     "masked_rows": {"zero": ()},
 }
-POSITIONAL_OK = {"split"}  # cache arguments read better as keywords: page_size = 16
+POSITIONAL_OK = {"split", "state"}  # cache arguments read better as keywords: page_size = 16
 
 SAMPLES: dict[str, tuple[tuple[str, type], ...]] = {
     # kind -> parameters; see compiler/inputs.py for what each draws
@@ -407,7 +414,13 @@ class Checker:
                 return None
             return ir.Split(ir.SplitKind(p.kind), tuple(values[q.name] for q in params))
         if fld == "state":
-            return ir.StateABI(p.kind)
+            if p.kind != "shared_shift":
+                return ir.StateABI(p.kind)
+            if values["lower"] >= values["upper"]:
+                self.error(f"shared_shift: lower = {values['lower']:g} must be below upper = {values['upper']:g} "
+                           "(the guard's window of s - phi)", p.span)
+                return None
+            return ir.SharedShift(values["phi"], values["lower"], values["upper"])
         return p.kind
 
     # ------------------------------------------------------------ expressions

@@ -137,9 +137,9 @@ def _run_split(args, program, arrays) -> int:
     call = inputs.validate_cache(program, arrays)
     if args.check:
         oracle.require_rectangle(program, program.heads_q * int((call.q_lens * call.kv_lens).sum()))
-    active = np.flatnonzero(call.q_lens > 0)
+    active = np.flatnonzero((call.q_lens > 0) & (call.kv_lens > 0))  # (rows over no keys see nothing)
     if not active.size:
-        raise InputError("inputs: no request has a query row (q_lens are all 0): nothing to compute")
+        raise InputError("inputs: no request has both query rows and keys: nothing to compute")
     name = _select_backend(args, program, call.q_lens[active].tolist(), call.kv_lens[active].tolist())
     kernel = backend(name).load(program)
     if not hasattr(kernel, "run"):
@@ -209,6 +209,11 @@ def _lengths_arg(text: str) -> list[int]:
     return out
 
 
+def _ids_arg(text: str) -> list:
+    """Comma-separated request ids: integers where they parse as one, else strings."""
+    return [int(x) if x.strip().lstrip("-").isdigit() else x.strip() for x in text.split(",")]
+
+
 def _untuned_split_policy(program):
     """The spec's own split policy when no tuning cache exists, else None (plan_split then looks
     `split = auto` up in the cache).  Looking up needs the call's dispatch key, whose device probe
@@ -221,8 +226,10 @@ def cmd_plan(args) -> int:
     from .analysis import schedule
     from .plan import logical_layout, plan_split
     program = _concrete(args.spec)
+    if args.ranks is not None:
+        return _plan_ranks(args, program)
     kv = args.kv_lens
-    q = args.q_lens if args.q_lens is not None else [1 if t > 0 else 0 for t in kv]
+    q = args.q_lens if args.q_lens is not None else [1] * len(kv)  # decode, as the kernels' default
     if len(q) != len(kv):
         raise InputError(f"--q-lens has {len(q)} entries, --kv-lens {len(kv)}")
     plan = plan_split(program, logical_layout(program, kv), np.asarray(q, np.int64), num_sms=args.sms,
@@ -235,7 +242,7 @@ def cmd_plan(args) -> int:
         except OSError as e:
             raise InputError(f"cannot write {dot}: {e}") from None
     if args.json:
-        report = plan.report()
+        report = plan.report(args.request_ids, args.cache_rows)
         if args.graph:
             report["graph"] = {"dot": str(dot), "json": str(dot.with_suffix(".json"))}
         print(json.dumps(report))
@@ -243,6 +250,25 @@ def cmd_plan(args) -> int:
         sys.stdout.write(plan.text())
         if args.graph:
             print(f"schedule graph -> {dot}, {dot.with_suffix('.json')}")
+    return 0
+
+
+def _plan_ranks(args, program) -> int:
+    """`attnc plan --ranks N`: a context-parallel plan of B prefill requests of one length."""
+    from .cp import plan_cp
+    from .explain import call_tensors
+    kv = args.kv_lens
+    if args.q_lens is not None and args.q_lens != kv:
+        raise InputError("--ranks plans prefill (every token a query row and a key): drop --q-lens")
+    if len(set(kv)) != 1:
+        raise InputError(f"--ranks: the requests of a context-parallel call share one length; --kv-lens has "
+                         f"{', '.join(str(x) for x in sorted(set(kv)))}")
+    if args.graph:
+        raise InputError("--graph writes a split call's schedule; it does not apply with --ranks")
+    batch, seq = len(kv), kv[0]
+    tensors = call_tensors(program, batch, seq, seq, _load_tensor_args(args.tensor), args.seed)
+    plan = plan_cp(program, batch, seq, args.ranks, tensors, block=args.block, strategy=args.strategy)
+    sys.stdout.write(json.dumps(plan.report()) + "\n" if args.json else plan.text())
     return 0
 
 
@@ -334,6 +360,11 @@ def cmd_bench(args) -> int:
         cases = [tuple(int(x) for x in c.split(":")) for c in args.cases.split(",")] if args.cases else None
         rows = harness.run_decode(cases=cases, out=args.out, command=command, graph=not args.no_graph,
                                   configs=() if args.no_configs else harness.DECODE_CONFIGS)
+    elif args.what == "backward":
+        from bench.backward import run_backward
+        rows = run_backward(batch=args.batch, heads=args.heads, seq=args.seq, head_dim=args.head_dim,
+                            masks=args.masks.split(",") if args.masks else None, out=args.out, command=command,
+                            flex_modes=tuple(m for m in args.flex_modes.split(",") if m), sdpa=not args.no_sdpa)
     else:
         rows = harness.run_prefill(batch=args.batch, heads=args.heads, seq=args.seq, head_dim=args.head_dim,
                                    masks=args.masks.split(",") if args.masks else None, out=args.out,
@@ -503,10 +534,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-lens", type=_lengths_arg, required=True, metavar="T0,T1,...",
                    help="visible K/V length of each request (its query rows included)")
     p.add_argument("--q-lens", type=_lengths_arg, default=None, metavar="C0,C1,...",
-                   help="query rows of each request (default 1 per non-empty request: decode)")
+                   help="query rows of each request (default 1 per request: decode; a request with "
+                        "kv_len 0 then has one row that sees nothing)")
     p.add_argument("--sms", type=_positive, default=132, help="SMs the heuristic/auto split plans for (default 132)")
-    p.add_argument("--json", action="store_true", help="one JSON object (stable field names)")
+    p.add_argument("--request-ids", type=_ids_arg, default=None,
+                   metavar="ID0,ID1,...", help="the manifest's request ids (default 0,1,...)")
+    p.add_argument("--cache-rows", type=_lengths_arg, default=None, metavar="R0,R1,...",
+                   help="the manifest's cache row of each request (default 0,1,...)")
+    p.add_argument("--json", action="store_true", help="one JSON object (stable field names), with the "
+                                                       "frozen microbatch manifest")
     p.add_argument("--graph", metavar="FILE.dot", help="write the schedule graph as DOT, and as JSON beside it")
+    cp = p.add_argument_group("context parallelism (--ranks): B prefill requests of --kv-lens tokens each")
+    cp.add_argument("--ranks", type=_positive, default=None, metavar="N",
+                    help="plan the call over N ranks: tokens, computed cells and K/V bytes per rank")
+    cp.add_argument("--strategy", default="auto", choices=("auto", "even", "zigzag", "balanced"),
+                    help="how tiles are assigned to ranks (default auto)")
+    cp.add_argument("--block", type=_positive, default=128, help="tokens per tile (default 128)")
+    cp.add_argument("--tensor", action="append", default=[], metavar="NAME=FILE.npy",
+                    help="a declared tensor's value (repeatable); the others are sampled")
+    cp.add_argument("--seed", type=_count, default=0, help="seed of the sampled tensors")
     p.set_defaults(fn=cmd_plan)
 
     p = sub.add_parser("dispatch", help="the dispatch key of a call, every backend's admission "
@@ -544,7 +590,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="GPU: our Triton kernels against FlexAttention and SDPA in one "
                                      "process; JSON lines with correctness and raw samples")
-    p.add_argument("what", choices=["prefill", "decode"])
+    p.add_argument("what", choices=["prefill", "decode", "backward"])
     p.add_argument("--out", required=True, metavar="FILE.jsonl")
     p.add_argument("--masks", default=None, help="prefill: comma-separated subset of "
                                                  "causal,sliding_window_1024,causal_document,prefix_lm_2048,full")

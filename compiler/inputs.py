@@ -196,7 +196,7 @@ def _check_tensors(program: ir.Program, metas, sizes: dict[str, int]) -> None:
                              f"(declared {t.signature()})")
 
 
-def _convert_tensors(program: ir.Program, arrays) -> dict[str, np.ndarray]:
+def _convert_tensors(program: ir.Program, arrays, float_dtype=np.float32) -> dict[str, np.ndarray]:
     tensors = {}
     for t in program.tensors:
         a = arrays[t.name]
@@ -205,7 +205,7 @@ def _convert_tensors(program: ir.Program, arrays) -> dict[str, np.ndarray]:
                 raise InputError(f"inputs: tensor '{t.name}' has values outside the i32 range")
             a = a.astype(np.int64)
         elif t.dtype is ir.F32:
-            a = a.astype(np.float32)
+            a = a.astype(float_dtype)
         tensors[t.name] = a
     return tensors
 
@@ -266,8 +266,9 @@ def validate_tensors(program: ir.Program, arrays: dict, batch: int, s_k: int) ->
     return tensors
 
 
-def validate(program: ir.Program, arrays: dict[str, np.ndarray]) -> Call:
-    """Check keys, ranks, dtypes and shapes; return the call in logical bhsd."""
+def validate(program: ir.Program, arrays: dict[str, np.ndarray], float_dtype=np.float32) -> Call:
+    """Check keys, ranks, dtypes and shapes; return the call in logical bhsd (q, k, v and f32
+    tensors as ``float_dtype``: float64 for the float64 references)."""
     arrays = {n: np.asarray(a) for n, a in arrays.items()}
     for n, a in arrays.items():
         if a.dtype.kind not in "fiub":
@@ -275,9 +276,59 @@ def validate(program: ir.Program, arrays: dict[str, np.ndarray]) -> Call:
     check_shapes(program, {n: (a.shape, a.dtype.kind, str(a.dtype)) for n, a in arrays.items()})
     qkv = {n: arrays[n] if _layout(program) == "bhsd" else arrays[n].transpose(0, 2, 1, 3)
            for n in ("q", "k", "v")}
-    tensors = _convert_tensors(program, arrays)
+    tensors = _convert_tensors(program, arrays, float_dtype)
     check_flashmask(program, tensors)
-    return Call(*(qkv[n].astype(np.float32) for n in ("q", "k", "v")), tensors)
+    return Call(*(qkv[n].astype(float_dtype) for n in ("q", "k", "v")), tensors)
+
+
+# ---------------------------------------------------------------- backward calls
+SAVED_KEYS = ("o", "lse", "do")
+
+
+def contiguous_only(program: ir.Program, keys=()) -> None:
+    """The backward pass takes contiguous calls: one S_q and S_k for the whole batch."""
+    if program.cache.kind is not ir.CacheKind.CONTIGUOUS:
+        raise InputError(f"spec '{program.name}' declares a {program.cache.kind.value} K/V cache; the backward "
+                         "pass takes contiguous calls (q, k, v arrays with one S_q and S_k for the batch): "
+                         "train with a contiguous variant of the spec (cache = contiguous)")
+    split = [n for n in SPLIT_KEYS if n in keys]
+    if split:
+        raise InputError(f"inputs: '{split[0]}' describes a split call; the backward pass takes contiguous "
+                         "calls (q, k, v arrays with one S_q and S_k for the batch)")
+
+
+def validate_backward(program: ir.Program, arrays: dict[str, np.ndarray]) -> tuple[Call, dict[str, np.ndarray]]:
+    """Check a backward call: the forward's keys (q, k, v, tensors, as :func:`validate`, kept in
+    float64) plus the saved outputs ``o`` (q's layout, head dim d_v) and ``lse [B, H_q, S_q]``
+    (natural log, -inf on rows with no visible key) and the incoming gradient ``do`` (o's
+    shape).  Returns the call and ``{"o", "lse", "do"}`` as float64 arrays in the spec's layout."""
+    contiguous_only(program, arrays)
+    call = validate(program, {n: a for n, a in arrays.items() if n not in SAVED_KEYS}, np.float64)
+    logical = (call.batch, program.heads_q, call.s_q, program.d_v)
+    want = {"o": logical, "do": logical, "lse": logical[:3]}
+    named = {"o": ["B", f"H_q={program.heads_q}", "S_q", f"d_v={program.d_v}"]}
+    if _layout(program) == "bshd":
+        want["o"] = want["do"] = (logical[0], logical[2], logical[1], logical[3])
+        named["o"] = [named["o"][i] for i in (0, 2, 1, 3)]
+    named.update(do=named["o"], lse=["B", f"H_q={program.heads_q}", "S_q"])
+    saved = {}
+    for n in SAVED_KEYS:
+        if n not in arrays:
+            raise InputError(f"inputs: missing key '{n}' (a backward call takes q, k, v, o, lse, do and the "
+                             "declared tensors)")
+        a = np.asarray(arrays[n])
+        if a.dtype.kind != "f":
+            raise InputError(f"inputs: '{n}' has dtype {a.dtype}; expected a floating dtype")
+        if a.shape != want[n]:
+            raise InputError(f"inputs: '{n}' has shape {_fmt(a.shape)}; expected {_fmt(named[n])} = "
+                             f"{_fmt(want[n])} for this call")
+        saved[n] = a.astype(np.float64)
+    bad = np.isnan(saved["lse"]) | np.isposinf(saved["lse"])
+    if bad.any():
+        where = tuple(int(x[0]) for x in np.nonzero(bad))
+        raise InputError(f"inputs: 'lse' is {saved['lse'][where]} at [b, h, i] = {list(where)}; the saved LSE "
+                         "is finite, or -inf on a row with no visible key")
+    return call, saved
 
 
 # ---------------------------------------------------------------- K/V caches (split calls)
@@ -293,8 +344,8 @@ def cache_keys(program: ir.Program) -> tuple[tuple[str, ...], tuple[str, ...]]:
     c = program.cache
     if c.kind is ir.CacheKind.CONTIGUOUS:
         return ("q", "k", "v"), ("kv_lens", "cache_batch_idx", *ROW_KEYS)
-    if c.kind is ir.CacheKind.RAGGED:
-        return ("q", "k", "v", "kv_indptr"), ROW_KEYS
+    if c.kind is ir.CacheKind.RAGGED:  # kv_lens: each region's visible rows (default: all of it)
+        return ("q", "k", "v", "kv_indptr"), ("kv_lens", *ROW_KEYS)
     if (c.table or "dense") == "csr":
         return ("q", "k_cache", "v_cache", "kv_indptr", "kv_indices", "kv_last_page_len"), ROW_KEYS
     return ("q", "k_cache", "v_cache", "block_table", "kv_lens"), ("cache_batch_idx", *ROW_KEYS)
@@ -403,6 +454,16 @@ def query_rows(arrays, batch: int, total_q: int) -> tuple[np.ndarray, np.ndarray
     return q_lens.astype(np.int64), out
 
 
+def short_request(b: int, q_lens, kv_lens) -> InputError:
+    """The error for request ``b`` with more query rows than keys (every backend's words).  A
+    request with no keys at all may have rows (a decode step over an empty context, M4.5
+    §0x03G's capacity tail): they see nothing, O = 0 and LSE = -inf."""
+    return InputError(f"inputs: request {b} has q_lens[{b}] = {int(q_lens[b])} query rows but only "
+                      f"kv_len = {int(kv_lens[b])} keys; a query row is a token whose own key is in the "
+                      "cache, so kv_len >= q_len (only a request with no keys at all may have rows: "
+                      "they see nothing)")
+
+
 def validate_cache(program: ir.Program, arrays: dict[str, np.ndarray]) -> CacheCall:
     """Check a split call's keys, dtypes, shapes and cache metadata (DESIGN §5); every
     contract break is an InputError or a PlanError naming the key, the index and the value."""
@@ -444,12 +505,9 @@ def validate_cache(program: ir.Program, arrays: dict[str, np.ndarray]) -> CacheC
     if layout.batch == 0:
         raise InputError("inputs: empty call (the cache metadata describes B = 0 requests)")
     q_lens, qo_indptr = query_rows(arrays, layout.batch, q.shape[0])
-    short = np.flatnonzero(layout.kv_lens < q_lens)
+    short = np.flatnonzero((layout.kv_lens < q_lens) & (layout.kv_lens > 0))
     if len(short):
-        b = int(short[0])
-        raise InputError(f"inputs: request {b} has q_lens[{b}] = {int(q_lens[b])} query rows but only "
-                         f"kv_len = {int(layout.kv_lens[b])} keys; a query row is a token whose own key is "
-                         "in the cache, so kv_len >= q_len (a request with no keys has no query rows)")
+        raise short_request(int(short[0]), q_lens, layout.kv_lens)
     sizes = {"b": layout.batch, "h": p.heads_q, "s": int(layout.kv_lens.max(initial=0))}
     _check_tensors(p, {t: (arrays[t].shape, arrays[t].dtype.kind, str(arrays[t].dtype)) for t in names}, sizes)
     tensors = _convert_tensors(p, arrays)

@@ -224,6 +224,27 @@ class StateABI(str, enum.Enum):
     MLU = "mlu"
 
 
+# ``state = shared_shift(phi, lower, upper)``: the window (lower, upper) of s - phi must keep
+# exp(s - phi) a normal float32 and the sum of 2**32 such terms finite (e**64 * 2**32 < 3.4e38,
+# e**-64 > 1.2e-38), so a split whose guard holds cannot overflow or flush to zero.
+SHIFT_WINDOW = 64.0
+
+
+@node
+class SharedShift:
+    """The FlashDecoding++ partial-state ABI (M4.5 §0x09C): every split accumulates
+    numerator and denominator in the common frame exp(s - phi); a visible score whose
+    s - phi leaves (lower, upper) makes the call recompute its output with (m, l, u)."""
+
+    phi: float
+    lower: float
+    upper: float
+
+    @property
+    def value(self) -> str:  # the ABI's name, as StateABI members have it
+        return "shared_shift"
+
+
 class SplitKind(str, enum.Enum):
     AUTO = "auto"
     BALANCED = "balanced"
@@ -260,7 +281,7 @@ class Program:
     mask: Expr
     cache: Cache = field(default_factory=Cache)
     split: Split = field(default_factory=Split)
-    state: StateABI = StateABI.LSE_O
+    state: Union[StateABI, SharedShift] = StateABI.LSE_O
     masked_rows: str = "zero"
     # what the spec leaves to each call (some of "heads", "head_dim", "dtype"): ``specialize`` fills
     # them in from the call's tensors; heads and head dims are None until then, dtype is bf16

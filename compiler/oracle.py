@@ -6,25 +6,33 @@ It evaluates the IR mask and score program over the whole
 the code generator's printer, so the two check each other), with
 bottom-right positions ``q = S_k - S_q + i`` (M4.5 §0x08B) and the all-masked
 policy ``O = 0, LSE = -inf`` (§0x02C).  Inputs are logical ``bhsd`` arrays.
+:func:`reference_backward` is the float64 backward pass, from the score program's symbolic
+derivatives (``compiler/autodiff.py``) evaluated by the same interpreter.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from attnc.compiler import ir, resources
+from attnc.compiler.autodiff import score_grad
 from attnc.compiler.errors import PlanError
 from attnc.compiler.interp import evaluate, load  # noqa: F401 (load: re-exported)
 
-def positions(batch: int, heads: int, s_q: int, s_k: int) -> dict[str, np.ndarray]:
-    """Broadcastable b, h, q, k grids over [B, H_q, S_q, S_k] with bottom-right q."""
-    if s_q > s_k:
-        raise PlanError(f"S_q = {s_q} query rows exceed S_k = {s_k} keys; every query row is a "
-                        "token whose own key is in the cache (bottom-right alignment)")
+def positions(batch: int, heads: int, s_q: int, s_k: int, q_offset: int | None = None,
+              k_offset: int = 0) -> dict[str, np.ndarray]:
+    """Broadcastable b, h, q, k grids over [B, H_q, S_q, S_k]: bottom-right q by default; a block
+    of a larger call (context parallelism) puts its rows at ``q_offset + i`` and its keys at
+    ``k_offset + j``."""
+    if q_offset is None:
+        if s_q > s_k:
+            raise PlanError(f"S_q = {s_q} query rows exceed S_k = {s_k} keys; every query row is a "
+                            "token whose own key is in the cache (bottom-right alignment)")
+        q_offset = s_k - s_q
     return {
         "b": np.arange(batch).reshape(-1, 1, 1, 1),
         "h": np.arange(heads).reshape(1, -1, 1, 1),
-        "q": (s_k - s_q + np.arange(s_q)).reshape(1, 1, -1, 1),
-        "k": np.arange(s_k).reshape(1, 1, 1, -1),
+        "q": (q_offset + np.arange(s_q)).reshape(1, 1, -1, 1),
+        "k": (k_offset + np.arange(s_k)).reshape(1, 1, 1, -1),
     }
 
 
@@ -37,14 +45,17 @@ def dense_mask(program: ir.Program, batch: int, s_q: int, s_k: int, tensors: dic
     return np.broadcast_to(m, (batch, program.heads_q, s_q, s_k))
 
 
-def reference(program: ir.Program, q, k, v, tensors: dict | None = None):
+def reference(program: ir.Program, q, k, v, tensors: dict | None = None, *, q_offset: int | None = None,
+              k_offset: int = 0):
     """Float64 attention: returns (O [B,H_q,S_q,d_v], LSE [B,H_q,S_q]).
 
-    q [B,H_q,S_q,d_qk], k [B,H_kv,S_k,d_qk], v [B,H_kv,S_k,d_v] (bhsd)."""
+    q [B,H_q,S_q,d_qk], k [B,H_kv,S_k,d_qk], v [B,H_kv,S_k,d_v] (bhsd).  ``q_offset``/``k_offset``:
+    a block of a larger call, rows and keys at those positions (:func:`positions`), the
+    tensors the whole call's."""
     q = np.asarray(q)
     batch, _, s_q, _ = q.shape
-    return _attend(program, q, k, v, positions(batch, program.heads_q, s_q, np.asarray(k).shape[2]),
-                   tensors or {})
+    env = positions(batch, program.heads_q, s_q, np.asarray(k).shape[2], q_offset, k_offset)
+    return _attend(program, q, k, v, env, tensors or {})
 
 
 def reference_request(program: ir.Program, b: int, q, k, v, tensors: dict | None = None):
@@ -61,13 +72,14 @@ def reference_request(program: ir.Program, b: int, q, k, v, tensors: dict | None
 
 def reference_cache(program: ir.Program, call):
     """Float64 attention of a validated split call (compiler.inputs.CacheCall), request by
-    request on its gathered logical K/V: ``(O [total_q, H_q, d_v], LSE [total_q, H_q])``."""
+    request on its gathered logical K/V: ``(O [total_q, H_q, d_v], LSE [total_q, H_q])``.  The
+    rows of a request with no keys see nothing: the all-masked policy (O = 0, LSE = -inf)."""
     require_rectangle(program, program.heads_q * int((call.q_lens * call.kv_lens).sum()))
     o = np.zeros((call.q.shape[0], program.heads_q, program.d_v))
     lse = np.full((call.q.shape[0], program.heads_q), -np.inf)
     for b in range(call.batch):
         rows = slice(call.qo_indptr[b], call.qo_indptr[b + 1])
-        if rows.stop > rows.start:
+        if rows.stop > rows.start and call.kv_lens[b] > 0:
             k, v = call.kv(b)
             o[rows], lse[rows] = reference_request(program, b, call.q_rows(b), k, v, call.tensors)
     return o, lse
@@ -88,9 +100,19 @@ def _attend(program: ir.Program, q, k, v, env: dict, tensors: dict):
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
     kv_head = np.arange(program.heads_q) // program.group
     k, v = k[:, kv_head], v[:, kv_head]  # GQA: query head h reads K/V head h // G
+    values, visible = _score_values(program, q, k, env, tensors)
+    return _softmax(values[-1], visible, v)
+
+
+def _score_values(program: ir.Program, q, k, env: dict, tensors: dict):
+    """``([s_0, ..., s_n], visible)`` over the score rectangle: s_0 = scale * q.k and the value
+    of each score statement; a non-finite final score at a visible cell is a PlanError.
+    ``k`` is already expanded to the query heads."""
     scores = np.einsum("bhid,bhjd->bhij", q, k) * program.scale
+    values = [scores]
     for stmt in program.score:
-        scores = np.broadcast_to(evaluate(stmt, {**env, "score": scores}, tensors), scores.shape)
+        values.append(np.broadcast_to(evaluate(stmt, {**env, "score": values[-1]}, tensors), scores.shape))
+    scores = values[-1]
     visible = np.broadcast_to(evaluate(program.mask, env, tensors), scores.shape)
     bad = visible & ~np.isfinite(scores)
     if bad.any():
@@ -98,6 +120,10 @@ def _attend(program: ir.Program, q, k, v, env: dict, tensors: dict):
         b, q_pos = (int(np.broadcast_to(env[n], scores.shape)[idx]) for n in ("b", "q"))
         raise PlanError(f"the score program produced {scores[idx]} at visible cell "
                         f"(b={b}, h={idx[1]}, q={q_pos}, k={idx[3]})")
+    return values, visible
+
+
+def _softmax(scores, visible, v):
     scores = np.where(visible, scores, -np.inf)
     m = scores.max(axis=-1, keepdims=True, initial=-np.inf)
     valid = np.isfinite(m)
@@ -106,3 +132,52 @@ def _attend(program: ir.Program, q, k, v, env: dict, tensors: dict):
     o = np.where(valid, (p @ v) / np.where(valid, l, 1.0), 0.0)
     lse = np.where(valid, m + np.log(np.where(valid, l, 1.0)), -np.inf)[..., 0]
     return o, lse
+
+
+def reference_backward(program: ir.Program, q, k, v, do, tensors: dict | None = None):
+    """Float64 gradients of attention for the incoming ``do [B,H_q,S_q,d_v]`` (bhsd, like
+    :func:`reference`): returns ``(dq, dk, dv, dtensors)`` with ``dtensors`` mapping each f32
+    tensor the score program reads to its gradient (its own shape; a tensor element read by
+    many cells sums them).  The score program's derivatives are
+    :func:`compiler.autodiff.score_grad`'s expressions evaluated by the IR interpreter (the
+    numpy backend prints the same expressions: the two check each other).  P comes from the
+    forward's LSE: ``P = exp(s_n - LSE)`` on visible cells, zero on rows with no visible key."""
+    grad = score_grad(program)
+    tensors = tensors or {}
+    q, k, v, do = (np.asarray(x, np.float64) for x in (q, k, v, do))
+    batch, _, s_q, _ = q.shape
+    env = positions(batch, program.heads_q, s_q, k.shape[2])
+    kv_head = np.arange(program.heads_q) // program.group
+    kx, vx = k[:, kv_head], v[:, kv_head]
+    values, visible = _score_values(program, q, kx, env, tensors)
+    o, lse = _softmax(values[-1], visible, vx)
+    row = lse[..., None]  # -inf on rows with no visible key, and those rows have no visible cell
+    p = np.exp(np.where(visible, values[-1] - np.where(np.isfinite(row), row, 0.0), -np.inf))
+    ds = p * (do @ vx.swapaxes(-1, -2) - (do * o).sum(axis=-1, keepdims=True))
+    dtensors = {n: np.zeros(np.shape(tensors[n])) for n in grad.tensors}
+    shape = ds.shape
+    for i in reversed(range(len(grad.forward))):
+        at = {**env, "score": values[i]}
+        for _, read, d in (x for x in grad.dloads if x[0] == i):
+            index = tuple(np.broadcast_to(evaluate(x, env, tensors), shape) for x in read.index)
+            np.add.at(dtensors[read.tensor], index, ds * _derivative(d, at, tensors, visible, i, ir.format_expr(read)))
+        ds = ds * _derivative(grad.dscore[i], at, tensors, visible, i, "score")
+    dq = program.scale * ds @ kx
+    group = (batch, program.heads_kv, program.group)
+    dk = (program.scale * ds.swapaxes(-1, -2) @ q).reshape(*group, *k.shape[2:]).sum(axis=2)
+    dv = (p.swapaxes(-1, -2) @ do).reshape(*group, *v.shape[2:]).sum(axis=2)
+    return dq, dk, dv, dtensors
+
+
+def _derivative(expr: ir.Expr, env: dict, tensors: dict, visible, statement: int, wrt: str):
+    """A score derivative over the rectangle: finite where visible (else a PlanError naming the
+    cell), zero where hidden."""
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        value = np.broadcast_to(evaluate(expr, env, tensors), visible.shape).astype(np.float64)
+    bad = visible & ~np.isfinite(value)
+    if bad.any():
+        idx = tuple(int(x[0]) for x in np.nonzero(bad))
+        b, q_pos = (int(np.broadcast_to(env[n], visible.shape)[idx]) for n in ("b", "q"))
+        raise PlanError(f"the derivative of score statement {statement + 1} with respect to {wrt} is "
+                        f"{value[idx]} at visible cell (b={b}, h={idx[1]}, q={q_pos}, k={idx[3]})")
+    return np.where(visible, value, 0.0)

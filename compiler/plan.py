@@ -161,7 +161,8 @@ class DecodeBlocks:
     of one request; decode: one tile per request, its one new row), which K/V blocks each tile
     visits (SKIP removed; the union over the tile's rows and the query heads) and which of those
     need the element mask (PARTIAL for some row or head), split into ``splits`` balanced shares
-    per tile."""
+    per tile, or, under a spec's ``split =`` policy, cut at its bounds: ``split_bounds`` then holds
+    each (request, slot)'s ``[start, end)`` and a slot's entries are the tile's blocks that meet it."""
 
     block_n: int
     splits: int
@@ -172,6 +173,7 @@ class DecodeBlocks:
     block_q: int = 1
     tile_req: np.ndarray | None = None  # int32 [tiles]: the request of each query tile
     tile_row0: np.ndarray | None = None  # int32 [tiles]: its first query row, counted within the request
+    split_bounds: np.ndarray | None = None  # int32 [B * splits * 2]: (start, end) per (request, slot)
 
     @property
     def tiles(self) -> int:
@@ -215,10 +217,11 @@ def decode_blocks(program: ir.Program, kv_lens, tensors: dict | None, block_n: i
 
 def split_blocks(program: ir.Program, kv_lens: np.ndarray, tensors: dict, block_n: int, splits: int,
                  q_lens: np.ndarray | None, block_q: int, *, longest: int | None = None,
-                 nonempty: bool = False, route: str = "auto") -> DecodeBlocks:
+                 nonempty: bool = False, route: str = "auto", bounds=None) -> DecodeBlocks:
     """:func:`decode_blocks` for a caller that checked its arguments (``backends.triton.decode``):
     ``kv_lens`` int64, ``q_lens`` int64 or None for one row per request; ``longest`` (the
-    largest length) and ``nonempty`` (every length >= 1) when it knows them."""
+    largest length) and ``nonempty`` (every length >= 1) when it knows them.  ``bounds`` (a
+    ``SplitBounds`` of the spec's policy) replaces the ``splits`` balanced shares of blocks."""
     batch = len(kv_lens)
     if program.flashmask:
         from .inputs import check_flashmask
@@ -235,7 +238,13 @@ def split_blocks(program: ir.Program, kv_lens: np.ndarray, tensors: dict, block_
         if route == "rows":
             raise PlanError("the rows' route does not apply to this call")
         lists = _general_lists(program, kv_lens, q_lens, n_tiles, tensors, block_n, block_q)
-    if splits == 1 and lists.ptr is not None:
+    split_bounds = None
+    if bounds is not None:
+        splits = bounds.capacity
+        req = np.arange(batch) if one_row else np.repeat(np.arange(batch), n_tiles)
+        entry_ptr, lists = _slot_entries(lists, req, bounds.starts, bounds.ends, block_n)
+        split_bounds = np.stack([bounds.starts, bounds.ends], axis=-1).astype(np.int32).reshape(-1)
+    elif splits == 1 and lists.ptr is not None:
         entry_ptr = lists.ptr
     elif splits == 1:
         entry_ptr = np.zeros(len(lists.counts) + 1, np.int32)
@@ -251,7 +260,27 @@ def split_blocks(program: ir.Program, kv_lens: np.ndarray, tensors: dict, block_
         first = np.cumsum(n_tiles) - n_tiles
         tile_row0 = ((np.arange(len(tile_req)) - np.repeat(first, n_tiles)) * block_q).astype(np.int32)
     return DecodeBlocks(block_n, splits, entry_ptr, lists.blocks, lists.partial, lists.skipped, block_q,
-                        tile_req, tile_row0)
+                        tile_req, tile_row0, split_bounds)
+
+
+def _slot_entries(lists, req: np.ndarray, starts: np.ndarray, ends: np.ndarray, block_n: int):
+    """(entry_ptr [tiles * S_cap + 1], the lists re-laid per slot) under explicit split bounds:
+    slot s of a tile of request b lists the tile's visited blocks that meet ``[starts[b, s],
+    ends[b, s])``, ascending.  A block a bound cuts is listed for both slots (each program masks
+    its keys to its own range), so the slots own disjoint positions exactly as the policy says."""
+    counts = np.asarray(lists.counts, np.int64)
+    n_tiles, cap = len(counts), starts.shape[1]
+    s, e = starts[req], ends[req]  # [tiles, S_cap]
+    first = s // block_n
+    stop = np.where(e > s, -(-e // block_n), first)  # blocks [first, stop) meet the slot
+    width = max(int(stop.max(initial=0)), int(lists.blocks.max(initial=0)) + 1) + 1
+    key = np.repeat(np.arange(n_tiles, dtype=np.int64) * width, counts) + lists.blocks
+    row = np.arange(n_tiles, dtype=np.int64)[:, None] * width
+    lo, hi = np.searchsorted(key, row + first).reshape(-1), np.searchsorted(key, row + stop).reshape(-1)
+    entry_ptr = np.zeros(n_tiles * cap + 1, np.int64)
+    np.cumsum(hi - lo, out=entry_ptr[1:])
+    idx = np.arange(entry_ptr[-1]) + np.repeat(lo - entry_ptr[:-1], hi - lo)
+    return entry_ptr.astype(np.int32), lists._replace(blocks=lists.blocks[idx], partial=lists.partial[idx], ptr=None)
 
 
 def _row_lists(program, kv_lens, q_lens, tensors, block_n, block_q, one_row, longest, nonempty):
@@ -417,6 +446,15 @@ class SplitPlan:
             raise PlanError(f"plan was made for q_lens {self.q_lens.tolist()}, the call has "
                             f"{np.asarray(q_lens).tolist()}")
 
+    def microbatch(self, request_ids=None, cache_rows=None):
+        """The call's frozen manifest (``analysis.microbatch``): ``request_ids`` (default 0..B-1)
+        and ``cache_rows`` (default the layout's ``cache_batch_idx``, else 0..B-1) with its T, C."""
+        from .analysis.microbatch import MicrobatchManifest
+        b = np.arange(self.batch)
+        rows = self.layout.cache_batch_idx if cache_rows is None else cache_rows
+        return MicrobatchManifest.freeze(b if request_ids is None else request_ids, b if rows is None else rows,
+                                         self.manifest.T, self.manifest.C)
+
     # ------------------------------------------------------------ reports (`attnc plan`)
     def ledgers(self):
         """The plan's ledgers (``analysis.schedule.SplitLedgers``), the pipeline's last step over
@@ -424,9 +462,9 @@ class SplitPlan:
         return run_plan_pipeline(("ledgers",), graph=self.graph, bounds=self.bounds, call=self.call,
                                  layout=self.layout, manifest=self.manifest)["ledgers"]
 
-    def report(self) -> dict:
-        """Split bounds, grids, owners, workspace and ledgers as one JSON-able dict
-        (DESIGN §7 field names)."""
+    def report(self, request_ids=None, cache_rows=None) -> dict:
+        """Split bounds, grids, owners, workspace, ledgers and the manifest (:meth:`microbatch`) as
+        one JSON-able dict (DESIGN §7 field names)."""
         from .analysis import ledger as L
         from .analysis import schedule as S
         g, lay = self.graph, self.layout
@@ -455,7 +493,23 @@ class SplitPlan:
             "ledgers": {**led.as_dict(), "kv_reuse_factor": led.kv_reuse_factor,
                         "metadata": {"fields": dict(meta.fields), "table": meta.table, "total": meta.total},
                         "page_lookups": ledgers.page_lookups},
+            "manifest": self.microbatch(request_ids, cache_rows).to_json(),
+            **self._fallback_report(ws),
         }
+
+    def _fallback_report(self, ws) -> dict:
+        """A shared-shift plan's fallback (M4.5 §0x09C): the field it adds to the workspace and the
+        logical demand of recomputing every output with (m, l, u) -- its worst case."""
+        from dataclasses import replace as _replace
+        from .analysis import ledger as L
+        extra = L.fallback_fields(self.call.abi)
+        if not extra:
+            return {}
+        worst = L.decode_ledger(self.bounds, _replace(self.call, abi="mlu"), self.q_lens)
+        return {"fallback": {"fields": [{"name": f.name, "dtype": f.dtype,
+                                         "bytes": ws.capacity_states * f.bytes_per_state(ws.d_v_padded)}
+                                        for f in extra],
+                             "worst_case": worst.as_dict()}}
 
     def text(self) -> str:
         """:meth:`report` for a reader."""
@@ -484,6 +538,10 @@ class SplitPlan:
                      f"capacity {n(w['capacity'])} B")
         for f in r["workspace"]["fields"]:
             lines.append(f"  {f['name']:<14} {f['dtype']:>4} {str(f['shape']):<22} {n(f['bytes']):>12} B")
+        if "fallback" in r:
+            fb = r["fallback"]
+            lines.append("  fallback (m, l, u) adds " + ", ".join(f"{f['name']} {n(f['bytes'])} B" for f in fb["fields"])
+                         + f"; recomputing every output demands {n(fb['worst_case']['two_launch_demand'])} B")
         led = r["ledgers"]
         lines += ["ledgers (logical bytes):",
                   f"  unique Q {n(led['unique_q'])}, Q demand {n(led['q_demand'])}",
@@ -526,12 +584,12 @@ def plan_split(program: ir.Program, layout, q_lens=None, *, policy=None, occupan
     layout -> manifest (phases) -> occupancy -> bounds (splits) -> schedule graph -> segments
     (``analysis.PLAN_PIPELINE``).
 
-    ``q_lens`` (default: one query row per non-empty request) gives each request's new query
-    rows; ``policy`` overrides the spec's ``split =``; ``occupancy`` (or ``num_sms``) is what
+    ``q_lens`` (default: one query row per request, decode, as the kernels' default; a
+    request with no keys then has a row that sees nothing) gives each request's new query rows; ``policy`` overrides the spec's ``split =``; ``occupancy`` (or ``num_sms``) is what
     ``heuristic``/``auto`` read.  Every contract break is a PlanError, before any arithmetic."""
     p = program
     kv = layout.kv_lens
-    q = (kv > 0).astype(np.int64) if q_lens is None else q_lens
+    q = np.ones(kv.size, np.int64) if q_lens is None else q_lens
     checked = run_plan_pipeline(("layout", "manifest"), program=p, kv_layout=layout, q_lens=q)
     given = dict(checked)
     if policy is None:  # `split = auto` takes `attnc tune`'s split count for this key, if cached

@@ -148,7 +148,9 @@ def _attention_attrs(p: ir.Program) -> dict[str, str]:
     if p.cache.table is not None:
         attrs["cache_table"] = _attr(p.cache.table)
     attrs.update(split_kind=_attr(p.split.kind), split_args=_attr(tuple(p.split.args)),
-                 state=_attr(p.state), masked_rows=_attr(p.masked_rows))
+                 state=_attr(p.state.value), masked_rows=_attr(p.masked_rows))
+    if isinstance(p.state, ir.SharedShift):
+        attrs["state_args"] = _attr((p.state.phi, p.state.lower, p.state.upper))
     return attrs
 
 

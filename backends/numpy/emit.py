@@ -20,31 +20,34 @@ _CALLS = {"min": "np.minimum", "max": "np.maximum", "abs": "np.abs", "exp": "np.
           "sqrt": "np.sqrt", "tanh": "np.tanh"}
 
 
-def numpy_expr(e: ir.Expr) -> str:
-    """numpy source for one IR expression over broadcastable b, h, q, k (and score)."""
+def numpy_expr(e: ir.Expr, f64: bool = False) -> str:
+    """numpy source for one IR expression over broadcastable b, h, q, k (and score): f32 values
+    in float32, or in float64 with ``f64`` (the backward reference, templates/numpy/backward.py.j2)."""
+    rec = lambda x: numpy_expr(x, f64)  # noqa: E731
     if isinstance(e, ir.Const):
         if e.type is ir.F32:
-            return f"np.float32({e.value!r})"
+            return f"np.float64({e.value!r})" if f64 else f"np.float32({e.value!r})"
         return repr(e.value)
     if isinstance(e, ir.Var):
         return e.name
     if isinstance(e, ir.Load):
-        return f'_load("{e.tensor}", t_{e.tensor}, {", ".join(numpy_expr(i) for i in e.index)})'
+        return f'_load("{e.tensor}", t_{e.tensor}, {", ".join(rec(i) for i in e.index)})'
     if isinstance(e, ir.Unary):
-        x = numpy_expr(e.operand)
-        return {"neg": f"(-{x})", "not": f"np.logical_not({x})", "cast_f32": f"_f32({x})"}[e.op]
+        x = rec(e.operand)
+        cast = f"_f64({x})" if f64 else f"_f32({x})"
+        return {"neg": f"(-{x})", "not": f"np.logical_not({x})", "cast_f32": cast}[e.op]
     if isinstance(e, ir.Binary):
-        a, b = numpy_expr(e.left), numpy_expr(e.right)
+        a, b = rec(e.left), rec(e.right)
         if e.op in _BINARY:
             return f"({a} {_BINARY[e.op]} {b})"
         return {"floordiv": f"_floordiv({a}, {b})", "mod": f"_mod({a}, {b})",
                 "and": f"np.logical_and({a}, {b})", "or": f"np.logical_or({a}, {b})"}[e.op]
     if isinstance(e, ir.Compare):
-        return f"({numpy_expr(e.left)} {_COMPARE[e.op]} {numpy_expr(e.right)})"
+        return f"({rec(e.left)} {_COMPARE[e.op]} {rec(e.right)})"
     if isinstance(e, ir.Select):
-        return f"np.where({numpy_expr(e.cond)}, {numpy_expr(e.if_true)}, {numpy_expr(e.if_false)})"
+        return f"np.where({rec(e.cond)}, {rec(e.if_true)}, {rec(e.if_false)})"
     if isinstance(e, ir.Call):
-        return f"{_CALLS[e.fn]}({', '.join(numpy_expr(a) for a in e.args)})"
+        return f"{_CALLS[e.fn]}({', '.join(rec(a) for a in e.args)})"
     raise TypeError(e)
 
 
@@ -104,7 +107,7 @@ def emit(program: ir.Program, block_m: int = BLOCK_M, block_n: int = BLOCK_N,
 
 
 _IDENTITY = {"partial_u": "0.0", "partial_o": "0.0", "partial_m": "-np.inf", "partial_lse": "-np.inf",
-             "partial_l": "0.0", "partial_valid": "0"}
+             "partial_l": "0.0", "partial_valid": "0", "partial_n": "0.0", "partial_guard": "0"}
 
 
 def emit_split(program: ir.Program) -> Source:
@@ -127,6 +130,8 @@ def emit_split(program: ir.Program) -> Source:
         cache=kind, order=p.cache.layout.value, cache_desc=cache_description(p),
         block_name={"paged": "page", "ragged": "request's packed rows", "contiguous": "cache row"}[kind],
         split=str(from_ir(p.split)), state=p.state.value,
+        shift=[repr(float(x)) for x in (p.state.phi, p.state.lower, p.state.upper)] if p.state.value == "shared_shift"
+        else [],
         fields=[f"{f.name} {f.dtype}" for f in fields],
         workspace=[{"name": f.name, "dtype": f.dtype, "identity": _IDENTITY[f.name]} for f in fields],
         k_shape=fmt(k_shape), v_shape=fmt(v_shape),

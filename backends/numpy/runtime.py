@@ -31,6 +31,11 @@ The call is planned (:func:`compiler.plan.plan_split`: split bounds from the spe
 storage segments, workspace of its ``state =`` ABI, the validated schedule graph) before any
 arithmetic; ``plan=`` reuses a :class:`compiler.plan.SplitPlan`, ``occupancy=`` sets what the
 ``heuristic``/``auto`` split policies read.  ``kernel.run(arrays)`` takes the same keys as a dict.
+
+**The float64 reference and the backward pass** (contiguous calls only) --
+``kernel.forward64(q, k, v, **tensors) -> (o, lse)`` and ``kernel.backward(q, k, v, o, lse, do,
+**tensors) -> (dq, dk, dv, dtensors)``: a generated module (backends/numpy/backward.py), emitted
+on first use, computes them densely in float64 from the score program and its derivatives.
 """
 from __future__ import annotations
 
@@ -40,6 +45,7 @@ from attnc.compiler import inputs, ir
 from attnc.compiler.errors import InputError, PlanError
 from attnc.compiler.plan import DEFAULT_SMS, Plan, SplitPlan, plan as make_plan, plan_split
 from attnc.backends.common import load_module
+from .backward import emit_backward
 from .emit import Source, emit
 
 
@@ -52,6 +58,7 @@ class Kernel:
         self.num_sms = num_sms
         self.module = load_module(source.text, source.module_stem)
         self._split_module = self.module if source.family == "decode_split" else None
+        self._backward_module = None
 
     @property
     def split_module(self):
@@ -60,6 +67,43 @@ class Kernel:
             src = emit(self.program, family="decode_split")
             self._split_module = load_module(src.text, src.module_stem)
         return self._split_module
+
+    @property
+    def backward_module(self):
+        """The float64 forward/backward reference (backends/numpy/backward.py), emitted on first use."""
+        if self._backward_module is None:
+            src = emit_backward(self.program)
+            self._backward_module = load_module(src.text, src.module_stem)
+        return self._backward_module
+
+    # ------------------------------------------------------------ float64 reference and backward
+    def forward64(self, q, k, v, **tensors):
+        """``(o, lse)`` in float64 (the oracle's semantics) for a contiguous call in the spec's
+        layout; q, k, v of any float dtype.  ``o`` is in q's layout."""
+        inputs.contiguous_only(self.program, tensors)
+        call = inputs.validate(self.program, {"q": q, "k": k, "v": v, **tensors}, np.float64)
+        module = self.backward_module
+        try:
+            return module.forward(*(np.asarray(x, np.float64) for x in (q, k, v)), **call.tensors)
+        except module.AttncRuntimeError as e:
+            raise PlanError(str(e)) from None
+
+    def backward(self, q, k, v, o, lse, do, dlse=None, **tensors):
+        """``(dq, dk, dv, dtensors)`` in float64 for a contiguous call: the saved ``o`` (q's layout)
+        and ``lse [B, H_q, S_q]`` of the forward and the incoming gradient ``do``; dq, dk, dv come
+        in the layouts of q, k, v and ``dtensors`` maps every f32 tensor the score program reads
+        to its gradient (masks and int/bool tensors get none)."""
+        call, saved = inputs.validate_backward(self.program, {"q": q, "k": k, "v": v, "o": o, "lse": lse,
+                                                              "do": do, **tensors})
+        module = self.backward_module
+        try:
+            if dlse is not None and np.shape(dlse) != saved["lse"].shape:
+                raise InputError(f"inputs: 'dlse' has shape {list(np.shape(dlse))}; LSE's is "
+                                 f"{list(saved['lse'].shape)}")
+            return module.backward(*(np.asarray(x, np.float64) for x in (q, k, v)), saved["o"], saved["lse"],
+                                   saved["do"], dlse, **call.tensors)
+        except module.AttncRuntimeError as e:
+            raise PlanError(str(e)) from None
 
     # ------------------------------------------------------------ plans
     def plan(self, batch: int, s_q: int, s_k: int, tensors: dict | None = None,
@@ -104,6 +148,21 @@ class Kernel:
         if self.program.dtype == "f16":
             o = o.astype(np.float16)
         return (o, lse) if return_lse else o
+
+    def block(self, q, k, v, block: dict, tensors: dict):
+        """One block of a larger contiguous call (context parallelism, ``compiler.cp``): query
+        rows and keys in the spec's layout, ``block`` the block's tile lists and the positions of
+        its first row and key (``CPPlan.block_args``), ``tensors`` the whole call's, validated
+        with its plan.  Returns the partial state: O [.., d_v] in float32 as computed (not
+        rounded to the storage dtype) and LSE [B, H_q, rows]."""
+        if self.source.family != "attention":
+            raise PlanError(f"spec '{self.program.name}' declares a {self.program.cache.kind.value} cache: "
+                            "a block of a contiguous call needs a contiguous one")
+        fn = getattr(self.module, self.source.entry)
+        try:
+            return fn(np.asarray(q), np.asarray(k), np.asarray(v), plan=block, return_lse=True, **tensors)
+        except self.module.AttncRuntimeError as e:
+            raise PlanError(str(e)) from None
 
     def run(self, arrays: dict, *, plan: Plan | SplitPlan | None = None, return_lse=False,
             stats: dict | None = None, occupancy=None):

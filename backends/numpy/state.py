@@ -91,16 +91,24 @@ def to_output_state(s: State) -> OutputState:
 
 
 def merge_output_state(a: OutputState, b: OutputState) -> OutputState:
-    """(LSE, O) ⊕ (LSE, O), M4.5 §0x02F: weights exp(LSE_x - LSE), never an average."""
-    if not a.valid:
-        return b
-    if not b.valid:
-        return a
-    dtype = type(a.lse)
-    p = max(a.lse, b.lse)
-    lse = dtype(p + np.log(np.exp(a.lse - p) + np.exp(b.lse - p)))
-    o = (np.exp(a.lse - lse) * a.o + np.exp(b.lse - lse) * b.o).astype(dtype)
-    return OutputState(True, lse, o)
+    """(LSE, O) ⊕ (LSE, O), M4.5 §0x02F: weights exp(LSE_x - LSE), never an average.
+
+    One row (scalar ``valid`` and ``lse``, ``o [d]``) or many at once (``valid``/``lse`` of any
+    shape, ``o`` with one more axis of d): validity decides first, so rows invalid on one side
+    take the other side as it is and only rows valid on both reach the exponentials."""
+    va, vb = np.asarray(a.valid, bool), np.asarray(b.valid, bool)
+    both = va & vb
+    la, lb = np.asarray(a.lse), np.asarray(b.lse)
+    dtype = la.dtype.type
+    sa, sb = np.where(both, la, 0), np.where(both, lb, 0)  # finite stand-ins off the merged rows
+    p = np.maximum(sa, sb)
+    lse = p + np.log(np.exp(sa - p) + np.exp(sb - p))
+    o = np.exp(sa - lse)[..., None] * a.o + np.exp(sb - lse)[..., None] * b.o
+    lse = np.where(both, lse, np.where(va, la, lb)).astype(dtype)
+    o = np.where(both[..., None], o, np.where(va[..., None], a.o, b.o)).astype(dtype)
+    if va.ndim == 0:
+        return OutputState(bool(va | vb), dtype(lse), o)
+    return OutputState(va | vb, lse, o)
 
 
 def reduce_sequential(states: Iterable[State]) -> State:

@@ -21,6 +21,8 @@ from attnc.compiler import inputs, ir, tune
 from attnc.compiler.analysis import layout as kvl
 from attnc.compiler.analysis.decode_rows import constant
 from attnc.compiler.errors import InputError, PlanError
+from attnc.compiler.analysis.pipeline import spec_split_policy
+from attnc.compiler.analysis.splits import occupancy_for
 from attnc.compiler.plan import DEFAULT_SMS, split_blocks
 
 
@@ -63,18 +65,19 @@ def decode_plan(program, arrays: dict, *, block_n: int | None = None, splits: in
     one_row = q_lens is None  # decode: one row per request (q_lens and qo_indptr not given)
     if one_row:
         q_lens = constant("ones", batch)
-    short = (batch and kv_lens.min() < 1) if one_row else (batch and (kv_lens < q_lens).any())
-    if short:  # compiler.inputs.validate_cache's words
-        b = int(np.flatnonzero(kv_lens < q_lens)[0])
-        raise InputError(f"inputs: request {b} has q_lens[{b}] = {int(q_lens[b])} query rows but only "
-                         f"kv_len = {int(kv_lens[b])} keys; a query row is a token whose own key is "
-                         "in the cache, so kv_len >= q_len (a request with no keys has no query rows)")
+    # a request with no keys may have query rows (they see nothing); else kv_len >= q_len
+    empty = bool(batch and kv_lens.min() < 1)
+    if not one_row and batch and ((kv_lens < q_lens) & (kv_lens > 0)).any():
+        raise inputs.short_request(int(np.flatnonzero((kv_lens < q_lens) & (kv_lens > 0))[0]), q_lens, kv_lens)
     one_row = one_row or bool((q_lens == 1).all())
+    # the spec's `split =` policy decides the slots (the caller's splits= overrides it); auto: the fast route
+    policy = None if splits is not None or _is_auto(p.split) else spec_split_policy(p)
     launch = {}
     if splits is None:  # `attnc tune`'s winner for this dispatch key, if the cache has it
         tuned = _tuned(p, batch, 1 if one_row else q_lens, kv_lens)
         if tuned:
-            splits, block_n = tuned.get("splits"), tuned.get("BLOCK_N", block_n)
+            splits = None if policy is not None else tuned.get("splits")
+            block_n = tuned.get("BLOCK_N", block_n)
             block_q = block_q if block_q is not None else tuned.get("BLOCK_Q")
             launch = {n: tuned[n] for n in ("num_warps", "num_stages") if n in tuned}
     default = _default_config(p, batch, one_row, q_lens, longest, num_sms, block_n, block_q)
@@ -85,8 +88,9 @@ def decode_plan(program, arrays: dict, *, block_n: int | None = None, splits: in
     if block_n < GPU_MIN_TILE:
         _check_gpu_tile(None, block_n)
     splits = default["splits"] if splits is None else splits
+    bounds = None if policy is None else policy.bounds(kv_lens, occupancy_for(p, q_lens, num_sms or DEFAULT_SMS))
     blocks = split_blocks(p, kv_lens, tensors, block_n, splits, None if one_row else q_lens, block_q,
-                          longest=longest, nonempty=one_row)
+                          longest=longest, nonempty=one_row and not empty, bounds=bounds)
     k_key = "k_cache" if lay.kind == "paged" else "k"
     v_key = "v_cache" if lay.kind == "paged" else "v"
     k_str, v_str = cache_strides(lay.kind, lay.order, arrays[k_key], arrays[v_key])
@@ -113,9 +117,17 @@ def decode_plan(program, arrays: dict, *, block_n: int | None = None, splits: in
             "block_q": int(block_q), "one_row": bool(one_row and block_q == 1),
             "entry_ptr": blocks.entry_ptr, "blocks": blocks.blocks,
             "partial": blocks.partial, "splits": blocks.splits, "block_n": block_n,
+            "policy": bounds.policy if bounds is not None else f"{blocks.splits} balanced block shares",
+            "bounded": bounds is not None,
+            "split_bounds": blocks.split_bounds if bounds is not None else constant("zeros32", 2),
             "num_warps": launch.get("num_warps", default["num_warps"]),
             "num_stages": launch.get("num_stages", default["num_stages"]),
             "abi": p.state.value, "skipped_blocks": blocks.skipped}
+
+
+def _is_auto(split) -> bool:
+    """Whether the spec leaves the split to the backend (``split = auto``, the default)."""
+    return getattr(split.kind, "value", split.kind) == "auto"
 
 
 # ---------------------------------------------------------------- the untuned launch
@@ -238,7 +250,8 @@ def decode_args(plan: dict, device) -> dict:
 
 # the decode plan's arrays the generated ``decode`` launcher reads, with their device dtypes
 DECODE_ARRAYS = {"kv_lens": "int32", "qo_indptr": "int32", "tile_req": "int32", "tile_row0": "int32",
-                 "entry_ptr": "int32", "base": "int64", "blocks": "int32", "partial": "int8", "table": "int32"}
+                 "entry_ptr": "int32", "base": "int64", "blocks": "int32", "partial": "int8", "table": "int32",
+                 "split_bounds": "int32"}
 
 
 def device_tensor(t, device):

@@ -55,6 +55,15 @@ def _pad(d: int) -> int:
     return max(16, 1 << (d - 1).bit_length())
 
 
+def _grad_code(p: ir.Program) -> list[tuple[str, str]]:
+    """(d s_i / d s_(i-1), s_i) per score statement, printed: the backward's score_grad."""
+    if not p.score:
+        return []
+    from attnc.compiler.autodiff import score_grad
+    g = score_grad(p)
+    return [(triton_expr(d), triton_expr(s)) for d, s in zip(g.dscore, g.forward)]
+
+
 @dataclass(frozen=True)
 class Source:
     text: str
@@ -72,5 +81,6 @@ def emit(program: ir.Program) -> Source:
         tensors=[{"name": t.name, "dtype": t.dtype.value, "axes": tuple(t.axes)} for t in p.tensors],
         mask_source=ir.format_expr(p.mask), score_source=[ir.format_expr(s) for s in p.score],
         mask_code=triton_expr(p.mask), score_code=[triton_expr(s) for s in p.score],
+        grad_code=_grad_code(p),
     )
     return Source(text, f"{p.name}_triton", entry="visible")

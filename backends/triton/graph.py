@@ -47,7 +47,7 @@ def capture(fn):
 
 # plan fields the captured launch bakes in: an update must keep them
 _FIXED = ("cache", "page_size", "splits", "block_n", "block_q", "one_row", "tiles", "total_q", "abi",
-          "k_strides", "v_strides", "table_stride")
+          "k_strides", "v_strides", "table_stride", "bounded")
 
 
 class DecodeGraph:
@@ -93,6 +93,8 @@ class DecodeGraph:
         plan = kernel.decode_plan(arrays, tensors=tensors, total_q=int(q.shape[0]), **options)
         self._call = {**{n: a for n, a in arrays.items() if n not in self._kv_keys}, **tensors}
         self._options = {"block_n": plan["block_n"], "splits": plan["splits"], "block_q": plan["block_q"]}
+        if plan["bounded"]:  # the spec's split policy cuts every step's slots (its slot count must hold)
+            del self._options["splits"]
         longest = int(np.max(plan["kv_lens"], initial=0))
         self.max_kv_len = longest if max_kv_len is None else int(max_kv_len)
         if self.max_kv_len < longest:
@@ -125,8 +127,9 @@ class DecodeGraph:
         """Entries of the variable-length arrays at ``max_kv_len`` keys per request: the tiles'
         block lists hold ceil(max_kv_len / block_n) blocks per tile, the CSR page list
         ceil(max_kv_len / page_size) pages per request, in total (one request may outgrow
-        max_kv_len while the others are shorter)."""
-        per_tile = -(-self.max_kv_len // plan["block_n"])
+        max_kv_len while the others are shorter).  Under a spec's split policy a block that a slot
+        bound cuts is listed for both slots: up to splits - 1 more entries per tile."""
+        per_tile = -(-self.max_kv_len // plan["block_n"]) + (plan["splits"] - 1 if plan["bounded"] else 0)
         cap = {"blocks": max(1, plan["tiles"] * per_tile)}
         cap["partial"] = cap["blocks"]
         if plan["cache"] == 2:  # paged, CSR table: kv_indices

@@ -26,11 +26,13 @@ multiples of 16, which pointers are 16-byte aligned): the caller's key must fix 
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 import numpy as np
 
 from attnc.compiler import ir
+from attnc.compiler.analysis.ledger import vector_dtype
 from attnc.compiler.errors import InputError, PlanError
 
 from . import gluon_engine, prefill, split
@@ -43,6 +45,7 @@ SHORT_ROW_BLOCKS = 16  # computed K/V blocks per 128-row tile under which rows c
 SHORT_ROW_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 64, "num_stages": 3}  # warps follow the tile: 4
 MERGED_RUN_BLOCKS = 24  # the merged walk once the plan's runs average this many blocks
 INTERPRETER_TILES = (16, 16)
+COMBINE_SLOTS = 128  # split slots the combine merges per pass (the untuned rule makes at most MAX_SPLITS = 128)
 ENGINES = (None, "gluon", "triton")
 MASK_SOURCES = (None, "predicate", "intervals", "rows")
 
@@ -477,30 +480,32 @@ class SplitLaunch:
         s_cap = plan["splits"]
         abi_mlu = plan["abi"] == "mlu"
         import torch
-        n, fields, size = split.workspace_layout(total_q, s_cap, plan["abi"], spec["H_Q"], spec["D_V"])
+        vec = vector_torch_dtype(self.module, plan["abi"])
+        n, fields, size = split.workspace_layout(total_q, s_cap, plan["abi"], spec["H_Q"], spec["D_V"], vec.itemsize)
         if workspace.dtype != torch.uint8 or workspace.numel() < size:
             raise PlanError(f"workspace: {workspace.numel()} {workspace.dtype} elements; this call needs {size} uint8")
 
         def field(name, dtype):
             off, count = fields[name]
-            return workspace[off:off + count * (4 if dtype is torch.float32 else 1)].view(dtype)
-        p_o, p_m, p_valid = field("o", torch.float32), field("m", torch.float32), field("valid", torch.uint8)
+            return workspace[off:off + count * dtype.itemsize].view(dtype)
+        p_o, p_m, p_valid = field("o", vec), field("m", torch.float32), field("valid", torch.uint8)
         p_l = field("l", torch.float32) if abi_mlu else p_m
         block_q = plan["block_q"]
         ks, vs = plan["k_strides"], plan["v_strides"]
         g_pad = max(split.next_power_of_2(spec["GROUP"]), 16 // block_q)
         producer = self._launcher("split", dict(
             CACHE=plan["cache"], PAGE_SIZE=plan["page_size"], ABI_MLU=abi_mlu, ONE_ROW=bool(plan["one_row"]),
-            BLOCK_Q=block_q, BLOCK_N=plan["block_n"], G_PAD=g_pad))
+            BLOCK_Q=block_q, BLOCK_N=plan["block_n"], G_PAD=g_pad, BOUNDED=bool(plan["bounded"])))
         args = (q, k_cache, v_cache, p_o, p_m, p_l, p_valid, *q.stride(), *ks, *vs,
                 arrays["kv_lens"], arrays["qo_indptr"], arrays["tile_req"], arrays["tile_row0"], arrays["base"],
                 arrays["table"], plan["table_stride"], arrays["entry_ptr"], arrays["blocks"], arrays["partial"], ts,
-                s_cap, qk_scale(self.module))
+                s_cap, qk_scale(self.module), arrays["split_bounds"])
         aligned = (q.data_ptr() % 16 == 0, k_cache.data_ptr() % 16 == 0, v_cache.data_ptr() % 16 == 0,
                    workspace.data_ptr() % 16 == 0)
         key = (aligned, spec_key(q.stride() + tuple(ks) + tuple(vs) + (plan["table_stride"], s_cap)), spec_key(ts))
         producer.launch((s_cap, plan["tiles"] * spec["H_KV"]), args, key)
-        combine = self._launcher("combine", dict(ABI_MLU=abi_mlu, SPLITS_PAD=max(2, split.next_power_of_2(s_cap))))
+        pad = max(2, split.next_power_of_2(min(s_cap, COMBINE_SLOTS)))
+        combine = self._launcher("combine", dict(ABI_MLU=abi_mlu, SPLITS_PAD=pad))
         cargs = (p_o, p_m, p_l, p_valid, out, lse, *out.stride(), s_cap)
         combine.launch((total_q * spec["H_Q"],), cargs,
                        (aligned[3], out.data_ptr() % 16 == 0, spec_key(out.stride() + (s_cap,))))
@@ -508,7 +513,22 @@ class SplitLaunch:
 
 
 def workspace_bytes(module, total_q: int, splits: int, abi: str) -> int:
-    return split.workspace_layout(total_q, splits, abi, module.SPEC["H_Q"], module.SPEC["D_V"])[2]
+    if abi == "shared_shift":
+        from .shared_shift import workspace_layout
+        return workspace_layout(total_q, splits, module.SPEC["H_Q"], module.SPEC["D_V"])[2]
+    return split.workspace_layout(total_q, splits, abi, module.SPEC["H_Q"], module.SPEC["D_V"],
+                                  vector_torch_dtype(module, abi).itemsize)[2]
+
+
+def vector_torch_dtype(module, abi: str):
+    """The workspace's partial O / u dtype: the ledger's declared one for the spec's storage."""
+    return _vector_torch_dtype(abi, module.DTYPE)
+
+
+@functools.lru_cache(maxsize=None)
+def _vector_torch_dtype(abi: str, storage: str):
+    import torch
+    return {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}[vector_dtype(abi, storage)]
 
 
 def check_device(named: dict, device: str) -> None:

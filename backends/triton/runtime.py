@@ -290,6 +290,56 @@ class Kernel:
         lse = lse.cpu().numpy()
         return (o, lse) if return_lse else o
 
+    # ------------------------------------------------------------ backward
+    def backward(self, q, k, v, o, lse, do, dlse=None, *, config=None, **tensors):
+        """dQ, dK, dV of a prefill call from its saved O and LSE and the gradient of O (``dlse``: of
+        LSE, optional).  Inputs in the spec's layout as for the forward; gradients come back in
+        the layout and dtype of q, k and v.  Planned from the same mask analysis as the forward and
+        cached like it (``grad.BackwardLaunch``)."""
+        from . import grad as G
+        torch = self._torch
+        bound = self._validate(q, k, v, tensors)
+        for n, t, shape in (("o", o, bound.out_shape), ("do", do, bound.out_shape),
+                            ("lse", lse, (bound.batch, self.program.heads_q, bound.s_q))):
+            if tuple(t.shape) != tuple(shape):
+                raise InputError(f"inputs: '{n}' has shape {list(t.shape)}; this call's is {list(shape)}")
+        if dlse is not None and tuple(dlse.shape) != tuple(lse.shape):
+            raise InputError(f"inputs: 'dlse' has shape {list(dlse.shape)}; LSE's is {list(lse.shape)}")
+        p = self.program
+        cfg = config or G.default_backward_config(p.d_qk, p.d_v, interpreted())
+        key = (self._key(q, k, v, tensors), o.stride(), do.stride(), o.data_ptr() % 16 == 0,
+               do.data_ptr() % 16 == 0, dlse is not None)
+        if self._mask_reads:
+            named = [tensors[n] for n in self._tensor_names if n in tensors]
+            pkey = ("backward", self.digest, key, cfg,
+                    tuple(P.tensor_key(n, tensors[n]) for n in self._tensor_names if n in tensors))
+        else:
+            named, pkey = [], ("backward", self.digest, key, cfg)
+        launch = P.PLANS.get(pkey, named)
+        if launch is None:
+            (bm1, bn1), (bm2, bn2) = cfg.tiles()
+            for bm, bn in cfg.tiles():
+                _check_gpu_tile(bm, bn)
+            dq_plan = self.plan(bound.batch, bound.s_q, bound.s_k, tensors, bm2, bn2)
+            dkdv_plan = dq_plan.retile(bm1, bn1)
+            launch = G.BackwardLaunch(self.module, cfg, dkdv_plan, dq_plan, (bound.batch, bound.s_q, bound.s_k),
+                                      q.device)
+            P.PLANS.put(pkey, launch, launch.nbytes, named)
+        if bound.emulate:
+            q, k, v, o, do = (x.float() for x in (q, k, v, o, do))
+        dq, dk, dv = (torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v))
+        views = (q, k, v, o, do, dq, dk, dv)
+        if bound.bshd:
+            views = tuple(x.transpose(1, 2) for x in views)
+        qb, kb, vb, ob, dob, dqb, dkb, dvb = views
+        lse = lse.contiguous()
+        dlse = dlse.contiguous() if dlse is not None else None
+        launch(qb, kb, vb, ob, lse, dob, dlse, L.tensor_args(self.module, tensors), dqb, dkb, dvb,
+               key if not bound.emulate else None)
+        if bound.emulate:
+            dq, dk, dv = (x.to(torch.bfloat16) for x in (dq, dk, dv))
+        return dq, dk, dv
+
     # ------------------------------------------------------------ split calls (decode, append, mixed)
     def decode_plan(self, arrays: dict, **options) -> dict:
         """The split-K/V plan of a call (``backends.triton.decode.decode_plan``)."""
@@ -304,7 +354,11 @@ class Kernel:
     def split_launch(self, num_warps: int = 4, num_stages: int = 2) -> L.SplitLaunch:
         key = (num_warps, num_stages)
         if key not in self._splits:
-            self._splits[key] = L.SplitLaunch(self.module, num_warps, num_stages)
+            if isinstance(self.program.state, ir.SharedShift):  # FlashDecoding++'s guarded shared frame
+                from .shared_shift import ShiftLaunch
+                self._splits[key] = ShiftLaunch(self.module, self.program.state, num_warps, num_stages)
+            else:
+                self._splits[key] = L.SplitLaunch(self.module, num_warps, num_stages)
         return self._splits[key]
 
     def workspace(self, total_q: int, splits: int, device):

@@ -9,7 +9,15 @@ qo_indptr[b] + i.  The program walks its share of the tile's visible K/V blocks 
 removed SKIP blocks, the union over the tile's rows and heads, and flags PARTIAL ones), reading
 the cache through the request's page table, and writes one partial state per (packed query row,
 query head) in the declared workspace ABI.  ONE_ROW (every request has one query row, decode) is
-the tile = request special case: no tile or row metadata is read.
+the tile = request special case: no tile or row metadata is read.  BOUNDED (a spec's explicit
+``split =`` policy): slot ``split`` of request b owns the key positions SPLIT_BOUNDS[b, split] =
+[start, end) exactly as the policy cut them; its block list holds the blocks meeting that range
+(a block a bound cuts is in both slots' lists) and every key outside it is masked.  Otherwise
+a slot owns whole blocks (balanced shares of the tile's list).
+
+The workspace stores each field in its declared dtype (``compiler.analysis.ledger``): (m, l, u)
+keeps u in float32 (unnormalized: it can exceed the storage range); (LSE, O) stores the
+normalized partial O in the storage dtype (a convex combination of V rows always fits it).
 
 ``_combine`` merges the S_cap partial states of each (packed query row, query head) with the
 validity branch (M4.5 §0x02C): invalid (empty or inactive) slots are the identity, excluded
@@ -28,8 +36,8 @@ CACHE_KINDS = {"contiguous": 0, "paged_dense": 1, "paged_csr": 2}
 def _decode_split(Q, K, V, P_O, P_M, P_L, P_VALID,
                   s_qt, s_qh, s_qd, s_kp, s_kt, s_kh, s_kd, s_vp, s_vt, s_vh, s_vd,
                   KV_LENS, QO_INDPTR, TILE_REQ, TILE_ROW0, BASE, TABLE, s_tb, ENTRY_PTR, BLOCKS, PARTIAL, TS,
-                  S_CAP, qk_scale,
-                  CACHE: tl.constexpr, PAGE_SIZE: tl.constexpr, ABI_MLU: tl.constexpr,
+                  S_CAP, qk_scale, SPLIT_BOUNDS,
+                  CACHE: tl.constexpr, PAGE_SIZE: tl.constexpr, ABI_MLU: tl.constexpr, BOUNDED: tl.constexpr,
                   ONE_ROW: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, G_PAD: tl.constexpr,
                   VISIBLE: tl.constexpr, SCORE: tl.constexpr, HAS_SCORE: tl.constexpr, SCALE: tl.constexpr,
                   H_Q: tl.constexpr, H_KV: tl.constexpr, GROUP: tl.constexpr,
@@ -68,9 +76,15 @@ def _decode_split(Q, K, V, P_O, P_M, P_L, P_VALID,
     l_i = tl.zeros([BLOCK_Q * G_PAD], tl.float32)
     acc = tl.zeros([BLOCK_Q * G_PAD, D_V_PAD], tl.float32)
     slot = tile * S_CAP + split
+    if BOUNDED:  # the policy's [start, end) of this slot (within [0, t_len))
+        lo = tl.load(SPLIT_BOUNDS + 2 * (b * S_CAP + split))
+        hi = tl.load(SPLIT_BOUNDS + 2 * (b * S_CAP + split) + 1)
     for e in range(tl.load(ENTRY_PTR + slot), tl.load(ENTRY_PTR + slot + 1)):
         t = tl.load(BLOCKS + e) * BLOCK_N + tl.arange(0, BLOCK_N)
-        live = t < t_len  # rows past the request's length are never read
+        if BOUNDED:
+            live = (t >= lo) & (t < hi)
+        else:
+            live = t < t_len  # rows past the request's length are never read
         if CACHE == 0:  # contiguous or ragged: base = the request's first row
             row = base + t
             k_off = row.to(tl.int64) * s_kt
@@ -111,7 +125,7 @@ def _decode_split(Q, K, V, P_O, P_M, P_L, P_VALID,
         l_safe = tl.where(valid, l_i, 1.0)
         tl.store(P_M + state, tl.where(valid, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf")),
                  mask=row_ok)
-        tl.store(P_O + state[:, None] * D_V + offs_dv[None, :], acc / l_safe[:, None],
+        tl.store(P_O + state[:, None] * D_V + offs_dv[None, :], (acc / l_safe[:, None]).to(P_O.dtype.element_ty),
                  mask=row_ok[:, None] & (offs_dv[None, :] < D_V))
     tl.store(P_VALID + state, valid.to(tl.uint8), mask=row_ok)
 
@@ -120,29 +134,37 @@ def _decode_split(Q, K, V, P_O, P_M, P_L, P_VALID,
 def _combine(P_O, P_M, P_L, P_VALID, O, LSE, s_ot, s_oh, s_od, S_CAP,
              ABI_MLU: tl.constexpr, SPLITS_PAD: tl.constexpr, H_Q: tl.constexpr, D_V: tl.constexpr,
              D_V_PAD: tl.constexpr):
-    """Merge the S_cap partial states of one (packed query row, query head)."""
+    """Merge the S_cap partial states of one (packed query row, query head), SPLITS_PAD slots at
+    a time (one pass when S_cap <= SPLITS_PAD, every launch the untuned rule makes): each chunk
+    moves the sums to the running maximum (a factor exp(-inf) = 0 while nothing was valid)."""
     rh = tl.program_id(0)
     row = rh // H_Q
     h = rh % H_Q
-    sp = tl.arange(0, SPLITS_PAD)
     offs_dv = tl.arange(0, D_V_PAD)
-    in_cap = sp < S_CAP
-    state = rh * S_CAP + sp
-    valid = (tl.load(P_VALID + state, mask=in_cap, other=0) != 0) & in_cap
-    m = tl.load(P_M + state, mask=valid, other=float("-inf"))
-    m_max = tl.max(m, 0)
-    any_valid = m_max > float("-inf")
-    m_ref = tl.where(any_valid, m_max, 0.0)
-    w = tl.where(valid, tl.exp(m - m_ref), 0.0)
-    part = tl.load(P_O + state[:, None] * D_V + offs_dv[None, :], mask=valid[:, None] & (offs_dv[None, :] < D_V),
-                   other=0.0)
-    if ABI_MLU:  # l = sum alpha_s l_s, u = sum alpha_s u_s
-        l_s = tl.load(P_L + state, mask=valid, other=0.0)
-        denom = tl.sum(w * l_s, 0)
-        numer = tl.sum(w[:, None] * part, 0)
-    else:  # O = sum exp(LSE_s - LSE) O_s
-        denom = tl.sum(w, 0)
-        numer = tl.sum(w[:, None] * part, 0)
+    m_ref = tl.max(tl.full([SPLITS_PAD], float("-inf"), tl.float32), 0)
+    denom = tl.sum(tl.zeros([SPLITS_PAD], tl.float32), 0)
+    numer = tl.zeros([D_V_PAD], tl.float32)
+    for c0 in range(0, S_CAP, SPLITS_PAD):
+        sp = c0 + tl.arange(0, SPLITS_PAD)
+        in_cap = sp < S_CAP
+        state = rh * S_CAP + sp
+        valid = (tl.load(P_VALID + state, mask=in_cap, other=0) != 0) & in_cap
+        m = tl.load(P_M + state, mask=valid, other=float("-inf"))
+        m_new = tl.maximum(m_ref, tl.max(m, 0))
+        m_use = tl.where(m_new > float("-inf"), m_new, 0.0)
+        rescale = tl.exp(m_ref - m_use)
+        w = tl.where(valid, tl.exp(m - m_use), 0.0)
+        part = tl.load(P_O + state[:, None] * D_V + offs_dv[None, :],
+                       mask=valid[:, None] & (offs_dv[None, :] < D_V), other=0.0).to(tl.float32)
+        if ABI_MLU:  # l = sum alpha_s l_s, u = sum alpha_s u_s
+            l_s = tl.load(P_L + state, mask=valid, other=0.0)
+            denom = denom * rescale + tl.sum(w * l_s, 0)
+        else:  # O = sum exp(LSE_s - LSE) O_s
+            denom = denom * rescale + tl.sum(w, 0)
+        numer = numer * rescale + tl.sum(w[:, None] * part, 0)
+        m_ref = m_new
+    any_valid = m_ref > float("-inf")
+    m_ref = tl.where(any_valid, m_ref, 0.0)
     d_safe = tl.where(any_valid, denom, 1.0)
     out = tl.where(any_valid, numer / d_safe, 0.0)
     lse = tl.where(any_valid, m_ref + tl.log(d_safe), float("-inf"))
@@ -150,14 +172,17 @@ def _combine(P_O, P_M, P_L, P_VALID, O, LSE, s_ot, s_oh, s_od, S_CAP,
     tl.store(LSE + rh, lse)
 
 
-def workspace_layout(total_q: int, splits: int, abi: str, heads_q: int, d_v: int) -> tuple[int, dict, int]:
+def workspace_layout(total_q: int, splits: int, abi: str, heads_q: int, d_v: int,
+                     vector_bytes: int = 4) -> tuple[int, dict, int]:
     """(states, {field: (byte offset, elements)}, bytes) of the workspace: ``states`` (row, head,
-    split) slots, each a partial O (float32 x d_v), m, and l when the ABI is (m, l, u), then one
-    valid byte each; every field starts 16-byte aligned (the kernels' pointer specialization
-    then never changes with the call's size)."""
+    split) slots, each a partial O or u (d_v elements of ``vector_bytes``, the declared vector
+    dtype: ``compiler.analysis.ledger.vector_dtype``), m or LSE, and l when the ABI is (m, l, u)
+    (float32), then one valid byte each; every field starts 16-byte aligned (the kernels'
+    pointer specialization then never changes with the call's size)."""
     n = total_q * heads_q * splits
     fields, offset = {}, 0
-    for name, count, size in (("o", n * d_v, 4), ("m", n, 4), ("l", n if abi == "mlu" else 0, 4), ("valid", n, 1)):
+    for name, count, size in (("o", n * d_v, vector_bytes), ("m", n, 4), ("l", n if abi == "mlu" else 0, 4),
+                              ("valid", n, 1)):
         fields[name] = (offset, count)
         offset += -(-count * size // 16) * 16
     return n, fields, offset

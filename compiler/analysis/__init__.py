@@ -3,7 +3,8 @@
 ``intervals`` (FlashMask column intervals, and each query row's run of keys), ``tiles`` (tile
 classes and the block-sparse CSR), ``phases`` (per-request ``(T, C)``), ``layout`` (logical
 coordinates to storage), ``splits`` (per-request split bounds), ``schedule`` (the producer /
-reducer DAG) and ``ledger`` (bytes and workspace).  ``pipeline.PLAN_PIPELINE`` lists them in
+reducer DAG), ``ledger`` (bytes and workspace) and ``partition`` (tiles among the ranks of a
+context-parallel call, ``compiler.cp``).  ``pipeline.PLAN_PIPELINE`` lists them in
 the order they run; ``plan``, ``plan_split``, ``explain`` and dispatch run them through
 :func:`run_plan_pipeline`.
 """

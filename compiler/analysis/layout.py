@@ -272,15 +272,28 @@ def contiguous(kv_lens, *, order: str = "bhsd", heads_q: int, heads_kv: int, d_q
 
 
 def ragged(indptr, *, heads_q: int, heads_kv: int, d_qk: int, d_v: int | None = None,
-           elem_bytes: int = 2, total_rows: int | None = None) -> KVLayout:
+           elem_bytes: int = 2, total_rows: int | None = None, kv_lens=None) -> KVLayout:
     """Packed ragged rows ``[sum T_r, H_kv, d]``; ``indptr`` in active-request order.
-    ``total_rows`` (the packed tensor's first dimension) must equal ``indptr[-1]``."""
+    ``total_rows`` (the packed tensor's first dimension) must equal ``indptr[-1]``.  With
+    ``kv_lens``, request b's region ``[indptr[b], indptr[b+1])`` has room: only its first
+    ``kv_lens[b]`` rows are visible (an append fills the rest, ``compiler.append``)."""
     hq, hkv = _heads(heads_q, heads_kv)
     d_qk, d_v, eb = _dims(d_qk, d_v, elem_bytes)
     ptr = _ints("kv_indptr", indptr, 1)
-    _check_indptr("kv_indptr", ptr, total_rows, "the packed K/V rows")
-    lens = np.diff(ptr)
-    resources.check_lengths("kv_lens (from kv_indptr)", lens)
+    regions = _check_indptr("kv_indptr", ptr, total_rows, "the packed K/V rows")
+    if kv_lens is None:
+        lens = regions
+    else:
+        lens = _ints("kv_lens", kv_lens, 1)
+        _no_negatives("kv_lens", lens)
+        if lens.size != regions.size:
+            raise PlanError(f"kv_lens has {lens.size} entries, kv_indptr describes {regions.size} requests")
+        over = np.flatnonzero(lens > regions)
+        if len(over):
+            b = int(over[0])
+            raise PlanError(f"kv_lens[{b}] = {int(lens[b])} exceeds request {b}'s region of the packed rows: "
+                            f"kv_indptr[{b + 1}] - kv_indptr[{b}] = {int(regions[b])}")
+    resources.check_lengths("kv_lens (from kv_indptr)" if kv_lens is None else "kv_lens", lens)
     lens.setflags(write=False)
     return KVLayout(RAGGED, "nhd", hq, hkv, d_qk, d_v, eb, lens, indptr=ptr)
 
@@ -435,7 +448,7 @@ def from_inputs(cache, arrays: Mapping[str, np.ndarray], *, heads_q: int, heads_
             raise PlanError("cache_batch_idx does not apply to a ragged cache: kv_indptr is already "
                             "in active-request order")
         return ragged(need("kv_indptr"), heads_q=heads_q, heads_kv=heads_kv, d_qk=k.shape[-1],
-                      d_v=v.shape[-1], elem_bytes=eb, total_rows=k.shape[0])
+                      d_v=v.shape[-1], elem_bytes=eb, total_rows=k.shape[0], kv_lens=arrays.get("kv_lens"))
     if k.ndim != 4:
         raise PlanError(f"'k_cache' must be 4-D for a paged {order} cache, got {list(k.shape)}")
     common = dict(page_size=cache.page_size, num_pages=k.shape[0], order=order, heads_q=heads_q,
@@ -458,7 +471,7 @@ def quick_layout(cache, arrays: Mapping[str, np.ndarray], *, heads_q: int, heads
     runs :func:`from_inputs`, which says what is wrong.  A split call's plan runs it before every
     launch."""
     kind, order = getattr(cache.kind, "value", cache.kind), getattr(cache.layout, "value", cache.layout)
-    if "cache_batch_idx" in arrays or order not in ORDERS.get(kind, ()):
+    if "cache_batch_idx" in arrays or order not in ORDERS.get(kind, ()) or (kind == RAGGED and "kv_lens" in arrays):
         return None
     hq, hkv = heads_q, heads_kv
     if not (type(hq) is int and type(hkv) is int and 0 < hkv <= hq and hq % hkv == 0):

@@ -10,6 +10,9 @@ The workspace ABIs (§0x03D):
 
 * ``mlu``   -- ``partial_u [.., d_v]`` + ``partial_m`` + ``partial_l`` (+ ``partial_valid``)
 * ``lse_o`` -- ``partial_o [.., d_v]`` + ``partial_lse`` (+ ``partial_valid``)
+* ``shared_shift`` -- ``partial_n [.., d_v]`` + ``partial_l`` in the common frame exp(s - phi)
+  (+ ``partial_valid``) + ``partial_guard`` (the split saw a score outside the guard's window,
+  §0x09C); its fallback recomputes with ``mlu`` (:func:`fallback_fields`)
 
 ``valid_dtype = None`` drops the explicit validity field (emptiness encoded as LSE = -inf).
 """
@@ -21,7 +24,7 @@ import numpy as np
 
 from attnc.compiler.errors import PlanError
 
-ABIS = ("mlu", "lse_o")
+ABIS = ("mlu", "lse_o", "shared_shift")
 
 DTYPE_BYTES = {
     "f64": 8, "fp64": 8, "float64": 8,
@@ -115,10 +118,19 @@ class DecodeCall:
     def vector_dtype_resolved(self) -> str:
         if self.vector_dtype is not None:
             return self.vector_dtype
-        return "f32" if self.abi == "mlu" else self.out_dtype
+        return vector_dtype(self.abi, self.out_dtype)
 
 
 # ---------------------------------------------------------------- workspace (§0x03D-E)
+def vector_dtype(abi: str, out_dtype: str) -> str:
+    """The stored dtype of a state's vector field, the article's baseline (§0x03D, §0x03H) and
+    what every backend stores: float32 ``u`` for (m, l, u), whose unnormalized sums can leave the
+    storage range; the output dtype for the normalized ``O`` of (LSE, O), a convex combination
+    of V rows (it always fits, and rounding it costs at most one output rounding).  The shared
+    shift's numerator is an unnormalized sum too: float32."""
+    return out_dtype if getattr(abi, "value", abi) == "lse_o" else "f32"
+
+
 @dataclass(frozen=True)
 class StateField:
     """One stored field of a partial state: ``vector`` fields hold ``d_v`` lanes per state."""
@@ -141,11 +153,22 @@ def state_fields(abi: str, *, vector_dtype: str | None = None, scalar_dtype: str
     elif abi == "lse_o":
         out = [StateField("partial_o", vector_dtype or "bf16", True),
                StateField("partial_lse", scalar_dtype, False)]
+    elif abi == "shared_shift":  # raw sums in one frame: float32, never the storage dtype
+        out = [StateField("partial_n", vector_dtype or "f32", True), StateField("partial_l", scalar_dtype, False)]
     else:
         raise PlanError(f"unknown state ABI {abi!r}; expected one of {ABIS}")
     if valid_dtype is not None:
         out.append(StateField("partial_valid", valid_dtype, False))
+    if abi == "shared_shift":
+        out.append(StateField("partial_guard", "u8", False))
     return tuple(out)
+
+
+def fallback_fields(abi: str) -> tuple[StateField, ...]:
+    """The fields a shared-shift call adds for its fallback: the synchronized (m, l, u) path
+    writes ``partial_m`` and reuses ``partial_n`` as ``u``, ``partial_l`` and ``partial_valid``.
+    Other ABIs have no fallback."""
+    return (StateField("partial_m", "f32", False),) if getattr(abi, "value", abi) == "shared_shift" else ()
 
 
 def bytes_per_state(fields_: tuple[StateField, ...], d_v: int) -> int:
@@ -346,6 +369,8 @@ def metadata_bytes(layout, index_dtype: str = "i32") -> MetadataLedger:
     table: tuple[str, ...] = ()
     if layout.kind == "ragged":
         sizes["kv_indptr"] = layout.indptr.size
+        if not np.array_equal(np.diff(layout.indptr), layout.kv_lens):  # regions with room
+            sizes["kv_lens"] = layout.kv_lens.size
     elif layout.kind == "paged" and layout.table == "dense":
         sizes["block_table"] = layout.block_table.size
         sizes["kv_lens"] = layout.kv_lens.size

@@ -2,7 +2,9 @@
 
 Per request, ``T`` = K/V rows committed before the call and ``C`` = new query rows (= rows
 staged); query row ``i`` is at absolute position ``T + i`` (bottom-right, §0x08B), so a mixed
-batch needs a per-request manifest, not one phase label (§0x08F).  Ledgers count *logical*
+batch needs a per-request manifest, not one phase label (§0x08F).  A request with no keys at
+all may still have query rows ("empty", the capacity tail of §0x03G: a decode step over an
+empty context): ``T = -C``, its rows see nothing and take the all-masked policy.  Ledgers count *logical*
 score cells per (request, head), not FLOPs/tiles/bytes, in O(B); :func:`visible_cells` is
 the dense reference.  ``C = 0`` is allowed ("idle"): the runtime API passes lengths for
 every batch slot, and a slot with no new rows keeps its index while touching nothing.
@@ -18,7 +20,7 @@ from attnc.compiler import ir
 from attnc.compiler.errors import PlanError
 from attnc.compiler.interp import evaluate
 
-PHASES = ("idle", "prefill", "append", "decode")
+PHASES = ("idle", "prefill", "append", "decode", "empty")
 
 
 def _lengths(name: str, values) -> np.ndarray:
@@ -42,19 +44,23 @@ def rect_cells(T, C):
 
 
 def causal_visible_cells(T, C):
-    """``sum_i (T + i + 1) = C T + C (C + 1) / 2``: row i reads all old rows and staged rows <= itself."""
-    return C * T + C * (C + 1) // 2
+    """``sum_i (T + i + 1) = C T + C (C + 1) / 2``: row i reads all old rows and staged rows <= itself
+    (0 for an empty request, ``T = -C``: no keys)."""
+    return np.where(np.add(T, C) > 0, C * T + C * (C + 1) // 2, 0)
 
 
 def causal_masked_cells(T, C):
-    """``C (C - 1) / 2``, independent of T: only the chunk's own future rows are hidden."""
-    return C * (C - 1) // 2
+    """``C (C - 1) / 2``, independent of T: only the chunk's own future rows are hidden (0 for an
+    empty request: its rectangle has no cell)."""
+    return np.where(np.add(T, C) > 0, C * (C - 1) // 2, 0)
 
 
 def phase_of(T: int, C: int) -> str:
     """The phase of one request (§0x08B), one of :data:`PHASES`.  Causal training over S
     tokens is ``(0, S)``, so it reads "prefill": same visibility; the state it owns instead
     (backward, LSE/RNG, no cache mutation, §0x08E) is invisible in (T, C)."""
+    if C > 0 and T == -C:  # a request with no keys whose rows see nothing
+        return "empty"
     r = Request(T, C)  # validates: integers, not negative
     return "idle" if r.C == 0 else "prefill" if r.T == 0 else "decode" if r.C == 1 else "append"
 
@@ -89,10 +95,20 @@ class Manifest:
     C: np.ndarray
 
     def __post_init__(self):
-        for name in ("T", "C"):
-            object.__setattr__(self, name, _lengths(name, getattr(self, name)))
-        if self.T.shape != self.C.shape:
-            raise PlanError(f"T has {self.T.size} entries but C has {self.C.size}")
+        C = _lengths("C", self.C)
+        T = np.asarray(self.T)
+        empty = None  # T = -C < 0 marks an empty request (no keys; its rows see nothing)
+        if T.shape == C.shape and T.dtype.kind in "iu" and ((T == -C) & (C > 0)).any():
+            empty = (T == -C) & (C > 0)
+            T = np.where(empty, 0, T)
+        T = _lengths("T", T)
+        if T.shape != C.shape:
+            raise PlanError(f"T has {T.size} entries but C has {C.size}")
+        if empty is not None:
+            T = np.where(empty, -C, T)
+            T.setflags(write=False)
+        object.__setattr__(self, "T", T)
+        object.__setattr__(self, "C", C)
 
     @staticmethod
     def from_requests(requests: Iterable[Request | tuple[int, int]]) -> "Manifest":
@@ -104,15 +120,17 @@ class Manifest:
     @staticmethod
     def from_lens(kv_lens, q_lens) -> "Manifest":
         """From the runtime API's post-commit K/V lengths and new query lengths.  Each new
-        query row's own key is staged in the cache, so ``kv_len >= q_len`` (T is never < 0)."""
+        query row's own key is staged in the cache, so ``kv_len >= q_len``, except that a
+        request with no keys may have rows that see nothing (``T = -C``, phase "empty")."""
         kv, q = _lengths("kv_lens", kv_lens), _lengths("q_lens", q_lens)
         if kv.shape != q.shape:
             raise PlanError(f"kv_lens has {kv.size} entries but q_lens has {q.size}")
-        short = np.flatnonzero(kv < q)
+        short = np.flatnonzero((kv < q) & (kv > 0))
         if len(short):
             b = short[0]
             raise PlanError(f"kv_lens[{b}] = {kv[b]} is less than q_lens[{b}] = {q[b]}: a request's "
-                            "new query rows are also keys it must see, so kv_len >= q_len")
+                            "new query rows are also keys it must see, so kv_len >= q_len (only a "
+                            "request with no keys at all may have rows: they see nothing)")
         return Manifest(kv - q, q)
 
     def __len__(self) -> int:
@@ -120,7 +138,7 @@ class Manifest:
 
     @property
     def phases(self) -> tuple[str, ...]:
-        return tuple(phase_of(t, c) for t, c in zip(self.T.tolist(), self.C.tolist()))
+        return tuple("empty" if c and t == -c else phase_of(t, c) for t, c in zip(self.T.tolist(), self.C.tolist()))
 
     @property
     def q_offset(self) -> np.ndarray:
@@ -192,6 +210,8 @@ def visible_cells(program: ir.Program, m: Manifest, tensors: dict | None = None)
     heads, tensors = program.heads_q, tensors or {}
     out = np.zeros((len(m), heads), np.int64)
     for b, (t, c) in enumerate(zip(m.T.tolist(), m.C.tolist())):
+        if t + c == 0:  # no keys (idle or empty): no cell, and no position to evaluate
+            continue
         env = {"b": np.full((1, 1, 1, 1), b, np.int64), "h": np.arange(heads).reshape(1, -1, 1, 1),
                "q": (t + np.arange(c)).reshape(1, 1, -1, 1), "k": np.arange(t + c).reshape(1, 1, 1, -1)}
         mask = np.broadcast_to(evaluate(program.mask, env, tensors), (1, heads, c, t + c))

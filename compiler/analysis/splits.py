@@ -18,6 +18,7 @@ Policies (the ``split =`` statement of a spec, DESIGN §3.1):
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -234,6 +235,7 @@ def split_efficiencies(batch_nheads_mblocks: int, num_sms: int, num_n_blocks: in
     return out
 
 
+@functools.lru_cache(maxsize=1024)  # a pure function of a few ints, asked again at every decode step
 def num_splits_heuristic(batch_nheads_mblocks: int, num_sms: int, num_n_blocks: int,
                          max_splits: int = 128, fraction: float = 0.85,
                          fill_exit: float | None = 0.8) -> int:

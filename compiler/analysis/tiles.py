@@ -99,6 +99,14 @@ class TilePlan:
     full_indices: np.ndarray
     method: str  # "summaries" | "exact"
 
+    @classmethod
+    def from_classes(cls, classes: np.ndarray, block_m: int, block_n: int, method: str) -> "TilePlan":
+        """The CSR of given tile classes [B', H', T_r, T_c] (a whole call's, or a rectangle of one:
+        ``compiler.cp`` cuts a call into blocks of query and key tiles)."""
+        p_ptr, p_idx = _csr(classes == PARTIAL)
+        f_ptr, f_idx = _csr(classes == FULL)
+        return cls(classes, block_m, block_n, p_ptr, p_idx, f_ptr, f_idx, method)
+
     def counts(self) -> dict[str, int]:
         return {"full": int((self.classes == FULL).sum()), "partial": int((self.classes == PARTIAL).sum()),
                 "skip": int((self.classes == SKIP).sum())}
@@ -154,6 +162,4 @@ def plan_tiles(mi: MaskIntervals, block_m: int, block_n: int, method: str = "aut
         classes = classify_summaries(summaries(mi, block_n), mi.s_q, block_m)
     else:
         classes = classify_exact(mi, block_m, block_n)
-    p_ptr, p_idx = _csr(classes == PARTIAL)
-    f_ptr, f_idx = _csr(classes == FULL)
-    return TilePlan(classes, block_m, block_n, p_ptr, p_idx, f_ptr, f_idx, method)
+    return TilePlan.from_classes(classes, block_m, block_n, method)

@@ -21,6 +21,7 @@ COMMANDS = {
     "ir": ["ir", PAGED],
     "plan": ["plan", CAUSAL, "--kv-lens", "4096"],
     "plan paged": ["plan", PAGED, "--kv-lens", "4096,300", "--q-lens", "1,4", "--json"],
+    "plan ranks": ["plan", CAUSAL, "--ranks", "4", "--kv-lens", "4096"],
     "explain": ["explain", PAGED, "--kv-len", "512", "--json"],
     "dispatch": ["dispatch", PAGED, "--call", "CALL_JSON"],  # the call names its device: nothing to detect
 }

@@ -85,13 +85,14 @@ def test_capacity_tail_fixture_through_the_cli(tmp_path):
     assert own["active_owners"] == TAIL["active_owners"]
     assert own["empty_or_inactive_owners"] == TAIL["empty_or_inactive_owners"]
     assert own["reducer_owners"] == TAIL["reducer_owners"]
+    assert own["identity_bypasses"] == TAIL["identity_bypasses"]
     assert doc["split_lengths"][0] == TAIL["request0_split_lengths"]
     assert doc["capacity"] == TAIL["split_capacity"]
-    # The fixture's second request (T = 0) still has a query row whose reducers bypass eight
-    # identities each; here a request with no keys has no query rows (kv_len >= q_len: a query
-    # row's own key is in the cache), so it is idle and its 4 x 8 slots are never consumed.
-    assert doc["q_lens"] == [1, 0] and doc["phases"] == ["decode", "idle"]
-    assert own["identity_bypasses"] == TAIL["identity_bypasses"] - TAIL["H_q"] * TAIL["split_capacity"]
+    assert TAIL["split_capacity"] - doc["splits_per_request"][0] == TAIL["request0_inactive_slots"]
+    # a decode call: one query row per request, the second over an empty context (T = 0), whose
+    # four reducers each bypass eight identities
+    assert doc["q_lens"] == [1, 1] and doc["phases"] == ["decode", "empty"]
+    assert doc["split_lengths"][1] == [0] * TAIL["splits"]
 
 
 def test_heuristic_split_follows_the_sm_count(tmp_path):

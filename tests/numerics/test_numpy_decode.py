@@ -4,8 +4,9 @@ logical K/V; NaN-poisoned storage past every request's length; requests of lengt
 prefill/append/decode batches; and the PlanErrors / InputErrors raised before any arithmetic.
 
 The policy for empty requests: a request with ``q_len = 0`` produces no output rows (it may
-have any ``kv_len``); ``kv_len = 0`` with ``q_len > 0`` is an InputError, since a query row is a
-token whose own key is in the cache (bottom-right positions, ``kv_len >= q_len``).
+have any ``kv_len``); a query row is a token whose own key is in the cache (bottom-right
+positions, ``kv_len >= q_len``), except that a request with no keys at all may have rows (a
+decode step over an empty context, M4.5 §0x03G): they see nothing, O = 0 and LSE = -inf.
 """
 import hashlib
 from functools import lru_cache
@@ -213,12 +214,16 @@ def test_requests_without_query_rows_produce_nothing():
     assert stats["kv_rows_read"] == 3 * 4                 # request 1's 25 rows are never read
 
 
-def test_a_request_with_no_keys_but_query_rows_is_an_input_error():
+def test_more_query_rows_than_keys_is_an_input_error_unless_there_are_no_keys():
     p = program(LAYOUTS["paged_csr_nhd"])
-    a = sample(p, [5, 0], [1, 0])
-    a["q_lens"] = np.array([0, 1], np.int32)
-    with pytest.raises(InputError, match=r"request 1 has q_lens\[1\] = 1 query rows but only kv_len = 0"):
+    a = sample(p, [5, 2], [1, 2])
+    a["q_lens"] = np.array([0, 3], np.int32)
+    with pytest.raises(InputError, match=r"request 1 has q_lens\[1\] = 3 query rows but only kv_len = 2"):
         kernel(p).run(a)
+    # no keys at all (M4.5 §0x03G's capacity tail): the rows see nothing, O = 0 and LSE = -inf
+    o, lse, stats, plan = check(p, sample(p, [5, 0], [1, 2]))
+    assert (o[1:] == 0).all() and np.isneginf(lse[1:]).all() and np.isfinite(lse[0]).all()
+    assert list(plan.manifest.phases) == ["decode", "empty"]
 
 
 # ---------------------------------------------------------------- plans

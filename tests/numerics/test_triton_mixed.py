@@ -158,9 +158,9 @@ def test_block_lists_cover_every_visible_cell(mask):
 def test_bad_query_rows_are_input_errors():
     p = program(LAYOUTS["paged_dense_nhd"], "lse_o", "8 / 2")
     kernel = runtime.load(p)
-    a = sample(p, [5, 0], [1, 0], seed=4)
-    a["q_lens"] = np.array([0, 1], np.int32)
-    with pytest.raises(InputError, match=r"request 1 has q_lens\[1\] = 1 query rows but only kv_len = 0"):
+    a = sample(p, [5, 2], [1, 2], seed=4)
+    a["q_lens"] = np.array([0, 3], np.int32)
+    with pytest.raises(InputError, match=r"request 1 has q_lens\[1\] = 3 query rows but only kv_len = 2"):
         kernel.run(a)
     a = sample(p, seed=4)
     with pytest.raises(InputError, match="q_lens sums to 19"):

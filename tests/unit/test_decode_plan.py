@@ -106,5 +106,19 @@ def test_decode_plan_keeps_its_error_messages():
         D.decode_plan(p, bad)
     with pytest.raises(Exception, match=r"kv_lens\[1\] = -1 is negative"):
         D.decode_plan(p, dict(a, kv_lens=np.array([30, -1, 17], np.int32)))
-    with pytest.raises(InputError, match=r"request 1 has q_lens\[1\] = 1 query rows but only kv_len = 0"):
-        D.decode_plan(p, dict(a, kv_lens=np.array([30, 0, 17], np.int32)))
+    with pytest.raises(InputError, match=r"request 1 has q_lens\[1\] = 3 query rows but only kv_len = 2 keys"):
+        D.decode_plan(p, dict(a, kv_lens=np.array([30, 2, 17], np.int32), q_lens=np.array([1, 3, 1])))
+
+
+def test_a_request_with_no_keys_keeps_its_query_row():
+    """Decode over an empty context (M4.5 §0x03G's capacity tail): request 1 has kv_len 0 and its
+    one query row; it lists no block in any slot (its states are identities) and the others are
+    planned as without it."""
+    p = compile_spec(DOC)
+    a = call(p, [30, 9, 17])
+    plan = D.decode_plan(p, dict(a, kv_lens=np.array([30, 0, 17], np.int32)), block_n=8, splits=2)
+    assert plan["total_q"] == 3 and plan["one_row"] and plan["tiles"] == 3
+    ptr = plan["entry_ptr"]
+    assert ptr[2] == ptr[4]                                  # request 1's two slots: no block
+    ref = D.decode_plan(p, dict(a, kv_lens=np.array([30, 9, 17], np.int32)), block_n=8, splits=2)
+    assert plan["blocks"][:ptr[2]].tolist() == ref["blocks"][:ref["entry_ptr"][2]].tolist()

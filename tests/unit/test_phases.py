@@ -111,6 +111,19 @@ def test_idle_request_keeps_its_slot_and_counts_nothing():
     assert visible_cells(CAUSAL, m).tolist()[1] == [0] * CAUSAL.heads_q
 
 
+def test_a_request_with_no_keys_may_have_rows_that_see_nothing():
+    """M4.5 §0x03G's capacity tail: a decode step over an empty context (T = -C marks it)."""
+    m = Manifest.from_lens(kv_lens=[5, 0, 0], q_lens=[1, 2, 0])
+    assert m.phases == ("decode", "empty", "idle") and "empty" in PHASES
+    assert m.T.tolist() == [4, -2, 0] and m.kv_lens.tolist() == [5, 0, 0]
+    assert m.qo_indptr.tolist() == [0, 1, 3, 3]
+    ledger = causal_ledger(m)
+    assert ledger.rect.tolist() == [5, 0, 0] and ledger.visible.tolist() == [5, 0, 0]
+    assert ledger.masked.tolist() == [0, 0, 0]
+    assert visible_cells(CAUSAL, m)[:, 0].tolist() == [5, 0, 0]
+    assert Manifest([-1], [1]).phases == ("empty",)
+
+
 def test_empty_batch():
     m = Manifest([], [])
     assert len(m) == 0 and m.qo_indptr.tolist() == m.kv_indptr.tolist() == [0]
@@ -131,6 +144,7 @@ def test_empty_batch():
     (lambda: Manifest.from_lens(kv_lens=[4.0], q_lens=[1]), "kv_lens must be a 1-D integer array"),
     (lambda: Manifest.from_requests([(0, 4), (-2, 1)]), "T[1] = -2 is negative"),
     (lambda: Manifest([1, 2], [1]), "T has 2 entries but C has 1"),
+    (lambda: Manifest([-2], [1]), "T[0] = -2 is negative"),  # only T = -C (no keys) is below 0
 ])
 def test_bad_lengths_are_plan_errors_naming_argument_index_and_value(make, message):
     with pytest.raises(PlanError, match=re.escape(message)):

@@ -5,7 +5,7 @@ import pytest
 
 from tests.conftest import seed_contracts
 from attnc.backends.numpy.state import (
-    State, empty_state, finalize, merge_output_state, merge_state, reduce_balanced, reduce_sequential,
+    OutputState, State, empty_state, finalize, merge_output_state, merge_state, reduce_balanced, reduce_sequential,
     summarize, to_output_state,
 )
 
@@ -118,3 +118,24 @@ def test_merge_is_commutative_and_associative_on_random_splits():
         np.testing.assert_allclose(o, whole[0], atol=1e-12)
         assert lse == pytest.approx(whole[1], abs=1e-12)
     assert isinstance(states[1], State) and not states[1].valid
+
+
+def test_lse_o_merge_of_many_rows_is_the_merge_of_each_row():
+    """merge_output_state over arrays of rows (context parallelism merges whole blocks) gives each
+    row's one-row merge, and rows invalid on either side pass through without a NaN."""
+    rng = np.random.default_rng(5)
+    rows, d = 7, 3
+    valid_a, valid_b = rng.random(rows) < 0.6, rng.random(rows) < 0.6
+    valid_a[0] = valid_b[0] = False  # neither side saw a key
+    lse_a = np.where(valid_a, rng.normal(size=rows), -np.inf)
+    lse_b = np.where(valid_b, rng.normal(size=rows) + 30, -np.inf)  # far apart: no overflow either
+    o_a = np.where(valid_a[:, None], rng.normal(size=(rows, d)), 0)
+    o_b = np.where(valid_b[:, None], rng.normal(size=(rows, d)), 0)
+    merged = merge_output_state(OutputState(valid_a, lse_a, o_a), OutputState(valid_b, lse_b, o_b))
+    assert not np.isnan(merged.o).any() and not np.isnan(merged.lse).any()
+    for i in range(rows):
+        one = merge_output_state(OutputState(bool(valid_a[i]), lse_a[i], o_a[i]),
+                                 OutputState(bool(valid_b[i]), lse_b[i], o_b[i]))
+        assert one.valid == merged.valid[i]
+        assert one.lse == merged.lse[i] or (np.isneginf(one.lse) and np.isneginf(merged.lse[i]))
+        np.testing.assert_array_equal(one.o, merged.o[i])

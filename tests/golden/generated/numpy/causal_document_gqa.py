@@ -204,23 +204,20 @@ def _check_split_scores(s, keep, b, h, q_pos, k_pos):
         raise AttncRuntimeError(f"the score program produced {s[g, i, j]} at visible cell ({cell})")
 
 
-def producer(b, kv_head, s, q, k, v, plan, ws, tensors, counts):
-    """Split slot s of request b for the GROUP query heads of K/V head kv_head."""
+def _online_empty(n):
+    """n rows of an empty online-softmax state (m, l, acc)."""
+    return np.full(n, -np.inf, np.float32), np.zeros(n, np.float32), np.zeros((n, D_V), np.float32)
+
+
+def _walk(b, kv_head, s, q, k, v, plan, tensors, counts, state, absorb):
+    """The K/V rows of split slot s of request b absorbed into ``state`` (rows: the GROUP query
+    heads of K/V head kv_head x the request's query rows, head-major) by ``absorb``."""
     n_q = int(plan["q_lens"][b])
     heads = slice(kv_head * GROUP, (kv_head + 1) * GROUP)
-    rows = slice(plan["state_row"][b], plan["state_row"][b] + n_q)
-    if not plan["split_live"][b, s]:
-        if plan["consumed"][b, s]:
-            _write_identity(ws, rows, heads, s)
-            counts["identity_writes"] += 1
-        return
-    counts["producers"] += 1
     q0 = plan["qo_indptr"][b]
     q_rows = q[q0:q0 + n_q, heads].transpose(1, 0, 2)                # [GROUP, n_q, D_QK]
     h = np.arange(heads.start, heads.stop).reshape(-1, 1, 1)
     q_pos = (plan["q_start"][b] + np.arange(n_q)).reshape(1, -1, 1)
-    state = (np.full(GROUP * n_q, -np.inf, np.float32), np.zeros(GROUP * n_q, np.float32),
-             np.zeros((GROUP * n_q, D_V), np.float32))
     slot = b * plan["capacity"] + s
     for i in range(plan["seg_ptr"][slot], plan["seg_ptr"][slot + 1]):
         n = int(plan["seg_count"][i])
@@ -233,9 +230,24 @@ def producer(b, kv_head, s, q, k, v, plan, ws, tensors, counts):
         sc = (q_rows @ k_seg.T) * np.float32(SCALE)                  # [GROUP, n_q, n]
         sc = _f32(np.broadcast_to(score_program(sc, b, h, q_pos, k_pos, *tensors), sc.shape))
         _check_split_scores(sc, keep, b, h, q_pos, k_pos)
-        state = _absorb(state, np.where(keep, sc, np.float32(-np.inf)).reshape(GROUP * n_q, n), v_seg)
+        state = absorb(state, np.where(keep, sc, np.float32(-np.inf)).reshape(GROUP * n_q, n), v_seg)
         counts["segments_read"] += 1
         counts["kv_rows_read"] += n
+    return state
+
+
+def producer(b, kv_head, s, q, k, v, plan, ws, tensors, counts):
+    """Split slot s of request b for the GROUP query heads of K/V head kv_head."""
+    n_q = int(plan["q_lens"][b])
+    heads = slice(kv_head * GROUP, (kv_head + 1) * GROUP)
+    rows = slice(plan["state_row"][b], plan["state_row"][b] + n_q)
+    if not plan["split_live"][b, s]:
+        if plan["consumed"][b, s]:
+            _write_identity(ws, rows, heads, s)
+            counts["identity_writes"] += 1
+        return
+    counts["producers"] += 1
+    state = _walk(b, kv_head, s, q, k, v, plan, tensors, counts, _online_empty(GROUP * n_q), _absorb)
     _write_state(ws, rows, heads, s, state, n_q)
 
 

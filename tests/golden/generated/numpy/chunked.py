@@ -121,7 +121,12 @@ def attention(q, k, v, *, plan=None, return_lse=False, stats=None, **tensors):
     ``plan`` is attnc's tile plan for this call (compiler.plan.Plan.kernel_args()): the
     PARTIAL and FULL K/V blocks of every (request, head, query tile); SKIP blocks are
     never read.  Without a plan every tile is treated as PARTIAL (mask every element).
-    ``stats``, if a dict, receives the number of tiles visited per class."""
+    ``stats``, if a dict, receives the number of tiles visited per class.
+
+    A plan may place a block of a larger call (context parallelism, compiler.cp): its
+    ``q_offset`` and ``k_offset`` put query row i at position q_offset + i and key j at
+    k_offset + j (the tensors are the whole call's), and ``partial_state`` returns O in
+    float32 as computed, a partial state for the split-state merge, not rounded to storage."""
     if sorted(tensors) != sorted(TENSORS):
         raise AttncRuntimeError(f"expected tensors {sorted(TENSORS)}, got {sorted(tensors)}")
     if LAYOUT == "bshd":  # work in bhsd; the output goes back to the caller's layout
@@ -135,6 +140,9 @@ def attention(q, k, v, *, plan=None, return_lse=False, stats=None, **tensors):
     bm, bn = plan["block_m"], plan["block_n"]
     k_tiles = -(-s_k // bn)
     from_intervals = plan["mask_from_intervals"]
+    q_base, k_base = plan.get("q_offset", s_k - s_q), plan.get("k_offset", 0)
+    if from_intervals and (q_base, k_base) != (s_k - s_q, 0):
+        raise AttncRuntimeError("a block at position offsets evaluates the mask, not the call's interval vectors")
     counts = {"partial": 0, "full": 0, "skip": 0}
     o = np.zeros((batch, H_Q, s_q, D_V), np.float32)
     lse = np.full((batch, H_Q, s_q), -np.inf, np.float32)
@@ -145,7 +153,7 @@ def attention(q, k, v, *, plan=None, return_lse=False, stats=None, **tensors):
             kv_h = h // GROUP
             for r, i0 in enumerate(range(0, s_q, bm)):
                 i1 = min(i0 + bm, s_q)
-                q_pos = (s_k - s_q + np.arange(i0, i1)).reshape(-1, 1)
+                q_pos = (q_base + np.arange(i0, i1)).reshape(-1, 1)
                 q_tile = q[b, h, i0:i1]
                 state = (np.full(i1 - i0, -np.inf, np.float32), np.zeros(i1 - i0, np.float32),
                          np.zeros((i1 - i0, D_V), np.float32))
@@ -154,7 +162,7 @@ def attention(q, k, v, *, plan=None, return_lse=False, stats=None, **tensors):
                                              ("full", plan["full_indptr"], plan["full_indices"])):
                     for j in indices[indptr[row]:indptr[row + 1]]:
                         j0, j1 = j * bn, min(j * bn + bn, s_k)
-                        k_pos = np.arange(j0, j1).reshape(1, -1)
+                        k_pos = (k_base + np.arange(j0, j1)).reshape(1, -1)
                         s = (q_tile @ k[b, kv_h, j0:j1].T) * np.float32(SCALE)
                         s = _f32(np.broadcast_to(score_program(s, b, h, q_pos, k_pos, *tensors), s.shape))
                         if cls == "full":
@@ -175,7 +183,8 @@ def attention(q, k, v, *, plan=None, return_lse=False, stats=None, **tensors):
                 o[b, h, i0:i1], lse[b, h, i0:i1] = _finalize(state)
     if stats is not None:
         stats.update({n: int(c) for n, c in counts.items()})
-    o = _to_storage(o)
+    if not plan.get("partial_state", False):
+        o = _to_storage(o)
     if LAYOUT == "bshd":
         o = o.transpose(0, 2, 1, 3)
     return (o, lse) if return_lse else o

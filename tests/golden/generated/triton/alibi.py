@@ -31,3 +31,13 @@ def score_program(score, b, h, q, k, TS):
     """The score statements, in order, on the scaled q.k (float32)."""
     score = (score - (tl.exp((((-(h + 1))).to(tl.float32) * 0.6931471805599453)) * ((q - k)).to(tl.float32)))
     return score
+
+
+@triton.jit
+def score_grad(score, b, h, q, k, TS):
+    """The score statements and d score / d (scaled q.k) by the chain rule (the compiler's
+    derivative, attnc.compiler.autodiff): the backward kernels' SCORE_GRAD."""
+    grad = 1.0
+    grad = grad * 1.0
+    score = (score - (tl.exp((((-(h + 1))).to(tl.float32) * 0.6931471805599453)) * ((q - k)).to(tl.float32)))
+    return score, grad

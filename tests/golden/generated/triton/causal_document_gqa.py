@@ -33,3 +33,14 @@ def score_program(score, b, h, q, k, TS):
     T_doc, doc_s0, doc_n0, doc_s1, doc_n1 = TS
     score = (50.0 * _tanh((score / 50.0)))
     return score
+
+
+@triton.jit
+def score_grad(score, b, h, q, k, TS):
+    """The score statements and d score / d (scaled q.k) by the chain rule (the compiler's
+    derivative, attnc.compiler.autodiff): the backward kernels' SCORE_GRAD."""
+    T_doc, doc_s0, doc_n0, doc_s1, doc_n1 = TS
+    grad = 1.0
+    grad = grad * (1.0 - (_tanh((score / 50.0)) * _tanh((score / 50.0))))
+    score = (50.0 * _tanh((score / 50.0)))
+    return score, grad

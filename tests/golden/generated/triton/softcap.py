@@ -31,3 +31,13 @@ def score_program(score, b, h, q, k, TS):
     """The score statements, in order, on the scaled q.k (float32)."""
     score = (20.0 * _tanh((score / 20.0)))
     return score
+
+
+@triton.jit
+def score_grad(score, b, h, q, k, TS):
+    """The score statements and d score / d (scaled q.k) by the chain rule (the compiler's
+    derivative, attnc.compiler.autodiff): the backward kernels' SCORE_GRAD."""
+    grad = 1.0
+    grad = grad * (1.0 - (_tanh((score / 20.0)) * _tanh((score / 20.0))))
+    score = (20.0 * _tanh((score / 20.0)))
+    return score, grad

@@ -1,0 +1,40 @@
+"""numpy backend: the float64 backward reference (templates/numpy/backward.py.j2).
+
+Generated from the same IR as the kernels: the score statements and their derivatives
+(:func:`compiler.autodiff.score_grad`) printed in float64 by the numpy printer.  The oracle's
+``reference_backward`` evaluates the same derivatives with the IR interpreter instead, so the
+two check each other.  Contiguous calls only (:func:`compiler.inputs.contiguous_only`).
+"""
+from __future__ import annotations
+
+from attnc.compiler import inputs, ir
+from attnc.compiler.autodiff import score_grad
+from attnc.backends.common import render
+from .emit import Source, _spec_context, numpy_expr
+
+
+def emit_backward(program: ir.Program) -> Source:
+    """The module with ``forward(q, k, v, **tensors) -> (o, lse)`` and ``backward(q, k, v, o,
+    lse, do, **tensors) -> (dq, dk, dv, dtensors)``, float64, in the spec's layout."""
+    inputs.contiguous_only(program)
+    p, grad = program, score_grad(program)
+    code = lambda e: numpy_expr(e, f64=True)  # noqa: E731
+    statements = [
+        dict(index=i, number=i + 1, source=ir.format_expr(s), code=code(s),
+             dscore_code=code(grad.dscore[i]), dscore_source=ir.format_expr(grad.dscore[i]),
+             loads=[dict(tensor=load.tensor, source=ir.format_expr(load), index=[code(x) for x in load.index],
+                         code=code(d), derivative_source=ir.format_expr(d))
+                    for j, load, d in grad.dloads if j == i])
+        for i, s in enumerate(grad.forward)]
+    layout = p.cache.layout.value
+    shapes = {"q": ("B", p.heads_q, "S_q", p.d_qk), "k": ("B", p.heads_kv, "S_k", p.d_qk),
+              "v": ("B", p.heads_kv, "S_k", p.d_v)}
+    if layout == "bshd":
+        shapes = {n: (s[0], s[2], s[1], s[3]) for n, s in shapes.items()}
+    fmt = lambda s: "[" + ", ".join(str(x) for x in s) + "]"  # noqa: E731
+    text = render(
+        "numpy", "backward.py.j2", **{**_spec_context(p), "mask_code": code(p.mask)}, layout=layout,
+        statements=statements, grad_tensors=list(grad.tensors), grad_tensors_repr=repr(grad.tensors),
+        q_shape=fmt(shapes["q"]), k_shape=fmt(shapes["k"]), v_shape=fmt(shapes["v"]),
+    )
+    return Source(text, f"{p.name}_numpy_backward", entry="backward", family="backward")
