@@ -141,7 +141,8 @@ def test_sampled_inputs_are_budgeted():
 # ---------------------------------------------------------------- run admission
 def test_run_takes_the_backend_dispatch_selects(capsys):
     code, out, _ = run_cli(capsys, "run", CAUSAL, "--kv-len", "16")
-    assert code == 0 and out.startswith("causal on numpy:")  # auto on a CPU: numpy (the interpreter is forced only)
+    auto = "triton" if Environment.detect().device_type == "cuda" else "numpy"  # the interpreter only when forced
+    assert code == 0 and out.startswith(f"causal on {auto}:")
     code, _, err = run_cli(capsys, "run", PAGED, "--kv-len", "16", "--backend", "ahbm")
     assert code == 1 and "forced backend ahbm rejects the call: cache_layout=paged_nhd unsupported" in err
     code, _, err = run_cli(capsys, "run", PAGED, "--kv-len", "16", "--cuda-graph")
