@@ -27,7 +27,6 @@ from __future__ import annotations
 import importlib.util
 import os
 import threading
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -123,12 +122,10 @@ class Attention:
 
     def _route(self, program: ir.Program, q, k, backend: str | None) -> tuple[str, object]:
         """Which backend runs calls like this one: the dispatch key's admission (auto, or forced)."""
-        from .compiler.dispatch import DispatchError, Environment, dispatch
+        from .compiler.dispatch import DispatchError, dispatch, run_environment
         from .backends.triton.launch import capability
         cuda = q.is_cuda
-        env = Environment.detect("cuda" if cuda else "cpu")
-        if not cuda and backend != "triton":  # the interpreter is a test vehicle: CPU calls take numpy
-            env = replace(env, interpreter=False)
+        env = run_environment("cuda" if cuda else "cpu", backend or "auto")
         s_axis = 1 if self._bshd else 2
         call = {"B": int(q.shape[0]), "S_q": int(q.shape[s_axis]), "S_k": int(k.shape[s_axis]),
                 "device": "cuda" if cuda else "cpu", "last_dim_contiguous": bool(q.stride(-1) == 1 and

@@ -25,7 +25,7 @@ FUNCTIONS = {**ir.CALL_FNS, "window": 1, "softcap": 2, "where": 3, "flashmask": 
 # with its causal flag; Paddle admits n in {1, 2} when causal and n in {2, 4} otherwise
 # (python/paddle/nn/functional/flash_attention.py: flashmask_attention).
 FLASHMASK_BOUNDS = {True: (1, 2), False: (2, 4)}
-FLASHMASK_LAYOUT = "i32[b, h, s, n] or i32[b, 1, s, n] with n = 1, 2 or 4"
+FLASHMASK_LAYOUT = "i32[b, heads, s, n] with heads = h, 1, H_q or H_kv and n = 1, 2 or 4"
 RESERVED = set(ir.POSITION_VARS) | {"s", "score", "causal", "true", "false"} | set(FUNCTIONS) \
     | {"v", "return_lse", "block_m", "block_n"}  # keyword arguments of the generated entry point
 
@@ -645,12 +645,17 @@ class Checker:
         t = self.tensors[sri.id]
         axes = [a.value for a in t.axes]
         hq, hkv = self.heads or (None, None)  # a shape-generic spec: per query head or shared only
-        heads = ("h", 1) + ((hkv,) if hkv != hq else ())
+        # Paddle's num_heads: 1 (broadcast), H_q or H_kv ("h" is H_q by name)
+        heads = ("h", 1) + tuple(n for n in (hq, hkv) if n is not None)
         if t.dtype == "i32" and len(axes) == 4 and axes[0] == "b" and axes[1] in heads and axes[2] == "s" \
                 and axes[3] in (1, 2, 4):
             return axes[3]
-        notes = (f"Paddle's per-K/V-head layout is i32[b, {hkv}, s, n] here (H_kv = {hkv})",) \
-            if hkv != hq else ()
+        notes: tuple[str, ...] = ()
+        if len(axes) > 1 and isinstance(axes[1], int) and axes[1] not in heads:
+            notes = ("this spec leaves heads to the call: a head count written as a number needs declared "
+                     "heads (heads = H_q / H_kv)",) if hq is None else \
+                (f"Paddle's head axis here is 1 (shared by every head), h or {hq} (per query head)"
+                 + (f" or {hkv} (per K/V head: query head h reads h // {hq // hkv})" if hkv != hq else ""),)
         self.error(f"tensor '{sri.id}' is declared {t.dtype}[{', '.join(str(a) for a in axes)}]; "
                    f"flashmask needs Paddle's startend_row_indices layout {FLASHMASK_LAYOUT}",
                    sri.span, *notes)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import __version__, inputs, numerics, oracle
+from . import __version__, inputs, numerics, oracle, resources
 from .dispatch import REGISTRY, backend
 from .errors import AttncError, InputError
 from .lower import compile_file
@@ -66,40 +66,38 @@ def cmd_ir(args) -> int:
     return 0
 
 
-def _load_npz(path: str) -> dict[str, np.ndarray]:
-    try:
-        with np.load(path, allow_pickle=False) as f:
-            return {k: f[k] for k in f.files}
-    except (OSError, ValueError) as e:
-        raise InputError(f"cannot read inputs file {path}: {e}") from None
-
-
 def cmd_run(args) -> int:
     program = _concrete(args.spec)
+    if args.check and not args.inputs:  # the oracle's rectangle, refused before anything is drawn
+        s_q = args.kv_len if args.q_len is None else args.q_len
+        oracle.require_rectangle(program, args.batch * program.heads_q * s_q * args.kv_len)
     if args.inputs:
-        arrays = _load_npz(args.inputs)
+        arrays = inputs.load_npz(args.inputs)
     elif program.cache.kind.value != "contiguous":  # a sampled paged/ragged cache (shuffled pages)
         arrays = inputs.sample_cache(program, [args.kv_len] * args.batch,
-                                     [args.q_len or args.kv_len] * args.batch, args.seed)
+                                     [args.kv_len if args.q_len is None else args.q_len] * args.batch, args.seed)
     else:
         s_k = args.kv_len
-        arrays = inputs.sample(program, args.batch, args.q_len or s_k, s_k, args.seed)
+        arrays = inputs.sample(program, args.batch, s_k if args.q_len is None else args.q_len, s_k, args.seed)
     if inputs.is_split_call(program, arrays):
         return _run_split(args, program, arrays)
+
     if args.cuda_graph:
         raise InputError("--cuda-graph replays split calls (a paged or ragged cache, or per-request lengths); "
                          "this is a prefill over a contiguous cache, which the launcher runs directly")
     call = inputs.validate(program, arrays)
-    if (args.sp or args.report) and args.backend != "ahbm":
+    if args.check:  # refused before the kernel runs, not after
+        oracle.require_rectangle(program, call.batch * program.heads_q * call.s_q * call.s_k)
+    name = _select_backend(args, program, [call.s_q] * call.batch, [call.s_k] * call.batch)
+    if (args.sp or args.report) and name != "ahbm":
         raise InputError("--sp and --report run on the AHBM mesh simulator: add --backend ahbm")
-    kernel = backend(args.backend).load(program, **({"sp": args.sp} if args.sp else {}))
+    kernel = backend(name).load(program, **({"sp": args.sp} if args.sp else {}))
     t0 = time.perf_counter()
     o, lse = kernel(arrays["q"], arrays["k"], arrays["v"], return_lse=True,
                     **{t.name: arrays[t.name] for t in program.tensors})
     elapsed = time.perf_counter() - t0
-    if args.out:
-        np.savez(args.out, o=o, lse=lse)
-    print(f"{program.name} on {args.backend}: B={call.batch} S_q={call.s_q} S_k={call.s_k} "
+    _save_outputs(args.out, o, lse)
+    print(f"{program.name} on {name}: B={call.batch} S_q={call.s_q} S_k={call.s_k} "
           f"o {list(o.shape)} {o.dtype}, lse {list(lse.shape)} in {elapsed * 1e3:.1f} ms"
           + (f" -> {args.out}" if args.out else ""))
     if args.report:  # the simulated latency per engine and the op-log counters
@@ -114,23 +112,45 @@ def cmd_run(args) -> int:
     return 0
 
 
+def _select_backend(args, program, s_q: list[int], s_k: list[int]) -> str:
+    """The backend this call runs on: dispatch admission under ``--backend`` (auto: the first
+    eligible by priority; a name: that backend or an error with every reason it refuses)."""
+    from .dispatch import dispatch, run_environment
+    request = args.backend
+    env = run_environment("ahbm" if request == "ahbm" else None, request)
+    call = {"B": len(s_k), "S_q": [int(x) for x in s_q], "S_k": [int(x) for x in s_k],
+            "graph_mode": bool(args.cuda_graph), "backend_request": request}
+    return dispatch(program, call, env).require()
+
+
+def _save_outputs(path: str | None, o, lse) -> None:
+    if path:
+        try:
+            np.savez(path, o=o, lse=lse)
+        except OSError as e:
+            raise InputError(f"cannot write {path}: {e.strerror or e}") from None
+
+
 def _run_split(args, program, arrays) -> int:
     """`attnc run` over a paged/ragged cache or with per-request lengths (DESIGN §5 keys):
     packed q, o [total_q, H_q, d_v], lse [total_q, H_q]."""
     call = inputs.validate_cache(program, arrays)
-    kernel = backend(args.backend).load(program)
+    if args.check:
+        oracle.require_rectangle(program, program.heads_q * int((call.q_lens * call.kv_lens).sum()))
+    active = np.flatnonzero((call.q_lens > 0) & (call.kv_lens > 0))  # (rows over no keys see nothing)
+    if not active.size:
+        raise InputError("inputs: no request has both query rows and keys: nothing to compute")
+    name = _select_backend(args, program, call.q_lens[active].tolist(), call.kv_lens[active].tolist())
+    kernel = backend(name).load(program)
     if not hasattr(kernel, "run"):
-        raise InputError(f"the {args.backend} backend does not run {inputs.cache_description(program)} "
+        raise InputError(f"the {name} backend does not run {inputs.cache_description(program)} "
                          "calls yet; use --backend numpy")
-    if args.cuda_graph and args.backend != "triton":
-        raise InputError(f"--cuda-graph: the {args.backend} backend has no CUDA graphs; use --backend triton")
     t0 = time.perf_counter()
     o, lse = kernel.run(arrays, return_lse=True, **({"cuda_graph": True} if args.cuda_graph else {}))
     elapsed = time.perf_counter() - t0
-    if args.out:
-        np.savez(args.out, o=o, lse=lse)
+    _save_outputs(args.out, o, lse)
     lens = call.kv_lens.tolist()
-    print(f"{program.name} on {args.backend}: B={call.batch} over a {inputs.cache_description(program)}, "
+    print(f"{program.name} on {name}: B={call.batch} over a {inputs.cache_description(program)}, "
           f"kv_lens {lens}, q_lens {call.q_lens.tolist()}: o {list(o.shape)} {o.dtype}, "
           f"lse {list(lse.shape)} in {elapsed * 1e3:.1f} ms" + (" (captured, replayed)" if args.cuda_graph else "")
           + (f" -> {args.out}" if args.out else ""))
@@ -143,6 +163,38 @@ def _run_split(args, program, arrays) -> int:
     return 0
 
 
+def _integer(text: str, lo: int, hi: int | None = None) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < lo:
+        raise argparse.ArgumentTypeError(f"expected an integer >= {lo}, got {text!r}")
+    if hi is not None and value > hi:
+        raise argparse.ArgumentTypeError(f"{value} exceeds {hi} (2^31 - 1): positions are int32 in every kernel")
+    return value
+
+
+def _positive(text: str) -> int:
+    return _integer(text, 1)
+
+
+def _count(text: str) -> int:
+    return _integer(text, 0)
+
+
+def _length(text: str) -> int:
+    """A sequence length: 1 <= n <= 2^31 - 1 (int32 positions)."""
+    return _integer(text, 1, resources.MAX_LENGTH)
+
+
+def _size(text: str) -> int:
+    try:
+        return resources.parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _lengths_arg(text: str) -> list[int]:
     try:
         out = [int(x) for x in text.split(",") if x.strip()]
@@ -150,6 +202,10 @@ def _lengths_arg(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
     if not out or any(x < 0 for x in out):
         raise argparse.ArgumentTypeError(f"expected non-negative lengths, got {text!r}")
+    too_long = [x for x in out if x > resources.MAX_LENGTH]
+    if too_long:
+        raise argparse.ArgumentTypeError(f"length {too_long[0]} exceeds {resources.MAX_LENGTH} (2^31 - 1): "
+                                         "positions are int32 in every kernel")
     return out
 
 
@@ -224,12 +280,7 @@ def _load_tensor_args(items: list[str]) -> dict[str, np.ndarray]:
             raise InputError(f"--tensor takes NAME=FILE.npy, got {item!r}")
         if name in out:
             raise InputError(f"--tensor {name} given twice")
-        try:
-            out[name] = np.load(path, allow_pickle=False)
-        except (OSError, ValueError, EOFError) as e:
-            raise InputError(f"cannot read tensor file {path} for '{name}': {e}") from None
-        if not isinstance(out[name], np.ndarray):
-            raise InputError(f"tensor file {path} for '{name}' is not a .npy array")
+        out[name] = inputs.load_npy(path, f"tensor file for '{name}'")
     return out
 
 
@@ -244,7 +295,7 @@ def cmd_explain(args) -> int:
     block_m, block_n = args.block
     expl = ex.explain(program, args.batch, s_q, s_k, tensors, block_m, block_n)
     if args.format == "paddle":
-        pm = ex.paddle_startend_row_indices(expl.intervals, program, args.batch)
+        pm = expl.paddle()
         if args.out:
             _save_arrays(args.out, {"startend_row_indices": pm.startend_row_indices,
                                     "causal": np.asarray(pm.causal)})
@@ -364,28 +415,40 @@ def cmd_tune(args) -> int:
         rows = [r for res in results for r in res.rows]
         for r in rows:
             evidence.check_row(r)
-        with open(args.evidence, "a") as f:
-            f.writelines(json.dumps(r) + "\n" for r in rows)
+        try:
+            with open(args.evidence, "a") as f:
+                f.writelines(json.dumps(r) + "\n" for r in rows)
+        except OSError as e:
+            raise InputError(f"cannot write evidence rows to {args.evidence}: {e.strerror or e}") from None
+    stored = not cache.write_errors  # (each failure was reported on stderr as it happened)
+
+    def untuned(e) -> dict:  # an entry from the file may predate these fields
+        return e["untuned"] if isinstance(e.get("untuned"), dict) else {}
+
     if args.json:
-        print(json.dumps({"spec": program.name, "backend": args.backend, "cache": str(cache.path),
+        print(json.dumps({"spec": program.name, "backend": args.backend, "cache": str(cache.path), "stored": stored,
                           "results": [{"shape": str(r.shape), "digest": r.key.digest, "cached": r.cached,
                                        "config": r.config, "median_ms": r.entry["median_ms"],
-                                       "untuned": r.entry["untuned"],
-                                       "speedup_vs_untuned": r.entry["speedup_vs_untuned"]} for r in results]}))
-        return 0
+                                       "untuned": untuned(r.entry),
+                                       "speedup_vs_untuned": r.entry.get("speedup_vs_untuned")} for r in results]}))
+        return 0 if stored else 1
     print(f"{program.name} on {args.backend}: tuning cache {cache.path}")
     print(f"  {'B:S_q:S_k':14} {'key':12}  {'median ms':>10} {'untuned ms':>10} {'speedup':>7}  winner")
     for r in results:
         e = r.entry
-        base = e["untuned"].get("median_ms")
-        sp = f"{e['speedup_vs_untuned']:.2f}x" if e.get("speedup_vs_untuned") else "-"
+        base = untuned(e).get("median_ms")
+        base = base if isinstance(base, (int, float)) and not isinstance(base, bool) else None
+        speedup = e.get("speedup_vs_untuned")
+        sp = f"{speedup:.2f}x" if isinstance(speedup, (int, float)) and speedup else "-"
         cfg = " ".join(f"{k}={v}" for k, v in e["config"].items())
         print(f"  {str(r.shape):14} {r.key.digest[:12]}  {e['median_ms']:10.4g} "
               f"{base if base is None else format(base, '10.4g'):>10} {sp:>7}  {cfg}"
               + ("  (cached)" if r.cached else ""))
     if args.evidence:
         print(f"evidence rows -> {args.evidence}")
-    return 0
+    if not stored:
+        print(f"not stored: {cache.write_errors[0]}", file=sys.stderr)
+    return 0 if stored else 1
 
 
 # ---------------------------------------------------------------- parser
@@ -395,6 +458,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--version", action="version", version=f"attnc {__version__}")
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
     backends = sorted(REGISTRY)
+    limits = argparse.ArgumentParser(add_help=False)  # the commands that plan, sample or evaluate
+    limits.add_argument("--memory-limit", type=_size, default=None, metavar="SIZE",
+                        help=f"refuse a call whose estimated host memory exceeds SIZE (e.g. 8GiB; default "
+                             f"${resources.ENV_VAR} or {resources.format_size(resources.DEFAULT_MEMORY_LIMIT)})")
 
     p = sub.add_parser("check", help="parse and check specs; exit 1 with located errors")
     p.add_argument("spec", nargs="+")
@@ -412,17 +479,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output")
     p.set_defaults(fn=cmd_ir)
 
-    p = sub.add_parser("run", help="run a spec on inputs (npz) or on sampled inputs")
+    p = sub.add_parser("run", parents=[limits], help="run a spec on inputs (npz) or on sampled inputs")
     p.add_argument("spec")
-    p.add_argument("--backend", default="numpy", choices=backends)
+    p.add_argument("--backend", default="auto", choices=["auto", *backends],
+                   help="auto (default): the first backend whose admission takes the call (attnc dispatch "
+                        "explains the choice); a name forces that backend or fails with every reason")
     p.add_argument("--inputs", help="npz with q, k, v and every declared tensor")
     p.add_argument("--out", help="npz to write o and lse to")
     p.add_argument("--check", action="store_true", help="compare with the float64 oracle")
-    p.add_argument("--batch", type=int, default=2, help="sampled inputs: B")
-    p.add_argument("--q-len", type=int, default=None, help="sampled inputs: S_q (default S_k)")
-    p.add_argument("--kv-len", type=int, default=128, help="sampled inputs: S_k")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--sp", type=int, default=None, metavar="N",
+    p.add_argument("--batch", type=_positive, default=2, help="sampled inputs: B")
+    p.add_argument("--q-len", type=_length, default=None, help="sampled inputs: S_q (default S_k)")
+    p.add_argument("--kv-len", type=_length, default=128, help="sampled inputs: S_k")
+    p.add_argument("--seed", type=_count, default=0)
+    p.add_argument("--sp", type=_positive, default=None, metavar="N",
                    help="ahbm: N PEs per (request, K/V head): decode round-robin + tree, prefill ring")
     p.add_argument("--report", action="store_true",
                    help="ahbm: print the simulated latency per engine and PE, and the op-log counters")
@@ -431,19 +500,19 @@ def build_parser() -> argparse.ArgumentParser:
                         "call in a CUDA graph and replay it (graph_mode; Kernel.decode_graph)")
     p.set_defaults(fn=cmd_run)
 
-    p = sub.add_parser("explain", help="FlashMask intervals, representability, tile classes and "
+    p = sub.add_parser("explain", parents=[limits], help="FlashMask intervals, representability, tile classes and "
                                        "metadata ledger for one call shape; Paddle / Flex exports",
                        description="Analyse the mask for B requests of S_q query rows over S_k keys "
                                    "(bottom-right aligned). Tensors come from --tensor files, else "
                                    "from the spec's sample distributions (the values `attnc run` draws for the "
                                    "same --batch, lengths and --seed).")
     p.add_argument("spec")
-    p.add_argument("--q-len", type=int, default=None, help="S_q (default S_k: prefill)")
-    p.add_argument("--kv-len", type=int, required=True, help="S_k")
-    p.add_argument("--batch", type=int, default=1, help="B (default 1)")
+    p.add_argument("--q-len", type=_length, default=None, help="S_q (default S_k: prefill)")
+    p.add_argument("--kv-len", type=_length, required=True, help="S_k")
+    p.add_argument("--batch", type=_positive, default=1, help="B (default 1)")
     p.add_argument("--tensor", action="append", default=[], metavar="NAME=FILE.npy",
                    help="a declared tensor's value (repeatable); the others are sampled")
-    p.add_argument("--seed", type=int, default=0, help="seed of the sampled tensors")
+    p.add_argument("--seed", type=_count, default=0, help="seed of the sampled tensors")
     p.add_argument("--block", type=_block, default=(128, 64), metavar="MxN",
                    help="tile: block_m query rows x block_n keys (default 128x64)")
     fmt = p.add_mutually_exclusive_group()
@@ -456,7 +525,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--png", metavar="FILE", help="tile-class map of (b=0, h=0) as a PNG (needs attnc[plot])")
     p.set_defaults(fn=cmd_explain)
 
-    p = sub.add_parser("plan", help="split bounds, launch grids, workspace bytes and ledgers of a "
+    p = sub.add_parser("plan", parents=[limits], help="split bounds, launch grids, workspace bytes and ledgers of a "
                                     "split call; the schedule graph",
                        description="Plan a split-K/V call of B requests (bottom-right positions): the "
                                    "spec's split policy and state ABI, its heads, head_dim, dtype and "
@@ -467,7 +536,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--q-lens", type=_lengths_arg, default=None, metavar="C0,C1,...",
                    help="query rows of each request (default 1 per request: decode; a request with "
                         "kv_len 0 then has one row that sees nothing)")
-    p.add_argument("--sms", type=int, default=132, help="SMs the heuristic/auto split plans for (default 132)")
+    p.add_argument("--sms", type=_positive, default=132, help="SMs the heuristic/auto split plans for (default 132)")
     p.add_argument("--request-ids", type=_ids_arg, default=None,
                    metavar="ID0,ID1,...", help="the manifest's request ids (default 0,1,...)")
     p.add_argument("--cache-rows", type=_lengths_arg, default=None, metavar="R0,R1,...",
@@ -476,14 +545,14 @@ def build_parser() -> argparse.ArgumentParser:
                                                        "frozen microbatch manifest")
     p.add_argument("--graph", metavar="FILE.dot", help="write the schedule graph as DOT, and as JSON beside it")
     cp = p.add_argument_group("context parallelism (--ranks): B prefill requests of --kv-lens tokens each")
-    cp.add_argument("--ranks", type=int, default=None, metavar="N",
+    cp.add_argument("--ranks", type=_positive, default=None, metavar="N",
                     help="plan the call over N ranks: tokens, computed cells and K/V bytes per rank")
     cp.add_argument("--strategy", default="auto", choices=("auto", "even", "zigzag", "balanced"),
                     help="how tiles are assigned to ranks (default auto)")
-    cp.add_argument("--block", type=int, default=128, help="tokens per tile (default 128)")
+    cp.add_argument("--block", type=_positive, default=128, help="tokens per tile (default 128)")
     cp.add_argument("--tensor", action="append", default=[], metavar="NAME=FILE.npy",
                     help="a declared tensor's value (repeatable); the others are sampled")
-    cp.add_argument("--seed", type=int, default=0, help="seed of the sampled tensors")
+    cp.add_argument("--seed", type=_count, default=0, help="seed of the sampled tensors")
     p.set_defaults(fn=cmd_plan)
 
     p = sub.add_parser("dispatch", help="the dispatch key of a call, every backend's admission "
@@ -499,7 +568,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="one JSON object: key, digest, candidates, selection")
     p.set_defaults(fn=cmd_dispatch)
 
-    p = sub.add_parser("tune", help="search a backend's launch configs per dispatch key; store the "
+    p = sub.add_parser("tune", parents=[limits], help="search a backend's launch configs per dispatch key; store the "
                                     "winners with raw samples in the tuning cache",
                        description="For each B:S_q:S_k shape, check every candidate config against the "
                                    "float64 oracle before timing it, time the passing ones (synchronized "
@@ -509,10 +578,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shapes", required=True, metavar="B:S_q:S_k,...", help="call shapes to tune")
     p.add_argument("--backend", default="triton", help="backend whose space is searched (default triton)")
     p.add_argument("--cache", metavar="FILE", default=None,
-                   help="tuning cache (default $ATTNC_TUNE_CACHE or ~/.cache/attnc/tune.json)")
-    p.add_argument("--warmup", type=int, default=5, help="untimed calls before the samples (default 5)")
-    p.add_argument("--repeats", type=int, default=20, help="raw samples per candidate (default 20)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the sampled inputs")
+                   help="tuning cache (default $ATTNC_TUNE_CACHE or ~/.cache/attnc/tune.json; a directory "
+                        "means DIR/tune.json)")
+    p.add_argument("--warmup", type=_count, default=5, help="untimed calls before the samples (default 5)")
+    p.add_argument("--repeats", type=_positive, default=20, help="raw samples per candidate (default 20)")
+    p.add_argument("--seed", type=_count, default=0, help="seed of the sampled inputs")
     p.add_argument("--retune", action="store_true", help="tune keys the cache already has again")
     p.add_argument("--evidence", metavar="FILE.jsonl", help="append one validated evidence row per candidate")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
@@ -524,10 +594,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, metavar="FILE.jsonl")
     p.add_argument("--masks", default=None, help="prefill: comma-separated subset of "
                                                  "causal,sliding_window_1024,causal_document,prefix_lm_2048,full")
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--seq", type=int, default=8192)
-    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--batch", type=_positive, default=4)
+    p.add_argument("--heads", type=_positive, default=16)
+    p.add_argument("--seq", type=_length, default=8192)
+    p.add_argument("--head-dim", type=_positive, default=128)
     p.add_argument("--flex-modes", default="default,max-autotune-no-cudagraphs", help="empty: no FlexAttention")
     p.add_argument("--no-sdpa", action="store_true")
     p.add_argument("--cases", default=None, help="decode: B:T,... (default 8:8192,32:8192,1:131072,64:2048)")
@@ -535,13 +605,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-configs", action="store_true", help="decode: no fixed-config rows")
     p.set_defaults(fn=cmd_bench)
 
-    p = sub.add_parser("demo", help="compile and run examples for prefill, append and decode "
+    p = sub.add_parser("demo", parents=[limits], help="compile and run examples for prefill, append and decode "
                                     "against the float64 oracle")
     p.add_argument("spec", nargs="*", help="specs (default: every example shipped with attnc)")
     p.add_argument("--backend", default="numpy", choices=backends)
-    p.add_argument("--length", type=int, default=128, help="S_k of every phase")
-    p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--length", type=_length, default=128, help="S_k of every phase")
+    p.add_argument("--batch", type=_positive, default=2)
+    p.add_argument("--seed", type=_count, default=0)
     p.set_defaults(fn=cmd_demo)
     return ap
 
@@ -549,7 +619,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return args.fn(args)
+        with resources.overridden(getattr(args, "memory_limit", None)):
+            return args.fn(args)
     except AttncError as e:
         if args.debug:
             raise

@@ -19,14 +19,16 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from . import inputs, ir
+from . import inputs, ir, resources
 from .analysis import run_plan_pipeline
+from .analysis import intervals
 from .analysis.intervals import MaskIntervals
 from .analysis.tiles import FULL, PARTIAL, SKIP, TilePlan
 from .errors import AttncError, InputError
 
 DEFAULT_BLOCK = (128, 64)  # block_m (query rows) x block_n (keys), as in DESIGN §7's example
 SAMPLE_BUDGET = 1 << 25  # q/k/v elements `inputs.sample` may draw before explain slims them
+FLEX_BYTES_PER_TILE = 120  # kv_indices and full_kv_indices: argsort temporaries and Python lists
 
 
 # ---------------------------------------------------------------- arguments
@@ -71,12 +73,7 @@ def call_tensors(program: ir.Program, batch: int, s_q: int, s_k: int,
         source = program if elements <= SAMPLE_BUDGET else slim
         drawn = inputs.sample(source, batch, s_q, s_k, seed)
         given.update({n: drawn[n] for n in missing})
-    shell = {
-        "q": np.zeros((batch, program.heads_q, 1, 1), np.float32),
-        "k": np.zeros((batch, program.heads_kv, s_k, 1), np.float32),
-        "v": np.zeros((batch, program.heads_kv, s_k, 1), np.float32),
-    }
-    return inputs.validate(replace(slim, cache=ir.Cache()), {**shell, **given}).tensors
+    return inputs.validate_tensors(program, given, batch, s_k)
 
 
 # ---------------------------------------------------------------- the ledger
@@ -94,10 +91,28 @@ def metadata_ledger(s_q: int, s_k: int, block_n: int, extent: int = 1) -> dict[s
 # ---------------------------------------------------------------- the report
 @dataclass(frozen=True)
 class Explanation:
+    """``intervals`` and ``plan`` are the analysis' (the tiles a kernel plans with); ``columns``
+    are the mask's per-column rows as exactly as they are known: the analysis' where it is exact,
+    else the per-column evaluation's (``analysis.intervals.evaluate_columns``) when the budget
+    allows it.  Representability, the FlashMask vectors and the visible fraction come from
+    ``columns``: they depend on the mask, not on how it is written."""
+
     program: ir.Program
     batch: int
     intervals: MaskIntervals
     plan: TilePlan
+    evaluated: MaskIntervals | None = None  # the per-column evaluation, where the analysis is inexact
+    skipped: str | None = None  # why that evaluation did not run (over the budget)
+
+    @property
+    def columns(self) -> MaskIntervals:
+        return self.evaluated if self.evaluated is not None else self.intervals
+
+    @property
+    def _rows(self) -> MaskIntervals:
+        """Per-column visible rows to count cells with (an unrepresentable evaluation keeps none)."""
+        e = self.evaluated
+        return e if e is not None and e.representable else self.intervals
 
     @property
     def s_q(self) -> int:
@@ -116,7 +131,7 @@ class Explanation:
     def visible_cells(self) -> tuple[int, int]:
         """(cells certainly visible, cells possibly visible) over B' x H' x S_q x S_k;
         equal when the analysis is exact.  Counted from the row sets, per column."""
-        vis = self.intervals.visible
+        vis = self._rows.visible
         return int(vis.must.cells_in(0, self.s_q).sum()), int(vis.may.cells_in(0, self.s_q).sum())
 
     def rectangle(self) -> int:
@@ -129,18 +144,32 @@ class Explanation:
             return None
         return lo / self.rectangle()
 
+    def paddle(self) -> "PaddleMask":
+        """The Paddle FlashMask export of the mask (:func:`paddle_startend_row_indices` of
+        ``columns``); when the evaluation was over budget, the error says so."""
+        try:
+            return paddle_startend_row_indices(self.columns, self.program, self.batch)
+        except AttncError as e:
+            if not self.skipped:
+                raise
+            raise AttncError(f"{e.diagnostics[0].message}; the per-column evaluation that decides it "
+                             f"exactly was skipped: {self.skipped}") from None
+
     def ledger(self) -> dict[str, int]:
         return metadata_ledger(self.s_q, self.s_k, self.plan.block_n, self.extent)
 
     def to_json(self) -> dict:
-        mi, plan = self.intervals, self.plan
+        mi, plan = self.columns, self.plan
         lo, hi = self.visible_cells()
         rect = self.rectangle() or 1
         out = {
             "spec": self.program.name,
             "representable": mi.representable,
             "reason": mi.reason,
-            "exact": mi.exact,
+            "exact": self.intervals.exact,  # the analysis (its tiles are what a kernel plans)
+            "analysis_reason": None if self.intervals.exact else self.intervals.reason,
+            "columns_from": mi.method,  # "analysis", or "evaluation" where the analysis is inexact
+            "evaluation_skipped": self.skipped,
             "batch": self.batch,
             "shape": list(mi.shape),
             "s_q": self.s_q,
@@ -159,7 +188,7 @@ class Explanation:
         return out
 
     def text(self, source: str | None = None) -> str:
-        mi, plan = self.intervals, self.plan
+        mi, plan = self.columns, self.plan
         b_, h_, _ = mi.shape
         where = f" ({source})" if source else ""
         lines = [f"{self.program.name}{where}: B={self.batch} S_q={self.s_q} S_k={self.s_k}, "
@@ -168,7 +197,12 @@ class Explanation:
             lines.append(f"representable: yes (FlashMask UTS/UTE/LTS/LTE, shape [{b_}, {h_}, {self.s_k}])")
         else:
             lines.append(f"representable: no: {mi.reason}")
-        if not mi.exact:
+        if self.evaluated is not None:
+            lines.append(f"  by per-column evaluation of the mask: the interval analysis is not exact here "
+                         f"({self.intervals.reason})")
+        elif self.skipped:
+            lines.append(f"  per-column evaluation skipped: {self.skipped}")
+        if not self.intervals.exact:
             lines.append("  the analysis is not exact: tiles it cannot prove FULL or SKIP are PARTIAL "
                          "and the kernels evaluate the mask there")
         c = plan.counts()
@@ -195,7 +229,17 @@ def explain(program: ir.Program, batch: int, s_q: int, s_k: int, tensors: dict |
     :func:`call_tensors` returns them.  The pipeline's intervals -> tiles (``analysis.PLAN_PIPELINE``)."""
     r = run_plan_pipeline(("intervals", "tiles"), program=program, batch=batch, s_q=s_q, s_k=s_k,
                           tensors=tensors or {}, block_m=block_m, block_n=block_n, method="auto")
-    return Explanation(program, batch, r["intervals"], r["tiles"])
+    evaluated = skipped = None
+    if not r["intervals"].exact:  # representability is the mask's: evaluate it column by column
+        cells = intervals.evaluation_cells(program, batch, s_q, s_k)
+        try:
+            resources.require(f"the per-column evaluation of the mask ({cells:,} cells)",
+                              cells * intervals.EVAL_BYTES_PER_CELL)
+        except resources.ResourceError as e:
+            skipped = e.diagnostics[0].message
+        else:
+            evaluated = intervals.evaluate_columns(program, batch, s_q, s_k, tensors)
+    return Explanation(program, batch, r["intervals"], r["tiles"], evaluated, skipped)
 
 
 # ---------------------------------------------------------------- Paddle FlashMask
@@ -332,6 +376,8 @@ def flex_block_mask(plan: TilePlan, s_q: int, s_k: int) -> dict:
     blocks (``kv_num_blocks``/``kv_indices``, mask_mod applied) and FULL blocks
     (``full_kv_*``, mask_mod skipped), ``BLOCK_SIZE = (block_m, block_n)``, shape
     ``[B', H', T_r(, T_c)]``."""
+    resources.require(f"the FlexAttention export of {plan.classes.size:,} tiles (index arrays and their JSON lists)",
+                      FLEX_BYTES_PER_TILE * plan.classes.size)
     out = {"BLOCK_SIZE": [plan.block_m, plan.block_n], "seq_lengths": [s_q, s_k],
            "shape": list(plan.classes.shape)}
     for name, a in plan.flex_block_mask().items():

@@ -8,12 +8,14 @@ user gives none (tensor declarations carry ``~ kind(args)``).
 """
 from __future__ import annotations
 
+import zipfile
+import zlib
 from dataclasses import dataclass, replace
 
 import numpy as np
 
-from . import ir
-from .errors import InputError
+from . import ir, resources
+from .errors import InputError, PlanError
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,54 @@ def to_storage(x: np.ndarray, dtype: str) -> np.ndarray:
     if dtype == "bf16":
         return round_bf16(x)
     return x
+
+
+# ---------------------------------------------------------------- input files
+_NPZ_MAGIC = (b"PK\x03\x04", b"PK\x05\x06")  # a zip archive (np.savez), an empty one
+_NPY_MAGIC = b"\x93NUMPY"
+# what numpy, zipfile and zlib raise on a damaged file
+_READ_ERRORS = (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error)
+
+
+def _file_kind(path: str, what: str) -> str:
+    """'npz' or 'npy' from the file's first bytes; an InputError for anything else."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(6)
+    except OSError as e:
+        raise InputError(f"cannot read {what} {path}: {e.strerror or e}") from None
+    if not head:
+        raise InputError(f"{what} {path} is empty")
+    if head.startswith(_NPZ_MAGIC):
+        return "npz"
+    if head.startswith(_NPY_MAGIC):
+        return "npy"
+    raise InputError(f"{what} {path} is neither a numpy .npz archive nor a .npy array "
+                     f"(it starts with {head!r})")
+
+
+def load_npz(path: str) -> dict[str, np.ndarray]:
+    """The named arrays of an ``.npz`` inputs file (``np.savez``); an InputError naming the
+    file for anything else (an empty file, a ``.npy`` array, a damaged archive, pickled objects)."""
+    what = "inputs file"
+    if _file_kind(path, what) == "npy":
+        raise InputError(f"{what} {path} is a single .npy array; --inputs takes an .npz archive of named "
+                         "arrays (q, k, v and every declared tensor): np.savez(path, q=q, k=k, v=v, ...)")
+    try:
+        with np.load(path, allow_pickle=False) as f:
+            return {k: np.asarray(f[k]) for k in f.files}
+    except _READ_ERRORS as e:
+        raise InputError(f"{what} {path} is damaged or not readable: {type(e).__name__}: {e}") from None
+
+
+def load_npy(path: str, what: str) -> np.ndarray:
+    """The array of a ``.npy`` file; an InputError naming ``what`` and the file otherwise."""
+    if _file_kind(path, what) == "npz":
+        raise InputError(f"{what} {path} is an .npz archive; it takes one .npy array (np.save)")
+    try:
+        return np.asarray(np.load(path, allow_pickle=False))
+    except _READ_ERRORS as e:
+        raise InputError(f"{what} {path} is damaged or not readable: {type(e).__name__}: {e}") from None
 
 
 # ---------------------------------------------------------------- validation
@@ -124,6 +174,7 @@ def check_shapes(program: ir.Program, metas: dict[str, tuple[tuple[int, ...], st
         if logical[n] != want[n]:
             raise InputError(f"inputs: '{n}' has shape {_fmt(metas[n][0])}; expected "
                              f"{_fmt(expected_shapes(program, batch, s_q, s_k)[n])}")
+    resources.check_length("S_k", s_k)
     if s_q > s_k:
         raise InputError(f"inputs: 'q' has S_q = {s_q} rows but 'k' has S_k = {s_k} keys; "
                          "S_q <= S_k (query rows are the last S_q positions)")
@@ -159,6 +210,62 @@ def _convert_tensors(program: ir.Program, arrays, float_dtype=np.float32) -> dic
     return tensors
 
 
+def check_flashmask(program: ir.Program, tensors: dict) -> None:
+    """The values of every tensor ``flashmask(tensor, causal)`` reads keep Paddle's
+    ``startend_row_indices`` contract (its docstring; the generators of
+    flashmask/tests/generate_startend_row_indices.py), over ``S`` rows = the tensor's ``s`` axis:
+    every bound >= 0; a range's end (LTE, UTE) <= S and >= its start (LTS <= LTE, UTS <= UTE);
+    the hidden upper rows end where the lower ones start or before (UTE <= LTS, where both are
+    non-empty).  An open tail's start (LTS without LTE) may exceed S: it hides nothing.  A
+    PlanError names the tensor, the index and the values."""
+    for c in program.flashmask:
+        if c.tensor not in tensors:
+            continue  # (a missing tensor is the caller's error to name)
+        a = np.asarray(tensors[c.tensor]).astype(np.int64, copy=False)
+        if not a.size:
+            continue
+        s = a.shape[2]
+        col = {n: a[..., j] for j, n in enumerate(c.columns)}
+        where = {n: j for j, n in enumerate(c.columns)}
+
+        def refuse(bad: np.ndarray, why) -> None:
+            if bad.any():
+                idx = tuple(int(x) for x in np.argwhere(bad)[0])
+                at = lambda n: f"{c.tensor}[{', '.join(map(str, idx))}, {where[n]}] = {int(col[n][idx])}"  # noqa: E731
+                raise PlanError(f"flashmask({c.tensor}, {'true' if c.causal else 'false'}): {why(at)} "
+                                f"(Paddle's startend_row_indices [{', '.join(c.columns)}]; S = {s} rows)")
+
+        for n in c.columns:
+            refuse(col[n] < 0, lambda at, n=n: f"{at(n)}: {n} is negative; bounds are row indices in [0, S]")
+        for start, end in (("LTS", "LTE"), ("UTS", "UTE")):
+            if end in col:
+                refuse(col[end] > s, lambda at, end=end: f"{at(end)}: {end} exceeds S = {s}")
+                if start in col:
+                    refuse(col[start] > col[end], lambda at, start=start, end=end:
+                           f"{at(start)} > {at(end)}: {start} > {end} (the hidden rows [{start}, {end}) are reversed)")
+        if not c.causal:  # the upper range [UTS or 0, UTE) ends before the lower [LTS, LTE or S) starts
+            upper = col["UTE"] > col.get("UTS", 0)
+            lower = col["LTS"] < col.get("LTE", s)
+            refuse(upper & lower & (col["UTE"] > col["LTS"]), lambda at:
+                   f"{at('UTE')} > {at('LTS')}: the hidden upper rows end after the hidden lower rows start "
+                   "(UTE > LTS: the ranges overlap)")
+
+
+def validate_tensors(program: ir.Program, arrays: dict, batch: int, s_k: int) -> dict[str, np.ndarray]:
+    """The declared tensors of a call of ``batch`` requests over ``s_k`` keys, without q/k/v:
+    keys, dtypes and shapes checked and values converted as :func:`validate` does them."""
+    arrays = {n: np.asarray(a) for n, a in arrays.items()}
+    names = [t.name for t in program.tensors]
+    missing = [n for n in names if n not in arrays]
+    if missing:
+        raise InputError(f"inputs: missing tensor '{missing[0]}'")
+    _check_tensors(program, {n: (arrays[n].shape, arrays[n].dtype.kind, str(arrays[n].dtype)) for n in names},
+                   {"b": batch, "h": program.heads_q, "s": s_k})
+    tensors = _convert_tensors(program, arrays)
+    check_flashmask(program, tensors)
+    return tensors
+
+
 def validate(program: ir.Program, arrays: dict[str, np.ndarray], float_dtype=np.float32) -> Call:
     """Check keys, ranks, dtypes and shapes; return the call in logical bhsd (q, k, v and f32
     tensors as ``float_dtype``: float64 for the float64 references)."""
@@ -169,7 +276,9 @@ def validate(program: ir.Program, arrays: dict[str, np.ndarray], float_dtype=np.
     check_shapes(program, {n: (a.shape, a.dtype.kind, str(a.dtype)) for n, a in arrays.items()})
     qkv = {n: arrays[n] if _layout(program) == "bhsd" else arrays[n].transpose(0, 2, 1, 3)
            for n in ("q", "k", "v")}
-    return Call(*(qkv[n].astype(float_dtype) for n in ("q", "k", "v")), _convert_tensors(program, arrays, float_dtype))
+    tensors = _convert_tensors(program, arrays, float_dtype)
+    check_flashmask(program, tensors)
+    return Call(*(qkv[n].astype(float_dtype) for n in ("q", "k", "v")), tensors)
 
 
 # ---------------------------------------------------------------- backward calls
@@ -401,8 +510,10 @@ def validate_cache(program: ir.Program, arrays: dict[str, np.ndarray]) -> CacheC
         raise short_request(int(short[0]), q_lens, layout.kv_lens)
     sizes = {"b": layout.batch, "h": p.heads_q, "s": int(layout.kv_lens.max(initial=0))}
     _check_tensors(p, {t: (arrays[t].shape, arrays[t].dtype.kind, str(arrays[t].dtype)) for t in names}, sizes)
+    tensors = _convert_tensors(p, arrays)
+    check_flashmask(p, tensors)
     return CacheCall(layout, q.astype(np.float32), k.astype(np.float32), v.astype(np.float32),
-                     q_lens, qo_indptr, _convert_tensors(p, arrays))
+                     q_lens, qo_indptr, tensors)
 
 
 def sample_cache(program: ir.Program, kv_lens, q_lens=None, seed: int = 0, *, spare_pages: int = 3,
@@ -421,6 +532,8 @@ def sample_cache(program: ir.Program, kv_lens, q_lens=None, seed: int = 0, *, sp
     p, c = program, program.cache
     kv = np.asarray(kv_lens, np.int64)
     q_lens = (kv > 0).astype(np.int64) if q_lens is None else np.asarray(q_lens, np.int64)
+    B = max(kv.size, 1)
+    _require_sample(p, B, -(-int(q_lens.sum()) // B), int(kv.max(initial=0)) + (c.page_size or 3))
     B, fill = kv.size, np.nan if poison else 0.0
     store = np.float16 if p.dtype == "f16" else np.float32
     q = to_storage(rng.standard_normal((int(q_lens.sum()), p.heads_q, p.d_qk), np.float32), p.dtype)
@@ -496,9 +609,27 @@ def _prefix_ends(rng, doc, lo, hi):
     return out
 
 
+def sample_bytes(program: ir.Program, batch: int, s_q: int, s_k: int) -> int:
+    """Peak bytes of :func:`sample` (and of a split call's :func:`sample_cache` over as many rows):
+    q/k/v drawn in float32 and rounded to the storage dtype through 64-bit integers (measured 25.4
+    bytes per element), tensors drawn as int64 or float64."""
+    p = program
+    qkv = batch * (p.heads_q * s_q * p.d_qk + p.heads_kv * s_k * (p.d_qk + p.d_v))
+    sizes = {"b": batch, "h": p.heads_q, "s": s_k}
+    tensors = sum(int(np.prod([sizes[x] if isinstance(x, str) else x for x in t.axes])) for t in p.tensors)
+    return 28 * qkv + 16 * tensors
+
+
+def _require_sample(program: ir.Program, batch: int, s_q: int, s_k: int) -> None:
+    resources.check_length("S_k", s_k)
+    resources.require(f"sampled inputs of '{program.name}' (B = {batch}, S_q = {s_q}, S_k = {s_k})",
+                      sample_bytes(program, batch, s_q, s_k))
+
+
 def sample(program: ir.Program, batch: int, s_q: int, s_k: int, seed: int = 0) -> dict[str, np.ndarray]:
     """Example inputs in the spec's layout: q/k/v ~ N(0, 1) rounded to the storage dtype, and
     every declared tensor drawn from its ``~ kind(args)``."""
+    _require_sample(program, batch, s_q, s_k)
     rng = np.random.default_rng(seed)
     p = program
     arrays = {

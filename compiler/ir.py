@@ -182,6 +182,22 @@ class TensorDecl:
         return f"{self.dtype.value}[{', '.join(str(a) for a in self.axes)}]"
 
 
+@node
+class FlashmaskBounds:
+    """A tensor read by ``flashmask(tensor, causal)``: Paddle's ``startend_row_indices`` with
+    ``bounds`` values per column, whose contract every call checks (``inputs.check_flashmask``)."""
+
+    tensor: str
+    causal: bool
+    bounds: int  # 1, 2 or 4
+
+    @property
+    def columns(self) -> tuple[str, ...]:
+        """What each of the ``bounds`` values is, in Paddle's order."""
+        return {(True, 1): ("LTS",), (True, 2): ("LTS", "LTE"), (False, 2): ("LTS", "UTE"),
+                (False, 4): ("LTS", "LTE", "UTS", "UTE")}[(self.causal, self.bounds)]
+
+
 class TileClass(enum.IntEnum):
     """How a (Q tile, K/V tile) enters the online softmax (M4.5 §0x05C)."""
 
@@ -270,6 +286,9 @@ class Program:
     # what the spec leaves to each call (some of "heads", "head_dim", "dtype"): ``specialize`` fills
     # them in from the call's tensors; heads and head dims are None until then, dtype is bf16
     open_fields: tuple[str, ...] = ()
+    # the tensors flashmask(...) reads, with the contract their values keep; implied by the mask
+    # (which reads them), so the spec digest (repr) leaves it out
+    flashmask: tuple[FlashmaskBounds, ...] = field(default=(), repr=False)
 
     @property
     def generic(self) -> tuple[str, ...]:

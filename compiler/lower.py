@@ -80,7 +80,7 @@ def lower_flashmask(e: ast.Call, spec: Spec) -> ir.Expr:
     decl = spec.tensor_types[name]
     head_axis, n = decl.axes[1], decl.axes[3]
     h = ir.Var("h", I32)
-    if head_axis == "h":
+    if head_axis == "h" or head_axis == spec.heads_q:  # per query head (Paddle: num_heads = H_q)
         head = h
     elif head_axis == 1:
         head = ir.Const(0, I32)
@@ -146,6 +146,24 @@ def lower_expr(e: ast.Expr, spec: Spec) -> ir.Expr:
     raise TypeError(e)
 
 
+def flashmask_contracts(e: ast.Expr | None, spec: Spec) -> tuple[ir.FlashmaskBounds, ...]:
+    """Every ``flashmask(tensor, causal)`` of a checked mask, once each (a walk with its own
+    stack: masks may nest deeply)."""
+    out, stack = [], [e] if e is not None else []
+    while stack:
+        x = stack.pop()
+        if isinstance(x, ast.Call) and x.func == "flashmask":
+            name = x.args[0].id
+            c = ir.FlashmaskBounds(name, x.args[1].value, spec.tensor_types[name].axes[3])
+            if c not in out:
+                out.append(c)
+            continue
+        stack.extend(c for c in (getattr(x, f, None) for f in ("operand", "left", "right")) if c is not None)
+        stack.extend(getattr(x, "args", ()) or ())
+        stack.extend(getattr(x, "indices", ()) or ())
+    return tuple(out)
+
+
 def lower(spec: Spec) -> ir.Program:
     mask = lower_expr(spec.mask, spec) if spec.mask is not None else ir.Const(True, BOOL)
     score = tuple(_cast(lower_expr(s, spec), F32) for s in spec.score)
@@ -153,7 +171,7 @@ def lower(spec: Spec) -> ir.Program:
         name=spec.name, heads_q=spec.heads_q, heads_kv=spec.heads_kv, d_qk=spec.d_qk, d_v=spec.d_v,
         dtype=spec.dtype, scale=spec.scale, tensors=tuple(spec.tensor_types.values()), score=score,
         mask=mask, cache=spec.cache, split=spec.split, state=spec.state, masked_rows=spec.masked_rows,
-        open_fields=spec.open_fields)
+        open_fields=spec.open_fields, flashmask=flashmask_contracts(spec.mask, spec))
 
 
 # ---------------------------------------------------------------- passes

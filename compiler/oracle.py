@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from attnc.compiler import ir
+from attnc.compiler import ir, resources
 from attnc.compiler.autodiff import score_grad
 from attnc.compiler.errors import PlanError
 from attnc.compiler.interp import evaluate, load  # noqa: F401 (load: re-exported)
@@ -38,6 +38,8 @@ def positions(batch: int, heads: int, s_q: int, s_k: int, q_offset: int | None =
 
 def dense_mask(program: ir.Program, batch: int, s_q: int, s_k: int, tensors: dict) -> np.ndarray:
     """The visibility of every cell, bool [B, H_q, S_q, S_k]."""
+    resources.require(f"the dense mask ({batch * program.heads_q * s_q * s_k:,} cells)",
+                      resources.dense_bytes(batch * program.heads_q * s_q * s_k, 17))
     env = positions(batch, program.heads_q, s_q, s_k)
     m = evaluate(program.mask, env, tensors)
     return np.broadcast_to(m, (batch, program.heads_q, s_q, s_k))
@@ -72,6 +74,7 @@ def reference_cache(program: ir.Program, call):
     """Float64 attention of a validated split call (compiler.inputs.CacheCall), request by
     request on its gathered logical K/V: ``(O [total_q, H_q, d_v], LSE [total_q, H_q])``.  The
     rows of a request with no keys see nothing: the all-masked policy (O = 0, LSE = -inf)."""
+    require_rectangle(program, program.heads_q * int((call.q_lens * call.kv_lens).sum()))
     o = np.zeros((call.q.shape[0], program.heads_q, program.d_v))
     lse = np.full((call.q.shape[0], program.heads_q), -np.inf)
     for b in range(call.batch):
@@ -82,7 +85,18 @@ def reference_cache(program: ir.Program, call):
     return o, lse
 
 
+ORACLE_BYTES_PER_CELL = 48  # float64 scores, probabilities and their temporaries, the visibility
+
+
+def require_rectangle(program: ir.Program, cells: int) -> None:
+    """Refuse an oracle evaluation over ``cells`` score cells that exceeds the memory limit
+    (callers that would run a kernel first check before it)."""
+    resources.require(f"the float64 oracle of '{program.name}' ({cells:,} score cells)",
+                      resources.dense_bytes(cells, ORACLE_BYTES_PER_CELL))
+
+
 def _attend(program: ir.Program, q, k, v, env: dict, tensors: dict):
+    require_rectangle(program, np.shape(q)[0] * program.heads_q * np.shape(q)[2] * np.shape(k)[2])
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
     kv_head = np.arange(program.heads_q) // program.group
     k, v = k[:, kv_head], v[:, kv_head]  # GQA: query head h reads K/V head h // G

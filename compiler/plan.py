@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from . import ir
+from . import ir, resources
 from .analysis import run_plan_pipeline
 from .analysis.intervals import MaskIntervals, RowIntervals
 from .analysis.splits import occupancy_for
@@ -143,6 +143,9 @@ def plan(program: ir.Program, batch: int, s_q: int, s_k: int, tensors: dict | No
          workspace_device: str | None = None, graph_mode: bool = False) -> Plan:
     """The frozen plan of one call shape with its plan key (``device`` None: host arrays only):
     the pipeline's intervals -> rows -> tiles (``analysis.PLAN_PIPELINE``)."""
+    if program.flashmask:
+        from .inputs import check_flashmask
+        check_flashmask(program, tensors or {})
     r = run_plan_pipeline(("intervals", "rows", "tiles"), program=program, batch=batch, s_q=s_q, s_k=s_k,
                           tensors=tensors or {}, block_m=block_m, block_n=block_n, method=method)
     key = PlanKey.of(program, device=device, workspace_device=workspace_device, graph_mode=graph_mode)
@@ -220,6 +223,9 @@ def split_blocks(program: ir.Program, kv_lens: np.ndarray, tensors: dict, block_
     largest length) and ``nonempty`` (every length >= 1) when it knows them.  ``bounds`` (a
     ``SplitBounds`` of the spec's policy) replaces the ``splits`` balanced shares of blocks."""
     batch = len(kv_lens)
+    if program.flashmask:
+        from .inputs import check_flashmask
+        check_flashmask(program, tensors)
     one_row = q_lens is None and batch > 0
     if q_lens is None:
         q_lens = decode_rows.constant("ones", batch)
@@ -612,6 +618,7 @@ def logical_layout(program: ir.Program, kv_lens):
     from .analysis.ledger import dtype_bytes
     p = program
     kv = np.asarray(kv_lens, np.int64)
+    resources.check_lengths("kv_lens", kv)
     dims = dict(heads_q=p.heads_q, heads_kv=p.heads_kv, d_qk=p.d_qk, d_v=p.d_v, elem_bytes=dtype_bytes(p.dtype))
     kind = p.cache.kind.value
     if kind == "contiguous":
@@ -620,6 +627,10 @@ def logical_layout(program: ir.Program, kv_lens):
         return lay.ragged(np.concatenate([[0], np.cumsum(kv)]), **dims)
     size = p.cache.page_size
     n_pages = -(-kv // size)
+    pages = int(n_pages.sum())
+    table_entries = pages if (p.cache.table or "dense") == "csr" else kv.size * int(n_pages.max(initial=1))
+    resources.require(f"the split plan over {pages:,} pages (the page table, a storage run per page)",
+                      24 * table_entries + resources.split_plan_bytes(pages))
     first = np.concatenate([[0], np.cumsum(n_pages)])
     pool = max(int(first[-1]), 1)
     common = dict(page_size=size, num_pages=pool, order=p.cache.layout.value, **dims)

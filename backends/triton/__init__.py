@@ -8,13 +8,31 @@ from .emit import emit  # noqa: F401
 NAME = "triton"
 
 
+GPU_STACK = ("torch", "triton")
+
+
+def _unavailable(e: ModuleNotFoundError):
+    """A missing torch or triton as the one clear BackendUnavailable (anything else re-raised)."""
+    from attnc.compiler.errors import BackendUnavailable
+    if (e.name or "").split(".")[0] not in GPU_STACK:
+        raise e
+    return BackendUnavailable(f"the triton backend needs torch and triton, and '{e.name}' cannot be imported "
+                              "here; install them with pip install 'attnc[gpu]', or use --backend numpy")
+
+
 def load(program):
-    from .runtime import load as _load
-    return _load(program)
+    try:
+        from .runtime import load as _load
+        return _load(program)
+    except ModuleNotFoundError as e:
+        raise _unavailable(e) from None
 
 
 def __getattr__(name):
     if name == "Kernel":
-        from .runtime import Kernel
+        try:
+            from .runtime import Kernel
+        except ModuleNotFoundError as e:
+            raise _unavailable(e) from None
         return Kernel
     raise AttributeError(name)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from attnc.compiler import ir
+from attnc.compiler import ir, resources
 from attnc.compiler.errors import PlanError
 from attnc.compiler.interp import evaluate, load
 
@@ -210,6 +210,7 @@ class MaskIntervals:
     UTE: np.ndarray | None = None
     LTS: np.ndarray | None = None
     LTE: np.ndarray | None = None
+    method: str = "analysis"  # or "evaluation": evaluate_columns, cell by cell
 
     @property
     def q_offset(self) -> int:
@@ -219,6 +220,23 @@ class MaskIntervals:
         return {"UTS": self.UTS, "UTE": self.UTE, "LTS": self.LTS, "LTE": self.LTE}
 
 
+def column_shape(program: ir.Program, batch: int, s_k: int) -> tuple[int, int, int]:
+    """``(B', H', S_k)``: the analysed columns (B' = B if the mask reads b, else 1; H' likewise)."""
+    names = ir.free_vars(program.mask)
+    return (batch if "b" in names else 1, program.heads_q if "h" in names else 1, s_k)
+
+
+def require_columns(program: ir.Program, batch: int, s_k: int, axis: str = "S_k") -> tuple[int, int, int]:
+    """:func:`column_shape`, after refusing a length past int32 positions or an analysis over the
+    memory limit."""
+    resources.check_length(axis, s_k)
+    shape = column_shape(program, batch, s_k)
+    n = shape[0] * shape[1] * s_k
+    resources.require(f"the interval analysis of '{program.name}' ({n:,} columns: B' x H' x {axis} = "
+                      f"{shape[0]} x {shape[1]} x {s_k})", resources.intervals_bytes(n))
+    return shape
+
+
 class _Analyzer:
     def __init__(self, program: ir.Program, batch: int, s_q: int, s_k: int, tensors: dict, transposed=False):
         if s_q < 0 or s_k < 0 or batch < 0:
@@ -226,8 +244,7 @@ class _Analyzer:
         if s_q > s_k and not transposed:
             raise PlanError(f"S_q = {s_q} query rows exceed S_k = {s_k} keys (bottom-right alignment)")
         self.program, self.tensors = program, tensors
-        names = ir.free_vars(program.mask)
-        self.shape = (batch if "b" in names else 1, program.heads_q if "h" in names else 1, s_k)
+        self.shape = require_columns(program, batch, s_k, "S_q" if transposed else "S_k")
         self.n = int(np.prod(self.shape))
         self.rows, self.q0 = s_q, s_k - s_q
         self.env = {"b": np.arange(self.shape[0]).reshape(-1, 1, 1),
@@ -540,13 +557,75 @@ def analyze(program: ir.Program, batch: int, s_q: int, s_k: int, tensors: dict |
         if a.n and runs.max(initial=0) > 2:
             n = int(np.argmax(runs > 2))
             b, h, k = np.unravel_index(n, a.shape)
-            shown = ", ".join(f"[{s}, {e})" for s, e in zip(masked.start[n], masked.end[n]) if e > s)
-            reason = (f"column k={k} (b={b}, h={h}) has {runs[n]} masked runs of query rows ({shown}); "
-                      "FlashMask encodes at most two")
+            live = masked.end[n] > masked.start[n]
+            reason = (f"column k={k} (b={b}, h={h}) has {runs[n]} masked runs of query rows "
+                      f"({_show_runs(masked.start[n][live], masked.end[n][live])}); FlashMask encodes at most two")
         else:
             representable = True
             vectors = _flashmask_vectors(masked, a.shape)
     return MaskIntervals(visible, a.shape, s_q, s_k, exact, representable, reason, **vectors)
+
+
+EVAL_CHUNK = 1 << 22  # cells one step of the per-column evaluation holds at a time
+# The per-column evaluation is admitted when the dense u8 mask it stands in for (M4.5 §0x06G's
+# dense_u8 ledger: one byte per cell) fits the memory limit; it holds EVAL_CHUNK cells at a time.
+EVAL_BYTES_PER_CELL = 1
+
+
+def evaluation_cells(program: ir.Program, batch: int, s_q: int, s_k: int) -> int:
+    """Cells :func:`evaluate_columns` visits: B' x H' x S_q x S_k (B', H' as in :func:`analyze`)."""
+    b_, h_, _ = column_shape(program, batch, s_k)
+    return b_ * h_ * s_q * s_k
+
+
+def evaluate_columns(program: ir.Program, batch: int, s_q: int, s_k: int,
+                     tensors: dict | None = None) -> MaskIntervals:
+    """The exact per-column result :func:`analyze` gives for masks it can solve, for any mask:
+    the mask is evaluated cell by cell (the IR interpreter, as the oracle evaluates it), a few
+    columns at a time so memory stays bounded, and each column's masked rows are read off as
+    runs.  Its cost is the rectangle (``evaluation_cells``), so callers budget it first
+    (``resources.require`` with ``EVAL_BYTES_PER_CELL``).  Where a column hides more than two
+    runs the result is exact but not representable, with that column as the reason (its
+    runs are not kept: only representable masks keep per-column rows).  About 250M cells/s on
+    one CPU core."""
+    tensors = tensors or {}
+    a = _Analyzer(program, batch, s_q, s_k, tensors)
+    b_, h_, _ = a.shape
+    q = (a.q0 + np.arange(s_q)).reshape(1, 1, 1, -1)  # rows last: each column's rows are contiguous
+    env0 = {"b": np.arange(b_).reshape(-1, 1, 1, 1), "h": np.arange(h_).reshape(1, -1, 1, 1), "q": q}
+    step = max(1, EVAL_CHUNK // max(1, b_ * h_ * s_q))
+    starts = np.full((b_, h_, s_k, 2), s_q, np.int64)  # the (at most two) masked runs per column
+    ends = np.full((b_, h_, s_k, 2), s_q, np.int64)
+    for k0 in range(0, s_k, step):
+        k1 = min(s_k, k0 + step)
+        env = {**env0, "k": np.arange(k0, k1).reshape(1, 1, -1, 1)}
+        masked = ~np.broadcast_to(evaluate(program.mask, env, tensors), (b_, h_, k1 - k0, s_q))
+        first = masked.copy()  # the first row of each masked run
+        first[..., 1:] &= ~masked[..., :-1]
+        last = masked.copy()  # the last row of each masked run
+        last[..., :-1] &= ~masked[..., 1:]
+        count = first.sum(axis=3)
+        if count.max(initial=0) > 2:
+            bi, hi, ki = (int(x[0]) for x in np.nonzero(count > 2))
+            rows = np.flatnonzero(first[bi, hi, ki]), np.flatnonzero(last[bi, hi, ki]) + 1
+            reason = (f"column k={k0 + ki} (b={bi}, h={hi}) has {int(count[bi, hi, ki])} masked runs of query "
+                      f"rows ({_show_runs(*rows)}); FlashMask encodes at most two")
+            nothing = Runs.between(0, 0, s_q, a.n)
+            return MaskIntervals(Truth(nothing, nothing), a.shape, s_q, s_k, True, False, reason,
+                                 method="evaluation")
+        cols = slice(k0, k1)
+        for slot in range(2):  # the earlier run, then the later one (two at most)
+            has = count > slot
+            r0, r1 = first.argmax(axis=3), last.argmax(axis=3)
+            starts[:, :, cols, slot] = np.where(has, r0, s_q)
+            ends[:, :, cols, slot] = np.where(has, r1 + 1, s_q)
+            if slot == 0 and (count > 1).any():  # drop the first run, find the second
+                np.put_along_axis(first, r0[..., None], False, axis=3)
+                np.put_along_axis(last, r1[..., None], False, axis=3)
+    masked = _normalize(starts.reshape(a.n, 2), ends.reshape(a.n, 2), s_q)
+    visible = masked.complement()
+    return MaskIntervals(Truth(visible, visible), a.shape, s_q, s_k, True, True, None,
+                         **_flashmask_vectors(masked, a.shape), method="evaluation")
 
 
 @dataclass(frozen=True)
@@ -582,6 +661,11 @@ def row_intervals(program: ir.Program, batch: int, s_q: int, s_k: int,
     start, end = (np.where(count == 1, v[:, 0], 0) if v.shape[1] else np.zeros(a.n, np.int64)
                   for v in (runs.start, runs.end))
     return RowIntervals(start.astype(np.int32).reshape(a.shape), end.astype(np.int32).reshape(a.shape))
+
+
+def _show_runs(starts, ends, most: int = 6) -> str:
+    runs = [f"[{int(a)}, {int(b)})" for a, b in zip(starts, ends)]
+    return ", ".join(runs) if len(runs) <= most else ", ".join(runs[:most - 1]) + f", ..., {runs[-1]}"
 
 
 def _flashmask_vectors(masked: Runs, shape) -> dict[str, np.ndarray]:

@@ -37,6 +37,7 @@ from typing import Mapping, NamedTuple
 
 import numpy as np
 
+from attnc.compiler import resources
 from attnc.compiler.errors import PlanError
 
 CONTIGUOUS, RAGGED, PAGED = "contiguous", "ragged", "paged"
@@ -248,6 +249,7 @@ def contiguous(kv_lens, *, order: str = "bhsd", heads_q: int, heads_kv: int, d_q
     d_qk, d_v, eb = _dims(d_qk, d_v, elem_bytes)
     lens = _ints("kv_lens", kv_lens, 1)
     _no_negatives("kv_lens", lens)
+    resources.check_lengths("kv_lens", lens)
     idx = None if cache_batch_idx is None else _ints("cache_batch_idx", cache_batch_idx, 1)
     if batch_capacity is None:
         batch_capacity = lens.size if idx is None or idx.size == 0 else max(lens.size, int(idx.max()) + 1)
@@ -291,6 +293,7 @@ def ragged(indptr, *, heads_q: int, heads_kv: int, d_qk: int, d_v: int | None = 
             b = int(over[0])
             raise PlanError(f"kv_lens[{b}] = {int(lens[b])} exceeds request {b}'s region of the packed rows: "
                             f"kv_indptr[{b + 1}] - kv_indptr[{b}] = {int(regions[b])}")
+    resources.check_lengths("kv_lens (from kv_indptr)" if kv_lens is None else "kv_lens", lens)
     lens.setflags(write=False)
     return KVLayout(RAGGED, "nhd", hq, hkv, d_qk, d_v, eb, lens, indptr=ptr)
 
@@ -320,6 +323,7 @@ def paged_dense(block_table, kv_lens, *, page_size: int, num_pages: int, order: 
     shortest, longest = (int(lens.min()), int(lens.max())) if lens.size else (0, 0)
     if shortest < 0:
         _no_negatives("kv_lens", lens)
+    resources.check_lengths("kv_lens", lens)
     bc, width = table.shape
     idx = None if cache_batch_idx is None else _ints("cache_batch_idx", cache_batch_idx, 1)
     if idx is None:
@@ -403,6 +407,7 @@ def paged_csr(kv_indptr, kv_indices, kv_last_page_len, *, page_size: int, num_pa
     if ind.size and (ind.min() < 0 or ind.max() >= pool):
         _check_pages("kv_indices", ind, np.ones(ind.shape, bool), pool)
     lens = np.maximum(p * (n_pages - 1) + last, 0)  # a request without pages: -P + 0 -> 0
+    resources.check_lengths("kv_lens (P * (pages - 1) + kv_last_page_len)", lens)
     lens.setflags(write=False)
     return KVLayout(PAGED, order, hq, hkv, d_qk, d_v, eb, lens, None, None, None, None, p, pool,
                     "csr", None, ptr, ind, last)
@@ -499,6 +504,8 @@ def quick_layout(cache, arrays: Mapping[str, np.ndarray], *, heads_q: int, heads
                 return None
             last = last.astype(np.int64)
             lens = p * (n_pages - 1) + last
+            if lens.max() > resources.MAX_LENGTH:
+                return None
             ind = ind.view()
             for a in (ptr, ind, last, lens):
                 a.setflags(write=False)
@@ -509,7 +516,7 @@ def quick_layout(cache, arrays: Mapping[str, np.ndarray], *, heads_q: int, heads
         if table is None or lens is None or not 0 < lens.size <= table.shape[0]:
             return None
         lens = lens.astype(np.int64)
-        if _unsigned(lens).max() > table.shape[1] * p:  # (negative lengths wrap above)
+        if _unsigned(lens).max() > min(table.shape[1] * p, resources.MAX_LENGTH):  # (negatives wrap above)
             return None
         if not _prefixes_inside(table, None, lens, p, pool):
             return None
@@ -527,7 +534,7 @@ def quick_layout(cache, arrays: Mapping[str, np.ndarray], *, heads_q: int, heads
             return None
         ptr = ptr.astype(np.int64)
         lens = ptr[1:] - ptr[:-1]
-        if ptr[0] != 0 or lens.min() < 0 or ptr[-1] != ks[0]:
+        if ptr[0] != 0 or lens.min() < 0 or ptr[-1] != ks[0] or lens.max() > resources.MAX_LENGTH:
             return None
         ptr.setflags(write=False)
         lens.setflags(write=False)
@@ -541,7 +548,7 @@ def quick_layout(cache, arrays: Mapping[str, np.ndarray], *, heads_q: int, heads
         if lens is None or not 0 < lens.size <= bc:
             return None
         lens = lens.astype(np.int64)
-        if _unsigned(lens).max() > tc:
+        if _unsigned(lens).max() > min(tc, resources.MAX_LENGTH):
             return None
     else:
         lens = np.full(bc, tc, np.int64)
@@ -738,6 +745,10 @@ def slot_segments(layout: KVLayout, bounds, q_lens, max_rows: int | None = None)
     slot ``(b, s)`` owns runs ``ptr[b * S_cap + s] .. ptr[b * S_cap + s + 1]``, each
     :func:`storage_segments` of its ``[start, end)`` with its first logical position ``t0``.
     A slot that is empty, or of a request with no query rows, owns none."""
+    unit = min(layout.page_size or resources.MAX_LENGTH, max_rows or resources.MAX_LENGTH)
+    runs = int((-(-np.asarray(layout.kv_lens, np.int64) // unit)).sum()) + bounds.batch * bounds.capacity
+    resources.require(f"the split plan's storage runs (about {runs:,}: K/V rows in pieces of at most {unit})",
+                      resources.split_plan_bytes(runs))
     ptr, cols = [0], [[], [], [], []]
     for b in range(bounds.batch):
         for s in range(bounds.capacity):

@@ -15,10 +15,10 @@ from typing import Callable, Iterable, Mapping
 
 from .. import ir
 from . import ledger, schedule, splits
-from .intervals import analyze, row_intervals
+from .intervals import analyze, require_columns, row_intervals
 from .layout import check_fits, slot_segments
 from .phases import Manifest
-from .tiles import plan_tiles
+from .tiles import plan_tiles, require_tiles
 
 # What a caller gives, by name: one call shape's mask analyses read the first eight, a split
 # call over a concrete K/V layout the rest (with ``program``).
@@ -95,6 +95,20 @@ PLAN_PIPELINE: tuple[Step, ...] = (
 )
 
 
+def _require_budgets(needed: set[str], given: dict) -> None:
+    """The memory estimates the call inputs already decide, for every step that will run, before
+    the first one allocates: a call its last step would refuse is refused up front."""
+    if "intervals" in needed:
+        shape = require_columns(given["program"], given["batch"], given["s_k"])
+    elif "intervals" in given:
+        shape = given["intervals"].shape
+    else:
+        return
+    if "tiles" in needed and "block_m" in given and "block_n" in given:
+        s_q = given["intervals"].s_q if "intervals" in given else given["s_q"]
+        require_tiles(shape, s_q, given["block_m"], given["block_n"])
+
+
 def run_plan_pipeline(wanted: Iterable[str], /, **given) -> Mapping[str, object]:
     """The ``wanted`` results (read-only, by name) from the call inputs and known results in
     ``given``: the steps they need run in :data:`PLAN_PIPELINE` order, each once."""
@@ -114,6 +128,7 @@ def run_plan_pipeline(wanted: Iterable[str], /, **given) -> Mapping[str, object]
         needed.add(name)
         todo.extend(steps[name].reads)
     results = dict(given)
+    _require_budgets(needed, results)
     for step in PLAN_PIPELINE:
         if step.name in needed:
             results[step.name] = step.run(*(results[n] for n in step.reads))

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from attnc.compiler import resources
 from attnc.compiler.ir import TileClass
 from .intervals import MaskIntervals
 
@@ -135,6 +136,14 @@ def _csr(hit: np.ndarray):
     return indptr, np.nonzero(rows)[1].astype(np.int32)
 
 
+def require_tiles(shape: tuple[int, int, int], s_q: int, block_m: int, block_n: int) -> None:
+    """Refuse a tile plan over columns ``shape = (B', H', S_k)`` that exceeds the memory limit."""
+    b_, h_, s_k = shape
+    t_r, t_c = -(-s_q // block_m), -(-s_k // block_n)
+    resources.require(f"the tile plan ({b_} x {h_} x {t_r:,} x {t_c:,} tiles of {block_m}x{block_n})",
+                      resources.tiles_bytes(b_ * h_, s_q, s_k, block_m, block_n))
+
+
 EXACT_BUDGET = 1 << 24  # row-set cells the exact classifier may touch before "auto" prefers summaries
 
 
@@ -144,6 +153,7 @@ def plan_tiles(mi: MaskIntervals, block_m: int, block_n: int, method: str = "aut
     representable, else the exact classifier regardless of cost (correct first)."""
     if block_m < 1 or block_n < 1:
         raise ValueError(f"tile sizes must be positive, got {block_m}x{block_n}")
+    require_tiles(mi.shape, mi.s_q, block_m, block_n)
     if method == "auto":
         width = mi.visible.must.start.shape[1] + mi.visible.may.start.shape[1]
         work = -(-mi.s_q // block_m) * mi.visible.must.columns * max(width, 1)

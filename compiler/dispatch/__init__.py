@@ -21,7 +21,7 @@ from .admission import (FACTORS, FORWARD_ONLY, KV_IN_QUERY_DTYPE, STORAGE_DTYPES
 from .call import CallError, key_fields
 from .coordinates import (cache_layout_of, mask_digest_of, mask_kind_of, phase_of_lengths, representable,
                           score_digest_of, spec_fields)
-from .environment import Environment, distribution_version
+from .environment import Environment, distribution_version, run_environment
 from .keys import DispatchKey
 from .plan_key import PLAN_DYNAMIC_FIELDS, PLAN_KEY_FIELDS, PlanKey
 from .registry import (ADMISSION, REGISTRY, Registry, backend, backend_module, default_registry, dispatch,
@@ -37,5 +37,5 @@ __all__ = [
     "PlanKey", "Predicate", "Registry", "Rejection", "Selection", "allowed", "backend", "backend_module", "bounded",
     "cache_layout_of", "canonical_json", "default_registry", "dispatch", "distribution_version", "installed",
     "key_fields", "mask_digest_of", "mask_kind_of", "phase_of_lengths", "representable", "requires", "rule",
-    "score_digest_of", "select", "sha256_of", "shown", "spec_fields", "when",
+    "run_environment", "score_digest_of", "select", "sha256_of", "shown", "spec_fields", "when",
 ]

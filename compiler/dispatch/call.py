@@ -10,6 +10,7 @@ import os
 from typing import Any, Mapping
 
 from ..errors import AttncError, Diagnostic
+from ..resources import MAX_LENGTH
 from .coordinates import phase_of_lengths, representable, spec_fields
 from .environment import Environment, distribution_version
 from .schema import (ALL_FIELDS, CACHE_ALIASES, CACHE_LAYOUTS, CALL_ALIASES, DEVICE_TYPES, DTYPES, KEY_GROUPS,
@@ -140,6 +141,8 @@ def _validate(v: dict) -> dict:
         for b, (q, k) in enumerate(zip(v["S_q"], v["S_k"])):
             if q < 1 or k < 1:
                 bad.append(f"request {b}: S_q = {q}, S_k = {k}; both must be positive")
+            elif k > MAX_LENGTH:
+                bad.append(f"request {b}: S_k = {k} exceeds {MAX_LENGTH} (2^31 - 1): positions are int32")
             elif q > k:
                 bad.append(f"request {b}: S_q = {q} query rows exceed S_k = {k} keys (bottom-right "
                            "positions: every query row's own key is in the cache)")

@@ -61,3 +61,13 @@ def _detect(device_type: str | None) -> Environment:
                            cuda_runtime=torch.version.cuda)
     return Environment(device_type=device_type, **env)
 
+
+def run_environment(device_type: str | None = None, backend_request: str = "auto") -> Environment:
+    """The environment of a call that runs here: the detected one (or ``device_type``'s), except
+    that Triton's CPU interpreter (a test vehicle, ``TRITON_INTERPRET=1``) admits a CPU call only
+    when the call forces the triton backend; under ``auto`` a CPU call takes numpy."""
+    env = Environment.detect(device_type)
+    if env.device_type == "cpu" and env.interpreter and backend_request != "triton":
+        from dataclasses import replace
+        env = replace(env, interpreter=False)
+    return env

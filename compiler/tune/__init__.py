@@ -15,8 +15,10 @@ the caller keeps its heuristic.  The cache is a plain JSON document::
      "entries": {"<key digest>": {"key": {...}, "backend": "triton", "config": {...},
                                    "samples_ms": [...], "candidates": [...], ...}}}
 
-written atomically (temporary file + ``os.replace``); a corrupt or foreign-version file is
-reported and ignored (and set aside as ``FILE.bad`` when the tuner rewrites it).
+written atomically (temporary file + ``os.replace``) under a lock, merged with what other
+processes wrote meanwhile; a corrupt or foreign-version file, or a malformed entry, is reported
+and ignored (a bad file is set aside as ``FILE.bad`` when the tuner rewrites it), and a cache
+that cannot be written is reported while tuning goes on (``cache``).
 
 What is backend-neutral lives here: ``space`` (``Space`` and the per-backend lookup),
 ``timers``, ``cache``, ``hooks``, ``shapes``, ``reference`` (the oracle check), ``runner``

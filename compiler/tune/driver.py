@@ -16,7 +16,7 @@ from .. import evidence as ev
 from .. import ir
 from ..dispatch import DispatchKey, Environment, select
 from ..errors import TuneError
-from .cache import TuneCache, report_to_stderr
+from .cache import CacheWriteError, TuneCache, report_to_stderr
 from .reference import ORACLE_CELLS, check_against
 from .shapes import Shape
 from .space import RUNNERS, Space, family_of, space_for
@@ -122,7 +122,13 @@ def tune(program: ir.Program, shapes: Sequence[Shape], backend: str = "triton", 
                  "environment": env_record, "shape": str(shape), "spec": program.name, "seed": seed,
                  "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "candidates": records}
         store.put(entry)
-        store.save()
+        try:
+            store.save()
+        except CacheWriteError as e:  # the result stands; the next shape is tuned all the same
+            why = e.diagnostics[0].message
+            if why not in store.write_errors:
+                store.write_errors.append(why)
+                progress(f"attnc tune: {why}; this result is not stored")
         sp_txt = f", {entry['speedup_vs_untuned']:.2f}x vs untuned" if entry["speedup_vs_untuned"] else ""
         progress(f"{head}: winner {_fmt_cfg(win['config'])} median {win['median_ms']:.4g} ms{sp_txt}")
         results.append(TuneResult(shape, key, entry, rows=rows if evidence else []))

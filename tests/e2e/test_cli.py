@@ -120,7 +120,7 @@ def test_run_rejects_malformed_npz(tmp_path, mutate, message):
 def test_run_rejects_unreadable_npz(tmp_path):
     (tmp_path / "in.npz").write_text("not a zip")
     r = attnc("run", CAUSAL_DOC, "--inputs", tmp_path / "in.npz")
-    assert r.returncode == 1 and "cannot read inputs file" in r.stderr
+    assert r.returncode == 1 and "is neither a numpy .npz archive nor a .npy array" in r.stderr
 
 
 def test_out_of_range_tensor_read_is_a_plan_error(tmp_path):

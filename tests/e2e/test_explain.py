@@ -41,7 +41,10 @@ def test_text_report():
 def test_text_report_says_why_a_mask_is_not_representable():
     r = attnc("explain", DILATED, "--kv-len", "128", "--q-len", "16")
     assert r.returncode == 0, r.stderr
-    assert "representable: no: atom '(q - k) % 2 == 0' is not interval-analyzable" in r.stdout
+    assert "representable: no: column k=85 (b=0, h=0) has 3 masked runs of query rows ([0, 1), [2, 3), " \
+           "[4, 16)); FlashMask encodes at most two" in r.stdout
+    assert "by per-column evaluation of the mask: the interval analysis is not exact here (atom " \
+           "'(q - k) % 2 == 0' is not interval-analyzable" in r.stdout
     assert "the analysis is not exact" in r.stdout
 
 
@@ -79,7 +82,8 @@ def test_json_fields_agree_with_the_dense_oracle():
 
 def test_json_for_a_mask_flashmask_cannot_represent():
     out = explain_json(DILATED, "--kv-len", "128")
-    assert out["representable"] is False and "q under '%'" in out["reason"]
+    assert out["representable"] is False and "has 16 masked runs" in out["reason"]
+    assert out["columns_from"] == "evaluation" and "q under '%'" in out["analysis_reason"]
     assert out["exact"] is False and out["visible_fraction"] is None
     assert out["UTS"] is None and out["LTE"] is None
     lo, hi = out["visible_fraction_bounds"]
@@ -95,7 +99,7 @@ def test_tensor_files_replace_sampled_values(tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--tensor", "nope=x.npy"], "cannot read tensor file x.npy for 'nope'"),
+    (["--tensor", "nope=x.npy"], "cannot read tensor file for 'nope' x.npy: No such file"),
     (["--tensor", "doc"], "--tensor takes NAME=FILE.npy, got 'doc'"),
     (["--q-len", "65"], "S_q = 65 query rows exceed S_k = 64 keys"),
     (["--out", "x.npz"], "--out writes a --format export (paddle or flex)"),
@@ -137,7 +141,7 @@ def test_paddle_export(tmp_path):
 def test_paddle_export_of_an_unrepresentable_mask_fails_with_the_reason():
     r = attnc("explain", DILATED, "--kv-len", "64", "--format", "paddle")
     assert r.returncode == 1 and r.stdout == ""
-    assert "'dilated_sliding_window' is not FlashMask-representable at S_q = 64, S_k = 64: atom" in r.stderr
+    assert "'dilated_sliding_window' is not FlashMask-representable at S_q = 64, S_k = 64: column k=0" in r.stderr
 
 
 def test_flex_export_matches_the_tile_counts():

@@ -137,7 +137,7 @@ def test_graph_is_written_as_dot_and_json(tmp_path):
     (["--kv-lens", "10,20", "--q-lens", "1"], "--q-lens has 1 entries, --kv-lens 2", 1),
     (["--kv-lens", "3,5", "--q-lens", "4,1"], "kv_lens[0] = 3 is less than q_lens[0] = 4", 1),
     (["--kv-lens", "10,x"], "expected comma-separated integers", 2),
-    (["--kv-lens", "10", "--sms", "0"], "num_sms = 0 must be at least 1", 1),
+    (["--kv-lens", "10", "--sms", "0"], "argument --sms: expected an integer >= 1, got '0'", 2),
 ])
 def test_plan_errors(tmp_path, args, message, code):
     spec = spec_variant(tmp_path, split="auto") if "--sms" in args else SPEC

@@ -75,7 +75,8 @@ def test_run_through_a_cuda_graph():
             "--check")
     r = attnc(*args)
     if os.environ.get("TRITON_INTERPRET") == "1":
-        assert r.returncode == 1 and r.stderr.startswith("error: DecodeGraph: a CUDA graph needs a CUDA device")
+        assert r.returncode == 1 and r.stderr.startswith(
+            "error: forced backend triton rejects the call: graph_mode=true unsupported without a CUDA device")
     else:
         assert r.returncode == 0, r.stderr
         assert "kv_lens [100, 100, 100], q_lens [1, 1, 1]" in r.stdout and "(captured, replayed)" in r.stdout
@@ -83,4 +84,4 @@ def test_run_through_a_cuda_graph():
     r = attnc("run", ROOT / "examples" / "causal.attn", "--backend", "triton", "--cuda-graph", "--kv-len", "16")
     assert r.returncode == 1 and "--cuda-graph replays split calls" in r.stderr
     r = attnc("run", PAGED, "--backend", "numpy", "--cuda-graph", "--kv-len", "16", "--q-len", "1")
-    assert r.returncode == 1 and "the numpy backend has no CUDA graphs" in r.stderr
+    assert r.returncode == 1 and "forced backend numpy rejects the call: graph_mode=true unsupported" in r.stderr

@@ -236,3 +236,143 @@ def test_payload_ledger_reproduces_the_seed_fixture():
 def test_ledger_scales_with_distinct_masks_and_partial_blocks():
     assert explain.metadata_ledger(10, 100, 64, extent=6) == {
         "dense_u8": 6000, "four_int32_vectors": 6 * 1600, "eight_int32_summaries": 6 * 8 * 4 * 2}
+
+
+# ---------------------------------------------------------------- issue 18: Paddle's head counts, values
+@pytest.mark.parametrize("heads, head_axis, index", [
+    ("2", "2", "h"),  # Paddle's docstring: num_heads = the heads of q and k (multi-head, no GQA)
+    ("8 / 2", "8", "h"),  # num_heads = H_q under GQA
+    ("8 / 2", "2", "h // 4"),  # num_heads = H_kv
+])
+def test_paddle_head_counts_written_as_numbers(heads, head_axis, index):
+    program = flashmask_spec(1, True, heads, head_axis)
+    assert ir.format_expr(program.mask) == f"k <= q & q < sri[b, {index}, k, 0]"
+    hq = int(heads.split("/")[0])
+    sri = np.random.default_rng(0).integers(0, 11, (2, int(head_axis), 10, 1)).astype(np.int32)
+    assert np.array_equal(dense_mask(program, 2, 10, 10, {"sri": sri}),
+                          explain.startend_row_indices_to_mask(sri, True, 10, hq))
+
+
+def test_a_head_count_as_a_number_needs_declared_heads():
+    with pytest.raises(AttncError, match="declared i32\\[b, 2, s, 1\\].*\n.*\n.*\nnote: this spec leaves heads to "
+                                         "the call"):
+        compile_spec("attention g { tensor sri: i32[b, 2, s, 1]\n  mask = flashmask(sri, true) }")
+    with pytest.raises(AttncError, match="note: Paddle's head axis here is 1 \\(shared by every head\\), h or 4"):
+        flashmask_spec(1, True, "4", "3")
+
+
+BAD_BOUNDS = [  # (causal, n, the bounds of column 5, the error)
+    (True, 2, [6, 3], r"sri\[0, 1, 5, 0\] = 6 > sri\[0, 1, 5, 1\] = 3: LTS > LTE"),
+    (True, 2, [4, 13], r"sri\[0, 1, 5, 1\] = 13: LTE exceeds S = 12"),
+    (True, 1, [-2], r"sri\[0, 1, 5, 0\] = -2: LTS is negative"),
+    (False, 2, [3, 7], r"sri\[0, 1, 5, 1\] = 7 > sri\[0, 1, 5, 0\] = 3: .*UTE > LTS: the ranges overlap"),
+    (False, 4, [6, 12, 2, 8], r"sri\[0, 1, 5, 3\] = 8 > sri\[0, 1, 5, 0\] = 6: .*overlap"),
+    (False, 4, [12, 12, 9, 2], r"sri\[0, 1, 5, 2\] = 9 > sri\[0, 1, 5, 3\] = 2: UTS > UTE"),
+]
+GOOD = {(True, 1): [12], (True, 2): [12, 12], (False, 2): [12, 0], (False, 4): [12, 12, 0, 0]}
+
+
+def _bad_sri(causal, n, bounds):
+    sri = np.tile(np.array(GOOD[(causal, n)], np.int32), (1, 2, 12, 1))
+    sri[0, 1, 5] = bounds
+    return sri
+
+
+@pytest.mark.parametrize("causal, n, bounds, message", BAD_BOUNDS)
+def test_flashmask_bounds_are_validated_on_every_path(causal, n, bounds, message):
+    """LTS > LTE, LTE > S, negative bounds, overlapping upper and lower ranges: a PlanError naming
+    the tensor, the index and the value, from a prefill call (numpy, AHBM), a split call (numpy),
+    and the plans the Triton kernels launch from (prefill and split-K/V)."""
+    from attnc.compiler import inputs
+    from attnc.compiler.errors import PlanError
+    from attnc.compiler.plan import plan
+    from attnc.backends.triton.decode import decode_plan
+    program = flashmask_spec(n, causal, "2", "h")
+    sri = _bad_sri(causal, n, bounds)
+    arrays = {"q": np.zeros((1, 2, 12, 8), np.float32), "k": np.zeros((1, 2, 12, 8), np.float32),
+              "v": np.zeros((1, 2, 12, 8), np.float32), "sri": sri}
+    with pytest.raises(PlanError, match=message):
+        inputs.validate(program, arrays)
+    with pytest.raises(PlanError, match=message):
+        plan(program, 1, 12, 12, {"sri": sri.astype(np.int64)})
+    split = {"q": np.zeros((1, 2, 8), np.float32), "k": np.zeros((1, 2, 12, 8), np.float32),
+             "v": np.zeros((1, 2, 12, 8), np.float32), "kv_lens": np.array([12], np.int32), "sri": sri}
+    with pytest.raises(PlanError, match=message):
+        inputs.validate_cache(program, split)
+    with pytest.raises(PlanError, match=message):
+        decode_plan(program, {n: a for n, a in split.items() if n != "q"}, total_q=1)
+    sri[0, 1, 5] = GOOD[(causal, n)]
+    inputs.validate(program, {**arrays, "sri": sri})  # the same call with good bounds runs
+
+
+def test_flashmask_bounds_are_validated_by_attnc_run(tmp_path, capsys):
+    spec = tmp_path / "fm.attn"
+    spec.write_text("attention fm { heads = 2 head_dim = 8 dtype = f32 tensor sri: i32[b, h, s, 2]\n"
+                    "  mask = flashmask(sri, true) }")
+    arrays = {"q": np.zeros((1, 2, 12, 8), np.float32), "k": np.zeros((1, 2, 12, 8), np.float32),
+              "v": np.zeros((1, 2, 12, 8), np.float32), "sri": _bad_sri(True, 2, [6, 3])}
+    np.savez(tmp_path / "in.npz", **arrays)
+    import os
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"  # (the tests' default: Triton on the CPU)
+    for backend in ("numpy", "ahbm") + (("triton",) if interpreted else ()):
+        assert cli.main(["run", str(spec), "--inputs", str(tmp_path / "in.npz"), "--backend", backend]) == 1
+        assert "sri[0, 1, 5, 0] = 6 > sri[0, 1, 5, 1] = 3: LTS > LTE" in capsys.readouterr().err
+
+
+def test_exports_keep_the_flashmask_contract():
+    """What `attnc explain --format paddle` writes is accepted back by flashmask(sri, causal)."""
+    from attnc.compiler import inputs
+    for path in REPRESENTABLE:
+        program = compile_file(path)
+        for s_q in (96, 37):
+            e = explain.explain(program, 2, s_q, 96, _tensors(program, 2, s_q, 96))
+            pm = explain.paddle_startend_row_indices(e.intervals, program, 2)
+            n = pm.startend_row_indices.shape[-1]
+            back = flashmask_spec(n, pm.causal, f"{program.heads_q} / {program.heads_kv}",
+                                  "1" if pm.startend_row_indices.shape[1] == 1 else str(program.heads_kv))
+            inputs.check_flashmask(back, {"sri": pm.startend_row_indices})
+
+
+# ---------------------------------------------------------------- issue 18: export depends on the mask
+ISSUE_MASKS = {  # masks FlashMask represents that the interval analysis cannot solve, with their tensors
+    "block diffusion, % on q": ("mask = q - q % 16 >= k - k % 16", {}),
+    "batchified causal": ("mask = q // 16 == k // 16 & q % 16 >= k % 16", {}),
+    "clamp": ("mask = k <= q & k >= q - min(max(q % 7, 2), 5)", {}),
+    "nested tensor reads": ("tensor doc: i32[b, s]\n tensor off: i32[b, 4]\n mask = causal & k >= off[b, doc[b, q]]",
+                            {"doc": np.repeat(np.arange(4), [10, 20, 14, 20])[None],
+                             "off": np.array([[0, 10, 30, 44]])}),
+    "bool tensor": ("tensor seq: bool[b, s]\n mask = seq[b, q] == seq[b, k]",
+                    {"seq": (np.arange(64) < 24)[None]}),
+    "q - start[b, q]": ("tensor start: i32[b, s]\n mask = causal & q - k <= q - start[b, q]",
+                        {"start": np.repeat([0, 30, 50], [30, 20, 14])[None]}),
+    "abs of floats": ("mask = abs(q / 12 - k / 12) <= 3", {}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ISSUE_MASKS))
+def test_paddle_export_depends_on_the_mask_not_how_it_is_written(name):
+    body, tensors = ISSUE_MASKS[name]
+    program = compile_spec(f"attention t {{ heads = 2 head_dim = 8\n {body} }}")
+    e = explain.explain(program, 1, 64, 64, tensors)
+    assert not e.intervals.exact and e.columns.method == "evaluation"  # the analysis alone refused these
+    pm = e.paddle()
+    got = explain.startend_row_indices_to_mask(pm.startend_row_indices, pm.causal, 64, 2)
+    assert np.array_equal(got, dense_mask(program, 1, 64, 64, tensors))
+
+
+def test_the_minimal_pair_exports_the_same_mask():
+    a, b = (compile_spec(f"attention t {{ heads = 2 head_dim = 8 mask = {m} }}")
+            for m in ("causal & q // 16 == k // 16", "q // 16 == k // 16 & q % 16 >= k % 16"))
+    pa, pb = (explain.explain(p, 1, 64, 64).paddle() for p in (a, b))
+    assert pa.causal == pb.causal and np.array_equal(pa.startend_row_indices, pb.startend_row_indices)
+
+
+def test_the_per_column_evaluation_is_bounded_by_the_memory_limit():
+    from attnc.compiler import resources
+    program = compile_spec("attention t { heads = 2 head_dim = 8 mask = q // 16 == k // 16 & q % 16 >= k % 16 }")
+    with resources.overridden(240_000):  # the analysis fits (512 columns), the evaluation (512^2 cells) does not
+        e = explain.explain(program, 1, 512, 512)
+        assert e.evaluated is None and "262,144 cells" in e.skipped and "over the limit" in e.skipped
+        with pytest.raises(AttncError, match="not FlashMask-representable.*the per-column evaluation that decides "
+                                             "it exactly was skipped"):
+            e.paddle()
