@@ -96,3 +96,15 @@ def test_gradient_of_lse_is_taken():
     (torch.softmax(s, -1) @ vv * do).sum().add_((torch.logsumexp(s, -1) * dlse).sum()).backward()
     for g, ref in zip(got, (qq.grad, kk.grad, vv.grad)):
         assert numerics.compare_gradient("g", "f32", g.cpu().double().numpy(), ref.numpy()).ok
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "f16"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_head_dims_and_half_dtypes(head_dim, dtype):
+    """The GPU's shapes: d = 64 and 128 in bf16 and f16, GQA, a length that is not a multiple of
+    the tiles (the interpreter runs the same paths on a short one)."""
+    program = compile_spec(f"attention t {{ heads = 4 / 2 head_dim = {head_dim} dtype = {dtype} "
+                           "mask = causal & q - k < 100 }")
+    kernel = runtime.load(program)
+    s = 300 if kernel.device == "cuda" else 21
+    _check(kernel, s, s, seed=9, batch=1)
