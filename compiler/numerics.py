@@ -57,3 +57,34 @@ def compare(what: str, x, ref, atol: float, rtol: float) -> Comparison:
 
 def compare_outputs(dtype: str, o, lse, ref_o, ref_lse) -> tuple[Comparison, Comparison]:
     return (compare("O", o, ref_o, *O_TOLERANCE[dtype]), compare("LSE", lse, ref_lse, *LSE_TOLERANCE))
+
+
+# ---------------------------------------------------------------- non-finite scores
+NONFINITE_SCORE = ("the score program produced NaN or +inf at a visible key of query row (b={b}, h={h}, q={q}); "
+                   "a visible cell's score must be finite, or -inf to drop the cell")
+
+
+def check_rows(lse, *, s_q: int | None = None, s_k: int | None = None, qo_indptr=None, kv_lens=None) -> None:
+    """The language's policy for a non-finite score at a visible cell, on every backend: the
+    kernel marks the row's LSE NaN (its O too), and the call raises a PlanError naming the first
+    such row in LSE's order.  ``lse`` is [B, H_q, S_q] (with ``s_q``, ``s_k``) or packed
+    [total_q, H_q] (with the call's ``qo_indptr`` and ``kv_lens``); numpy or torch."""
+    from .errors import PlanError
+    if hasattr(lse, "isnan"):  # torch: one reduction on the device, the rows only when one is marked
+        if not bool(lse.isnan().any()):
+            return
+        lse = lse.detach().float().cpu().numpy()
+    lse = np.asarray(lse)
+    bad = np.isnan(lse)
+    if not bad.any():
+        return
+    first = tuple(int(i[0]) for i in np.nonzero(bad))
+    if lse.ndim == 3:
+        b, h, i = first
+        q = s_k - s_q + i
+    else:
+        row, h = first
+        indptr = np.asarray(qo_indptr)
+        b = int(np.searchsorted(indptr, row, side="right") - 1)
+        q = int(np.asarray(kv_lens)[b]) - int(indptr[b + 1] - indptr[b]) + row - int(indptr[b])
+    raise PlanError(NONFINITE_SCORE.format(b=b, h=h, q=q))

@@ -14,9 +14,12 @@ import numpy as np
 from attnc.compiler import ir
 from attnc.compiler.errors import PlanError
 from attnc.compiler.interp import evaluate, load  # noqa: F401 (load: re-exported)
+from attnc.compiler.numerics import check_rows
+from attnc.compiler.ranges import check_length
 
 def positions(batch: int, heads: int, s_q: int, s_k: int) -> dict[str, np.ndarray]:
     """Broadcastable b, h, q, k grids over [B, H_q, S_q, S_k] with bottom-right q."""
+    check_length(s_k)
     if s_q > s_k:
         raise PlanError(f"S_q = {s_q} query rows exceed S_k = {s_k} keys; every query row is a "
                         "token whose own key is in the cache (bottom-right alignment)")
@@ -41,8 +44,10 @@ def reference(program: ir.Program, q, k, v, tensors: dict | None = None):
     q [B,H_q,S_q,d_qk], k [B,H_kv,S_k,d_qk], v [B,H_kv,S_k,d_v] (bhsd)."""
     q = np.asarray(q)
     batch, _, s_q, _ = q.shape
-    return _attend(program, q, k, v, positions(batch, program.heads_q, s_q, np.asarray(k).shape[2]),
-                   tensors or {})
+    s_k = np.asarray(k).shape[2]
+    o, lse = _attend(program, q, k, v, positions(batch, program.heads_q, s_q, s_k), tensors or {})
+    check_rows(lse, s_q=s_q, s_k=s_k)
+    return o, lse
 
 
 def reference_request(program: ir.Program, b: int, q, k, v, tensors: dict | None = None):
@@ -50,6 +55,12 @@ def reference_request(program: ir.Program, b: int, q, k, v, tensors: dict | None
     ``k [T, H_kv, d_qk]`` and ``v [T, H_kv, d_v]`` its logical K/V rows (``T >= C``), ``tensors``
     the batch's (``b`` indexes them).  Row i is at position ``T - C + i``.  Returns
     ``(O [C, H_q, d_v], LSE [C, H_q])``."""
+    o, lse = _request(program, b, q, k, v, tensors)
+    check_rows(lse, qo_indptr=np.array([0, lse.shape[0]]), kv_lens=np.array([np.asarray(k).shape[0]]))
+    return o, lse
+
+
+def _request(program: ir.Program, b: int, q, k, v, tensors: dict | None):
     q, k, v = (np.asarray(x).transpose(1, 0, 2)[None] for x in (q, k, v))
     env = positions(1, program.heads_q, q.shape[2], k.shape[2])
     env["b"] = np.full((1, 1, 1, 1), b)
@@ -66,7 +77,8 @@ def reference_cache(program: ir.Program, call):
         rows = slice(call.qo_indptr[b], call.qo_indptr[b + 1])
         if rows.stop > rows.start:
             k, v = call.kv(b)
-            o[rows], lse[rows] = reference_request(program, b, call.q_rows(b), k, v, call.tensors)
+            o[rows], lse[rows] = _request(program, b, call.q_rows(b), k, v, call.tensors)
+    check_rows(lse, qo_indptr=call.qo_indptr, kv_lens=call.kv_lens)
     return o, lse
 
 
@@ -75,20 +87,18 @@ def _attend(program: ir.Program, q, k, v, env: dict, tensors: dict):
     kv_head = np.arange(program.heads_q) // program.group
     k, v = k[:, kv_head], v[:, kv_head]  # GQA: query head h reads K/V head h // G
     scores = np.einsum("bhid,bhjd->bhij", q, k) * program.scale
-    for stmt in program.score:
+    for stmt in program.score:  # the score program in the language's f32, from the float64 q.k
         scores = np.broadcast_to(evaluate(stmt, {**env, "score": scores}, tensors), scores.shape)
+    scores = np.asarray(scores, np.float64)
     visible = np.broadcast_to(evaluate(program.mask, env, tensors), scores.shape)
-    bad = visible & ~np.isfinite(scores)
-    if bad.any():
-        idx = tuple(int(x[0]) for x in np.nonzero(bad))
-        b, q_pos = (int(np.broadcast_to(env[n], scores.shape)[idx]) for n in ("b", "q"))
-        raise PlanError(f"the score program produced {scores[idx]} at visible cell "
-                        f"(b={b}, h={idx[1]}, q={q_pos}, k={idx[3]})")
-    scores = np.where(visible, scores, -np.inf)
+    # a visible score of -inf drops its cell; NaN or +inf marks the row (LSE NaN), reported by
+    # the caller with numerics.check_rows as on every backend
+    bad = (visible & (np.isnan(scores) | (scores == np.inf))).any(axis=-1)
+    scores = np.where(visible & ~bad[..., None], scores, -np.inf)
     m = scores.max(axis=-1, keepdims=True, initial=-np.inf)
     valid = np.isfinite(m)
     p = np.exp(scores - np.where(valid, m, 0.0))
     l = p.sum(axis=-1, keepdims=True)  # noqa: E741
     o = np.where(valid, (p @ v) / np.where(valid, l, 1.0), 0.0)
     lse = np.where(valid, m + np.log(np.where(valid, l, 1.0)), -np.inf)[..., 0]
-    return o, lse
+    return np.where(bad[..., None], np.nan, o), np.where(bad, np.nan, lse)
