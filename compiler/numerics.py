@@ -84,7 +84,8 @@ def check_rows(lse, *, s_q: int | None = None, s_k: int | None = None, qo_indptr
         q = s_k - s_q + i
     else:
         row, h = first
-        indptr = np.asarray(qo_indptr)
+        host = lambda x: np.asarray(x.cpu() if hasattr(x, "cpu") else x).reshape(-1)  # noqa: E731
+        indptr = host(qo_indptr)
         b = int(np.searchsorted(indptr, row, side="right") - 1)
-        q = int(np.asarray(kv_lens)[b]) - int(indptr[b + 1] - indptr[b]) + row - int(indptr[b])
+        q = int(host(kv_lens)[b]) - int(indptr[b + 1] - indptr[b]) + row - int(indptr[b])
     raise PlanError(NONFINITE_SCORE.format(b=b, h=h, q=q))
