@@ -168,7 +168,10 @@ def validate(program: ir.Program, arrays: dict[str, np.ndarray]) -> Call:
     check_shapes(program, {n: (a.shape, a.dtype.kind, str(a.dtype)) for n, a in arrays.items()})
     qkv = {n: arrays[n] if _layout(program) == "bhsd" else arrays[n].transpose(0, 2, 1, 3)
            for n in ("q", "k", "v")}
-    return Call(*(qkv[n].astype(np.float32) for n in ("q", "k", "v")), _convert_tensors(program, arrays))
+    # the values the kernels compute with: the inputs rounded to the storage dtype (a float32
+    # array for a bf16 spec is held as bf16, as every backend stores it)
+    return Call(*(to_storage(qkv[n], program.dtype).astype(np.float32) for n in ("q", "k", "v")),
+                _convert_tensors(program, arrays))
 
 
 # ---------------------------------------------------------------- K/V caches (split calls)
@@ -343,7 +346,7 @@ def validate_cache(program: ir.Program, arrays: dict[str, np.ndarray]) -> CacheC
                          "in the cache, so kv_len >= q_len (a request with no keys has no query rows)")
     sizes = {"b": layout.batch, "h": p.heads_q, "s": int(layout.kv_lens.max(initial=0))}
     _check_tensors(p, {t: (arrays[t].shape, arrays[t].dtype.kind, str(arrays[t].dtype)) for t in names}, sizes)
-    return CacheCall(layout, q.astype(np.float32), k.astype(np.float32), v.astype(np.float32),
+    return CacheCall(layout, *(to_storage(x, p.dtype).astype(np.float32) for x in (q, k, v)),
                      q_lens, qo_indptr, _convert_tensors(p, arrays))
 
 

@@ -26,7 +26,7 @@ COMPARE = {"eq": np.equal, "ne": np.not_equal, "lt": np.less, "le": np.less_equa
 def erf(x):
     """erf in float32 (numpy has none): computed in float64 by math.erf, rounded once."""
     x = np.asarray(x, np.float32)
-    return np.frompyfunc(math.erf, 1, 1)(x).astype(np.float32) if x.size else x
+    return np.asarray(np.frompyfunc(math.erf, 1, 1)(x), np.float64).astype(np.float32) if x.size else x
 
 
 def floordiv(a, b):

@@ -27,6 +27,7 @@ import numpy as np
 from attnc.compiler import ir
 from attnc.compiler.errors import PlanError
 from attnc.compiler.interp import evaluate, load
+from attnc.compiler.ranges import check_length
 
 
 # ---------------------------------------------------------------- interval lists
@@ -225,6 +226,7 @@ class _Analyzer:
             raise PlanError(f"negative length: B = {batch}, S_q = {s_q}, S_k = {s_k}")
         if s_q > s_k and not transposed:
             raise PlanError(f"S_q = {s_q} query rows exceed S_k = {s_k} keys (bottom-right alignment)")
+        check_length(max(s_q, s_k))
         self.program, self.tensors = program, tensors
         names = ir.free_vars(program.mask)
         self.shape = (batch if "b" in names else 1, program.heads_q if "h" in names else 1, s_k)

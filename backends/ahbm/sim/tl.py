@@ -23,7 +23,7 @@ from .tensor import AsyncHandle, TensorHandle
 _SCALARS = (int, float, bool, np.integer, np.floating, np.bool_)
 _erf64 = np.frompyfunc(math.erf, 1, 1)
 _TRANSCENDENTAL = {"exp": np.exp, "log": np.log, "sqrt": np.sqrt, "tanh": np.tanh, "sin": np.sin, "cos": np.cos,
-                   "erf": lambda x: _erf64(x).astype(np.float32)}
+                   "erf": lambda x: np.asarray(_erf64(x), np.float64).astype(np.float32)}
 _UNARY = {"abs": np.abs, "neg": np.negative, "invert": np.invert, "floor": np.floor, **_TRANSCENDENTAL}
 _BINARY = {
     "add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.true_divide,
