@@ -39,7 +39,7 @@ CALL_KEYWORDS = {
     "self", "return_lse", "plan", "stats", "cache", "lengths", "backend", "block_m", "block_n", "block_q",
     "splits", "num_warps", "num_stages", "capture", "max_kv_len", "cuda_graph", "sp", "case", "mask_from",
     "tensors", "arrays", "options", "route", "device", "engine", "walk", "use_tma", "head_group",
-    "schedule", "occupancy",
+    "schedule", "occupancy", "kernel",
 }
 LANGUAGE_NAMES = set(ir.POSITION_VARS) | {"s", "score", "causal", "true", "false"} | set(FUNCTIONS)
 RESERVED = LANGUAGE_NAMES | CALL_KEYWORDS
@@ -346,6 +346,15 @@ class Checker:
             elif hi.value < lo.value:
                 self.error(f"'max_len' of sample '{s.kind}' is {hi.value}, less than 'min_len' {lo.value}",
                            hi.span)
+        elif s.kind == "randint" and not all(-2**31 <= a.value <= 2**31 for a in (args["low"], args["high"])):
+            bad = next(a for a in (args["low"], args["high"]) if not -2**31 <= a.value <= 2**31)
+            self.error(f"values of sample 'randint' must fit in i32, got {bad.value}", bad.span)
+        elif s.kind in ("uniform", "const") and any(
+                isinstance(a.value, float) and not abs(a.value) <= FLT_MAX for a in args.values()):
+            bad = next(a for a in args.values() if isinstance(a.value, float) and not abs(a.value) <= FLT_MAX)
+            self.error(f"value {bad.value} of sample '{s.kind}' is outside the f32 range", bad.span)
+        elif s.kind in ("segments", "prefix_ends") and args["max_len"].value > MAX_SIZE:
+            self.error(f"'max_len' of sample '{s.kind}' must be at most {MAX_SIZE}", args["max_len"].span)
         elif s.kind == "randint" and args["high"].value <= args["low"].value:  # draws from [low, high)
             self.error(f"'high' of sample 'randint' must be greater than 'low' ({args['low'].value}); "
                        f"values are drawn from [low, high), got {args['high'].value}", args["high"].span)
@@ -355,6 +364,8 @@ class Checker:
         elif s.kind == "const" and t.dtype == "i32" and not isinstance(args["value"].value, int):
             self.error(f"'value' of sample 'const' must be an integer for an i32 tensor, "
                        f"got {args['value'].value!r}", args["value"].span)
+        elif s.kind == "const" and t.dtype == "i32" and not -2**31 <= args["value"].value < 2**31:
+            self.error(f"'value' of sample 'const' must fit in i32, got {args['value'].value}", args["value"].span)
 
     def _tensor_type(self, t: ast.TensorDecl) -> ir.TensorDecl:
         sample = ir.Sample(t.sample.kind, tuple(a.value for a in t.sample.args)) if t.sample else None

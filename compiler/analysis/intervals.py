@@ -250,12 +250,11 @@ class _Analyzer:
         care = None if self.care is None else self.care.reshape(self.shape)
         return np.broadcast_to(evaluate(e, self.env, self.tensors, care), self.shape).reshape(-1)
 
-    def under(self, guard: ir.Expr, holds: bool, analyze):
-        """``analyze()`` where ``guard`` holds (``holds``) or does not."""
+    def under(self, guard: ir.Expr, truth: "Truth", holds: bool, analyze):
+        """``analyze()`` where ``guard`` (whose ``truth`` the caller has) holds (``holds``) or not."""
         saved = self.care, self.rows_cared, self.lenient
         if "q" in ir.free_vars(guard):
-            t = self.truth(guard)
-            t = t if holds else ~t
+            t = truth if holds else ~truth
             if t.exact:
                 self.rows_cared = t.must if self.rows_cared is None else self.rows_cared & t.must
             else:
@@ -283,14 +282,14 @@ class _Analyzer:
             return Truth(r, r)
         if isinstance(e, ir.Binary) and e.op in ("and", "or"):
             a = self.truth(e.left)
-            b = self.under(e.left, e.op == "and", lambda: self.truth(e.right))
+            b = self.under(e.left, a, e.op == "and", lambda: self.truth(e.right))
             return a & b if e.op == "and" else a | b
         if isinstance(e, ir.Unary) and e.op == "not":
             return ~self.truth(e.operand)
         if isinstance(e, ir.Select):
             c = self.truth(e.cond)
-            return (c & self.under(e.cond, True, lambda: self.truth(e.if_true))) | \
-                (~c & self.under(e.cond, False, lambda: self.truth(e.if_false)))
+            return (c & self.under(e.cond, c, True, lambda: self.truth(e.if_true))) | \
+                (~c & self.under(e.cond, c, False, lambda: self.truth(e.if_false)))
         if isinstance(e, ir.Compare):
             try:
                 return self.compare(e)
