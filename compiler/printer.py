@@ -36,7 +36,7 @@ import struct
 
 from . import ir
 
-MLIR_TYPE = {ir.I32: "i32", ir.F32: "f32", ir.BOOL: "i1"}
+MLIR_TYPE = {ir.I32: "i32", ir.I64: "i64", ir.F32: "f32", ir.BOOL: "i1"}
 POSITION_ARGS = ("b", "h", "q", "k")  # block arguments, in order
 
 
@@ -88,7 +88,7 @@ def _dict(attrs: dict[str, str]) -> str:
 def _const(c: ir.Const) -> str:
     if c.type is ir.BOOL:
         return "true" if c.value else "false"
-    return _float(c.value, "f32") if c.type is ir.F32 else f"{c.value} : i32"
+    return _float(c.value, "f32") if c.type is ir.F32 else f"{c.value} : {MLIR_TYPE[c.type]}"
 
 
 def _op(e: ir.Expr) -> tuple[str, dict[str, str]]:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from attnc.compiler import inputs, interp, ir
+from attnc.compiler import inputs, interp, ir, numerics
 from attnc.compiler.analysis.splits import balanced_bounds
 from attnc.compiler.errors import PlanError
 from attnc.compiler.plan import Plan, plan as make_plan
@@ -259,6 +259,8 @@ class Kernel:
             raise PlanError("the AHBM programs take contiguous q/k/v (the K/V layout is the "
                             "driver's: round-robin slots or ring blocks per PE)")
         run = self.simulate(q, k, v, plan=plan, sp=sp, case=case, mask_from=mask_from, **tensors)
+        numerics.check_rows(run.lse, s_q=run.lse.shape[2], s_k=np.asarray(k).shape[
+            1 if self.program.cache.layout is ir.Layout.BSHD else 2])
         return (run.o, run.lse) if return_lse else run.o
 
     def report(self) -> str:
