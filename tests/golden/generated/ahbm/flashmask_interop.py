@@ -22,6 +22,8 @@ tl.load_async into persistent buffers (ADR-0062).  Positions are bottom-right al
 row i of a call with S_q rows over S_k keys is at q = S_k - S_q + i.  A row with no visible
 key returns O = 0 and LSE = -inf.
 """
+import math
+
 import numpy as np
 
 H_Q, H_KV, GROUP = 8, 2, 4
@@ -42,6 +44,40 @@ HAS_SCORE = False
 # The driver evaluates them per head / query row / key and lays them out tile by tile.
 MASK_STREAMS = (('sri[b, h // 4, k, 0]', ('h', 'k')),)
 SCORE_STREAMS = ()
+
+
+def _scalar(x):
+    return isinstance(x, (int, float, np.integer, np.floating, np.bool_))
+
+
+def _floordiv(tl, a, b):
+    """The language's `//`: floor division, total on integers (x // 0 = 0); floor(a / b) on floats."""
+    if _scalar(a) and _scalar(b):
+        if isinstance(a, (float, np.floating)) or isinstance(b, (float, np.floating)):
+            return np.floor(np.float32(a) / np.float32(b))
+        return a // b if b else 0
+    if isinstance(a, (float, np.floating)) or isinstance(b, (float, np.floating)) or \
+            any(not _scalar(x) and x.dtype == np.float32 for x in (a, b)):
+        return tl.floor(a / b)
+    return tl.where(b == 0, 0, a // tl.where(b == 0, 1, b))
+
+
+def _mod(tl, a, b):
+    """The language's `%`: the divisor's sign, total on integers (x % 0 = x); a - floor(a / b) * b
+    on floats."""
+    if _scalar(a) and _scalar(b):
+        if isinstance(a, (float, np.floating)) or isinstance(b, (float, np.floating)):
+            return np.float32(a) - np.floor(np.float32(a) / np.float32(b)) * np.float32(b)
+        return a % b if b else a
+    if isinstance(a, (float, np.floating)) or isinstance(b, (float, np.floating)) or \
+            any(not _scalar(x) and x.dtype == np.float32 for x in (a, b)):
+        return a - tl.floor(a / b) * b
+    return tl.where(b == 0, a, a % tl.where(b == 0, 1, b))
+
+
+def _erf(x):
+    """erf of a Python scalar in f32 (tl.erf on a tensor)."""
+    return np.float32(math.erf(x))
 
 
 def visible(tl, b, h, q, k, ld):
@@ -148,15 +184,15 @@ def scores(tl, rows, kj, cls, k0, step, ktile):
 
 
 def masked(tl, s, keep):
-    """s + mask_j (ADR-0060 §3): the additive mask is built at the shape the predicate has —
-    usually the K/V head's [1, T, W], shared by its query heads — and tl.broadcast (ADR-0061)
-    materialises it for the G heads of the group."""
+    """s where the mask keeps the cell, -inf elsewhere (ADR-0060 §3's additive mask as a select:
+    a hidden cell's score may be non-finite, and inf + -inf would be NaN).  The predicate comes
+    at the shape it has — usually the K/V head's [1, T, W], shared by its query heads — and
+    tl.broadcast (ADR-0061) materialises it for the G heads of the group."""
     if isinstance(keep, (bool, np.bool_)):
         return s if keep else tl.full(s.shape, NEG_INF)
-    bias = tl.where(keep, 0.0, NEG_INF)
-    if bias.shape != s.shape:
-        bias = tl.broadcast(bias, s.shape)
-    return s + bias
+    if keep.shape != s.shape:
+        keep = tl.broadcast(keep, s.shape)
+    return tl.where(keep, s, NEG_INF)
 
 
 def update(tl, rows, s, wait_v, cls):
@@ -176,7 +212,7 @@ def update(tl, rows, s, wait_v, cls):
 def finish(tl, m, l, o):
     """Normalise once: O = O / l and LSE = m + log l; a row with no visible key (l = 0) gets
     O = 0 and LSE = -inf."""
-    seen = l > 0.0
+    seen = (l > 0.0) | (l != l)  # NaN: a visible score was NaN or +inf; LSE NaN marks the row
     l_safe = tl.where(seen, l, 1.0)
     return o / l_safe, tl.where(seen, m + tl.log(l_safe), NEG_INF)
 
