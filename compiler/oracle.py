@@ -18,7 +18,8 @@ from attnc.compiler.numerics import check_rows
 from attnc.compiler.ranges import check_length
 
 def positions(batch: int, heads: int, s_q: int, s_k: int) -> dict[str, np.ndarray]:
-    """Broadcastable b, h, q, k grids over [B, H_q, S_q, S_k] with bottom-right q."""
+    """Broadcastable b, h, q, k grids over [B, H_q, S_q, S_k] with bottom-right q, and the
+    call's lengths S_q, S_k."""
     check_length(s_k)
     if s_q > s_k:
         raise PlanError(f"S_q = {s_q} query rows exceed S_k = {s_k} keys; every query row is a "
@@ -28,6 +29,7 @@ def positions(batch: int, heads: int, s_q: int, s_k: int) -> dict[str, np.ndarra
         "h": np.arange(heads).reshape(1, -1, 1, 1),
         "q": (s_k - s_q + np.arange(s_q)).reshape(1, 1, -1, 1),
         "k": np.arange(s_k).reshape(1, 1, 1, -1),
+        "S_q": np.asarray(s_q), "S_k": np.asarray(s_k),
     }
 
 

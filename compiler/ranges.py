@@ -47,6 +47,8 @@ def var_range(name: str, heads_q: int | None) -> Range:
         return 0, MAX_BATCH - 1
     if name == "h":
         return 0, (heads_q or MAX_HEADS) - 1
+    if name in ("S_q", "S_k"):
+        return 1, MAX_LENGTH
     raise KeyError(name)
 
 

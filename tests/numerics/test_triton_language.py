@@ -82,3 +82,15 @@ def test_tensors_whose_names_met_in_generated_code():
                                    "tensor x: i32[b, s] ~ randint(0, 3) mask = T_x[b, k] * 2 + x_s0[b, q] - x[b, k] > 0",
                                    6, 8, batch=2)
     assert_agree(want, *got)
+
+
+def test_the_requests_lengths_in_the_kernels():
+    """S_q and S_k reach every kernel through TS (the call's kv_lens and qo_indptr)."""
+    want, *got = prefill_and_split("tensor lts: i32[b, s] ~ randint(0, 6) mask = k <= q & q - (S_k - S_q) < lts[b, k] "
+                                   "score = score - 0.25 * S_q + 0.01 * S_k", 5, 12, batch=2)
+    assert_agree(want, *got)
+    p = compile_spec(f"attention t {{ {HEAD} cache = paged(page_size = 4) mask = k <= q - (S_k - S_q) | k >= S_k - 2 }}")
+    arrays = inputs.sample_cache(p, [12, 7, 9], [5, 2, 1], seed=3)
+    o, lse = runtime.load(p).run(arrays, return_lse=True)
+    ref = oracle.reference_cache(p, inputs.validate_cache(p, arrays))
+    assert all(c.ok for c in numerics.compare_outputs("f32", np.asarray(o), np.asarray(lse), *ref))

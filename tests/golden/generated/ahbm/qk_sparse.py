@@ -80,9 +80,9 @@ def _erf(x):
     return np.float32(math.erf(x))
 
 
-def visible(tl, b, h, q, k, ld):
+def visible(tl, b, h, q, k, ld, S_q, S_k):
     """The mask: True where key position k is visible to query position q.
-    h [G, 1, 1], q [1, T, 1], k [1, 1, W] int32 tensors; b an int."""
+    h [G, 1, 1], q [1, T, 1], k [1, 1, W] int32 tensors; b, S_q, S_k (the call's lengths) ints."""
     return ((k <= q) & ((~(((q >= 16) & (q < 24)) & ((k >= 16) & (k < 24)))) & (~(((q >= 36) & (q < 62)) & ((k >= 36) & (k < 62))))))
 
 
@@ -95,7 +95,7 @@ def visible_from_intervals(tl, i, ld):
     return ~(((i >= uts) & (i < ute)) | ((i >= lts) & (i < lte)))
 
 
-def score_program(tl, score, b, h, q, k, ld):
+def score_program(tl, score, b, h, q, k, ld, S_q, S_k):
     """The score statements, in order, on the scaled q.k [G, T, W] (float32)."""
     return score
 
@@ -145,8 +145,9 @@ class Rows:
     slices the mask and score program read on the query side."""
 
     def __init__(self, tl, q_ptr, b, h0, q0, t, i0, qtile, mask_streams, score_streams,
-                 from_intervals):
+                 from_intervals, lengths):
         self.b, self.t, self.from_intervals = b, t, from_intervals
+        self.lengths = lengths  # the call's (S_q, S_k)
         self.q = tl.load(q_ptr, (GROUP, t, D_QK)) * SCALE  # the softmax scale, folded in once
         self.m = tl.full((GROUP, t, 1), NEG_INF)
         self.l = tl.zeros((GROUP, t, 1))
@@ -170,7 +171,7 @@ def scores(tl, rows, kj, cls, k0, step, ktile):
     if HAS_SCORE:
         kpos = _positions(tl, k0, w, 2, step) if "k" in SCORE_VARS else None
         ld = _load_streams(tl, rows.score_streams, "k", ktile, w, rows.score_ld)
-        s = score_program(tl, s, rows.b, rows.h, rows.qpos, kpos, ld)
+        s = score_program(tl, s, rows.b, rows.h, rows.qpos, kpos, ld, *rows.lengths)
     if cls == PARTIAL:
         ld = _load_streams(tl, rows.mask_streams, "k", ktile, w, rows.mask_ld)
         if rows.from_intervals:
@@ -178,7 +179,7 @@ def scores(tl, rows, kj, cls, k0, step, ktile):
         else:
             if kpos is None and "k" in MASK_VARS:
                 kpos = _positions(tl, k0, w, 2, step)
-            keep = visible(tl, rows.b, rows.h, rows.qpos, kpos, ld)
+            keep = visible(tl, rows.b, rows.h, rows.qpos, kpos, ld, *rows.lengths)
         s = masked(tl, s, keep)
     return s
 
@@ -343,7 +344,7 @@ def decode(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, counter, n_sp, classes, mask_str
         raise ValueError(f"PE {tl.program_id()}: {len(classes)} tile classes for {n_tiles} tiles")
     first = slot_to_global(0, pe_id, start_pe, n_sp)
     rows = Rows(tl, q_ptr, b, kv_head * GROUP, counter - s_q, s_q, 0, 0, mask_streams,
-                score_streams, from_intervals)
+                score_streams, from_intervals, (s_q, counter))
     todo = [j for j in range(n_tiles) if classes[j] != SKIP]
     width = lambda j: min(BLOCK_N, my_len - j * BLOCK_N)  # noqa: E731 - the last tile is ragged
     kv = KVTiles(tl, k_ptr, v_ptr, [(j * BLOCK_N, width(j)) for j in todo], prefetch)
@@ -381,7 +382,7 @@ def prefill(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, s_q, s_k, classes, mask_streams
         with _scope(tl, scoped):
             rows = Rows(tl, q_ptr + r * BLOCK_M * GROUP * D_QK, b, kv_head * GROUP,
                         s_k - s_q + r * BLOCK_M, t, r * BLOCK_M, r, mask_streams, score_streams,
-                        from_intervals)
+                        from_intervals, (s_q, s_k))
             while n < len(todo) and todo[n][0] == r:
                 j = todo[n][1]
                 with _scope(tl, scoped):
@@ -430,7 +431,7 @@ def ring(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, s_q, s_k, n_sp, q_split, kv_split,
     r0, r1 = q_split[i]
     rows = [Rows(tl, q_ptr + (r - r0) * BLOCK_M * GROUP * D_QK, b, kv_head * GROUP,
                  s_k - s_q + r * BLOCK_M, min(BLOCK_M, s_q - r * BLOCK_M), r * BLOCK_M, r - r0,
-                 mask_streams, score_streams, from_intervals) for r in range(r0, r1)]
+                 mask_streams, score_streams, from_intervals, (s_q, s_k)) for r in range(r0, r1)]
 
     def claim(u):  # block u of this PE's list into ping-pong buffer u % 2
         lo, hi = key_rows(blocks[u])

@@ -126,13 +126,14 @@ def _finalize(state):
     return o, np.where(seen, m_i + np.log(np.where(seen, l_i, 1)), -np.inf)
 
 
-def visible(b, h, q, k, t_doc):
-    """The mask: True where key position k is visible to query position q."""
+def visible(b, h, q, k, S_q, S_k, t_doc):
+    """The mask: True where key position k is visible to query position q (S_q query rows over
+    S_k keys: the request's lengths)."""
     with np.errstate(all="ignore"):  # the language defines every value (IEEE f32, total // and %)
         return np.logical_and((_w1 := (k <= q)), (_load("doc", t_doc, b, q, care=_w1) == _load("doc", t_doc, b, k, care=_w1)))
 
 
-def score_program(score, b, h, q, k, t_doc):
+def score_program(score, b, h, q, k, S_q, S_k, t_doc):
     """The score statements, in order, on the scaled q.k (float32)."""
     with np.errstate(all="ignore"):  # a NaN or +inf at a visible cell is reported by the caller
         score = (np.float32(50.0) * np.tanh((score / np.float32(50.0))))
@@ -226,19 +227,20 @@ def producer(b, kv_head, s, q, k, v, plan, ws, tensors, counts):
     q_rows = q[q0:q0 + n_q, heads].transpose(1, 0, 2)                # [GROUP, n_q, D_QK]
     h = np.arange(heads.start, heads.stop).reshape(-1, 1, 1)
     q_pos = (plan["q_start"][b] + np.arange(n_q)).reshape(1, -1, 1)
+    lengths = (n_q, int(plan["kv_lens"][b]))  # the request's S_q, S_k
     state = (np.full(GROUP * n_q, -np.inf, np.float32), np.zeros(GROUP * n_q, np.float32),
              np.zeros((GROUP * n_q, D_V), np.float32))
     slot = b * plan["capacity"] + s
     for i in range(plan["seg_ptr"][slot], plan["seg_ptr"][slot + 1]):
         n = int(plan["seg_count"][i])
         k_pos = (plan["seg_t0"][i] + np.arange(n)).reshape(1, 1, -1)
-        keep = np.broadcast_to(visible(b, h, q_pos, k_pos, *tensors), (GROUP, n_q, n))
+        keep = np.broadcast_to(visible(b, h, q_pos, k_pos, *lengths, *tensors), (GROUP, n_q, n))
         if not keep.any():
             counts["segments_skipped"] += 1
             continue
         k_seg, v_seg = _read_rows(k, v, plan["seg_block"][i], plan["seg_offset"][i], n, kv_head)
         sc = (q_rows @ k_seg.T) * np.float32(SCALE)                  # [GROUP, n_q, n]
-        sc = _f32(np.broadcast_to(score_program(sc, b, h, q_pos, k_pos, *tensors), sc.shape))
+        sc = _f32(np.broadcast_to(score_program(sc, b, h, q_pos, k_pos, *lengths, *tensors), sc.shape))
         state = _absorb(state, np.where(keep, sc, np.float32(-np.inf)).reshape(GROUP * n_q, n), v_seg)
         counts["segments_read"] += 1
         counts["kv_rows_read"] += n

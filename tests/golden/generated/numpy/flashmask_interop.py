@@ -118,13 +118,14 @@ def _every_tile_partial(s_q, s_k, block_m=BLOCK_M, block_n=BLOCK_N):
 
 
 
-def visible(b, h, q, k, t_sri):
-    """The mask: True where key position k is visible to query position q."""
+def visible(b, h, q, k, S_q, S_k, t_sri):
+    """The mask: True where key position k is visible to query position q (S_q query rows over
+    S_k keys: the request's lengths)."""
     with np.errstate(all="ignore"):  # the language defines every value (IEEE f32, total // and %)
         return np.logical_and((_w1 := (k <= q)), (q < _load("sri", t_sri, b, _floordiv(h, 4), k, 0, care=_w1)))
 
 
-def score_program(score, b, h, q, k, t_sri):
+def score_program(score, b, h, q, k, S_q, S_k, t_sri):
     """The score statements, in order, on the scaled q.k (float32)."""
     return score
 
@@ -170,7 +171,7 @@ def attention(q, k, v, *, plan=None, return_lse=False, stats=None, **tensors):
                         j0, j1 = j * bn, min(j * bn + bn, s_k)
                         k_pos = np.arange(j0, j1).reshape(1, -1)
                         s = (q_tile @ k[b, kv_h, j0:j1].T) * np.float32(SCALE)
-                        s = _f32(np.broadcast_to(score_program(s, b, h, q_pos, k_pos, *tensors), s.shape))
+                        s = _f32(np.broadcast_to(score_program(s, b, h, q_pos, k_pos, s_q, s_k, *tensors), s.shape))
                         if cls == "full":
                             keep = np.ones(s.shape, bool)
                         elif from_intervals:  # FlashMask: hidden iff the row is in [UTS, UTE) or [LTS, LTE)
@@ -180,7 +181,7 @@ def attention(q, k, v, *, plan=None, return_lse=False, stats=None, **tensors):
                                      ((i >= plan["LTS"][cols]) & (i < plan["LTE"][cols]))
                             keep = ~hidden
                         else:
-                            keep = np.broadcast_to(visible(b, h, q_pos, k_pos, *tensors), s.shape)
+                            keep = np.broadcast_to(visible(b, h, q_pos, k_pos, s_q, s_k, *tensors), s.shape)
                         state = _absorb(state, np.where(keep, s, np.float32(-np.inf)), v[b, kv_h, j0:j1])
                         counts[cls] += 1
                 counts["skip"] += k_tiles - (plan["partial_indptr"][row + 1] - plan["partial_indptr"][row]) \

@@ -17,6 +17,7 @@ DTYPE = "bf16"
 SPEC = dict(H_Q=4, H_KV=4, GROUP=1, D_QK=64, D_V=32, D_QK_PAD=64,
             D_V_PAD=32, SCALE=0.125, HAS_SCORE=False, DOT_PRECISION="tf32")
 TENSORS = {"prefix": ("i32", ('b',))}
+LENGTHS = False  # TS ends with the call's kv_lens [B] and qo_indptr [B + 1] (S_k, S_q)
 
 
 @triton.jit

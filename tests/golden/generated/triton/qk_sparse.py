@@ -17,6 +17,7 @@ DTYPE = "bf16"
 SPEC = dict(H_Q=8, H_KV=2, GROUP=4, D_QK=64, D_V=64, D_QK_PAD=64,
             D_V_PAD=64, SCALE=0.125, HAS_SCORE=False, DOT_PRECISION="tf32")
 TENSORS = {}
+LENGTHS = False  # TS ends with the call's kv_lens [B] and qo_indptr [B + 1] (S_k, S_q)
 
 
 @triton.jit
