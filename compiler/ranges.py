@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 
 from . import ir
-from .ir import I32, I64, INT_BOUNDS
+from .ir import I32, INT_BOUNDS
 from .scalar import FLT_MAX
 
 MAX_LENGTH = 2**30

@@ -40,7 +40,6 @@ from typing import NamedTuple
 import numpy as np
 
 from attnc.compiler import ir
-from attnc.compiler.errors import PlanError
 from attnc.compiler.interp import ARITH, CALL, COMPARE, load
 from .intervals import _Analyzer
 

@@ -122,7 +122,7 @@ def visible(b, h, q, k, S_q, S_k):
     """The mask: True where key position k is visible to query position q (S_q query rows over
     S_k keys: the request's lengths)."""
     with np.errstate(all="ignore"):  # the language defines every value (IEEE f32, total // and %)
-        return np.logical_and((_w1 := (k <= q)), (_floordiv(q, 32) == _floordiv(k, 32)))
+        return np.logical_and((k <= q), (_floordiv(q, 32) == _floordiv(k, 32)))
 
 
 def score_program(score, b, h, q, k, S_q, S_k):

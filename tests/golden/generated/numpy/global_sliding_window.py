@@ -122,7 +122,7 @@ def visible(b, h, q, k, S_q, S_k):
     """The mask: True where key position k is visible to query position q (S_q query rows over
     S_k keys: the request's lengths)."""
     with np.errstate(all="ignore"):  # the language defines every value (IEEE f32, total // and %)
-        return np.logical_or((_w1 := (np.abs((q - k)) <= 16)), np.logical_or((_w2 := (q < 4)), (k < 4)))
+        return np.logical_or((np.abs((q - k)) <= 16), np.logical_or((q < 4), (k < 4)))
 
 
 def score_program(score, b, h, q, k, S_q, S_k):

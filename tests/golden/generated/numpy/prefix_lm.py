@@ -122,7 +122,7 @@ def visible(b, h, q, k, S_q, S_k, t_prefix):
     """The mask: True where key position k is visible to query position q (S_q query rows over
     S_k keys: the request's lengths)."""
     with np.errstate(all="ignore"):  # the language defines every value (IEEE f32, total // and %)
-        return np.logical_or((_w1 := (k < _load("prefix", t_prefix, b, care=None))), (k <= q))
+        return np.logical_or((k < _load("prefix", t_prefix, b, care=None)), (k <= q))
 
 
 def score_program(score, b, h, q, k, S_q, S_k, t_prefix):

@@ -122,7 +122,7 @@ def visible(b, h, q, k, S_q, S_k, t_doc, t_pfx):
     """The mask: True where key position k is visible to query position q (S_q query rows over
     S_k keys: the request's lengths)."""
     with np.errstate(all="ignore"):  # the language defines every value (IEEE f32, total // and %)
-        return np.logical_and((_w1 := (_load("doc", t_doc, b, q, care=None) == _load("doc", t_doc, b, k, care=None))), np.logical_or((_w2 := (k < _load("pfx", t_pfx, b, k, care=_w1))), (k <= q)))
+        return np.logical_and((_w1 := (_load("doc", t_doc, b, q, care=None) == _load("doc", t_doc, b, k, care=None))), np.logical_or((k < _load("pfx", t_pfx, b, k, care=_w1)), (k <= q)))
 
 
 def score_program(score, b, h, q, k, S_q, S_k, t_doc, t_pfx):

@@ -122,7 +122,7 @@ def visible(b, h, q, k, S_q, S_k):
     """The mask: True where key position k is visible to query position q (S_q query rows over
     S_k keys: the request's lengths)."""
     with np.errstate(all="ignore"):  # the language defines every value (IEEE f32, total // and %)
-        return np.logical_and((_w1 := (k <= q)), np.logical_and((_w2 := np.logical_not(np.logical_and((_w6 := np.logical_and((_w8 := (q >= 16)), (q < 24))), np.logical_and((_w7 := (k >= 16)), (k < 24))))), np.logical_not(np.logical_and((_w3 := np.logical_and((_w5 := (q >= 36)), (q < 62))), np.logical_and((_w4 := (k >= 36)), (k < 62))))))
+        return np.logical_and((k <= q), np.logical_and(np.logical_not(np.logical_and(np.logical_and((q >= 16), (q < 24)), np.logical_and((k >= 16), (k < 24)))), np.logical_not(np.logical_and(np.logical_and((q >= 36), (q < 62)), np.logical_and((k >= 36), (k < 62))))))
 
 
 def score_program(score, b, h, q, k, S_q, S_k):
