@@ -212,4 +212,5 @@ class DecodeGraph:
             self.graph.replay()
         else:
             self._launch()
+        self.kernel._check_scores(self.lse, plan={n: self.buffers[n] for n in ("qo_indptr", "kv_lens")})
         return self.out, self.lse

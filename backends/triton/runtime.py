@@ -131,8 +131,8 @@ class Kernel:
     def _check_scores(self, lse, k=None, plan: dict | None = None):
         """The non-finite-score policy (compiler.numerics.check_rows): the kernels mark a row whose
         visible score was NaN or +inf with LSE NaN; a spec whose score program can produce one
-        (compiler.ranges.may_be_nonfinite) pays one reduction and a host sync to raise it.  Not
-        while a CUDA graph is captured (the replay's caller checks LSE)."""
+        (compiler.ranges.may_be_nonfinite) pays one reduction and a host sync to raise it (a
+        DecodeGraph checks after each replay; nothing is checked while a graph is captured)."""
         if not self._scores_may_fail or (lse.is_cuda and self._torch.cuda.is_current_stream_capturing()):
             return
         if plan is None:
