@@ -41,7 +41,8 @@ CALL_KEYWORDS = {
     "tensors", "arrays", "options", "route", "device", "engine", "walk", "use_tma", "head_group",
     "schedule", "occupancy", "kernel", "do", "dlse", "config", "k_new", "v_new", "manifest",
 }
-LANGUAGE_NAMES = set(ir.POSITION_VARS) | {"s", "score", "causal", "true", "false"} | set(FUNCTIONS)
+LANGUAGE_NAMES = set(ir.POSITION_VARS) | set(ir.LENGTH_VARS) | {"s", "score", "causal", "true", "false"} \
+    | set(FUNCTIONS)
 RESERVED = LANGUAGE_NAMES | CALL_KEYWORDS
 
 
@@ -538,9 +539,10 @@ class Checker:
         return None
 
     def _name(self, e: ast.Name, ctx: str) -> Type | None:
-        if e.id in ("q", "k", "b", "h"):
+        if e.id in ("q", "k", "b", "h") or e.id in ir.LENGTH_VARS:
             if ctx == "scale":
-                self.error(f"'{e.id}' is a position; scale must be a constant", e.span)
+                what = "a position" if len(e.id) == 1 else "the request's length"
+                self.error(f"'{e.id}' is {what}; scale must be a constant", e.span)
                 return None
             return I32
         if e.id == "score":
@@ -563,7 +565,7 @@ class Checker:
         if e.id in FUNCTIONS:
             self.error(f"'{e.id}' is a function; call it: {e.id}(...)", e.span)
             return None
-        known = {"q", "k", "b", "h", "causal", *self.tensors} | ({"score"} if ctx == "score" else set())
+        known = {"q", "k", "b", "h", "S_q", "S_k", "causal", *self.tensors} | ({"score"} if ctx == "score" else set())
         self.error(f"unknown name '{e.id}'", e.span, *_suggest(e.id, known))
         return None
 
@@ -599,7 +601,7 @@ class Checker:
             used = _names(idx)
             if axis.value in ("b", "h"):
                 allowed = {"b"} if axis.value == "b" else {"b", "h"}
-                bad = sorted(used & ({"q", "k", "b", "h", "score"} - allowed))
+                bad = sorted(used & ({"q", "k", "b", "h", "score", *ir.LENGTH_VARS} - allowed))
                 if bad:
                     meaning = "the request index 'b'" if axis.value == "b" else "the query head 'h'"
                     self.error(f"axis '{axis.value}' of '{e.tensor}' must be indexed by {meaning}, "

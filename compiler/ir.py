@@ -46,6 +46,7 @@ CALL_FNS = {  # name -> arity; result type: min/max/abs keep the operand type, t
 }
 FLOAT_FNS = ("exp", "log", "sqrt", "tanh", "erf", "sin", "cos")
 POSITION_VARS = ("q", "k", "b", "h")
+LENGTH_VARS = ("S_q", "S_k")  # the request's query rows and keys (per request in a batch)
 
 # Surface spellings (the .attn language) of IR operators.  `&`, `|` and `^` are logical on
 # conditions and bitwise on integers (`^` on conditions lowers to `!=`).
@@ -69,7 +70,7 @@ class Const:
 
 @node
 class Var:
-    name: str  # q | k | b | h | score
+    name: str  # q | k | b | h | S_q | S_k | score
     type: Type
 
 
@@ -363,7 +364,7 @@ class VerifyError(Exception):
     """An IR invariant is broken: a compiler bug, never a user error."""
 
 
-def verify_expr(e: Expr, program: Program | None = None, allowed_vars=POSITION_VARS) -> None:
+def verify_expr(e: Expr, program: Program | None = None, allowed_vars=POSITION_VARS + LENGTH_VARS) -> None:
     for n in walk(e):
         if isinstance(n, Const):
             ok = {BOOL: bool, I32: int, I64: int, F32: float}[n.type]
@@ -408,7 +409,7 @@ def verify(program: Program) -> Program:
     if program.mask.type is not BOOL:
         raise VerifyError("mask is not boolean")
     for s in program.score:
-        verify_expr(s, program, POSITION_VARS + ("score",))
+        verify_expr(s, program, POSITION_VARS + LENGTH_VARS + ("score",))
         if s.type is not F32:
             raise VerifyError("score statement is not f32")
     return program

@@ -24,7 +24,7 @@ def positions(batch: int, heads: int, s_q: int, s_k: int, q_offset: int | None =
               k_offset: int = 0) -> dict[str, np.ndarray]:
     """Broadcastable b, h, q, k grids over [B, H_q, S_q, S_k]: bottom-right q by default; a block
     of a larger call (context parallelism) puts its rows at ``q_offset + i`` and its keys at
-    ``k_offset + j``."""
+    ``k_offset + j``; and the call's lengths S_q, S_k."""
     check_length(s_k)
     if q_offset is None:
         if s_q > s_k:
@@ -36,6 +36,7 @@ def positions(batch: int, heads: int, s_q: int, s_k: int, q_offset: int | None =
         "h": np.arange(heads).reshape(1, -1, 1, 1),
         "q": (q_offset + np.arange(s_q)).reshape(1, 1, -1, 1),
         "k": (k_offset + np.arange(s_k)).reshape(1, 1, 1, -1),
+        "S_q": np.asarray(s_q), "S_k": np.asarray(s_k),
     }
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 
 from . import ir
-from .ir import I32, I64, INT_BOUNDS
+from .ir import I32, INT_BOUNDS
 from .scalar import FLT_MAX
 
 MAX_LENGTH = 2**30
@@ -47,6 +47,8 @@ def var_range(name: str, heads_q: int | None) -> Range:
         return 0, MAX_BATCH - 1
     if name == "h":
         return 0, (heads_q or MAX_HEADS) - 1
+    if name in ("S_q", "S_k"):
+        return 1, MAX_LENGTH
     raise KeyError(name)
 
 

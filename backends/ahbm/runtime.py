@@ -117,7 +117,8 @@ def _streams_of(program: ir.Program, loads, call, b: int, h0: int, q_pos, k_pos,
                             f"the AHBM programs stream mask tensors per query row or per key")
         env = {"b": np.int64(b), "h": (h0 + np.arange(G)).reshape(-1, 1, 1),
                "q": np.asarray(q_pos, np.int64).reshape(1, -1, 1),
-               "k": np.asarray(k_pos, np.int64).reshape(1, 1, -1)}
+               "k": np.asarray(k_pos, np.int64).reshape(1, 1, -1),
+               "S_q": np.int64(call.s_q), "S_k": np.int64(call.s_k)}
         value = np.asarray(interp.evaluate(load, env, call.tensors))
         dtype = {ir.I32: np.int32, ir.F32: np.float32, ir.BOOL: np.bool_}[load.type]
         gs = G if "h" in vars_ else 1

@@ -49,8 +49,8 @@ class _Printer:
             x = rec(e.operand)
             cast = f"_f64({x})" if self.f64 else f"_f32({x})"
             return {"neg": f"(-{x})", "not": f"np.logical_not({x})", "cast_f32": cast, "cast_i64": x}[e.op]
-        if isinstance(e, ir.Binary) and e.op in ("and", "or"):  # the right side's reads count where it decides
-            w = self._name()
+        if isinstance(e, ir.Binary) and e.op in ("and", "or") and _reads(e.right):
+            w = self._name()  # the right side's reads count where the left does not decide
             side = w if e.op == "and" else f"~{w}"
             right = rec(e.right, side if care == "None" else f"({care} & {side})")
             return f"np.logical_{e.op}(({w} := {rec(e.left)}), {right})"
@@ -58,9 +58,12 @@ class _Printer:
             a, b = rec(e.left), rec(e.right)
             if e.op in _BINARY:
                 return f"({a} {_BINARY[e.op]} {b})"
-            return {"floordiv": f"_floordiv({a}, {b})", "mod": f"_mod({a}, {b})"}[e.op]
+            return {"floordiv": f"_floordiv({a}, {b})", "mod": f"_mod({a}, {b})",
+                    "and": f"np.logical_and({a}, {b})", "or": f"np.logical_or({a}, {b})"}[e.op]
         if isinstance(e, ir.Compare):
             return f"({rec(e.left)} {_COMPARE[e.op]} {rec(e.right)})"
+        if isinstance(e, ir.Select) and not (_reads(e.if_true) or _reads(e.if_false)):
+            return f"np.where({rec(e.cond)}, {rec(e.if_true)}, {rec(e.if_false)})"
         if isinstance(e, ir.Select):
             w = self._name()
             yes, no = (w, f"~{w}") if care == "None" else (f"({care} & {w})", f"({care} & ~{w})")
@@ -68,6 +71,10 @@ class _Printer:
         if isinstance(e, ir.Call):
             return f"{_CALLS[e.fn]}({', '.join(rec(a) for a in e.args)})"
         raise TypeError(e)
+
+
+def _reads(e: ir.Expr) -> bool:
+    return any(isinstance(n, ir.Load) for n in ir.walk(e))
 
 
 def numpy_expr(e: ir.Expr, f64: bool = False) -> str:

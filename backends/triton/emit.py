@@ -36,8 +36,8 @@ def triton_expr(e: ir.Expr, names: dict[str, str] | None = None) -> str:
     rec = lambda x: triton_expr(x, names)  # noqa: E731
     if isinstance(e, ir.Const):
         return repr(e.value)
-    if isinstance(e, ir.Var):
-        return e.name
+    if isinstance(e, ir.Var):  # the request's lengths come with TS: kv_lens [B] and qo_indptr [B + 1]
+        return {"S_k": "tl.load(_lk + b)", "S_q": "(tl.load(_lq + b + 1) - tl.load(_lq + b))"}.get(e.name, e.name)
     if isinstance(e, ir.Load):
         t = (names or {}).get(e.tensor, f"_{e.tensor}")
         offset = " + ".join(f"tl.minimum(tl.maximum({rec(i)}, 0), {t}_n{a} - 1) * {t}_s{a}"
@@ -88,6 +88,11 @@ class Source:
     entry: str = "attention"
 
 
+def uses_lengths(program: ir.Program) -> bool:
+    """Whether the spec reads S_q or S_k (then TS ends with the call's kv_lens and qo_indptr)."""
+    return bool(set().union(*(ir.free_vars(e) for e in (program.mask, *program.score))) & set(ir.LENGTH_VARS))
+
+
 def emit(program: ir.Program) -> Source:
     p = program
     names = tensor_names(p)
@@ -101,5 +106,6 @@ def emit(program: ir.Program) -> Source:
         mask_source=ir.format_expr(p.mask), score_source=[ir.format_expr(s) for s in p.score],
         mask_code=triton_expr(p.mask, names), score_code=[triton_expr(s, names) for s in p.score],
         grad_code=_grad_code(p, names),
+        lengths=uses_lengths(p),
     )
     return Source(text, f"{p.name}_triton", entry="visible")

@@ -131,8 +131,8 @@ class Kernel:
     def _check_scores(self, lse, k=None, plan: dict | None = None):
         """The non-finite-score policy (compiler.numerics.check_rows): the kernels mark a row whose
         visible score was NaN or +inf with LSE NaN; a spec whose score program can produce one
-        (compiler.ranges.may_be_nonfinite) pays one reduction and a host sync to raise it.  Not
-        while a CUDA graph is captured (the replay's caller checks LSE)."""
+        (compiler.ranges.may_be_nonfinite) pays one reduction and a host sync to raise it (a
+        DecodeGraph checks after each replay; nothing is checked while a graph is captured)."""
         if not self._scores_may_fail or (lse.is_cuda and self._torch.cuda.is_current_stream_capturing()):
             return
         if plan is None:
@@ -188,7 +188,8 @@ class Kernel:
         else:
             qb, kb, vb = q, k, v
         try:
-            ts = L.tensor_args(self.module, tensors)
+            ts = L.tensor_args(self.module, tensors, L.uniform_lengths(bound.batch, bound.s_q, bound.s_k, q.device)
+                               if self.module.LENGTHS else None)
         except KeyError as e:
             raise InputError(f"inputs: missing key '{e.args[0]}'") from None
         if asked is None:
@@ -269,7 +270,8 @@ class Kernel:
         bound = self._validate(q, k, v, tensors, storage=False)
         qb, kb, vb = (x.transpose(1, 2) for x in (q, k, v)) if bound.bshd else (q, k, v)
         launch = self._make_launch(bound, qb, kb, vb, tensors, plan, options)
-        ts = L.tensor_args(self.module, tensors)
+        ts = L.tensor_args(self.module, tensors, L.uniform_lengths(bound.batch, bound.s_q, bound.s_k, q.device)
+                           if self.module.LENGTHS else None)
         torch = self._torch
         key = ("prepared", id(launch))  # one binding: the arguments' specialization is fixed
 
@@ -448,9 +450,11 @@ class Kernel:
         if kind == "contiguous":
             plan["base"] = np.asarray(_to_numpy(plan["cache_rows"]), np.int64) * _rows_per_batch(order, k_cache)
         launch = self.split_launch(num_warps or plan.get("num_warps", 4), num_stages or plan.get("num_stages", 2))
-        ts = L.tensor_args(self.module, {n: device_tensor(t, device) for n, t in tensors.items()})
+        arrays = self.decode_args(plan, device)
+        ts = L.tensor_args(self.module, {n: device_tensor(t, device) for n, t in tensors.items()},
+                           (arrays["kv_lens"], arrays["qo_indptr"]))
         ws = L.workspace_bytes(self.module, plan["total_q"], plan["splits"], p.state.value)
-        return _Split(plan, self.decode_args(plan, device), ts, launch, ws)
+        return _Split(plan, arrays, ts, launch, ws)
 
     def _launch_split(self, bound: "_Split", q, k_cache, v_cache):
         """Allocate O, LSE and the workspace; launch the producer and the combine."""

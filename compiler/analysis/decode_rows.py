@@ -40,7 +40,6 @@ from typing import NamedTuple
 import numpy as np
 
 from attnc.compiler import ir
-from attnc.compiler.errors import PlanError
 from attnc.compiler.interp import ARITH, CALL, COMPARE, load
 from .intervals import _Analyzer
 
@@ -72,9 +71,10 @@ class PositionRuns:
 
 
 def reads_positions_only(program: ir.Program) -> bool:
-    """Whether the mask's visibility is a function of (q, k, h) alone: no tensor, no ``b``."""
+    """Whether the mask's visibility is a function of (q, k, h) alone: no tensor, no ``b``, not
+    the request's lengths."""
     names, loads = mask_facts(program)
-    return not loads and "b" not in names
+    return not loads and not names & {"b", *ir.LENGTH_VARS}
 
 
 def mask_facts(program: ir.Program) -> tuple[frozenset, frozenset]:
@@ -356,7 +356,8 @@ def slab_lists(program: ir.Program, kv_lens: np.ndarray, q_lens: np.ndarray, ten
     # positions in int32 (compares stay narrow; arithmetic widens to int64 as the interpreter's)
     idx = np.int32 if s < 2 ** 31 - 1 else np.int64
     env = {"b": req[:, None, None], "h": np.arange(heads, dtype=idx)[None, :, None],
-           "q": (t_len - 1).astype(idx)[:, None, None], "k": np.arange(s, dtype=idx)[None, None, :]}
+           "q": (t_len - 1).astype(idx)[:, None, None], "k": np.arange(s, dtype=idx)[None, None, :],
+           "S_q": np.ones((n, 1, 1), idx), "S_k": t_len.astype(idx)[:, None, None]}
     span = {"b": n if n == len(kv_lens) else None, "h": heads, "k": s}  # b: every request has a row
     vis = _evaluate(program.mask, env, tensors, span)
     width = int(nb.max()) * bn

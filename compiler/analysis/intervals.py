@@ -239,7 +239,8 @@ def require_columns(program: ir.Program, batch: int, s_k: int, axis: str = "S_k"
 
 
 class _Analyzer:
-    def __init__(self, program: ir.Program, batch: int, s_q: int, s_k: int, tensors: dict, transposed=False):
+    def __init__(self, program: ir.Program, batch: int, s_q: int, s_k: int, tensors: dict, transposed=False,
+                 lengths: tuple[int, int] | None = None):
         if s_q < 0 or s_k < 0 or batch < 0:
             raise PlanError(f"negative length: B = {batch}, S_q = {s_q}, S_k = {s_k}")
         if s_q > s_k and not transposed:
@@ -249,9 +250,11 @@ class _Analyzer:
         self.shape = require_columns(program, batch, s_k, "S_q" if transposed else "S_k")
         self.n = int(np.prod(self.shape))
         self.rows, self.q0 = s_q, s_k - s_q
+        length_q, length_k = lengths or (s_q, s_k)  # the call's S_q, S_k (a transposed analysis swaps rows)
         self.env = {"b": np.arange(self.shape[0]).reshape(-1, 1, 1),
                     "h": np.arange(self.shape[1]).reshape(1, -1, 1),
-                    "k": np.arange(s_k).reshape(1, 1, -1)}
+                    "k": np.arange(s_k).reshape(1, 1, -1),
+                    "S_q": np.asarray(length_q), "S_k": np.asarray(length_k)}
         self.reasons: list[str] = []
         # where the value being analyzed is used (the language's guards: where's branches, the
         # right side of & and |; reads outside a tensor are errors only there): a column-only
@@ -696,7 +699,7 @@ def row_intervals(program: ir.Program, batch: int, s_q: int, s_k: int,
     swapped = ir.substitute(program.mask, {
         "q": ir.Binary("add", ir.Var("k", i32), ir.Const(q0, i32), i32),
         "k": ir.Binary("add", ir.Var("q", i32), ir.Const(q0, i32), i32)})
-    a = _Analyzer(program, batch, s_k, s_q, tensors or {}, transposed=True)
+    a = _Analyzer(program, batch, s_k, s_q, tensors or {}, transposed=True, lengths=(s_q, s_k))
     visible = a.truth(swapped)
     if not visible.exact:
         return None

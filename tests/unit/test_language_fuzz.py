@@ -47,7 +47,7 @@ INT_OPS = ["+", "-", "*", "//", "%", "&", "|", "^"]
 def ints(draw, depth=0):
     if depth > 3 or draw(st.integers(0, 2)) == 0:
         return draw(st.sampled_from(["q", "k", "b", "h", "0", "1", "3", "16", "64", "2147483647", "doc[b, k]",
-                                     "doc[b, q]", "-5"]))
+                                     "doc[b, q]", "-5", "S_q", "S_k", "(q - (S_k - S_q))"]))
     kind = draw(st.integers(0, 5))
     sub = lambda: draw(ints(depth + 1))  # noqa: E731
     if kind <= 1:

@@ -332,3 +332,38 @@ def test_call_keywords_cover_every_entry_point_that_takes_tensors_by_name():
     keys |= {"o", "lse", *inputs.SPLIT_KEYS, "kv_indptr", "kv_indices", "kv_last_page_len", "block_table",
              "k_cache", "v_cache"}
     assert keys <= CALL_KEYWORDS, sorted(keys - CALL_KEYWORDS)
+
+
+# ---------------------------------------------------------------- the request's lengths
+def test_top_left_aligned_masks_with_the_requests_lengths():
+    """`S_q`, `S_k` name the request's query rows and keys: row i of an append call is
+    q - (S_k - S_q), so top-left causal is `k <= q - (S_k - S_q)`."""
+    p = spec("mask = k <= q - (S_k - S_q)")
+    rows = np.arange(5).reshape(-1, 1)
+    np.testing.assert_array_equal(oracle.dense_mask(p, 1, 5, 12, {})[0, 0], np.arange(12) <= rows)
+    assert_agree(run_all(p, 5, 12, batch=2))
+    assert_agree(run_all(p, 1, 12, batch=2))  # decode: AHBM's decode program, the split program's one row
+
+
+def test_paddle_row_vectors_of_an_append_call():
+    """A FlashMask-style vector of row indices (as Paddle builds them for the call), read against
+    the row index q - (S_k - S_q), with a score that reads the lengths too."""
+    body = ("tensor lts: i32[b, s] ~ randint(0, 6) mask = k <= q & q - (S_k - S_q) < lts[b, k] "
+            "score = score - 0.25 * S_q + 0.01 * S_k")
+    p = spec(body)
+    arrays = inputs.sample(p, 2, 5, 12, seed=7)
+    rows = np.arange(5).reshape(1, -1, 1)
+    want = (np.arange(12) <= rows + 7) & (rows < arrays["lts"][:, None, :])
+    np.testing.assert_array_equal(oracle.dense_mask(p, 2, 5, 12, {"lts": arrays["lts"]})[:, 0], want)
+    assert_agree(run_all(p, 5, 12, batch=2))
+
+
+def test_lengths_per_request_in_a_mixed_batch():
+    p = spec("cache = paged(page_size = 4) mask = k <= q - (S_k - S_q) | k >= S_k - 2")
+    arrays = inputs.sample_cache(p, [12, 7, 9], [5, 2, 1], seed=3)
+    kernel = numpy_backend.load(p)
+    o, lse = kernel.run(arrays, return_lse=True)
+    ref_o, ref_lse = oracle.reference_cache(p, inputs.validate_cache(p, arrays))
+    assert all(c.ok for c in numerics.compare_outputs("f32", o, lse, ref_o, ref_lse))
+    with pytest.raises(SpecError, match="'S_k' is the request's length; scale must be a constant"):
+        spec("scale = 1.0 / S_k")
