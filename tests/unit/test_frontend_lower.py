@@ -136,8 +136,9 @@ def test_format_expr_round_trips_through_the_parser(mask, score):
     text = f"attention t {{ heads = 4 / 2 head_dim = 8 {DECLS} score = {score} mask = {mask} }}"
     try:
         p = compile_spec(text)
-    except SpecError as e:  # products of positions beyond i64 are refused (the range analysis)
-        assume("may overflow i64" not in str(e))
+    except SpecError as e:  # products of positions beyond i64 are refused (the range analysis), and
+        # expressions deeper than the language's nesting limit (nested softcaps expand to 3 levels each)
+        assume("may overflow i64" not in str(e) and "levels deep" not in str(e))
         raise
     again = compile_spec(f"attention t {{ heads = 4 / 2 head_dim = 8 {DECLS} "
                          f"score = {ir.format_expr(p.score[0])} mask = {ir.format_expr(p.mask)} }}")
