@@ -4,6 +4,7 @@ Not a backend: backends import this, never each other (DESIGN §2).
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import os
@@ -16,14 +17,21 @@ import jinja2
 TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
 
 
-def render(backend: str, template: str, **context) -> str:
-    env = jinja2.Environment(
+@functools.cache
+def _environment(backend: str) -> jinja2.Environment:
+    """One environment per backend: its templates are parsed once per process (they are package
+    data, never edited while it runs)."""
+    return jinja2.Environment(
         loader=jinja2.FileSystemLoader(TEMPLATES / backend),
         undefined=jinja2.StrictUndefined,
         keep_trailing_newline=True,
         autoescape=False,
+        auto_reload=False,
     )
-    return env.get_template(template).render(**context)
+
+
+def render(backend: str, template: str, **context) -> str:
+    return _environment(backend).get_template(template).render(**context)
 
 
 def cache_dir() -> Path:

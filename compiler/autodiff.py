@@ -142,6 +142,12 @@ def _call_rule(e: ir.Call, da: list[ir.Expr]) -> ir.Expr:
         return div(da[0], mul(ir.Const(2.0, F32), e))
     if e.fn == "tanh":
         return mul(da[0], sub(ONE, mul(e, e)))
+    if e.fn == "sin":
+        return mul(da[0], ir.Call("cos", (x,), F32))
+    if e.fn == "cos":
+        return neg(mul(da[0], ir.Call("sin", (x,), F32)))
+    if e.fn == "erf":  # 2 / sqrt(pi) exp(-x^2)
+        return mul(da[0], mul(ir.Const(1.1283791670955126, F32), ir.Call("exp", (neg(mul(x, x)),), F32)))
     raise TypeError(f"no derivative rule for {e.fn}")
 
 

@@ -15,6 +15,8 @@ from typing import Callable
 from . import ast, ir
 from .errors import DiagnosticSink, Span
 from .ir import BOOL, F32, I32, Type
+from .scalar import FLT_MAX, float_floordiv, float_mod, int_floordiv, int_mod
+from .scalar import f32 as fold_f32
 
 DTYPES = ("f16", "bf16", "f32")
 TENSOR_DTYPES = {"i32": I32, "f32": F32, "bool": BOOL}
@@ -26,8 +28,22 @@ FUNCTIONS = {**ir.CALL_FNS, "window": 1, "softcap": 2, "where": 3, "flashmask": 
 # (python/paddle/nn/functional/flash_attention.py: flashmask_attention).
 FLASHMASK_BOUNDS = {True: (1, 2), False: (2, 4)}
 FLASHMASK_LAYOUT = "i32[b, heads, s, n] with heads = h, 1, H_q or H_kv and n = 1, 2 or 4"
-RESERVED = set(ir.POSITION_VARS) | {"s", "score", "causal", "true", "false"} | set(FUNCTIONS) \
-    | {"v", "return_lse", "block_m", "block_n"}  # keyword arguments of the generated entry point
+MAX_NAME = 64  # identifiers (the attention name names generated files)
+MAX_SIZE = 2**31 - 1  # heads, head dims, axis sizes and policy arguments are i32
+# Declared tensors are passed by name next to these: the inputs of a call (attnc run's npz keys,
+# DESIGN §5) and every keyword argument of an entry point that takes tensors as **keywords
+# (tests/unit/test_language_names.py reads the entry points' signatures and keeps this list whole).
+CALL_KEYWORDS = {
+    "q", "k", "v", "o", "lse", "k_cache", "v_cache", "block_table", "kv_lens", "kv_indptr", "kv_indices",
+    "kv_last_page_len", "cache_batch_idx", "q_lens", "qo_indptr",  # inputs and outputs
+    "self", "return_lse", "plan", "stats", "cache", "lengths", "backend", "block_m", "block_n", "block_q",
+    "splits", "num_warps", "num_stages", "capture", "max_kv_len", "cuda_graph", "sp", "case", "mask_from",
+    "tensors", "arrays", "options", "route", "device", "engine", "walk", "use_tma", "head_group",
+    "schedule", "occupancy", "kernel", "do", "dlse", "config", "k_new", "v_new", "manifest",
+}
+LANGUAGE_NAMES = set(ir.POSITION_VARS) | set(ir.LENGTH_VARS) | {"s", "score", "causal", "true", "false"} \
+    | set(FUNCTIONS)
+RESERVED = LANGUAGE_NAMES | CALL_KEYWORDS
 
 
 @dataclass
@@ -79,6 +95,8 @@ class Param:
 
 
 def _positive(v):
+    if v > MAX_SIZE:
+        return f"must be at most {MAX_SIZE}, got {v}"
     return None if v >= 1 else f"must be at least 1, got {v}"
 
 
@@ -214,6 +232,9 @@ class Checker:
 
     # ------------------------------------------------------------ scalars
     def _check_identifier(self, name: str, span: Span, what: str) -> bool:
+        if len(name) > MAX_NAME:
+            self.error(f"{what} is {len(name)} characters long; names have at most {MAX_NAME}", span)
+            return False
         if keyword.iskeyword(name):  # soft keywords (match, case, type) are valid names
             self.error(f"{what} '{name}' is a Python keyword; choose another name", span)
             return False
@@ -225,6 +246,9 @@ class Checker:
     def _size(self, lit: ast.Literal, what: str) -> int:
         if lit.value <= 0:
             self.error(f"{what} must be positive, got {lit.value}", lit.span)
+            return 1
+        if lit.value > MAX_SIZE:
+            self.error(f"{what} must be at most {MAX_SIZE}, got {lit.value}", lit.span)
             return 1
         return lit.value
 
@@ -263,7 +287,11 @@ class Checker:
         if not self._check_identifier(t.name, t.name_span, "tensor name"):
             return
         if t.name in RESERVED:
-            self.error(f"tensor name '{t.name}' is reserved by the language", t.name_span)
+            if t.name in LANGUAGE_NAMES:
+                self.error(f"tensor name '{t.name}' is reserved by the language", t.name_span)
+            else:
+                self.error(f"tensor name '{t.name}' is reserved: a call passes its inputs and options by "
+                           "that name", t.name_span)
             return
         ok = True
         if t.dtype not in TENSOR_DTYPES:
@@ -272,8 +300,8 @@ class Checker:
             ok = False
         for a in t.axes:
             if isinstance(a.value, int):
-                if a.value <= 0:
-                    self.error(f"axis size must be positive, got {a.value}", a.span)
+                if not 0 < a.value <= MAX_SIZE:
+                    self.error(f"axis size must be in [1, {MAX_SIZE}], got {a.value}", a.span)
                     ok = False
             elif a.value not in AXES:
                 self.error(f"unknown axis '{a.value}'; an axis is 'b' (request), 'h' (query head), "
@@ -326,6 +354,15 @@ class Checker:
             elif hi.value < lo.value:
                 self.error(f"'max_len' of sample '{s.kind}' is {hi.value}, less than 'min_len' {lo.value}",
                            hi.span)
+        elif s.kind == "randint" and not all(-2**31 <= a.value <= 2**31 for a in (args["low"], args["high"])):
+            bad = next(a for a in (args["low"], args["high"]) if not -2**31 <= a.value <= 2**31)
+            self.error(f"values of sample 'randint' must fit in i32, got {bad.value}", bad.span)
+        elif s.kind in ("uniform", "const") and any(
+                isinstance(a.value, float) and not abs(a.value) <= FLT_MAX for a in args.values()):
+            bad = next(a for a in args.values() if isinstance(a.value, float) and not abs(a.value) <= FLT_MAX)
+            self.error(f"value {bad.value} of sample '{s.kind}' is outside the f32 range", bad.span)
+        elif s.kind in ("segments", "prefix_ends") and args["max_len"].value > MAX_SIZE:
+            self.error(f"'max_len' of sample '{s.kind}' must be at most {MAX_SIZE}", args["max_len"].span)
         elif s.kind == "randint" and args["high"].value <= args["low"].value:  # draws from [low, high)
             self.error(f"'high' of sample 'randint' must be greater than 'low' ({args['low'].value}); "
                        f"values are drawn from [low, high), got {args['high'].value}", args["high"].span)
@@ -335,6 +372,8 @@ class Checker:
         elif s.kind == "const" and t.dtype == "i32" and not isinstance(args["value"].value, int):
             self.error(f"'value' of sample 'const' must be an integer for an i32 tensor, "
                        f"got {args['value'].value!r}", args["value"].span)
+        elif s.kind == "const" and t.dtype == "i32" and not -2**31 <= args["value"].value < 2**31:
+            self.error(f"'value' of sample 'const' must fit in i32, got {args['value'].value}", args["value"].span)
 
     def _tensor_type(self, t: ast.TensorDecl) -> ir.TensorDecl:
         sample = ir.Sample(t.sample.kind, tuple(a.value for a in t.sample.args)) if t.sample else None
@@ -458,6 +497,9 @@ class Checker:
             lt, rt = self.expr(e.left, ctx), self.expr(e.right, ctx)
             if lt is None or rt is None:
                 return None
+            if isinstance(e, ast.Binary) and e.op in ir.SURFACE_BITWISE and (lt.integer or rt.integer
+                                                                            or e.op in ("^", "<<", ">>")):
+                return self._bitwise(e, lt, rt)
             if isinstance(e, ast.Binary):
                 op = ir.SURFACE_BINARY[e.op]
                 r = ir.binary_type(op, lt, rt)
@@ -479,10 +521,28 @@ class Checker:
             return r
         raise TypeError(e)
 
+    def _bitwise(self, e: ast.Binary, lt: Type, rt: Type) -> Type | None:
+        """`&`, `|`, `^` on integers (bitwise) or on conditions (logical); `<<`, `>>` on integers."""
+        if lt is BOOL and rt is BOOL:  # (only `^` comes here with two conditions)
+            return BOOL
+        if lt.integer and rt.integer:
+            return ir.promote(lt, rt)
+        if e.op in ("<<", ">>"):
+            self.error(f"'{e.op}' shifts an integer by an integer, got {lt.value} {e.op} {rt.value}", e.span)
+            return None
+        notes = ()
+        if BOOL in (lt, rt) and (lt.integer or rt.integer):
+            notes = (f"'{e.op}' binds looser than comparisons: 'q {e.op} 7 == 0' is 'q {e.op} (7 == 0)'; "
+                     f"write (q {e.op} 7) == 0",)
+        self.error(f"'{e.op}' needs two integers (bitwise) or two conditions (logical), "
+                   f"got {lt.value} {e.op} {rt.value}", e.span, *notes)
+        return None
+
     def _name(self, e: ast.Name, ctx: str) -> Type | None:
-        if e.id in ("q", "k", "b", "h"):
+        if e.id in ("q", "k", "b", "h") or e.id in ir.LENGTH_VARS:
             if ctx == "scale":
-                self.error(f"'{e.id}' is a position; scale must be a constant", e.span)
+                what = "a position" if len(e.id) == 1 else "the request's length"
+                self.error(f"'{e.id}' is {what}; scale must be a constant", e.span)
                 return None
             return I32
         if e.id == "score":
@@ -505,7 +565,7 @@ class Checker:
         if e.id in FUNCTIONS:
             self.error(f"'{e.id}' is a function; call it: {e.id}(...)", e.span)
             return None
-        known = {"q", "k", "b", "h", "causal", *self.tensors} | ({"score"} if ctx == "score" else set())
+        known = {"q", "k", "b", "h", "S_q", "S_k", "causal", *self.tensors} | ({"score"} if ctx == "score" else set())
         self.error(f"unknown name '{e.id}'", e.span, *_suggest(e.id, known))
         return None
 
@@ -541,7 +601,7 @@ class Checker:
             used = _names(idx)
             if axis.value in ("b", "h"):
                 allowed = {"b"} if axis.value == "b" else {"b", "h"}
-                bad = sorted(used & ({"q", "k", "b", "h", "score"} - allowed))
+                bad = sorted(used & ({"q", "k", "b", "h", "score", *ir.LENGTH_VARS} - allowed))
                 if bad:
                     meaning = "the request index 'b'" if axis.value == "b" else "the query head 'h'"
                     self.error(f"axis '{axis.value}' of '{e.tensor}' must be indexed by {meaning}, "
@@ -696,7 +756,8 @@ def _ast_children(e: ast.Expr) -> tuple[ast.Expr, ...]:
 
 
 _CONST_FNS = {"sqrt": math.sqrt, "exp": math.exp, "log": math.log, "tanh": math.tanh, "abs": abs,
-              "min": min, "max": max, "softcap": lambda x, cap: cap * math.tanh(x / cap)}
+              "min": min, "max": max, "softcap": lambda x, cap: cap * math.tanh(x / cap),
+              "erf": math.erf, "sin": math.sin, "cos": math.cos}
 _CONST_COMPARE = {"==": lambda a, b: a == b, "!=": lambda a, b: a != b, "<": lambda a, b: a < b,
                   "<=": lambda a, b: a <= b, ">": lambda a, b: a > b, ">=": lambda a, b: a >= b}
 
@@ -707,11 +768,28 @@ def _has_op(e: ast.Expr, op: str) -> bool:
     return any(_has_op(c, op) for c in _ast_children(e))
 
 
+def _f32(v):
+    """A computed float as the language holds it (binary32); an overflow is an OverflowError."""
+    if not isinstance(v, float) or math.isnan(v) or math.isinf(v):
+        return v
+    r = fold_f32(v)
+    if math.isinf(r):
+        raise OverflowError(f"overflows f32 ({v:g} is beyond the largest f32, {FLT_MAX:g})")
+    return r
+
+
+_CONST_BITS = {"&": lambda a, b: a & b, "|": lambda a, b: a | b, "^": lambda a, b: a ^ b,
+               "<<": lambda a, b: a << b, ">>": lambda a, b: a >> b}
+
+
 def _const_value(e: ast.Expr, strict: bool = False):
-    """The value of a name-free (well-typed) expression, or None; a domain error
-    (sqrt(-1), 1 / 0) gives None too, or raises when ``strict``."""
+    """The value of a name-free (well-typed) expression as the language computes it (integers
+    exact, floats in f32), or None; a domain error (sqrt(-1), 1.0 / 0.0, an f32 overflow) gives
+    None too, or raises when ``strict``."""
     try:
-        if isinstance(e, (ast.IntLit, ast.FloatLit, ast.BoolLit)):
+        if isinstance(e, ast.FloatLit):
+            return _f32(e.value)
+        if isinstance(e, (ast.IntLit, ast.BoolLit)):
             return e.value
         if isinstance(e, ast.Unary) and e.op == "-":
             v = _const_value(e.operand, strict)
@@ -722,15 +800,29 @@ def _const_value(e: ast.Expr, strict: bool = False):
         if isinstance(e, ast.Call) and e.func == "where":
             c = _const_value(e.args[0], strict)
             return None if c is None else _const_value(e.args[1] if c else e.args[2], strict)
-        if isinstance(e, ast.Binary) and e.op in "+-*/%//":
+        if isinstance(e, ast.Binary) and e.op in _CONST_BITS:
             a, b = _const_value(e.left, strict), _const_value(e.right, strict)
-            if a is None or b is None:
+            if not (type(a) is int and type(b) is int) or (e.op in ("<<", ">>") and not 0 <= b <= 63):
                 return None
-            return {"+": a + b, "-": a - b, "*": a * b}.get(e.op) if e.op in "+-*" else \
-                (a / b if e.op == "/" else a // b if e.op == "//" else a % b)
+            return _CONST_BITS[e.op](a, b)
+        if isinstance(e, ast.Binary) and e.op in ("+", "-", "*", "/", "//", "%"):
+            a, b = _const_value(e.left, strict), _const_value(e.right, strict)
+            if a is None or b is None or isinstance(a, bool) or isinstance(b, bool):
+                return None
+            if isinstance(a, int) and isinstance(b, int) and e.op in ("//", "%"):
+                return int_floordiv(a, b) if e.op == "//" else int_mod(a, b)
+            if e.op == "/" or isinstance(a, float) or isinstance(b, float):
+                a, b = _f32(float(a)), _f32(float(b))
+            v = {"+": lambda: a + b, "-": lambda: a - b, "*": lambda: a * b, "/": lambda: a / b,
+                 "//": lambda: float_floordiv(a, b), "%": lambda: float_mod(a, b)}[e.op]()
+            return _f32(v)
         if isinstance(e, ast.Call) and e.func in _CONST_FNS:
             args = [_const_value(a, strict) for a in e.args]
-            return None if None in args else _CONST_FNS[e.func](*args)
+            if None in args:
+                return None
+            if e.func in ir.FLOAT_FNS or e.func == "softcap":
+                args = [_f32(float(a)) for a in args]
+            return _f32(_CONST_FNS[e.func](*args))
     except (ZeroDivisionError, ValueError, OverflowError) as exc:
         if strict:
             raise exc

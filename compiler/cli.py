@@ -171,7 +171,7 @@ def _integer(text: str, lo: int, hi: int | None = None) -> int:
     if value < lo:
         raise argparse.ArgumentTypeError(f"expected an integer >= {lo}, got {text!r}")
     if hi is not None and value > hi:
-        raise argparse.ArgumentTypeError(f"{value} exceeds {hi} (2^31 - 1): positions are int32 in every kernel")
+        raise argparse.ArgumentTypeError(f"{value} exceeds {hi} (2^30): the language's limit on positions")
     return value
 
 
@@ -184,7 +184,7 @@ def _count(text: str) -> int:
 
 
 def _length(text: str) -> int:
-    """A sequence length: 1 <= n <= 2^31 - 1 (int32 positions)."""
+    """A sequence length: 1 <= n <= 2^30 (the language's limit on positions)."""
     return _integer(text, 1, resources.MAX_LENGTH)
 
 
@@ -204,8 +204,8 @@ def _lengths_arg(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected non-negative lengths, got {text!r}")
     too_long = [x for x in out if x > resources.MAX_LENGTH]
     if too_long:
-        raise argparse.ArgumentTypeError(f"length {too_long[0]} exceeds {resources.MAX_LENGTH} (2^31 - 1): "
-                                         "positions are int32 in every kernel")
+        raise argparse.ArgumentTypeError(f"length {too_long[0]} exceeds {resources.MAX_LENGTH} (2^30): the "
+                                         "language's limit on positions")
     return out
 
 

@@ -11,12 +11,21 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
-from lark import Lark, Token, Transformer, v_args
-from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken, VisitError
+from lark import Lark, Token, Tree
+from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken
 from lark.lexer import PatternStr
 
 from . import ast
-from .errors import AttncError, Diagnostic, Source, Span, SpecError
+from .errors import Diagnostic, Source, Span, SpecError
+
+MAX_DEPTH = 32
+"""How deeply expressions may nest (calls, subscripts, operators; a chain of one of the
+associative operators `&`, `|`, `^` counts as a balanced tree, so `a & b & ... & z` of n terms
+is about log2(n) deep).  Every pass over an expression and every backend's generated code is
+proven to work up to this depth (tests/unit/test_language_fuzz.py); deeper is a located error."""
+MAX_INT_DIGITS = 19
+"""Integer literals are i32 (policy and size arguments at most 2**31 - 1); a literal with more
+digits than any i64 is refused here, before Python converts it."""
 
 GRAMMAR_PATH = Path(__file__).resolve().parent.parent / "grammar" / "attn.lark"
 
@@ -34,12 +43,7 @@ def parse(text: str, name: str = "<spec>") -> ast.Attention:
         tree = parser().parse(text)
     except UnexpectedInput as e:
         raise _syntax_error(source, e) from None
-    try:
-        return _Builder(source).transform(tree)
-    except VisitError as e:  # a builder method raised a located error
-        if isinstance(e.orig_exc, AttncError):
-            raise e.orig_exc from None
-        raise
+    return _Builder(source).build(tree)
 
 
 def parse_file(path: str | Path) -> ast.Attention:
@@ -141,13 +145,75 @@ def _syntax_error(source: Source, e: UnexpectedInput) -> SpecError:
 
 
 # --------------------------------------------------------------- tree -> AST
-@v_args(meta=True)
-class _Builder(Transformer):
-    """Methods are named after the grammar rules (and their ``->`` aliases)."""
+_CHAINS = ("and_op", "or_op", "xor_op")  # associative: a run of one is built as a balanced tree
+_EXPR_NODES = (ast.IntLit, ast.FloatLit, ast.BoolLit, ast.Name, ast.Call, ast.Index, ast.Unary, ast.Binary,
+               ast.Compare)
+
+
+class _Builder:
+    """Tree -> AST, one method per grammar rule (and per ``->`` alias), each taking the rule's
+    meta and its built children.  The walk is iterative (a post-order with an explicit stack),
+    so no input can exhaust Python's recursion, and it measures each expression's depth on the
+    way up: the first node deeper than MAX_DEPTH is a located error."""
 
     def __init__(self, source: Source):
-        super().__init__()
         self.source = source
+
+    def build(self, tree: Tree) -> ast.Attention:
+        values: list = []  # built children, with their expression depths
+        depths: list[int] = []
+        stack: list[tuple[object, bool]] = [(tree, False)]
+        while stack:
+            node, ready = stack.pop()
+            if not isinstance(node, Tree):
+                values.append(node)
+                depths.append(0)
+                continue
+            kids = self._operands(node)
+            if not ready:
+                stack.append((node, True))
+                stack.extend((c, False) for c in reversed(kids))
+                continue
+            n = len(kids)
+            args, kid_depths = values[len(values) - n:], depths[len(depths) - n:]
+            del values[len(values) - n:], depths[len(depths) - n:]
+            if node.data in _CHAINS:
+                built, depth = self._chain(node.data, args, kid_depths)
+            else:
+                built = getattr(self, node.data)(node.meta, args)
+                depth = 1 + max(kid_depths, default=0) if isinstance(built, _EXPR_NODES) else 0
+            if depth > MAX_DEPTH:
+                raise SpecError(Diagnostic(
+                    f"expression nested more than {MAX_DEPTH} levels deep (the language's limit)", built.span,
+                    ("name the parts with tensors or split the condition: a chain of '&', '|' or '^' "
+                     "counts as a balanced tree, other operators one level each",)))
+            values.append(built)
+            depths.append(depth)
+        return values[0]
+
+    @staticmethod
+    def _operands(node: Tree) -> list:
+        """The children to build first: a chain ``a & b & c`` (left-nested in the parse tree)
+        gives its operands, flat."""
+        if node.data not in _CHAINS:
+            return list(node.children)
+        op, out = node.data, []
+        while isinstance(node, Tree) and node.data == op:
+            left, right = node.children
+            out.append(right)
+            node = left
+        out.append(node)
+        return out[::-1]
+
+    def _chain(self, rule: str, operands: list, depths: list[int]):
+        """A balanced tree of one associative operator over ``operands`` (in order)."""
+        op = {"and_op": "&", "or_op": "|", "xor_op": "^"}[rule]
+        if len(operands) == 1:
+            return operands[0], depths[0]
+        mid = len(operands) // 2
+        left, dl = self._chain(rule, operands[:mid], depths[:mid])
+        right, dr = self._chain(rule, operands[mid:], depths[mid:])
+        return ast.Binary(op, left, right, left.span.to(right.span)), 1 + max(dl, dr)
 
     # spans -------------------------------------------------------------
     def _meta_span(self, meta) -> Span:
@@ -156,6 +222,13 @@ class _Builder(Transformer):
     def _tok_span(self, tok: Token) -> Span:
         return Span.at(self.source, tok.start_pos, tok.end_pos)
 
+    def _int(self, tok: Token, span: Span) -> int:
+        digits = str(tok).lstrip("-")
+        if len(digits) > MAX_INT_DIGITS:
+            raise SpecError(Diagnostic(f"integer with {len(digits)} digits is too large: integers are i32 "
+                                       f"(at most {2**31 - 1})", span))
+        return int(tok)
+
     # top level -----------------------------------------------------------
     def start(self, meta, children):
         name, *statements = children
@@ -163,7 +236,8 @@ class _Builder(Transformer):
 
     # literals ------------------------------------------------------------
     def int_lit(self, meta, children):
-        return ast.Literal(int(children[0]), self._meta_span(meta))
+        span = self._meta_span(meta)
+        return ast.Literal(self._int(children[0], span), span)
 
     def float_lit(self, meta, children):
         return ast.Literal(float(children[0]), self._meta_span(meta))
@@ -227,7 +301,8 @@ class _Builder(Transformer):
 
     # expressions -----------------------------------------------------------
     def int_const(self, meta, children):
-        return ast.IntLit(int(children[0]), self._meta_span(meta))
+        span = self._meta_span(meta)
+        return ast.IntLit(self._int(children[0], span), span)
 
     def float_const(self, meta, children):
         return ast.FloatLit(float(children[0]), self._meta_span(meta))
@@ -260,9 +335,9 @@ class _Builder(Transformer):
             return node(op, children[0], children[1], self._meta_span(meta))
         return build
 
-    or_op, and_op = _binary("|"), _binary("&")
     add, sub, mul, div = _binary("+"), _binary("-"), _binary("*"), _binary("/")
     floordiv, mod = _binary("//"), _binary("%")
+    shl, shr = _binary("<<"), _binary(">>")
     eq, ne = _binary("==", ast.Compare), _binary("!=", ast.Compare)
     lt, le = _binary("<", ast.Compare), _binary("<=", ast.Compare)
     gt, ge = _binary(">", ast.Compare), _binary(">=", ast.Compare)

@@ -278,7 +278,12 @@ def validate(program: ir.Program, arrays: dict[str, np.ndarray], float_dtype=np.
            for n in ("q", "k", "v")}
     tensors = _convert_tensors(program, arrays, float_dtype)
     check_flashmask(program, tensors)
-    return Call(*(qkv[n].astype(float_dtype) for n in ("q", "k", "v")), tensors)
+    # the values the kernels compute with: the inputs rounded to the storage dtype (a float32 array
+    # for a bf16 spec is held as bf16, as every backend stores it); a float64 call (the backward
+    # reference, gradcheck) keeps its values: it is not a storage-dtype call
+    if np.dtype(float_dtype) == np.float64:
+        return Call(*(qkv[n].astype(np.float64) for n in ("q", "k", "v")), tensors)
+    return Call(*(to_storage(qkv[n], program.dtype).astype(np.float32) for n in ("q", "k", "v")), tensors)
 
 
 # ---------------------------------------------------------------- backward calls
@@ -512,7 +517,7 @@ def validate_cache(program: ir.Program, arrays: dict[str, np.ndarray]) -> CacheC
     _check_tensors(p, {t: (arrays[t].shape, arrays[t].dtype.kind, str(arrays[t].dtype)) for t in names}, sizes)
     tensors = _convert_tensors(p, arrays)
     check_flashmask(p, tensors)
-    return CacheCall(layout, q.astype(np.float32), k.astype(np.float32), v.astype(np.float32),
+    return CacheCall(layout, *(to_storage(x, p.dtype).astype(np.float32) for x in (q, k, v)),
                      q_lens, qo_indptr, tensors)
 
 

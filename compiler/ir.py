@@ -16,6 +16,7 @@ node = dataclass(frozen=True, slots=True)
 
 class Type(str, enum.Enum):
     I32 = "i32"
+    I64 = "i64"  # an integer whose range does not fit i32 (compiler/ranges.py decides; never declared)
     F32 = "f32"
     BOOL = "bool"
 
@@ -23,30 +24,41 @@ class Type(str, enum.Enum):
     def numeric(self) -> bool:
         return self is not Type.BOOL
 
+    @property
+    def integer(self) -> bool:
+        return self in (Type.I32, Type.I64)
 
-I32, F32, BOOL = Type.I32, Type.F32, Type.BOOL
 
-# Operators, by the node kind that carries them.
+I32, I64, F32, BOOL = Type.I32, Type.I64, Type.F32, Type.BOOL
+INT_BOUNDS = {I32: (-2**31, 2**31 - 1), I64: (-2**63, 2**63 - 1)}
+
+# Operators, by the node kind that carries them.  Integer `//` and `%` are floor division and
+# the remainder with the divisor's sign; both are total: x // 0 = 0 and x % 0 = x (so
+# (x // y) * y + x % y == x for every y).
 ARITH_OPS = ("add", "sub", "mul", "div", "floordiv", "mod")
+BIT_OPS = ("bitand", "bitor", "bitxor", "shl", "shr")  # integers only
 LOGIC_OPS = ("and", "or")
-BINARY_OPS = ARITH_OPS + LOGIC_OPS
+BINARY_OPS = ARITH_OPS + BIT_OPS + LOGIC_OPS
 COMPARE_OPS = ("eq", "ne", "lt", "le", "gt", "ge")
-UNARY_OPS = ("neg", "not", "cast_f32")
+UNARY_OPS = ("neg", "not", "cast_f32", "cast_i64")
 CALL_FNS = {  # name -> arity; result type: min/max/abs keep the operand type, the rest are f32
-    "min": 2, "max": 2, "abs": 1, "exp": 1, "log": 1, "sqrt": 1, "tanh": 1,
+    "min": 2, "max": 2, "abs": 1, "exp": 1, "log": 1, "sqrt": 1, "tanh": 1, "erf": 1, "sin": 1, "cos": 1,
 }
-FLOAT_FNS = ("exp", "log", "sqrt", "tanh")
+FLOAT_FNS = ("exp", "log", "sqrt", "tanh", "erf", "sin", "cos")
 POSITION_VARS = ("q", "k", "b", "h")
+LENGTH_VARS = ("S_q", "S_k")  # the request's query rows and keys (per request in a batch)
 
-# Surface spellings (the .attn language) of IR operators.
+# Surface spellings (the .attn language) of IR operators.  `&`, `|` and `^` are logical on
+# conditions and bitwise on integers (`^` on conditions lowers to `!=`).
 SURFACE_BINARY = {"+": "add", "-": "sub", "*": "mul", "/": "div", "//": "floordiv", "%": "mod",
                   "&": "and", "|": "or"}
+SURFACE_BITWISE = {"&": "bitand", "|": "bitor", "^": "bitxor", "<<": "shl", ">>": "shr"}
 SURFACE_COMPARE = {"==": "eq", "!=": "ne", "<": "lt", "<=": "le", ">": "gt", ">=": "ge"}
 
 
 def promote(a: Type, b: Type) -> Type:
     """The common numeric type of two numeric operands."""
-    return F32 if F32 in (a, b) else I32
+    return F32 if F32 in (a, b) else I64 if I64 in (a, b) else I32
 
 
 # ---------------------------------------------------------------- expressions
@@ -58,7 +70,7 @@ class Const:
 
 @node
 class Var:
-    name: str  # q | k | b | h | score
+    name: str  # q | k | b | h | S_q | S_k | score
     type: Type
 
 
@@ -316,12 +328,16 @@ def unary_type(op: str, t: Type) -> Type | None:
         return BOOL if t is BOOL else None
     if op == "cast_f32":
         return F32 if t.numeric else None
+    if op == "cast_i64":
+        return I64 if t.integer else None
     return None
 
 
 def binary_type(op: str, a: Type, b: Type) -> Type | None:
     if op in LOGIC_OPS:
         return BOOL if a is BOOL and b is BOOL else None
+    if op in BIT_OPS:
+        return promote(a, b) if a.integer and b.integer else None
     if not (a.numeric and b.numeric):
         return None
     return F32 if op == "div" else promote(a, b)
@@ -348,14 +364,14 @@ class VerifyError(Exception):
     """An IR invariant is broken: a compiler bug, never a user error."""
 
 
-def verify_expr(e: Expr, program: Program | None = None, allowed_vars=POSITION_VARS) -> None:
+def verify_expr(e: Expr, program: Program | None = None, allowed_vars=POSITION_VARS + LENGTH_VARS) -> None:
     for n in walk(e):
         if isinstance(n, Const):
-            ok = {BOOL: bool, I32: int, F32: float}[n.type]
+            ok = {BOOL: bool, I32: int, I64: int, F32: float}[n.type]
             if type(n.value) is not ok:
                 raise VerifyError(f"constant {n.value!r} is not {n.type.value}")
-            if n.type is I32 and not -2**31 <= n.value < 2**31:
-                raise VerifyError(f"constant {n.value} overflows i32")
+            if n.type.integer and not INT_BOUNDS[n.type][0] <= n.value <= INT_BOUNDS[n.type][1]:
+                raise VerifyError(f"constant {n.value} overflows {n.type.value}")
         elif isinstance(n, Var):
             if n.name not in allowed_vars:
                 raise VerifyError(f"variable {n.name} not allowed here")
@@ -366,8 +382,8 @@ def verify_expr(e: Expr, program: Program | None = None, allowed_vars=POSITION_V
                 decl = program.tensor(n.tensor)
                 if len(n.index) != len(decl.axes) or n.type is not decl.dtype:
                     raise VerifyError(f"load of {n.tensor} disagrees with {decl.signature()}")
-            if any(i.type is not I32 for i in n.index):
-                raise VerifyError(f"load of {n.tensor} has a non-i32 index")
+            if not all(i.type.integer for i in n.index):
+                raise VerifyError(f"load of {n.tensor} has a non-integer index")
         elif isinstance(n, Unary):
             if unary_type(n.op, n.operand.type) is not n.type:
                 raise VerifyError(f"{n.op} on {n.operand.type.value} typed {n.type.value}")
@@ -393,16 +409,17 @@ def verify(program: Program) -> Program:
     if program.mask.type is not BOOL:
         raise VerifyError("mask is not boolean")
     for s in program.score:
-        verify_expr(s, program, POSITION_VARS + ("score",))
+        verify_expr(s, program, POSITION_VARS + LENGTH_VARS + ("score",))
         if s.type is not F32:
             raise VerifyError("score statement is not f32")
     return program
 
 
 # ---------------------------------------------------------------- surface text
-_PRECEDENCE = {"or": 1, "and": 2, "not": 3, "cmp": 4, "add": 5, "sub": 5, "mul": 6, "div": 6,
-               "floordiv": 6, "mod": 6, "neg": 7}
-_SURFACE_OF = {v: k for k, v in {**SURFACE_BINARY, **SURFACE_COMPARE}.items()}
+_PRECEDENCE = {"or": 1, "bitor": 1, "bitxor": 2, "and": 3, "bitand": 3, "not": 4, "cmp": 5, "shl": 6, "shr": 6,
+               "add": 7, "sub": 7, "mul": 8, "div": 8, "floordiv": 8, "mod": 8, "neg": 9}
+_NEG = _PRECEDENCE["neg"]
+_SURFACE_OF = {v: k for table in (SURFACE_BINARY, SURFACE_BITWISE, SURFACE_COMPARE) for k, v in table.items()}
 
 
 def format_expr(e: Expr) -> str:
@@ -415,7 +432,7 @@ def format_expr(e: Expr) -> str:
 def _fmt(e: Expr, outer: int) -> str:
     if isinstance(e, Const):
         text = ("true" if e.value else "false") if e.type is BOOL else repr(e.value)
-        return text if not (isinstance(e.value, (int, float)) and e.value < 0 and outer >= 7) else f"({text})"
+        return text if not (isinstance(e.value, (int, float)) and e.value < 0 and outer >= _NEG) else f"({text})"
     if isinstance(e, Var):
         return e.name
     if isinstance(e, Load):
@@ -425,7 +442,7 @@ def _fmt(e: Expr, outer: int) -> str:
     if isinstance(e, Select):
         return f"where({_fmt(e.cond, 0)}, {_fmt(e.if_true, 0)}, {_fmt(e.if_false, 0)})"
     if isinstance(e, Unary):
-        if e.op == "cast_f32":
+        if e.op in ("cast_f32", "cast_i64"):
             return _fmt(e.operand, outer)  # implicit in the surface language
         prec = _PRECEDENCE[e.op]
         text = ("-" if e.op == "neg" else "!") + _fmt(e.operand, prec)

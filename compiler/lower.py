@@ -13,15 +13,19 @@ from typing import Callable
 
 from . import ast, ir
 from .check import Spec, check
+from .errors import SpecError
 from .frontend import parse, parse_file
-from .ir import BOOL, F32, I32
+from .ir import BOOL, F32, I32, I64
+from .ranges import SHIFT_COUNT, IntRanges, fits
+from .scalar import f32 as fold_f32
+from .scalar import float_floordiv, float_mod, int_floordiv, int_mod
 
 
 # ---------------------------------------------------------------- lowering
 def _cast(e: ir.Expr, t: ir.Type) -> ir.Expr:
-    if e.type is t:
+    if e.type is t or (t.integer and e.type.integer):  # integer widths: widen_integers decides
         return e
-    assert t is F32 and e.type is I32, (e, t)
+    assert t is F32 and e.type.integer, (e, t)
     if isinstance(e, ir.Const):
         return ir.Const(float(e.value), F32)
     return ir.Unary("cast_f32", e, F32)
@@ -29,6 +33,8 @@ def _cast(e: ir.Expr, t: ir.Type) -> ir.Expr:
 
 def _binary(op: str, a: ir.Expr, b: ir.Expr) -> ir.Expr:
     t = ir.binary_type(op, a.type, b.type)
+    if op in ir.BIT_OPS:
+        return ir.Binary(op, a, b, t)
     if op not in ir.LOGIC_OPS:
         common = F32 if op == "div" else ir.promote(a.type, b.type)
         a, b = _cast(a, common), _cast(b, common)
@@ -103,8 +109,29 @@ def lower_flashmask(e: ast.Call, spec: Spec) -> ir.Expr:
     return _binary("and", masked(bound(0), bound(1)), masked(bound(2), bound(3)))
 
 
-def lower_expr(e: ast.Expr, spec: Spec) -> ir.Expr:
-    rec = lambda x: lower_expr(x, spec)  # noqa: E731
+def lower_expr(e: ast.Expr, spec: Spec, ranges: IntRanges | None = None) -> ir.Expr:
+    """The IR of one checked expression.  Every integer node's range must fit i64 (positions
+    below MAX_LENGTH, i32 tensor values anywhere in i32): one that may not is a located error,
+    as is a shift count that may leave [0, 63]."""
+    ranges = ranges or IntRanges(spec.heads_q)
+    rec = lambda x: lower_expr(x, spec, ranges)  # noqa: E731
+    out = _lower_node(e, spec, rec)
+    if isinstance(out, ir.Binary) and out.op in ("shl", "shr"):
+        lo, hi = ranges(out.right)
+        if lo < SHIFT_COUNT[0] or hi > SHIFT_COUNT[1]:
+            raise SpecError(f"shift count may lie outside [0, 63]: its values lie in [{lo}, {hi}]",
+                            e.right.span)
+    if out.type.integer and not isinstance(e, (ast.IntLit, ast.Name, ast.Index)):
+        lo, hi = ranges(out)
+        if not fits((lo, hi), I64):
+            raise SpecError(f"integer expression may overflow i64: its values lie in [{lo}, {hi}] "
+                            f"(positions q, k are below 2**30, i32 tensor values anywhere in i32)", e.span,
+                            ("integers are exact: the compiler computes in i32 where the range allows, "
+                             "else in i64, and refuses what i64 cannot hold",))
+    return out
+
+
+def _lower_node(e: ast.Expr, spec: Spec, rec) -> ir.Expr:
     if isinstance(e, ast.IntLit):
         return ir.Const(e.value, I32)
     if isinstance(e, ast.FloatLit):
@@ -124,13 +151,18 @@ def lower_expr(e: ast.Expr, spec: Spec) -> ir.Expr:
             return ir.Unary("not", x, BOOL)
         return ir.Unary("neg", x, x.type)
     if isinstance(e, ast.Binary):
-        return _binary(ir.SURFACE_BINARY[e.op], rec(e.left), rec(e.right))
+        a, b = rec(e.left), rec(e.right)
+        if e.op in ir.SURFACE_BITWISE and a.type.integer:  # & | ^ on integers; << >>
+            return _binary(ir.SURFACE_BITWISE[e.op], a, b)
+        if e.op == "^":  # on conditions: exclusive or
+            return ir.Compare("ne", a, b)
+        return _binary(ir.SURFACE_BINARY[e.op], a, b)
     if isinstance(e, ast.Compare):
         return _compare(ir.SURFACE_COMPARE[e.op], rec(e.left), rec(e.right))
     if isinstance(e, ast.Call):
-        args = [rec(a) for a in e.args]
         if e.func == "flashmask":
             return lower_flashmask(e, spec)
+        args = [rec(a) for a in e.args]
         if e.func == "window":  # q - k < n
             return _compare("lt", _binary("sub", Q, K), args[0])
         if e.func == "softcap":  # cap * tanh(x / cap)
@@ -165,8 +197,9 @@ def flashmask_contracts(e: ast.Expr | None, spec: Spec) -> tuple[ir.FlashmaskBou
 
 
 def lower(spec: Spec) -> ir.Program:
-    mask = lower_expr(spec.mask, spec) if spec.mask is not None else ir.Const(True, BOOL)
-    score = tuple(_cast(lower_expr(s, spec), F32) for s in spec.score)
+    ranges = IntRanges(spec.heads_q)
+    mask = lower_expr(spec.mask, spec, ranges) if spec.mask is not None else ir.Const(True, BOOL)
+    score = tuple(_cast(lower_expr(s, spec, ranges), F32) for s in spec.score)
     return ir.Program(
         name=spec.name, heads_q=spec.heads_q, heads_kv=spec.heads_kv, d_qk=spec.d_qk, d_v=spec.d_v,
         dtype=spec.dtype, scale=spec.scale, tensors=tuple(spec.tensor_types.values()), score=score,
@@ -199,41 +232,53 @@ def map_program(p: ir.Program, f: Callable[[ir.Expr], ir.Expr]) -> ir.Program:
 
 _FOLD = {
     "add": lambda a, b: a + b, "sub": lambda a, b: a - b, "mul": lambda a, b: a * b,
-    "div": lambda a, b: a / b, "floordiv": lambda a, b: a // b, "mod": lambda a, b: a % b,
+    "div": lambda a, b: a / b, "floordiv": float_floordiv, "mod": float_mod,
     "and": lambda a, b: a and b, "or": lambda a, b: a or b,
     "eq": lambda a, b: a == b, "ne": lambda a, b: a != b, "lt": lambda a, b: a < b,
     "le": lambda a, b: a <= b, "gt": lambda a, b: a > b, "ge": lambda a, b: a >= b,
 }
+_FOLD.update({"bitand": lambda a, b: a & b, "bitor": lambda a, b: a | b, "bitxor": lambda a, b: a ^ b,
+              "shl": lambda a, b: a << b, "shr": lambda a, b: a >> b})
 _FOLD_CALL = {"min": min, "max": max, "abs": abs, "exp": math.exp, "log": math.log, "sqrt": math.sqrt,
-              "tanh": math.tanh}
-
-
-I32_RANGE = (-2**31, 2**31)
+              "tanh": math.tanh, "erf": math.erf, "sin": math.sin, "cos": math.cos}
 
 
 def _typed(value, t: ir.Type) -> ir.Const:
-    value = {BOOL: bool, I32: int, F32: float}[t](value)
-    if t is I32 and not I32_RANGE[0] <= value < I32_RANGE[1]:
-        raise OverflowError("i32 overflow")  # leave the node: run time sees the same arithmetic
-    if t is F32 and not math.isfinite(value):
-        raise OverflowError("non-finite constant")
-    return ir.Const(value, t)
+    """The folded constant: integers exact (i64 where i32 cannot hold them), floats rounded to
+    f32 as every backend computes them."""
+    if t.integer:
+        value = int(value)
+        return ir.Const(value, I32 if fits((value, value), I32) else I64)
+    if t is F32:
+        value = fold_f32(value)
+        if not math.isfinite(value):
+            raise OverflowError("non-finite constant")  # leave the node: run time sees the same arithmetic
+        return ir.Const(value, t)
+    return ir.Const(bool(value), t)
+
+
+def _integer_fold(op: str, a: int, b: int) -> int:
+    return {"floordiv": int_floordiv, "mod": int_mod}.get(op, _FOLD[op])(a, b)
 
 
 def _fold_node(e: ir.Expr) -> ir.Expr:
     consts = [c for c in ir.children(e) if isinstance(c, ir.Const)]
     if isinstance(e, (ir.Const, ir.Var, ir.Load)) or len(consts) != len(ir.children(e)):
         return e
+    values = [fold_f32(c.value) if c.type is F32 else c.value for c in consts]  # f32 operands
     try:
         if isinstance(e, ir.Unary):
-            v = consts[0].value
-            return _typed({"neg": lambda: -v, "not": lambda: not v, "cast_f32": lambda: float(v)}[e.op](), e.type)
+            v = values[0]
+            return _typed({"neg": lambda: -v, "not": lambda: not v, "cast_f32": lambda: float(v),
+                           "cast_i64": lambda: v}[e.op](), e.type)
+        if isinstance(e, ir.Binary) and e.type.integer:
+            return _typed(_integer_fold(e.op, *values), e.type)
         if isinstance(e, (ir.Binary, ir.Compare)):
-            return _typed(_FOLD[e.op](consts[0].value, consts[1].value), e.type)
+            return _typed(_FOLD[e.op](*values), e.type)
         if isinstance(e, ir.Select):
             return consts[1] if consts[0].value else consts[2]
         if isinstance(e, ir.Call):
-            return _typed(_FOLD_CALL[e.fn](*(c.value for c in consts)), e.type)
+            return _typed(_FOLD_CALL[e.fn](*values), e.type)
     except (ZeroDivisionError, ValueError, OverflowError):
         return e  # leave it to run time (the checker already rejected literal zero divisors)
     return e
@@ -261,9 +306,56 @@ def fold_constants(p: ir.Program) -> ir.Program:
     return map_program(p, lambda e: _simplify_node(_fold_node(e)))
 
 
+def widen_integers(program: ir.Program) -> ir.Program:
+    """Type every integer node i32 or i64: i64 where its range or an operand's type needs it;
+    operands of an i64 node are cast to i64.  Lowering has already refused ranges beyond i64."""
+    ranges = IntRanges(program.heads_q)
+
+    def node(e: ir.Expr) -> ir.Expr:
+        if not e.type.integer and not (isinstance(e, ir.Compare) and e.left.type.integer):
+            return e
+        if isinstance(e, (ir.Const, ir.Var, ir.Load)):
+            if isinstance(e, ir.Const) and not fits((e.value, e.value), I32):
+                return ir.Const(e.value, I64)
+            return e
+        kids = [c for c in ir.children(e) if c.type.integer]
+        if isinstance(e, ir.Select):
+            kids = [e.if_true, e.if_false]
+        wide = any(c.type is I64 for c in kids) or (not isinstance(e, ir.Compare) and not fits(ranges(e), I32))
+        if isinstance(e, ir.Binary) and e.op in ("shl", "shr") and ranges(e.right)[1] > 31:
+            wide = True  # a count of 32 or more shifts an i64
+        t = I64 if wide else I32
+        if isinstance(e, ir.Compare):
+            return ir.Compare(e.op, _as(e.left, t), _as(e.right, t))
+        if isinstance(e, ir.Select):
+            return ir.Select(e.cond, _as(e.if_true, t), _as(e.if_false, t), t)
+        if isinstance(e, ir.Unary):
+            if e.op == "cast_i64":
+                return e
+            return ir.Unary(e.op, _as(e.operand, t), t)
+        if isinstance(e, ir.Binary):
+            return ir.Binary(e.op, _as(e.left, t), _as(e.right, t), t)
+        if isinstance(e, ir.Call):
+            return ir.Call(e.fn, tuple(_as(a, t) for a in e.args), t)
+        return e
+
+    return map_program(program, node)
+
+
+def _as(e: ir.Expr, t: ir.Type) -> ir.Expr:
+    if e.type is t or not e.type.integer:
+        return e
+    if t is I32:
+        return e
+    if isinstance(e, ir.Const):
+        return ir.Const(e.value, I64)
+    return ir.Unary("cast_i64", e, I64)
+
+
 # The passes, in the order they run.  Each is Program -> Program and leaves it valid.
 PIPELINE: tuple[Callable[[ir.Program], ir.Program], ...] = (
     fold_constants,
+    widen_integers,
     ir.verify,
 )
 

@@ -72,3 +72,36 @@ def compare_gradient(what: str, dtype: str, g, ref) -> Comparison:
     frac, rtol = GRAD_TOLERANCE[dtype]
     scale = float(np.abs(ref).max()) if ref.size else 0.0
     return compare(what, g, ref, frac * max(scale, 1e-6), rtol)
+
+
+# ---------------------------------------------------------------- non-finite scores
+NONFINITE_SCORE = ("the score program produced NaN or +inf at a visible key of query row (b={b}, h={h}, q={q}); "
+                   "a visible cell's score must be finite, or -inf to drop the cell")
+
+
+def check_rows(lse, *, s_q: int | None = None, s_k: int | None = None, qo_indptr=None, kv_lens=None) -> None:
+    """The language's policy for a non-finite score at a visible cell, on every backend: the
+    kernel marks the row's LSE NaN (its O too), and the call raises a PlanError naming the first
+    such row in (b, h, q) order.  ``lse`` is [B, H_q, S_q] (with ``s_q``, ``s_k``) or packed
+    [total_q, H_q] (with the call's ``qo_indptr`` and ``kv_lens``); numpy or torch."""
+    from .errors import PlanError
+    if hasattr(lse, "isnan"):  # torch: one reduction on the device, the rows only when one is marked
+        if not bool(lse.isnan().any()):
+            return
+        lse = lse.detach().float().cpu().numpy()
+    lse = np.asarray(lse)
+    bad = np.isnan(lse)
+    if not bad.any():
+        return
+    if lse.ndim == 3:
+        b, h, i = (int(x[0]) for x in np.nonzero(bad))  # row-major: the first in (b, h, q) order
+        q = s_k - s_q + i
+    else:  # packed rows: the first in (b, h, q) order too, so every layout names the same row
+        host = lambda x: np.asarray(x.cpu() if hasattr(x, "cpu") else x).reshape(-1)  # noqa: E731
+        indptr, lens = host(qo_indptr), host(kv_lens)
+        rows, heads = np.nonzero(bad)
+        reqs = np.searchsorted(indptr, rows, side="right") - 1
+        qs = lens[reqs] - (indptr[reqs + 1] - indptr[reqs]) + rows - indptr[reqs]
+        first = np.lexsort((qs, heads, reqs))[0]
+        b, h, q = int(reqs[first]), int(heads[first]), int(qs[first])
+    raise PlanError(NONFINITE_SCORE.format(b=b, h=h, q=q))

@@ -17,12 +17,15 @@ from attnc.compiler import ir, resources
 from attnc.compiler.autodiff import score_grad
 from attnc.compiler.errors import PlanError
 from attnc.compiler.interp import evaluate, load  # noqa: F401 (load: re-exported)
+from attnc.compiler.numerics import check_rows
+from attnc.compiler.ranges import check_length
 
 def positions(batch: int, heads: int, s_q: int, s_k: int, q_offset: int | None = None,
               k_offset: int = 0) -> dict[str, np.ndarray]:
     """Broadcastable b, h, q, k grids over [B, H_q, S_q, S_k]: bottom-right q by default; a block
     of a larger call (context parallelism) puts its rows at ``q_offset + i`` and its keys at
-    ``k_offset + j``."""
+    ``k_offset + j``; and the call's lengths S_q, S_k."""
+    check_length(s_k)
     if q_offset is None:
         if s_q > s_k:
             raise PlanError(f"S_q = {s_q} query rows exceed S_k = {s_k} keys; every query row is a "
@@ -33,6 +36,7 @@ def positions(batch: int, heads: int, s_q: int, s_k: int, q_offset: int | None =
         "h": np.arange(heads).reshape(1, -1, 1, 1),
         "q": (q_offset + np.arange(s_q)).reshape(1, 1, -1, 1),
         "k": (k_offset + np.arange(s_k)).reshape(1, 1, 1, -1),
+        "S_q": np.asarray(s_q), "S_k": np.asarray(s_k),
     }
 
 
@@ -46,16 +50,20 @@ def dense_mask(program: ir.Program, batch: int, s_q: int, s_k: int, tensors: dic
 
 
 def reference(program: ir.Program, q, k, v, tensors: dict | None = None, *, q_offset: int | None = None,
-              k_offset: int = 0):
+              k_offset: int = 0, wide: bool = False):
     """Float64 attention: returns (O [B,H_q,S_q,d_v], LSE [B,H_q,S_q]).
 
     q [B,H_q,S_q,d_qk], k [B,H_kv,S_k,d_qk], v [B,H_kv,S_k,d_v] (bhsd).  ``q_offset``/``k_offset``:
     a block of a larger call, rows and keys at those positions (:func:`positions`), the
-    tensors the whole call's."""
+    tensors the whole call's.  ``wide``: the score program in float64 instead of the language's
+    f32 (the backward reference's finite-difference checks)."""
     q = np.asarray(q)
     batch, _, s_q, _ = q.shape
-    env = positions(batch, program.heads_q, s_q, np.asarray(k).shape[2], q_offset, k_offset)
-    return _attend(program, q, k, v, env, tensors or {})
+    s_k = np.asarray(k).shape[2]
+    env = positions(batch, program.heads_q, s_q, s_k, q_offset, k_offset)
+    o, lse = _attend(program, q, k, v, env, tensors or {}, wide)
+    check_rows(lse, s_q=s_q, s_k=s_k)
+    return o, lse
 
 
 def reference_request(program: ir.Program, b: int, q, k, v, tensors: dict | None = None):
@@ -63,6 +71,12 @@ def reference_request(program: ir.Program, b: int, q, k, v, tensors: dict | None
     ``k [T, H_kv, d_qk]`` and ``v [T, H_kv, d_v]`` its logical K/V rows (``T >= C``), ``tensors``
     the batch's (``b`` indexes them).  Row i is at position ``T - C + i``.  Returns
     ``(O [C, H_q, d_v], LSE [C, H_q])``."""
+    o, lse = _request(program, b, q, k, v, tensors)
+    check_rows(lse, qo_indptr=np.array([0, lse.shape[0]]), kv_lens=np.array([np.asarray(k).shape[0]]))
+    return o, lse
+
+
+def _request(program: ir.Program, b: int, q, k, v, tensors: dict | None):
     q, k, v = (np.asarray(x).transpose(1, 0, 2)[None] for x in (q, k, v))
     env = positions(1, program.heads_q, q.shape[2], k.shape[2])
     env["b"] = np.full((1, 1, 1, 1), b)
@@ -81,7 +95,8 @@ def reference_cache(program: ir.Program, call):
         rows = slice(call.qo_indptr[b], call.qo_indptr[b + 1])
         if rows.stop > rows.start and call.kv_lens[b] > 0:
             k, v = call.kv(b)
-            o[rows], lse[rows] = reference_request(program, b, call.q_rows(b), k, v, call.tensors)
+            o[rows], lse[rows] = _request(program, b, call.q_rows(b), k, v, call.tensors)
+    check_rows(lse, qo_indptr=call.qo_indptr, kv_lens=call.kv_lens)
     return o, lse
 
 
@@ -95,43 +110,40 @@ def require_rectangle(program: ir.Program, cells: int) -> None:
                       resources.dense_bytes(cells, ORACLE_BYTES_PER_CELL))
 
 
-def _attend(program: ir.Program, q, k, v, env: dict, tensors: dict):
+def _attend(program: ir.Program, q, k, v, env: dict, tensors: dict, wide: bool = False):
     require_rectangle(program, np.shape(q)[0] * program.heads_q * np.shape(q)[2] * np.shape(k)[2])
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
     kv_head = np.arange(program.heads_q) // program.group
     k, v = k[:, kv_head], v[:, kv_head]  # GQA: query head h reads K/V head h // G
-    values, visible = _score_values(program, q, k, env, tensors)
+    values, visible = _score_values(program, q, k, env, tensors, wide)
     return _softmax(values[-1], visible, v)
 
 
-def _score_values(program: ir.Program, q, k, env: dict, tensors: dict):
+def _score_values(program: ir.Program, q, k, env: dict, tensors: dict, wide: bool = False):
     """``([s_0, ..., s_n], visible)`` over the score rectangle: s_0 = scale * q.k and the value
-    of each score statement; a non-finite final score at a visible cell is a PlanError.
+    of each score statement (a non-finite final score at a visible cell marks its row: _softmax).
     ``k`` is already expanded to the query heads."""
     scores = np.einsum("bhid,bhjd->bhij", q, k) * program.scale
     values = [scores]
-    for stmt in program.score:
-        values.append(np.broadcast_to(evaluate(stmt, {**env, "score": values[-1]}, tensors), scores.shape))
-    scores = values[-1]
+    for stmt in program.score:  # the score program in the language's f32, from the float64 q.k
+        values.append(np.asarray(np.broadcast_to(evaluate(stmt, {**env, "score": values[-1]}, tensors, wide=wide),
+                                                 scores.shape), np.float64))
     visible = np.broadcast_to(evaluate(program.mask, env, tensors), scores.shape)
-    bad = visible & ~np.isfinite(scores)
-    if bad.any():
-        idx = tuple(int(x[0]) for x in np.nonzero(bad))
-        b, q_pos = (int(np.broadcast_to(env[n], scores.shape)[idx]) for n in ("b", "q"))
-        raise PlanError(f"the score program produced {scores[idx]} at visible cell "
-                        f"(b={b}, h={idx[1]}, q={q_pos}, k={idx[3]})")
     return values, visible
 
 
 def _softmax(scores, visible, v):
-    scores = np.where(visible, scores, -np.inf)
+    # a visible score of -inf drops its cell; NaN or +inf marks the row (LSE NaN), reported by
+    # the caller with numerics.check_rows as on every backend
+    bad = (visible & (np.isnan(scores) | (scores == np.inf))).any(axis=-1)
+    scores = np.where(visible & ~bad[..., None], scores, -np.inf)
     m = scores.max(axis=-1, keepdims=True, initial=-np.inf)
     valid = np.isfinite(m)
     p = np.exp(scores - np.where(valid, m, 0.0))
     l = p.sum(axis=-1, keepdims=True)  # noqa: E741
     o = np.where(valid, (p @ v) / np.where(valid, l, 1.0), 0.0)
     lse = np.where(valid, m + np.log(np.where(valid, l, 1.0)), -np.inf)[..., 0]
-    return o, lse
+    return np.where(bad[..., None], np.nan, o), np.where(bad, np.nan, lse)
 
 
 def reference_backward(program: ir.Program, q, k, v, do, tensors: dict | None = None):
@@ -149,8 +161,9 @@ def reference_backward(program: ir.Program, q, k, v, do, tensors: dict | None = 
     env = positions(batch, program.heads_q, s_q, k.shape[2])
     kv_head = np.arange(program.heads_q) // program.group
     kx, vx = k[:, kv_head], v[:, kv_head]
-    values, visible = _score_values(program, q, kx, env, tensors)
+    values, visible = _score_values(program, q, kx, env, tensors, wide=True)
     o, lse = _softmax(values[-1], visible, vx)
+    check_rows(lse, s_q=s_q, s_k=k.shape[2])
     row = lse[..., None]  # -inf on rows with no visible key, and those rows have no visible cell
     p = np.exp(np.where(visible, values[-1] - np.where(np.isfinite(row), row, 0.0), -np.inf))
     ds = p * (do @ vx.swapaxes(-1, -2) - (do * o).sum(axis=-1, keepdims=True))
@@ -159,7 +172,7 @@ def reference_backward(program: ir.Program, q, k, v, do, tensors: dict | None = 
     for i in reversed(range(len(grad.forward))):
         at = {**env, "score": values[i]}
         for _, read, d in (x for x in grad.dloads if x[0] == i):
-            index = tuple(np.broadcast_to(evaluate(x, env, tensors), shape) for x in read.index)
+            index = tuple(np.broadcast_to(evaluate(x, env, tensors, wide=True), shape) for x in read.index)
             np.add.at(dtensors[read.tensor], index, ds * _derivative(d, at, tensors, visible, i, ir.format_expr(read)))
         ds = ds * _derivative(grad.dscore[i], at, tensors, visible, i, "score")
     dq = program.scale * ds @ kx
@@ -173,7 +186,7 @@ def _derivative(expr: ir.Expr, env: dict, tensors: dict, visible, statement: int
     """A score derivative over the rectangle: finite where visible (else a PlanError naming the
     cell), zero where hidden."""
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        value = np.broadcast_to(evaluate(expr, env, tensors), visible.shape).astype(np.float64)
+        value = np.broadcast_to(evaluate(expr, env, tensors, wide=True), visible.shape).astype(np.float64)
     bad = visible & ~np.isfinite(value)
     if bad.any():
         idx = tuple(int(x[0]) for x in np.nonzero(bad))

@@ -26,6 +26,7 @@ from .analysis.tiles import TilePlan
 from .dispatch import PLAN_DYNAMIC_FIELDS, PLAN_KEY_FIELDS, PlanKey
 from .analysis import decode_rows
 from .errors import AttncError, PlanError
+from .ranges import check_length
 
 
 @dataclass(frozen=True)
@@ -194,6 +195,7 @@ def decode_blocks(program: ir.Program, kv_lens, tensors: dict | None, block_n: i
     exact (where it is not, the rows' lists are exact and the general ones only safe)."""
     kv_lens = np.asarray(kv_lens, np.int64)
     batch = len(kv_lens)
+    check_length(int(kv_lens.max(initial=0)), "a request's kv_len")
     if splits < 1:
         raise PlanError(f"split count must be at least 1, got {splits}")
     if block_q < 1:

@@ -36,8 +36,8 @@ import struct
 
 from . import ir
 
-MLIR_TYPE = {ir.I32: "i32", ir.F32: "f32", ir.BOOL: "i1"}
-POSITION_ARGS = ("b", "h", "q", "k")  # block arguments, in order
+MLIR_TYPE = {ir.I32: "i32", ir.I64: "i64", ir.F32: "f32", ir.BOOL: "i1"}
+POSITION_ARGS = ("b", "h", "q", "k")  # block arguments, in order (then S_q, S_k where the spec reads them)
 
 
 def _string(s: str) -> str:
@@ -88,7 +88,7 @@ def _dict(attrs: dict[str, str]) -> str:
 def _const(c: ir.Const) -> str:
     if c.type is ir.BOOL:
         return "true" if c.value else "false"
-    return _float(c.value, "f32") if c.type is ir.F32 else f"{c.value} : i32"
+    return _float(c.value, "f32") if c.type is ir.F32 else f"{c.value} : {MLIR_TYPE[c.type]}"
 
 
 def _op(e: ir.Expr) -> tuple[str, dict[str, str]]:
@@ -164,7 +164,8 @@ def _tensor(t: ir.TensorDecl) -> str:
 def print_program(program: ir.Program) -> str:
     """The program as an MLIR module in generic syntax; deterministic, ends with a newline."""
     inner = "    "
-    positions = {n: ir.I32 for n in POSITION_ARGS}
+    used = set().union(*(ir.free_vars(e) for e in (program.mask, *program.score)))
+    positions = {n: ir.I32 for n in POSITION_ARGS + tuple(n for n in ir.LENGTH_VARS if n in used)}
     mask = _Region(positions)
     score = _Region({**positions, "score": ir.F32})
     for statement in program.score:  # each statement reads the previous one's value

@@ -3,7 +3,8 @@
 Two limits, each owned here:
 
 * **positions** — every kernel indexes query and key positions in int32, so a length (``S_q``,
-  ``S_k``, a request's ``kv_len``, a cache's token count) is at most ``MAX_LENGTH = 2**31 - 1``.
+  ``S_k``, a request's ``kv_len``, a cache's token count) is at most ``MAX_LENGTH = 2**30``
+  (``compiler.ranges.MAX_LENGTH``: integer arithmetic on positions is proved to fit from it).
   :func:`check_length` / :func:`check_lengths` refuse longer ones naming the value.
 * **memory** — plan-time work (interval analysis, tile grids, split plans, dense masks, sampled
   inputs, the float64 oracle) estimates its bytes with the functions below and calls
@@ -23,9 +24,10 @@ import os
 import re
 from typing import Iterator
 
+from . import ranges as _ranges
 from .errors import AttncError
 
-MAX_LENGTH = 2**31 - 1  # positions are int32 in every kernel
+MAX_LENGTH = _ranges.MAX_LENGTH  # the language's limit on positions (compiler/ranges.py owns it)
 DEFAULT_MEMORY_LIMIT = 4 << 30  # 4 GiB of plan-time host memory per call
 ENV_VAR = "ATTNC_MEMORY_LIMIT"
 
@@ -97,8 +99,8 @@ def require(what: str, estimate: float) -> None:
 # ---------------------------------------------------------------- positions
 def check_length(name: str, value: int) -> int:
     if value > MAX_LENGTH:
-        raise ResourceError(f"{name} = {value} exceeds {MAX_LENGTH} (2^31 - 1): positions are int32 in "
-                            "every kernel")
+        raise ResourceError(f"{name} = {value} exceeds {MAX_LENGTH} (2^30): the language's limit "
+                            "on positions")
     return value
 
 
@@ -108,8 +110,8 @@ def check_lengths(name: str, values) -> None:
     a = np.asarray(values)
     if a.size and int(a.max()) > MAX_LENGTH:
         i = int(np.argmax(a > MAX_LENGTH))
-        raise ResourceError(f"{name}[{i}] = {int(a.flat[i])} exceeds {MAX_LENGTH} (2^31 - 1): positions are "
-                            "int32 in every kernel")
+        raise ResourceError(f"{name}[{i}] = {int(a.flat[i])} exceeds {MAX_LENGTH} (2^30): the language's "
+                            "limit on positions")
 
 
 # ---------------------------------------------------------------- estimates (bytes)

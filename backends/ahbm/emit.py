@@ -30,12 +30,15 @@ PREFETCH = 2
 """ADR-0062 prefetch depth: K/V tiles in flight ahead of the one being computed (§9.1)."""
 
 _TENSOR_VARS = frozenset({"h", "q", "k", "score"})
-_BINARY = {"add": "+", "sub": "-", "mul": "*", "div": "/", "floordiv": "//", "mod": "%"}
+_BINARY = {"add": "+", "sub": "-", "mul": "*", "div": "/", "bitand": "&", "bitor": "|", "bitxor": "^",
+           "shl": "<<", "shr": ">>"}
 _COMPARE = {"eq": "==", "ne": "!=", "lt": "<", "le": "<=", "gt": ">", "ge": ">="}
 _TL_CALLS = {"min": "tl.minimum", "max": "tl.maximum", "abs": "tl.abs", "exp": "tl.exp",
-             "log": "tl.log", "sqrt": "tl.sqrt", "tanh": "tl.tanh"}
-_PY_CALLS = {"min": "min", "max": "max", "abs": "abs", "exp": "math.exp", "log": "math.log",
-             "sqrt": "math.sqrt", "tanh": "math.tanh"}
+             "log": "tl.log", "sqrt": "tl.sqrt", "tanh": "tl.tanh", "erf": "tl.erf", "sin": "tl.sin",
+             "cos": "tl.cos"}
+# Python scalars (a value that depends on b only): integers exact, floats as np.float32 (f32)
+_PY_CALLS = {"min": "min", "max": "max", "abs": "abs", "exp": "np.exp", "log": "np.log",
+             "sqrt": "np.sqrt", "tanh": "np.tanh", "erf": "_erf", "sin": "np.sin", "cos": "np.cos"}
 
 
 def stream_loads(exprs) -> tuple[ir.Load, ...]:
@@ -67,6 +70,8 @@ def tl_expr(e: ir.Expr, loads: tuple[ir.Load, ...]) -> str:
     Python where it is a scalar."""
     tensor = _is_tensor(e)
     if isinstance(e, ir.Const):
+        if e.type is ir.F32 and not tensor:
+            return f"np.float32({e.value!r})"
         return f"({e.value!r})" if isinstance(e.value, (int, float)) and not isinstance(e.value, bool) \
             and e.value < 0 else repr(e.value)
     if isinstance(e, ir.Var):
@@ -80,9 +85,15 @@ def tl_expr(e: ir.Expr, loads: tuple[ir.Load, ...]) -> str:
             return f"(-{x})"
         if e.op == "not":
             return f"(~{x})" if tensor else f"(not {x})"
-        return x if tensor else f"float({x})"  # cast_f32: tensor arithmetic is float32 already
+        if e.op == "cast_i64":  # Python integers are exact already
+            return f'tl.cast({x}, "int64")' if tensor else x
+        return f'tl.cast({x}, "float32")' if tensor else f"np.float32({x})"  # cast_f32
     if isinstance(e, ir.Binary):
         a, b = sub
+        if e.op in ("floordiv", "mod"):  # the language's: total on integers, floor(a / b) on floats
+            if e.type is not ir.F32 and isinstance(e.right, ir.Const) and e.right.value != 0:
+                return f"({a} {'//' if e.op == 'floordiv' else '%'} {b})"
+            return f"_{e.op}(tl, {a}, {b})"
         if e.op in _BINARY:
             return f"({a} {_BINARY[e.op]} {b})"
         if tensor:
@@ -131,7 +142,7 @@ def emit(program: ir.Program, block_m: int = BLOCK_M, block_n: int = BLOCK_N,
     stream = lambda loads: repr(tuple((ir.format_expr(n), tuple(sorted(stream_vars(n)))) for n in loads))  # noqa: E731
     mask_code, score_code = tl_expr(p.mask, mask_loads), [tl_expr(s, score_loads) for s in p.score]
     text = render(
-        "ahbm", "module.py.j2", uses_math=any("math." in c for c in [mask_code, *score_code]),
+        "ahbm", "module.py.j2",
         name=p.name, version=__version__, digest=ir.digest(p),
         heads_q=p.heads_q, heads_kv=p.heads_kv, group=p.group, d_qk=p.d_qk, d_v=p.d_v,
         dtype=p.dtype, scale=repr(p.scale), block_m=block_m, block_n=block_n, prefetch=prefetch,

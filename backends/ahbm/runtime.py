@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from attnc.compiler import inputs, interp, ir
+from attnc.compiler import inputs, interp, ir, numerics
 from attnc.compiler.analysis.splits import balanced_bounds
 from attnc.compiler.errors import PlanError
 from attnc.compiler.plan import Plan, plan as make_plan
@@ -117,7 +117,8 @@ def _streams_of(program: ir.Program, loads, call, b: int, h0: int, q_pos, k_pos,
                             f"the AHBM programs stream mask tensors per query row or per key")
         env = {"b": np.int64(b), "h": (h0 + np.arange(G)).reshape(-1, 1, 1),
                "q": np.asarray(q_pos, np.int64).reshape(1, -1, 1),
-               "k": np.asarray(k_pos, np.int64).reshape(1, 1, -1)}
+               "k": np.asarray(k_pos, np.int64).reshape(1, 1, -1),
+               "S_q": np.int64(call.s_q), "S_k": np.int64(call.s_k)}
         value = np.asarray(interp.evaluate(load, env, call.tensors))
         dtype = {ir.I32: np.int32, ir.F32: np.float32, ir.BOOL: np.bool_}[load.type]
         gs = G if "h" in vars_ else 1
@@ -259,6 +260,8 @@ class Kernel:
             raise PlanError("the AHBM programs take contiguous q/k/v (the K/V layout is the "
                             "driver's: round-robin slots or ring blocks per PE)")
         run = self.simulate(q, k, v, plan=plan, sp=sp, case=case, mask_from=mask_from, **tensors)
+        numerics.check_rows(run.lse, s_q=run.lse.shape[2], s_k=np.asarray(k).shape[
+            1 if self.program.cache.layout is ir.Layout.BSHD else 2])
         return (run.o, run.lse) if return_lse else run.o
 
     def report(self) -> str:

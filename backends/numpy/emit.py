@@ -14,41 +14,84 @@ from attnc.backends.common import render
 
 BLOCK_M, BLOCK_N = 16, 16
 
-_BINARY = {"add": "+", "sub": "-", "mul": "*", "div": "/"}
+_BINARY = {"add": "+", "sub": "-", "mul": "*", "div": "/", "bitand": "&", "bitor": "|", "bitxor": "^",
+           "shl": "<<", "shr": ">>"}
 _COMPARE = {"eq": "==", "ne": "!=", "lt": "<", "le": "<=", "gt": ">", "ge": ">="}
 _CALLS = {"min": "np.minimum", "max": "np.maximum", "abs": "np.abs", "exp": "np.exp", "log": "np.log",
-          "sqrt": "np.sqrt", "tanh": "np.tanh"}
+          "sqrt": "np.sqrt", "tanh": "np.tanh", "erf": "_erf", "sin": "np.sin", "cos": "np.cos"}
+
+
+class _Printer:
+    """numpy source for IR expressions.  The branches of ``where(c, a, b)`` and the right side of
+    ``&`` and ``|`` are printed with a *care* mask (``_w<n>`` names the deciding condition, bound
+    with ``:=`` where it is evaluated first): a tensor read outside its tensor is an error only
+    where its value is used (compiler/interp.py's semantics)."""
+
+    def __init__(self, f64: bool = False):
+        self.n = 0
+        self.f64 = f64  # f32 values in float64 (the backward reference, templates/numpy/backward.py.j2)
+
+    def _name(self) -> str:
+        self.n += 1
+        return f"_w{self.n}"
+
+    def expr(self, e: ir.Expr, care: str = "None") -> str:
+        rec = lambda x, c=care: self.expr(x, c)  # noqa: E731
+        if isinstance(e, ir.Const):
+            if e.type is ir.F32:
+                return f"np.float64({e.value!r})" if self.f64 else f"np.float32({e.value!r})"
+            return repr(e.value)
+        if isinstance(e, ir.Var):
+            return e.name
+        if isinstance(e, ir.Load):
+            return f'_load("{e.tensor}", t_{e.tensor}, {", ".join(rec(i) for i in e.index)}, care={care})'
+        if isinstance(e, ir.Unary):
+            x = rec(e.operand)
+            cast = f"_f64({x})" if self.f64 else f"_f32({x})"
+            return {"neg": f"(-{x})", "not": f"np.logical_not({x})", "cast_f32": cast, "cast_i64": x}[e.op]
+        if isinstance(e, ir.Binary) and e.op in ("and", "or") and _reads(e.right):
+            w = self._name()  # the right side's reads count where the left does not decide
+            side = w if e.op == "and" else f"~{w}"
+            right = rec(e.right, side if care == "None" else f"({care} & {side})")
+            return f"np.logical_{e.op}(({w} := {rec(e.left)}), {right})"
+        if isinstance(e, ir.Binary):
+            a, b = rec(e.left), rec(e.right)
+            if e.op in _BINARY:
+                return f"({a} {_BINARY[e.op]} {b})"
+            return {"floordiv": f"_floordiv({a}, {b})", "mod": f"_mod({a}, {b})",
+                    "and": f"np.logical_and({a}, {b})", "or": f"np.logical_or({a}, {b})"}[e.op]
+        if isinstance(e, ir.Compare):
+            return f"({rec(e.left)} {_COMPARE[e.op]} {rec(e.right)})"
+        if isinstance(e, ir.Select) and not (_reads(e.if_true) or _reads(e.if_false)):
+            return f"np.where({rec(e.cond)}, {rec(e.if_true)}, {rec(e.if_false)})"
+        if isinstance(e, ir.Select):
+            w = self._name()
+            yes, no = (w, f"~{w}") if care == "None" else (f"({care} & {w})", f"({care} & ~{w})")
+            return f"np.where(({w} := {rec(e.cond)}), {rec(e.if_true, yes)}, {rec(e.if_false, no)})"
+        if isinstance(e, ir.Call):
+            return f"{_CALLS[e.fn]}({', '.join(rec(a) for a in e.args)})"
+        raise TypeError(e)
+
+
+def _reads(e: ir.Expr) -> bool:
+    return any(isinstance(n, ir.Load) for n in ir.walk(e))
 
 
 def numpy_expr(e: ir.Expr, f64: bool = False) -> str:
     """numpy source for one IR expression over broadcastable b, h, q, k (and score): f32 values
-    in float32, or in float64 with ``f64`` (the backward reference, templates/numpy/backward.py.j2)."""
-    rec = lambda x: numpy_expr(x, f64)  # noqa: E731
-    if isinstance(e, ir.Const):
-        if e.type is ir.F32:
-            return f"np.float64({e.value!r})" if f64 else f"np.float32({e.value!r})"
-        return repr(e.value)
-    if isinstance(e, ir.Var):
-        return e.name
-    if isinstance(e, ir.Load):
-        return f'_load("{e.tensor}", t_{e.tensor}, {", ".join(rec(i) for i in e.index)})'
-    if isinstance(e, ir.Unary):
-        x = rec(e.operand)
-        cast = f"_f64({x})" if f64 else f"_f32({x})"
-        return {"neg": f"(-{x})", "not": f"np.logical_not({x})", "cast_f32": cast}[e.op]
-    if isinstance(e, ir.Binary):
-        a, b = rec(e.left), rec(e.right)
-        if e.op in _BINARY:
-            return f"({a} {_BINARY[e.op]} {b})"
-        return {"floordiv": f"_floordiv({a}, {b})", "mod": f"_mod({a}, {b})",
-                "and": f"np.logical_and({a}, {b})", "or": f"np.logical_or({a}, {b})"}[e.op]
-    if isinstance(e, ir.Compare):
-        return f"({rec(e.left)} {_COMPARE[e.op]} {rec(e.right)})"
-    if isinstance(e, ir.Select):
-        return f"np.where({rec(e.cond)}, {rec(e.if_true)}, {rec(e.if_false)})"
-    if isinstance(e, ir.Call):
-        return f"{_CALLS[e.fn]}({', '.join(rec(a) for a in e.args)})"
-    raise TypeError(e)
+    in float32, or in float64 with ``f64`` (the backward reference)."""
+    return _Printer(f64).expr(e)
+
+
+def language_helpers(program: ir.Program) -> str:
+    """The language's arithmetic the generated code calls, printed from compiler/interp.py (one
+    definition; the generated module stays self-contained)."""
+    import inspect
+
+    from attnc.compiler import interp
+    used = {n.fn for e in (program.mask, *program.score) for n in ir.walk(e) if isinstance(n, ir.Call)}
+    fns = [interp.floordiv, interp.mod] + ([interp.erf] if "erf" in used else [])
+    return "\n\n".join(inspect.getsource(f).replace(f"def {f.__name__}(", f"def _{f.__name__}(") for f in fns)
 
 
 @dataclass(frozen=True)
@@ -81,6 +124,7 @@ def _spec_context(p: ir.Program) -> dict:
         tensors=[{"name": t.name, "dtype": t.dtype.value, "axes": tuple(t.axes)} for t in p.tensors],
         mask_source=ir.format_expr(p.mask), score_source=[ir.format_expr(s) for s in p.score],
         mask_code=numpy_expr(p.mask), score_code=[numpy_expr(s) for s in p.score],
+        language_helpers=language_helpers(p), uses_math="erf" in language_helpers(p),
     )
 
 

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from attnc.compiler import inputs, ir
+from attnc.compiler import inputs, ir, numerics
 from attnc.compiler.errors import InputError, PlanError
 from attnc.compiler.plan import DEFAULT_SMS, Plan, SplitPlan, plan as make_plan, plan_split
 from attnc.backends.common import load_module
@@ -145,6 +145,7 @@ class Kernel:
                         return_lse=True, stats=stats, **call.tensors)
         except self.module.AttncRuntimeError as e:
             raise PlanError(str(e)) from None
+        numerics.check_rows(lse, s_q=call.s_q, s_k=call.s_k)
         if self.program.dtype == "f16":
             o = o.astype(np.float16)
         return (o, lse) if return_lse else o
@@ -186,6 +187,7 @@ class Kernel:
                                       stats=stats, **call.tensors)
         except module.AttncRuntimeError as e:
             raise PlanError(str(e)) from None
+        numerics.check_rows(lse, qo_indptr=call.qo_indptr, kv_lens=call.kv_lens)
         if self.program.dtype == "f16":
             o = o.astype(np.float16)
         return (o, lse) if return_lse else o

@@ -3,7 +3,7 @@
 
 The kernels are a library (``prefill.py``, ``gluon_engine.py``, ``split.py``) that takes the
 generated functions and constants as constexpr arguments.  Expression code is printed here
-(never user text).  Integer `//` and `%` go through helpers
+(never user text; tensors by generated names).  Integer `//` and `%` go through helpers
 with the language's floor semantics (Triton's operators truncate); tensor reads
 clamp their subscripts so a kernel never touches memory outside a tensor (plan
 time reports out-of-range reads as errors before launch).
@@ -15,38 +15,55 @@ from dataclasses import dataclass
 from attnc.compiler import __version__, ir
 from attnc.backends.common import render
 
-_BINARY = {"add": "+", "sub": "-", "mul": "*", "div": "/", "and": "&", "or": "|"}
+_BINARY = {"add": "+", "sub": "-", "mul": "*", "and": "&", "or": "|", "bitand": "&", "bitor": "|", "bitxor": "^",
+           "shl": "<<", "shr": ">>"}
 _COMPARE = {"eq": "==", "ne": "!=", "lt": "<", "le": "<=", "gt": ">", "ge": ">="}
+# sqrt and f32 division round correctly (as numpy's); exp, log, tanh, erf, sin, cos are the
+# device's (within a few ulp)
 _CALLS = {"min": "tl.minimum", "max": "tl.maximum", "abs": "tl.abs", "exp": "tl.exp", "log": "tl.log",
-          "sqrt": "tl.sqrt", "tanh": "_tanh"}
+          "sqrt": "tl.math.sqrt_rn", "tanh": "_tanh", "erf": "tl.math.erf", "sin": "tl.sin", "cos": "tl.cos"}
 
 
-def triton_expr(e: ir.Expr) -> str:
+def tensor_names(program: ir.Program) -> dict[str, str]:
+    """The generated names of the spec's tensors: ``_t<i>`` by declaration order (with ``_t<i>_s<a>``
+    and ``_t<i>_n<a>`` for their strides and sizes), so no two tensors' names can collide and no
+    user name (none starts with '_') can meet one."""
+    return {t.name: f"_t{i}" for i, t in enumerate(program.tensors)}
+
+
+def triton_expr(e: ir.Expr, names: dict[str, str] | None = None) -> str:
     """Triton source for one IR expression over q [BLOCK_M, 1], k [1, BLOCK_N], scalar b, h."""
+    rec = lambda x: triton_expr(x, names)  # noqa: E731
     if isinstance(e, ir.Const):
         return repr(e.value)
-    if isinstance(e, ir.Var):
-        return e.name
+    if isinstance(e, ir.Var):  # the request's lengths come with TS: kv_lens [B] and qo_indptr [B + 1]
+        return {"S_k": "tl.load(_lk + b)", "S_q": "(tl.load(_lq + b + 1) - tl.load(_lq + b))"}.get(e.name, e.name)
     if isinstance(e, ir.Load):
-        offset = " + ".join(f"tl.minimum(tl.maximum({triton_expr(i)}, 0), {e.tensor}_n{a} - 1) * {e.tensor}_s{a}"
+        t = (names or {}).get(e.tensor, f"_{e.tensor}")
+        offset = " + ".join(f"tl.minimum(tl.maximum({rec(i)}, 0), {t}_n{a} - 1) * {t}_s{a}"
                             for a, i in enumerate(e.index))
-        return f"tl.load(T_{e.tensor} + {offset})"
+        return f"tl.load({t} + {offset})"
     if isinstance(e, ir.Unary):
-        x = triton_expr(e.operand)
-        return {"neg": f"(-{x})", "not": f"(~{x})", "cast_f32": f"({x}).to(tl.float32)"}[e.op]
+        x = rec(e.operand)
+        return {"neg": f"(-{x})", "not": f"(~{x})", "cast_f32": f"({x}).to(tl.float32)",
+                "cast_i64": f"({x}).to(tl.int64)"}[e.op]
     if isinstance(e, ir.Binary):
-        a, b = triton_expr(e.left), triton_expr(e.right)
+        a, b = rec(e.left), rec(e.right)
         if e.op in _BINARY:
             return f"({a} {_BINARY[e.op]} {b})"
         if e.type is ir.F32:
-            return {"floordiv": f"tl.floor({a} / {b})", "mod": f"({a} - tl.floor({a} / {b}) * {b})"}[e.op]
-        return {"floordiv": f"_floordiv({a}, {b})", "mod": f"_mod({a}, {b})"}[e.op]
+            quotient = f"tl.math.div_rn({a}, {b})"
+            return {"div": quotient, "floordiv": f"tl.floor({quotient})",
+                    "mod": f"({a} - tl.floor({quotient}) * {b})"}[e.op]
+        # integer // and % are total (x // 0 = 0, x % 0 = x): a divisor that may be 0 takes the guard
+        total = "" if isinstance(e.right, ir.Const) and e.right.value != 0 else "_total"
+        return {"floordiv": f"_floordiv{total}({a}, {b})", "mod": f"_mod{total}({a}, {b})"}[e.op]
     if isinstance(e, ir.Compare):
-        return f"({triton_expr(e.left)} {_COMPARE[e.op]} {triton_expr(e.right)})"
+        return f"({rec(e.left)} {_COMPARE[e.op]} {rec(e.right)})"
     if isinstance(e, ir.Select):
-        return f"tl.where({triton_expr(e.cond)}, {triton_expr(e.if_true)}, {triton_expr(e.if_false)})"
+        return f"tl.where({rec(e.cond)}, {rec(e.if_true)}, {rec(e.if_false)})"
     if isinstance(e, ir.Call):
-        return f"{_CALLS[e.fn]}({', '.join(triton_expr(a) for a in e.args)})"
+        return f"{_CALLS[e.fn]}({', '.join(rec(a) for a in e.args)})"
     raise TypeError(e)
 
 
@@ -55,13 +72,13 @@ def _pad(d: int) -> int:
     return max(16, 1 << (d - 1).bit_length())
 
 
-def _grad_code(p: ir.Program) -> list[tuple[str, str]]:
+def _grad_code(p: ir.Program, names: dict) -> list[tuple[str, str]]:
     """(d s_i / d s_(i-1), s_i) per score statement, printed: the backward's score_grad."""
     if not p.score:
         return []
     from attnc.compiler.autodiff import score_grad
     g = score_grad(p)
-    return [(triton_expr(d), triton_expr(s)) for d, s in zip(g.dscore, g.forward)]
+    return [(triton_expr(d, names), triton_expr(s, names)) for d, s in zip(g.dscore, g.forward)]
 
 
 @dataclass(frozen=True)
@@ -71,16 +88,24 @@ class Source:
     entry: str = "attention"
 
 
+def uses_lengths(program: ir.Program) -> bool:
+    """Whether the spec reads S_q or S_k (then TS ends with the call's kv_lens and qo_indptr)."""
+    return bool(set().union(*(ir.free_vars(e) for e in (program.mask, *program.score))) & set(ir.LENGTH_VARS))
+
+
 def emit(program: ir.Program) -> Source:
     p = program
+    names = tensor_names(p)
     text = render(
         "triton", "spec.py.j2",
         name=p.name, version=__version__, digest=ir.digest(p),
         heads_q=p.heads_q, heads_kv=p.heads_kv, group=p.group, d_qk=p.d_qk, d_v=p.d_v,
         d_qk_pad=_pad(p.d_qk), d_v_pad=_pad(p.d_v), dtype=p.dtype, scale=repr(p.scale),
-        tensors=[{"name": t.name, "dtype": t.dtype.value, "axes": tuple(t.axes)} for t in p.tensors],
+        tensors=[{"name": t.name, "arg": names[t.name], "dtype": t.dtype.value, "axes": tuple(t.axes)}
+                 for t in p.tensors],
         mask_source=ir.format_expr(p.mask), score_source=[ir.format_expr(s) for s in p.score],
-        mask_code=triton_expr(p.mask), score_code=[triton_expr(s) for s in p.score],
-        grad_code=_grad_code(p),
+        mask_code=triton_expr(p.mask, names), score_code=[triton_expr(s, names) for s in p.score],
+        grad_code=_grad_code(p, names),
+        lengths=uses_lengths(p),
     )
     return Source(text, f"{p.name}_triton", entry="visible")

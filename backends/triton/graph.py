@@ -170,7 +170,7 @@ class DecodeGraph:
 
     def _launch(self):
         from .launch import tensor_args
-        ts = tensor_args(self.kernel.module, self.tensors)
+        ts = tensor_args(self.kernel.module, self.tensors, (self.buffers["kv_lens"], self.buffers["qo_indptr"]))
         launch = self.kernel.split_launch(self._warps, self._stages)
         return launch(self.q, self.kv.get("k_cache", self.kv.get("k")), self.kv.get("v_cache", self.kv.get("v")),
                       self.plan, self.buffers, ts, self.out, self.lse, self.workspace)
@@ -215,4 +215,5 @@ class DecodeGraph:
             self.graph.replay()
         else:
             self._launch()
+        self.kernel._check_scores(self.lse, plan={n: self.buffers[n] for n in ("qo_indptr", "kv_lens")})
         return self.out, self.lse

@@ -20,5 +20,19 @@ def _mod(a, b):
 
 
 @triton.jit
+def _floordiv_total(a, b):
+    """The language's `//` by a divisor that may be 0: x // 0 = 0."""
+    zero = b == 0
+    return tl.where(zero, 0, _floordiv(a, tl.where(zero, 1, b)))
+
+
+@triton.jit
+def _mod_total(a, b):
+    """The language's `%` by a divisor that may be 0: x % 0 = x."""
+    zero = b == 0
+    return tl.where(zero, a, _mod(a, tl.where(zero, 1, b)))
+
+
+@triton.jit
 def _tanh(x):
     return 2.0 * tl.sigmoid(2.0 * x) - 1.0

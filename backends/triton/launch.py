@@ -318,15 +318,26 @@ def spec_constexprs(module) -> dict:
     return {"VISIBLE": module.visible, "SCORE": module.score_program, **module.SPEC}
 
 
-def tensor_args(module, tensors: dict) -> tuple:
-    """TS: the spec's tensors, each followed by its strides and sizes, in the module's order."""
+def tensor_args(module, tensors: dict, lengths=None) -> tuple:
+    """TS: the spec's tensors, each followed by its strides and sizes, in the module's order;
+    then, for a spec that reads S_q or S_k (``module.LENGTHS``), the call's ``lengths``:
+    (kv_lens [B], qo_indptr [B + 1]) int32 device tensors."""
     ts = []
     for name in module.TENSORS:
         t = tensors[name]
         ts.append(t)
         for i in range(t.dim()):
             ts += [t.stride(i), t.shape[i]]
+    if module.LENGTHS:
+        ts += list(lengths)
     return tuple(ts)
+
+
+def uniform_lengths(batch: int, s_q: int, s_k: int, device) -> tuple:
+    """(kv_lens, qo_indptr) of a call whose requests all have S_q rows over S_k keys."""
+    import torch
+    return (torch.full((batch,), s_k, dtype=torch.int32, device=device),
+            torch.arange(batch + 1, dtype=torch.int32, device=device) * s_q)
 
 
 def qk_scale(module) -> float:

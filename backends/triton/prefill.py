@@ -205,7 +205,7 @@ def _attn_fwd(Q, K, V, O, LSE, desc_k, desc_v,
                                   qk_scale, UTS, UTE, LTS, LTE, TS, 1, True, False,
                                   MASK_FROM_INTERVALS, EVEN_N, USE_TMA, BLOCK_N, VISIBLE, SCORE, HAS_SCORE, SCALE,
                                   D_QK, D_V, D_QK_PAD, D_V_PAD, DOT_PRECISION)
-    seen = l_i > 0
+    seen = (l_i > 0) | (l_i != l_i)  # NaN: a visible score was NaN or +inf; LSE NaN marks the row
     l_safe = tl.where(seen, l_i, 1.0)
     out = tl.where(seen[:, None], acc / l_safe[:, None], 0.0)
     lse = tl.where(seen, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))

@@ -19,7 +19,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from attnc.compiler import inputs, ir
+from attnc.compiler import inputs, ir, numerics
+from attnc.compiler.ranges import may_be_nonfinite
 from attnc.compiler.errors import BackendUnavailable, InputError, PlanError
 from attnc.compiler.plan import Plan, plan as make_plan
 from attnc.backends.common import load_module
@@ -67,6 +68,7 @@ class Kernel:
         self.digest = ir.digest(program)
         self._tensor_names = tuple(t.name for t in program.tensors)
         self._mask_reads = bool(ir.loads(program.mask))
+        self._scores_may_fail = may_be_nonfinite(program)
         self._bound: dict = {}
         self._splits: dict = {}
         self._torch = torch
@@ -120,9 +122,24 @@ class Kernel:
             bound = self._bound.get(key)
             if bound is not None:
                 o, lse = self._launch(bound, key, q, k, v, kwargs, None)
+                self._check_scores(lse, k)
                 return (o, lse) if return_lse else o
         o, lse = self._call_slow(q, k, v, kwargs, plan, options)
+        self._check_scores(lse, k)
         return (o, lse) if return_lse else o
+
+    def _check_scores(self, lse, k=None, plan: dict | None = None):
+        """The non-finite-score policy (compiler.numerics.check_rows): the kernels mark a row whose
+        visible score was NaN or +inf with LSE NaN; a spec whose score program can produce one
+        (compiler.ranges.may_be_nonfinite) pays one reduction and a host sync to raise it (a
+        DecodeGraph checks after each replay; nothing is checked while a graph is captured)."""
+        if not self._scores_may_fail or (lse.is_cuda and self._torch.cuda.is_current_stream_capturing()):
+            return
+        if plan is None:
+            s_k = k.shape[1 if self.program.cache.layout is ir.Layout.BSHD else 2]
+            numerics.check_rows(lse, s_q=lse.shape[2], s_k=s_k)
+        else:
+            numerics.check_rows(lse, qo_indptr=plan["qo_indptr"], kv_lens=plan["kv_lens"])
 
     def _key(self, q, k, v, tensors: dict) -> tuple:
         ts = tuple((n, tuple(t.shape), t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0)
@@ -171,7 +188,8 @@ class Kernel:
         else:
             qb, kb, vb = q, k, v
         try:
-            ts = L.tensor_args(self.module, tensors)
+            ts = L.tensor_args(self.module, tensors, L.uniform_lengths(bound.batch, bound.s_q, bound.s_k, q.device)
+                               if self.module.LENGTHS else None)
         except KeyError as e:
             raise InputError(f"inputs: missing key '{e.args[0]}'") from None
         if asked is None:
@@ -252,7 +270,8 @@ class Kernel:
         bound = self._validate(q, k, v, tensors, storage=False)
         qb, kb, vb = (x.transpose(1, 2) for x in (q, k, v)) if bound.bshd else (q, k, v)
         launch = self._make_launch(bound, qb, kb, vb, tensors, plan, options)
-        ts = L.tensor_args(self.module, tensors)
+        ts = L.tensor_args(self.module, tensors, L.uniform_lengths(bound.batch, bound.s_q, bound.s_k, q.device)
+                           if self.module.LENGTHS else None)
         torch = self._torch
         key = ("prepared", id(launch))  # one binding: the arguments' specialization is fixed
 
@@ -431,9 +450,11 @@ class Kernel:
         if kind == "contiguous":
             plan["base"] = np.asarray(_to_numpy(plan["cache_rows"]), np.int64) * _rows_per_batch(order, k_cache)
         launch = self.split_launch(num_warps or plan.get("num_warps", 4), num_stages or plan.get("num_stages", 2))
-        ts = L.tensor_args(self.module, {n: device_tensor(t, device) for n, t in tensors.items()})
+        arrays = self.decode_args(plan, device)
+        ts = L.tensor_args(self.module, {n: device_tensor(t, device) for n, t in tensors.items()},
+                           (arrays["kv_lens"], arrays["qo_indptr"]))
         ws = L.workspace_bytes(self.module, plan["total_q"], plan["splits"], p.state.value)
-        return _Split(plan, self.decode_args(plan, device), ts, launch, ws)
+        return _Split(plan, arrays, ts, launch, ws)
 
     def _launch_split(self, bound: "_Split", q, k_cache, v_cache):
         """Allocate O, LSE and the workspace; launch the producer and the combine."""
@@ -488,6 +509,7 @@ class Kernel:
             if bound is not None:  # the plan for this metadata, made and uploaded by an earlier call
                 o, lse = self._launch_split(bound, q, arrays.get("k_cache", arrays.get("k")),
                                             arrays.get("v_cache", arrays.get("v")))
+                self._check_scores(lse, plan=bound.plan)
                 return (o, lse) if return_lse else o
         tensors = self.split_tensors(arrays)
         if not from_numpy:
@@ -517,6 +539,7 @@ class Kernel:
         q_t = on_device(q)
         bound = self._bind_split(plan, dev, k_cache, v_cache, tensors, num_warps, num_stages)
         o, lse = self._launch_split(bound, q_t, k_cache, v_cache)
+        self._check_scores(lse, plan=bound.plan)
         if cache_key is not None:
             P.PLANS.put(cache_key, bound, P.nbytes_of(bound.arrays), cache_objects)
         o = o.to(self._dtype) if carry != self._dtype else o

@@ -114,7 +114,7 @@ def _decode_split(Q, K, V, P_O, P_M, P_L, P_VALID,
                      mask=live[:, None] & (offs_dv[None, :] < D_V), other=0.0)
         acc = tl.dot(p.to(vt.dtype), vt, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
-    valid = l_i > 0
+    valid = (l_i > 0) | (l_i != l_i)  # NaN: a visible score was NaN or +inf; merged on, LSE NaN marks the row
     state = (q_row * H_Q + h) * S_CAP + split  # workspace [total_q, H_q, S_cap, ...]
     if ABI_MLU:  # (m, l, u): m in natural units, u unnormalized
         tl.store(P_M + state, m_i * 0.6931471805599453, mask=row_ok)
@@ -144,6 +144,7 @@ def _combine(P_O, P_M, P_L, P_VALID, O, LSE, s_ot, s_oh, s_od, S_CAP,
     m_ref = tl.max(tl.full([SPLITS_PAD], float("-inf"), tl.float32), 0)
     denom = tl.sum(tl.zeros([SPLITS_PAD], tl.float32), 0)
     numer = tl.zeros([D_V_PAD], tl.float32)
+    poisoned = tl.sum(tl.zeros([SPLITS_PAD], tl.int32), 0) > 0  # a split saw a NaN or +inf visible score
     for c0 in range(0, S_CAP, SPLITS_PAD):
         sp = c0 + tl.arange(0, SPLITS_PAD)
         in_cap = sp < S_CAP
@@ -159,15 +160,18 @@ def _combine(P_O, P_M, P_L, P_VALID, O, LSE, s_ot, s_oh, s_od, S_CAP,
         if ABI_MLU:  # l = sum alpha_s l_s, u = sum alpha_s u_s
             l_s = tl.load(P_L + state, mask=valid, other=0.0)
             denom = denom * rescale + tl.sum(w * l_s, 0)
+            marked = valid & ((m != m) | (m == float("inf")) | (l_s != l_s))
         else:  # O = sum exp(LSE_s - LSE) O_s
             denom = denom * rescale + tl.sum(w, 0)
+            marked = valid & (m != m)
+        poisoned = poisoned | (tl.max(marked.to(tl.int32), 0) > 0)
         numer = numer * rescale + tl.sum(w[:, None] * part, 0)
         m_ref = m_new
     any_valid = m_ref > float("-inf")
     m_ref = tl.where(any_valid, m_ref, 0.0)
     d_safe = tl.where(any_valid, denom, 1.0)
-    out = tl.where(any_valid, numer / d_safe, 0.0)
-    lse = tl.where(any_valid, m_ref + tl.log(d_safe), float("-inf"))
+    out = tl.where(poisoned, float("nan"), tl.where(any_valid, numer / d_safe, 0.0))
+    lse = tl.where(poisoned, float("nan"), tl.where(any_valid, m_ref + tl.log(d_safe), float("-inf")))
     tl.store(O + row * s_ot + h * s_oh + offs_dv * s_od, out.to(O.dtype.element_ty), mask=offs_dv < D_V)
     tl.store(LSE + rh, lse)
 

@@ -40,8 +40,7 @@ from typing import NamedTuple
 import numpy as np
 
 from attnc.compiler import ir
-from attnc.compiler.errors import PlanError
-from attnc.compiler.interp import _CALL, _COMPARE, load
+from attnc.compiler.interp import ARITH, CALL, COMPARE, load
 from .intervals import _Analyzer
 
 # the smallest length bucket of the position runs (a spec's runs are made once per bucket)
@@ -72,9 +71,10 @@ class PositionRuns:
 
 
 def reads_positions_only(program: ir.Program) -> bool:
-    """Whether the mask's visibility is a function of (q, k, h) alone: no tensor, no ``b``."""
+    """Whether the mask's visibility is a function of (q, k, h) alone: no tensor, no ``b``, not
+    the request's lengths."""
     names, loads = mask_facts(program)
-    return not loads and "b" not in names
+    return not loads and not names & {"b", *ir.LENGTH_VARS}
 
 
 def mask_facts(program: ir.Program) -> tuple[frozenset, frozenset]:
@@ -327,8 +327,6 @@ def _from_grid(visited: np.ndarray, full: np.ndarray, nb: np.ndarray) -> TileLis
 
 
 # ---------------------------------------------------------------- the row slab (decode-shaped calls)
-_ARITH = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.true_divide,
-          "floordiv": np.floor_divide, "mod": np.mod}
 _AXES = {"b": 0, "h": 1, "k": 2}
 
 
@@ -358,7 +356,8 @@ def slab_lists(program: ir.Program, kv_lens: np.ndarray, q_lens: np.ndarray, ten
     # positions in int32 (compares stay narrow; arithmetic widens to int64 as the interpreter's)
     idx = np.int32 if s < 2 ** 31 - 1 else np.int64
     env = {"b": req[:, None, None], "h": np.arange(heads, dtype=idx)[None, :, None],
-           "q": (t_len - 1).astype(idx)[:, None, None], "k": np.arange(s, dtype=idx)[None, None, :]}
+           "q": (t_len - 1).astype(idx)[:, None, None], "k": np.arange(s, dtype=idx)[None, None, :],
+           "S_q": np.ones((n, 1, 1), idx), "S_k": t_len.astype(idx)[:, None, None]}
     span = {"b": n if n == len(kv_lens) else None, "h": heads, "k": s}  # b: every request has a row
     vis = _evaluate(program.mask, env, tensors, span)
     width = int(nb.max()) * bn
@@ -389,46 +388,48 @@ def slab_lists(program: ir.Program, kv_lens: np.ndarray, q_lens: np.ndarray, ten
     return _from_grid(visited, full, nb)
 
 
-def _evaluate(e: ir.Expr, env: dict, tensors: dict, span: dict):
-    """``interp.evaluate`` on the slab's axes (b, h, k): tensors are read as they are stored (int
-    arithmetic in int64, floats in float64, as the interpreter), and a read whose subscripts are
-    ``b``, ``h``, ``k`` themselves, in that order, is a slice, not a gather."""
+def _evaluate(e: ir.Expr, env: dict, tensors: dict, span: dict, care=None):
+    """``interp.evaluate`` on the slab's axes (b, h, k), with the language's semantics (integer
+    arithmetic in int64, floats in f32, a read outside a tensor an error only where ``where``
+    uses it), except that positions and reads stay as narrow as they are stored until arithmetic
+    needs int64, and a read whose subscripts are ``b``, ``h``, ``k`` themselves, in that order, is
+    a slice, not a gather."""
+    rec = lambda x, c=care: _evaluate(x, env, tensors, span, c)  # noqa: E731
     if isinstance(e, ir.Const):
-        if e.type is ir.I32 and -2 ** 31 <= e.value < 2 ** 31:  # (compares with int32 positions stay narrow)
+        if e.type is ir.I32:  # (compares with int32 positions stay narrow)
             return np.asarray(e.value, np.int32)
-        return np.asarray(e.value, {ir.BOOL: bool, ir.I32: np.int64, ir.F32: np.float64}[e.type])
+        return np.asarray(e.value, {ir.BOOL: bool, ir.I64: np.int64, ir.F32: np.float32}[e.type])
     if isinstance(e, ir.Var):
         return env[e.name]
     if isinstance(e, ir.Load):
         arr = tensors[e.tensor]
         got = _sliced(e, arr, span)
         if got is None:
-            got = load(e.tensor, arr, tuple(_evaluate(i, env, tensors, span) for i in e.index))
-        return got.astype(np.float64) if got.dtype.kind == "f" else got
+            got = load(e.tensor, arr, tuple(rec(i) for i in e.index), care)
+        return got.astype(np.float32) if got.dtype.kind == "f" else got
+    if isinstance(e, ir.Select):
+        c = rec(e.cond)
+        yes, no = (c, ~c) if care is None else (care & c, care & ~c)
+        return np.where(c, rec(e.if_true, yes), rec(e.if_false, no))
+    if isinstance(e, ir.Binary) and e.op in ("and", "or"):  # the right side's errors count where it decides
+        a = rec(e.left)
+        side = a if e.op == "and" else ~a
+        return ARITH[e.op](a, rec(e.right, side if care is None else care & side))
     if isinstance(e, ir.Unary):
-        x = _evaluate(e.operand, env, tensors, span)
+        x = rec(e.operand)
         if e.op == "neg":
             return np.negative(_wide(x))
         if e.op == "not":
             return np.logical_not(x)
-        return np.asarray(x, np.float64)  # cast_f32
-    if isinstance(e, ir.Binary):
-        a, b = _evaluate(e.left, env, tensors, span), _evaluate(e.right, env, tensors, span)
-        if e.op in ("and", "or"):
-            return (np.logical_and if e.op == "and" else np.logical_or)(a, b)
-        if e.op in ("floordiv", "mod") and e.type is ir.I32 and np.any(b == 0):
-            raise PlanError(f"integer division by zero in '{e.op}' while evaluating the spec")
-        with np.errstate(divide="ignore", invalid="ignore"):
-            return _ARITH[e.op](_wide(a), _wide(b))
+        return np.asarray(x, np.float32) if e.op == "cast_f32" else _wide(x)
     if isinstance(e, ir.Compare):
-        return _COMPARE[e.op](_evaluate(e.left, env, tensors, span), _evaluate(e.right, env, tensors, span))
-    if isinstance(e, ir.Select):
-        return np.where(_evaluate(e.cond, env, tensors, span), _evaluate(e.if_true, env, tensors, span),
-                        _evaluate(e.if_false, env, tensors, span))
-    if isinstance(e, ir.Call):
-        args = [_wide(_evaluate(a, env, tensors, span)) for a in e.args]
-        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-            return _CALL[e.fn](*args)
+        return COMPARE[e.op](rec(e.left), rec(e.right))
+    args = [rec(a) for a in ir.children(e)]
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        if isinstance(e, ir.Binary):
+            return ARITH[e.op](*(_wide(a) for a in args))
+        if isinstance(e, ir.Call):
+            return CALL[e.fn](*(_wide(a) for a in args))
     raise TypeError(e)
 
 

@@ -27,6 +27,7 @@ import numpy as np
 from attnc.compiler import ir, resources
 from attnc.compiler.errors import PlanError
 from attnc.compiler.interp import evaluate, load
+from attnc.compiler.ranges import check_length
 
 
 # ---------------------------------------------------------------- interval lists
@@ -238,23 +239,54 @@ def require_columns(program: ir.Program, batch: int, s_k: int, axis: str = "S_k"
 
 
 class _Analyzer:
-    def __init__(self, program: ir.Program, batch: int, s_q: int, s_k: int, tensors: dict, transposed=False):
+    def __init__(self, program: ir.Program, batch: int, s_q: int, s_k: int, tensors: dict, transposed=False,
+                 lengths: tuple[int, int] | None = None):
         if s_q < 0 or s_k < 0 or batch < 0:
             raise PlanError(f"negative length: B = {batch}, S_q = {s_q}, S_k = {s_k}")
         if s_q > s_k and not transposed:
             raise PlanError(f"S_q = {s_q} query rows exceed S_k = {s_k} keys (bottom-right alignment)")
+        check_length(max(s_q, s_k))
         self.program, self.tensors = program, tensors
         self.shape = require_columns(program, batch, s_k, "S_q" if transposed else "S_k")
         self.n = int(np.prod(self.shape))
         self.rows, self.q0 = s_q, s_k - s_q
+        length_q, length_k = lengths or (s_q, s_k)  # the call's S_q, S_k (a transposed analysis swaps rows)
         self.env = {"b": np.arange(self.shape[0]).reshape(-1, 1, 1),
                     "h": np.arange(self.shape[1]).reshape(1, -1, 1),
-                    "k": np.arange(s_k).reshape(1, 1, -1)}
+                    "k": np.arange(s_k).reshape(1, 1, -1),
+                    "S_q": np.asarray(length_q), "S_k": np.asarray(length_k)}
         self.reasons: list[str] = []
+        # where the value being analyzed is used (the language's guards: where's branches, the
+        # right side of & and |; reads outside a tensor are errors only there): a column-only
+        # guard narrows ``care`` (per column), a guard on q ``rows_cared`` (the rows per column
+        # where it holds); a guard the analysis cannot solve exactly makes ``lenient`` true, and a
+        # read at q that may leave its tensor is then left to the per-cell evaluation
+        self.care: np.ndarray | None = None
+        self.rows_cared: Runs | None = None
+        self.lenient = False
 
     # column-only values ------------------------------------------------
     def column(self, e: ir.Expr) -> np.ndarray:
-        return np.broadcast_to(evaluate(e, self.env, self.tensors), self.shape).reshape(-1)
+        care = None if self.care is None else self.care.reshape(self.shape)
+        return np.broadcast_to(evaluate(e, self.env, self.tensors, care), self.shape).reshape(-1)
+
+    def under(self, guard: ir.Expr, truth: "Truth", holds: bool, analyze):
+        """``analyze()`` where ``guard`` (whose ``truth`` the caller has) holds (``holds``) or not."""
+        saved = self.care, self.rows_cared, self.lenient
+        if "q" in ir.free_vars(guard):
+            t = truth if holds else ~truth
+            if t.exact:
+                self.rows_cared = t.must if self.rows_cared is None else self.rows_cared & t.must
+            else:
+                self.lenient = True
+        else:
+            g = self.column(guard).astype(bool)
+            g = g if holds else ~g
+            self.care = g if self.care is None else self.care & g
+        try:
+            return analyze()
+        finally:
+            self.care, self.rows_cared, self.lenient = saved
 
     def all_rows(self) -> Runs:
         return Runs.between(0, self.rows, self.rows, self.n)
@@ -269,13 +301,15 @@ class _Analyzer:
             r = Runs.where(self.column(e), self.rows, self.n)
             return Truth(r, r)
         if isinstance(e, ir.Binary) and e.op in ("and", "or"):
-            a, b = self.truth(e.left), self.truth(e.right)
+            a = self.truth(e.left)
+            b = self.under(e.left, a, e.op == "and", lambda: self.truth(e.right))
             return a & b if e.op == "and" else a | b
         if isinstance(e, ir.Unary) and e.op == "not":
             return ~self.truth(e.operand)
         if isinstance(e, ir.Select):
             c = self.truth(e.cond)
-            return (c & self.truth(e.if_true)) | (~c & self.truth(e.if_false))
+            return (c & self.under(e.cond, c, True, lambda: self.truth(e.if_true))) | \
+                (~c & self.under(e.cond, c, False, lambda: self.truth(e.if_false)))
         if isinstance(e, ir.Compare):
             try:
                 return self.compare(e)
@@ -306,17 +340,19 @@ class _Analyzer:
         """Column values (ndarray [N]), a Linear form, or a QLoad."""
         if "q" not in ir.free_vars(e):
             v = self.column(e)
-            if e.type is not ir.I32:
+            if not e.type.integer:
                 return v
             return v.astype(np.int64)
         one, zero = np.ones(self.n, np.int64), np.zeros(self.n, np.int64)
         if isinstance(e, ir.Var):  # q
             return Linear(one, zero, one, zero)
+        if isinstance(e, ir.Unary) and e.op == "cast_i64":  # a width, not a value
+            return self.form(e.operand)
         if isinstance(e, ir.Unary) and e.op == "neg":
             f = self.form(e.operand)
             if isinstance(f, Linear):
                 return Linear(-f.a, -f.c, f.d, f.off)
-        if isinstance(e, ir.Binary) and e.type is ir.I32:
+        if isinstance(e, ir.Binary) and e.type.integer:
             a, b = self.form(e.left), self.form(e.right)
             if e.op in ("add", "sub"):
                 sign = 1 if e.op == "add" else -1
@@ -367,15 +403,29 @@ class _Analyzer:
             raise NotInterval(f"'{e.tensor}' is read at q and at k in one subscript")
         array = self.tensors[e.tensor]
         length = array.shape[ax]
-        lo, hi = int((self.q0 + f.c).min()), int((self.q0 + self.rows - 1 + f.c).max())
-        if self.rows and (lo < 0 or hi >= length):
+        first, last = np.zeros(self.n, np.int64), np.full(self.n, self.rows - 1, np.int64)  # rows read
+        cols = np.ones(self.n, bool) if self.care is None else self.care.copy()
+        if self.rows_cared is not None:
+            r = self.rows_cared
+            some = r.end > r.start
+            cols &= some.any(axis=1)
+            first = np.where(some, r.start, self.rows).min(axis=1, initial=self.rows)
+            last = np.where(some, r.end - 1, -1).max(axis=1, initial=-1)
+        lo = int((self.q0 + first + f.c)[cols].min(initial=0))
+        hi = int((self.q0 + last + f.c)[cols].max(initial=0))
+        if self.rows and cols.any() and (lo < 0 or hi >= length):
+            if self.lenient:
+                raise NotInterval(f"'{e.tensor}' is read under a condition the analysis cannot solve, at "
+                                  "rows outside the tensor")
             bad = lo if lo < 0 else hi
             raise PlanError(f"tensor '{e.tensor}' read out of range: axis {ax} index {bad} is outside "
                             f"[0, {length}) (shape {list(array.shape)})")
         idx = [self.column(ix) for ix in others]
         other_dims = tuple(d for i, d in enumerate(array.shape) if i != ax)
         if self.n:  # the other subscripts are checked like every read
-            load(e.tensor, array, _insert(tuple(idx), ax, np.zeros(self.n, np.int64)))
+            load(e.tensor, array, _insert(tuple(idx), ax, np.zeros(self.n, np.int64)), self.care)
+            if self.care is not None:
+                idx = [np.clip(i, 0, d - 1) for i, d in zip(idx, other_dims)]
         # distinct rows without sorting: subscripts are bounded by the tensor's shape
         flat = np.ravel_multi_index(tuple(idx), other_dims) if idx else np.zeros(self.n, np.int64)
         present = np.zeros(int(np.prod(other_dims)), bool)
@@ -514,7 +564,7 @@ def _distribute(side: ir.Expr, other: ir.Expr, op: str) -> ir.Expr:
     OR = lambda a, b: ir.Binary("or", a, b, ir.BOOL)  # noqa: E731
     if isinstance(side, ir.Select):
         return OR(AND(side.cond, cmp(side.if_true)), AND(ir.Unary("not", side.cond, ir.BOOL), cmp(side.if_false)))
-    if side.fn == "abs" and side.type is ir.I32:
+    if side.fn == "abs" and side.type.integer:
         x = side.args[0]
         neg_x = ir.Unary("neg", x, x.type)
         if op in ("lt", "le"):
@@ -524,7 +574,7 @@ def _distribute(side: ir.Expr, other: ir.Expr, op: str) -> ir.Expr:
         if op == "eq":
             return AND(OR(cmp(x), cmp(neg_x)), ir.Compare("ge", other, ir.Const(0, ir.I32)))
         return ir.Unary("not", _distribute(side, other, "eq"), ir.BOOL)
-    if side.fn in ("min", "max") and side.type is ir.I32:
+    if side.fn in ("min", "max") and side.type.integer:
         x, z = side.args
         # min(x, z) < y  <=>  x < y | z < y ;  max(x, z) < y  <=>  x < y & z < y
         smaller = op in ("lt", "le")
@@ -649,7 +699,7 @@ def row_intervals(program: ir.Program, batch: int, s_q: int, s_k: int,
     swapped = ir.substitute(program.mask, {
         "q": ir.Binary("add", ir.Var("k", i32), ir.Const(q0, i32), i32),
         "k": ir.Binary("add", ir.Var("q", i32), ir.Const(q0, i32), i32)})
-    a = _Analyzer(program, batch, s_k, s_q, tensors or {}, transposed=True)
+    a = _Analyzer(program, batch, s_k, s_q, tensors or {}, transposed=True, lengths=(s_q, s_k))
     visible = a.truth(swapped)
     if not visible.exact:
         return None

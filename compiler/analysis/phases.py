@@ -213,7 +213,8 @@ def visible_cells(program: ir.Program, m: Manifest, tensors: dict | None = None)
         if t + c == 0:  # no keys (idle or empty): no cell, and no position to evaluate
             continue
         env = {"b": np.full((1, 1, 1, 1), b, np.int64), "h": np.arange(heads).reshape(1, -1, 1, 1),
-               "q": (t + np.arange(c)).reshape(1, 1, -1, 1), "k": np.arange(t + c).reshape(1, 1, 1, -1)}
+               "q": (t + np.arange(c)).reshape(1, 1, -1, 1), "k": np.arange(t + c).reshape(1, 1, 1, -1),
+               "S_q": np.asarray(c), "S_k": np.asarray(t + c)}
         mask = np.broadcast_to(evaluate(program.mask, env, tensors), (1, heads, c, t + c))
         out[b] = mask.sum(axis=(0, 2, 3))
     return out

@@ -142,7 +142,7 @@ def _validate(v: dict) -> dict:
             if q < 1 or k < 1:
                 bad.append(f"request {b}: S_q = {q}, S_k = {k}; both must be positive")
             elif k > MAX_LENGTH:
-                bad.append(f"request {b}: S_k = {k} exceeds {MAX_LENGTH} (2^31 - 1): positions are int32")
+                bad.append(f"request {b}: S_k = {k} exceeds {MAX_LENGTH} (2^30): the language's limit on positions")
             elif q > k:
                 bad.append(f"request {b}: S_q = {q} query rows exceed S_k = {k} keys (bottom-right "
                            "positions: every query row's own key is in the cache)")

@@ -139,7 +139,7 @@ def test_non_finite_score_is_a_plan_error(tmp_path):
                     "  score = log(score) }\n")
     r = attnc("run", spec, "--kv-len", "16")
     assert r.returncode == 1
-    assert "the score program produced nan at visible cell" in r.stderr
+    assert "the score program produced NaN or +inf at a visible key of query row (b=0, h=" in r.stderr
 
 
 def test_demo_runs_examples_against_the_oracle():

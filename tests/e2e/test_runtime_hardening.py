@@ -38,8 +38,8 @@ def run_cli(capsys, *args) -> tuple[int, str, str]:
     (("run", CAUSAL, "--batch", "-1"), "argument --batch: expected an integer >= 1, got '-1'"),
     (("run", CAUSAL, "--q-len", "0"), "argument --q-len: expected an integer >= 1, got '0'"),
     (("run", CAUSAL, "--seed", "-3"), "argument --seed: expected an integer >= 0"),
-    (("explain", CAUSAL, "--kv-len", "2147483648"), "2147483648 exceeds 2147483647 (2^31 - 1)"),
-    (("plan", CAUSAL, "--kv-lens", "5,2147483648"), "length 2147483648 exceeds 2147483647"),
+    (("explain", CAUSAL, "--kv-len", "2147483648"), "2147483648 exceeds 1073741824 (2^30)"),
+    (("plan", CAUSAL, "--kv-lens", "5,2147483648"), "length 2147483648 exceeds 1073741824"),
     (("plan", CAUSAL, "--kv-lens", "5", "--sms", "0"), "argument --sms: expected an integer >= 1"),
     (("tune", CAUSAL, "--shapes", "1:4:8", "--repeats", "0"), "argument --repeats: expected an integer >= 1"),
     (("explain", CAUSAL, "--kv-len", "8", "--memory-limit", "lots"), "expected a size such as 4GiB"),
@@ -115,7 +115,7 @@ def test_the_limit_is_configurable(capsys, monkeypatch):
 def test_lengths_past_int32_positions_are_refused():
     dims = dict(heads_q=2, heads_kv=2, d_qk=8)
     # a CSR page list declaring S_k = 2 * 2^30 + 1 >= 2^31 (pages of 2^30 rows)
-    with pytest.raises(resources.ResourceError, match=r"kv_lens .*\[0\] = 2147483649 exceeds 2147483647"):
+    with pytest.raises(resources.ResourceError, match=r"kv_lens .*\[0\] = 2147483649 exceeds 1073741824"):
         layout.paged_csr([0, 3], [0, 1, 2], [1], page_size=2**30, num_pages=3, **dims)
     assert layout.quick_layout(type("C", (), {"kind": "paged", "layout": "nhd", "page_size": 2**30,
                                               "table": "csr"})(),
@@ -128,7 +128,7 @@ def test_lengths_past_int32_positions_are_refused():
         layout.ragged([0, 2**31], **dims)
     program = compile_file(CAUSAL)
     cpu = Environment(device_type="cpu")
-    with pytest.raises(CallError, match="S_k = 2147483648 exceeds 2147483647"):
+    with pytest.raises(CallError, match="S_k = 2147483648 exceeds 1073741824"):
         DispatchKey.from_call(program, {"B": 1, "S_q": 1, "S_k": 2**31}, cpu)
 
 

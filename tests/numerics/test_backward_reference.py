@@ -47,7 +47,7 @@ def check_gradients(program: ir.Program, qkv: dict, tensors: dict, do: np.ndarra
     kernel = runtime.load(program)
     o, lse = kernel.forward64(qkv["q"], qkv["k"], qkv["v"], **tensors)
     q, k, v = (bhsd(program, qkv[n]) for n in ("q", "k", "v"))
-    ref_o, ref_lse = oracle.reference(program, q, k, v, tensors)
+    ref_o, ref_lse = oracle.reference(program, q, k, v, tensors, wide=True)
     np.testing.assert_allclose(bhsd(program, o), ref_o, rtol=1e-12, atol=1e-13)
     assert np.array_equal(np.isneginf(lse), np.isneginf(ref_lse))
     np.testing.assert_allclose(lse[np.isfinite(lse)], ref_lse[np.isfinite(ref_lse)], rtol=1e-12)
@@ -68,7 +68,7 @@ def check_gradients(program: ir.Program, qkv: dict, tensors: dict, do: np.ndarra
 
     def loss(**moved):
         x = {**{n: bhsd(program, qkv[n]) for n in ("q", "k", "v")}, **tensors, **moved}
-        o, _ = oracle.reference(program, x["q"], x["k"], x["v"], {t: x[t] for t in tensors})
+        o, _ = oracle.reference(program, x["q"], x["k"], x["v"], {t: x[t] for t in tensors}, wide=True)
         return float((o * w).sum())
 
     rng = np.random.default_rng(seed)

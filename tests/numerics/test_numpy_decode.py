@@ -196,7 +196,8 @@ def test_unwritten_workspace_slots_would_poison_the_output(monkeypatch):
     a = sample(p, [9, 4], [1, 1], seed=10)
     assert np.isfinite(k.run(a)).all()
     monkeypatch.setattr(k.split_module, "_write_identity", lambda *args: None)
-    assert np.isnan(k.run(a)).any()
+    with pytest.raises(PlanError, match="NaN"):  # a NaN row is reported (the non-finite-score policy)
+        k.run(a)
 
 
 def test_masked_rows_give_zero_and_minus_inf():

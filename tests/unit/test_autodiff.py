@@ -53,7 +53,7 @@ def kink_distance(e: ir.Expr, env, tensors) -> np.ndarray:
     sides equal, abs/min/max ties, integer crossings of float // and %, the edge of the
     domain of log/sqrt, a zero denominator."""
     dist = np.full(N, np.inf)
-    ev = lambda x: np.broadcast_to(evaluate(x, env, tensors), (N,)).astype(float)  # noqa: E731
+    ev = lambda x: np.broadcast_to(evaluate(x, env, tensors, wide=True), (N,)).astype(float)  # noqa: E731
     for n in ir.walk(e):
         sides = ir.children(n)
         if not _varies(n) or (len(sides) == 2 and sides[0] == sides[1]):
@@ -81,8 +81,8 @@ def finite_difference(e: ir.Expr, wrt: ir.Expr, env, tensors, eps: float) -> np.
     tensor) moves by +-eps."""
     def at(delta):
         if wrt == SCORE:
-            return evaluate(e, {**env, "score": env["score"] + delta}, tensors)
-        return evaluate(e, env, {**tensors, wrt.tensor: tensors[wrt.tensor] + delta})
+            return evaluate(e, {**env, "score": env["score"] + delta}, tensors, wide=True)
+        return evaluate(e, env, {**tensors, wrt.tensor: tensors[wrt.tensor] + delta}, wide=True)
     with np.errstate(all="ignore"):
         return np.broadcast_to((at(eps) - at(-eps)) / (2 * eps), (N,))
 
@@ -100,13 +100,13 @@ def check_against_fd(e: ir.Expr, seed: int, margin: float = 1e-3) -> int:
         assert d.type is F32
     with np.errstate(all="ignore"):
         smooth = kink_distance(e, env, tensors) > margin
-        value = np.broadcast_to(evaluate(e, env, tensors), (N,))
+        value = np.broadcast_to(evaluate(e, env, tensors, wide=True), (N,))
     compared = 0
     for wrt, d in grads.items():
         fd = finite_difference(e, wrt, env, tensors, EPS)
         fd_coarse = finite_difference(e, wrt, env, tensors, 10 * EPS)
         with np.errstate(all="ignore"):
-            sym = np.broadcast_to(evaluate(d, env, tensors), (N,)).astype(float)
+            sym = np.broadcast_to(evaluate(d, env, tensors, wide=True), (N,)).astype(float)
         # compare where the function is smooth, finite and the differences agree with each other
         ok = smooth & np.isfinite(value) & np.isfinite(fd) & (np.abs(fd) < 1e4) & \
             (np.abs(fd - fd_coarse) <= 1e-4 * (1 + np.abs(fd)))
@@ -123,7 +123,7 @@ RULES = [  # every node kind and every function of ir.CALL_FNS, on score and on 
     "w[h, q, k] % (score * score + 0.5)", "score // w[h, q, k] + score",
     "where(score > w[h, q, k], score * 2.0, 0.5 * score)", "where(q == k, score, w[h, q, k] * score)",
     "min(score, w[h, q, k])", "max(score, 0.3)", "abs(score - 0.5)", "exp(score * w[h, q, k])",
-    "log(score * score + w[h, q, k] * w[h, q, k])", "sqrt(score * score + 0.1)", "tanh(score * w[h, q, k])",
+    "log(score * score + w[h, q, k] * w[h, q, k])", "sqrt(score * score + 0.1)", "tanh(score * w[h, q, k])", "erf(score * w[h, q, k])", "sin(score * 0.7)", "cos(score - w[h, q, k])",
     "softcap(score, 30.0)", "score - slope[h] * (q - k)", "score * (q // 2) + k % 3",
     "score + w[h, q, k] * w[h, k, q]", "min(q, k) * score + max(q, 2) - abs(k - q)",
 ]
@@ -185,7 +185,7 @@ def test_torch_conventions_at_kinks():
         (e,) = spec(text).score
         env = {"score": x0, "q": 0, "k": 0, "b": 0, "h": 0}
         with np.errstate(all="ignore"):
-            ours = np.broadcast_to(evaluate(derivative(e, SCORE), env, {}), x0.shape)
+            ours = np.broadcast_to(evaluate(derivative(e, SCORE), env, {}, wide=True), x0.shape)
         x = torch.tensor(x0, requires_grad=True)
         fn(x).sum().backward()
         theirs = x.grad.numpy()

@@ -3,7 +3,7 @@ and the surface printer round trip (property-tested with hypothesis)."""
 import math
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from attnc.compiler import ir
@@ -53,9 +53,9 @@ def test_constants_fold_and_boolean_identities_simplify():
         "and", Compare("lt", Q, Const(3, I32)), Compare("ge", K, Const(2, I32)), BOOL)  # floor rules
 
 
-def test_folding_never_makes_an_out_of_range_constant():
-    m = mask_of("q < 2147483647 + 1")  # not folded: the same i32 arithmetic happens at run time
-    assert isinstance(m.right, Binary)
+def test_folding_is_exact_and_widens_past_i32():
+    m = mask_of("q < 2147483647 + 1")  # integers are exact: the constant and the compare are i64
+    assert m.right == Const(2**31, ir.I64) and m.left == ir.Unary("cast_i64", Q, ir.I64)
     ir.verify_expr(m)
 
 
@@ -134,7 +134,12 @@ floats = st.deferred(lambda: st.one_of(
 @given(mask=conds, score=floats)
 def test_format_expr_round_trips_through_the_parser(mask, score):
     text = f"attention t {{ heads = 4 / 2 head_dim = 8 {DECLS} score = {score} mask = {mask} }}"
-    p = compile_spec(text)
+    try:
+        p = compile_spec(text)
+    except SpecError as e:  # products of positions beyond i64 are refused (the range analysis), and
+        # expressions deeper than the language's nesting limit (nested softcaps expand to 3 levels each)
+        assume("may overflow i64" not in str(e) and "levels deep" not in str(e))
+        raise
     again = compile_spec(f"attention t {{ heads = 4 / 2 head_dim = 8 {DECLS} "
                          f"score = {ir.format_expr(p.score[0])} mask = {ir.format_expr(p.mask)} }}")
     assert again.mask == p.mask

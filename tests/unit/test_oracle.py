@@ -51,8 +51,9 @@ def test_oracle_rows_equal_the_split_state_summary():
     for h in range(2):
         for i in range(5):
             pos = 9 - 5 + i
-            scores = [None if (kk > pos or kk % 3 == 1) else float(q[0, h, i] @ k[0, h, kk] * p.scale
-                                                                 - 0.25 * (pos - kk)) for kk in range(9)]
+            f32 = np.float32  # the score program computes in f32 from the float64 q.k (the language)
+            scores = [None if (kk > pos or kk % 3 == 1) else float(f32(q[0, h, i] @ k[0, h, kk] * p.scale)
+                                                                 - f32(0.25) * f32(pos - kk)) for kk in range(9)]
             ref_o, ref_lse = finalize(summarize(scores, v[0, h]))
             np.testing.assert_allclose(o[0, h, i], ref_o, atol=1e-12)
             assert lse[0, h, i] == pytest.approx(ref_lse, abs=1e-12)

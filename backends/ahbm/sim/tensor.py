@@ -54,6 +54,9 @@ class TensorHandle:
     __mod__, __rmod__ = _bin("mod"), _bin("mod", True)
     __and__, __rand__ = _bin("and"), _bin("and", True)
     __or__, __ror__ = _bin("or"), _bin("or", True)
+    __xor__, __rxor__ = _bin("xor"), _bin("xor", True)
+    __lshift__, __rlshift__ = _bin("shl"), _bin("shl", True)
+    __rshift__, __rrshift__ = _bin("shr"), _bin("shr", True)
     __lt__, __le__, __gt__, __ge__ = _bin("lt"), _bin("le"), _bin("gt"), _bin("ge")
     __eq__, __ne__ = _bin("eq"), _bin("ne")
     del _bin

@@ -8,9 +8,11 @@ the scheduler; `load_async`, `recv_async` and `send` do not block.
 Tensor handles wrap numpy arrays that live in the PE's scratch: each result allocates its
 bytes from the bump allocator (views - `trans`, `reshape`, indexing - share their source's
 allocation and cost nothing). Compute is float32: float inputs are upcast, float results
-are float32, integer results int32, comparisons bool. Loads keep the HBM dtype.
+are float32, integer results int32 (int64 where an operand is: `cast` makes one), comparisons bool. Loads keep the HBM dtype.
 """
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
@@ -19,14 +21,18 @@ from .memory import Ptr
 from .tensor import AsyncHandle, TensorHandle
 
 _SCALARS = (int, float, bool, np.integer, np.floating, np.bool_)
-_TRANSCENDENTAL = {"exp": np.exp, "log": np.log, "sqrt": np.sqrt, "tanh": np.tanh}
-_UNARY = {"abs": np.abs, "neg": np.negative, "invert": np.invert, **_TRANSCENDENTAL}
+_erf64 = np.frompyfunc(math.erf, 1, 1)
+_TRANSCENDENTAL = {"exp": np.exp, "log": np.log, "sqrt": np.sqrt, "tanh": np.tanh, "sin": np.sin, "cos": np.cos,
+                   "erf": lambda x: np.asarray(_erf64(x), np.float64).astype(np.float32)}
+_UNARY = {"abs": np.abs, "neg": np.negative, "invert": np.invert, "floor": np.floor, **_TRANSCENDENTAL}
 _BINARY = {
     "add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.true_divide,
     "floordiv": np.floor_divide, "mod": np.mod, "maximum": np.maximum, "minimum": np.minimum,
     "lt": np.less, "le": np.less_equal, "gt": np.greater, "ge": np.greater_equal,
     "eq": np.equal, "ne": np.not_equal, "and": np.bitwise_and, "or": np.bitwise_or,
+    "xor": np.bitwise_xor, "shl": np.left_shift, "shr": np.right_shift,
 }
+_CASTS = {"int32": np.int32, "int64": np.int64, "float32": np.float32}
 _REDUCE = {"max": np.max, "min": np.min, "sum": np.sum}
 
 
@@ -36,6 +42,8 @@ def _normalise(arr: np.ndarray) -> np.ndarray:
         return arr
     if np.issubdtype(arr.dtype, np.floating):
         return arr.astype(np.float32, copy=False)
+    if arr.dtype == np.int64:  # an i64 value stays i64 (tl.cast makes one); other integers are int32
+        return arr
     if np.issubdtype(arr.dtype, np.integer):
         return arr.astype(np.int32, copy=False)
     raise ShapeError(f"unsupported dtype {arr.dtype}")
@@ -320,6 +328,24 @@ class Tl:
 
     def exp(self, x):
         return self._unary("exp", x)
+
+    def erf(self, x):
+        return self._unary("erf", x)
+
+    def sin(self, x):
+        return self._unary("sin", x)
+
+    def cos(self, x):
+        return self._unary("cos", x)
+
+    def floor(self, x):
+        return self._unary("floor", x)
+
+    def cast(self, x, dtype: str) -> TensorHandle:
+        """x converted to "int32", "int64" or "float32" (a MATH op over its elements)."""
+        v = np.asarray(self._operand(x, "cast"))
+        result = v.astype(_CASTS[dtype])
+        return self._math("cast", result, result.size)
 
     def log(self, x):
         return self._unary("log", x)

@@ -22,6 +22,8 @@ tl.load_async into persistent buffers (ADR-0062).  Positions are bottom-right al
 row i of a call with S_q rows over S_k keys is at q = S_k - S_q + i.  A row with no visible
 key returns O = 0 and LSE = -inf.
 """
+import math
+
 import numpy as np
 
 H_Q, H_KV, GROUP = 8, 2, 4
@@ -44,9 +46,43 @@ MASK_STREAMS = (('doc[b, q]', ('q',)), ('doc[b, k]', ('k',)), ('pfx[b, k]', ('k'
 SCORE_STREAMS = ()
 
 
-def visible(tl, b, h, q, k, ld):
+def _scalar(x):
+    return isinstance(x, (int, float, np.integer, np.floating, np.bool_))
+
+
+def _floordiv(tl, a, b):
+    """The language's `//`: floor division, total on integers (x // 0 = 0); floor(a / b) on floats."""
+    if _scalar(a) and _scalar(b):
+        if isinstance(a, (float, np.floating)) or isinstance(b, (float, np.floating)):
+            return np.floor(np.float32(a) / np.float32(b))
+        return a // b if b else 0
+    if isinstance(a, (float, np.floating)) or isinstance(b, (float, np.floating)) or \
+            any(not _scalar(x) and x.dtype == np.float32 for x in (a, b)):
+        return tl.floor(a / b)
+    return tl.where(b == 0, 0, a // tl.where(b == 0, 1, b))
+
+
+def _mod(tl, a, b):
+    """The language's `%`: the divisor's sign, total on integers (x % 0 = x); a - floor(a / b) * b
+    on floats."""
+    if _scalar(a) and _scalar(b):
+        if isinstance(a, (float, np.floating)) or isinstance(b, (float, np.floating)):
+            return np.float32(a) - np.floor(np.float32(a) / np.float32(b)) * np.float32(b)
+        return a % b if b else a
+    if isinstance(a, (float, np.floating)) or isinstance(b, (float, np.floating)) or \
+            any(not _scalar(x) and x.dtype == np.float32 for x in (a, b)):
+        return a - tl.floor(a / b) * b
+    return tl.where(b == 0, a, a % tl.where(b == 0, 1, b))
+
+
+def _erf(x):
+    """erf of a Python scalar in f32 (tl.erf on a tensor)."""
+    return np.float32(math.erf(x))
+
+
+def visible(tl, b, h, q, k, ld, S_q, S_k):
     """The mask: True where key position k is visible to query position q.
-    h [G, 1, 1], q [1, T, 1], k [1, 1, W] int32 tensors; b an int."""
+    h [G, 1, 1], q [1, T, 1], k [1, 1, W] int32 tensors; b, S_q, S_k (the call's lengths) ints."""
     return ((ld[0] == ld[1]) & ((k < ld[2]) | (k <= q)))
 
 
@@ -59,7 +95,7 @@ def visible_from_intervals(tl, i, ld):
     return ~(((i >= uts) & (i < ute)) | ((i >= lts) & (i < lte)))
 
 
-def score_program(tl, score, b, h, q, k, ld):
+def score_program(tl, score, b, h, q, k, ld, S_q, S_k):
     """The score statements, in order, on the scaled q.k [G, T, W] (float32)."""
     return score
 
@@ -109,8 +145,9 @@ class Rows:
     slices the mask and score program read on the query side."""
 
     def __init__(self, tl, q_ptr, b, h0, q0, t, i0, qtile, mask_streams, score_streams,
-                 from_intervals):
+                 from_intervals, lengths):
         self.b, self.t, self.from_intervals = b, t, from_intervals
+        self.lengths = lengths  # the call's (S_q, S_k)
         self.q = tl.load(q_ptr, (GROUP, t, D_QK)) * SCALE  # the softmax scale, folded in once
         self.m = tl.full((GROUP, t, 1), NEG_INF)
         self.l = tl.zeros((GROUP, t, 1))
@@ -134,7 +171,7 @@ def scores(tl, rows, kj, cls, k0, step, ktile):
     if HAS_SCORE:
         kpos = _positions(tl, k0, w, 2, step) if "k" in SCORE_VARS else None
         ld = _load_streams(tl, rows.score_streams, "k", ktile, w, rows.score_ld)
-        s = score_program(tl, s, rows.b, rows.h, rows.qpos, kpos, ld)
+        s = score_program(tl, s, rows.b, rows.h, rows.qpos, kpos, ld, *rows.lengths)
     if cls == PARTIAL:
         ld = _load_streams(tl, rows.mask_streams, "k", ktile, w, rows.mask_ld)
         if rows.from_intervals:
@@ -142,21 +179,21 @@ def scores(tl, rows, kj, cls, k0, step, ktile):
         else:
             if kpos is None and "k" in MASK_VARS:
                 kpos = _positions(tl, k0, w, 2, step)
-            keep = visible(tl, rows.b, rows.h, rows.qpos, kpos, ld)
+            keep = visible(tl, rows.b, rows.h, rows.qpos, kpos, ld, *rows.lengths)
         s = masked(tl, s, keep)
     return s
 
 
 def masked(tl, s, keep):
-    """s + mask_j (ADR-0060 §3): the additive mask is built at the shape the predicate has —
-    usually the K/V head's [1, T, W], shared by its query heads — and tl.broadcast (ADR-0061)
-    materialises it for the G heads of the group."""
+    """s where the mask keeps the cell, -inf elsewhere (ADR-0060 §3's additive mask as a select:
+    a hidden cell's score may be non-finite, and inf + -inf would be NaN).  The predicate comes
+    at the shape it has — usually the K/V head's [1, T, W], shared by its query heads — and
+    tl.broadcast (ADR-0061) materialises it for the G heads of the group."""
     if isinstance(keep, (bool, np.bool_)):
         return s if keep else tl.full(s.shape, NEG_INF)
-    bias = tl.where(keep, 0.0, NEG_INF)
-    if bias.shape != s.shape:
-        bias = tl.broadcast(bias, s.shape)
-    return s + bias
+    if keep.shape != s.shape:
+        keep = tl.broadcast(keep, s.shape)
+    return tl.where(keep, s, NEG_INF)
 
 
 def update(tl, rows, s, wait_v, cls):
@@ -176,7 +213,7 @@ def update(tl, rows, s, wait_v, cls):
 def finish(tl, m, l, o):
     """Normalise once: O = O / l and LSE = m + log l; a row with no visible key (l = 0) gets
     O = 0 and LSE = -inf."""
-    seen = l > 0.0
+    seen = (l > 0.0) | (l != l)  # NaN: a visible score was NaN or +inf; LSE NaN marks the row
     l_safe = tl.where(seen, l, 1.0)
     return o / l_safe, tl.where(seen, m + tl.log(l_safe), NEG_INF)
 
@@ -307,7 +344,7 @@ def decode(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, counter, n_sp, classes, mask_str
         raise ValueError(f"PE {tl.program_id()}: {len(classes)} tile classes for {n_tiles} tiles")
     first = slot_to_global(0, pe_id, start_pe, n_sp)
     rows = Rows(tl, q_ptr, b, kv_head * GROUP, counter - s_q, s_q, 0, 0, mask_streams,
-                score_streams, from_intervals)
+                score_streams, from_intervals, (s_q, counter))
     todo = [j for j in range(n_tiles) if classes[j] != SKIP]
     width = lambda j: min(BLOCK_N, my_len - j * BLOCK_N)  # noqa: E731 - the last tile is ragged
     kv = KVTiles(tl, k_ptr, v_ptr, [(j * BLOCK_N, width(j)) for j in todo], prefetch)
@@ -345,7 +382,7 @@ def prefill(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, s_q, s_k, classes, mask_streams
         with _scope(tl, scoped):
             rows = Rows(tl, q_ptr + r * BLOCK_M * GROUP * D_QK, b, kv_head * GROUP,
                         s_k - s_q + r * BLOCK_M, t, r * BLOCK_M, r, mask_streams, score_streams,
-                        from_intervals)
+                        from_intervals, (s_q, s_k))
             while n < len(todo) and todo[n][0] == r:
                 j = todo[n][1]
                 with _scope(tl, scoped):
@@ -394,7 +431,7 @@ def ring(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, s_q, s_k, n_sp, q_split, kv_split,
     r0, r1 = q_split[i]
     rows = [Rows(tl, q_ptr + (r - r0) * BLOCK_M * GROUP * D_QK, b, kv_head * GROUP,
                  s_k - s_q + r * BLOCK_M, min(BLOCK_M, s_q - r * BLOCK_M), r * BLOCK_M, r - r0,
-                 mask_streams, score_streams, from_intervals) for r in range(r0, r1)]
+                 mask_streams, score_streams, from_intervals, (s_q, s_k)) for r in range(r0, r1)]
 
     def claim(u):  # block u of this PE's list into ping-pong buffer u % 2
         lo, hi = key_rows(blocks[u])

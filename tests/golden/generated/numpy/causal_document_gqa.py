@@ -26,7 +26,8 @@ Two launches, as M4.5 §0x03I writes them:
 Query rows are packed: request b owns rows qo_indptr[b]:qo_indptr[b + 1] of
 q [total_q, H_q, d_qk], and its row i is at absolute position q = T_b + i where
 T_b = kv_lens[b] - q_lens[b] (bottom-right, M4.5 §0x08B): prefill, append, decode and
-mixed batches are one program.  A row with no visible key returns O = 0 and LSE = -inf.
+mixed batches are one program.  A row with no visible key returns O = 0 and LSE = -inf; a row
+where a visible cell's score is NaN or +inf returns O and LSE NaN (attnc's runtime reports it).
 """
 import numpy as np
 
@@ -43,7 +44,7 @@ IDENTITY = {"partial_o": 0.0, "partial_lse": -np.inf, "partial_valid": 0}
 
 
 class AttncRuntimeError(ValueError):
-    """A runtime input broke the spec's contract (out-of-range read, zero divisor, bad score)."""
+    """A runtime input broke the spec's contract (a tensor read outside the tensor)."""
 
 
 def _f32(x):
@@ -62,42 +63,53 @@ def _to_storage(x):
     return x
 
 
-def _load(name, array, *index):
-    """array[index], every subscript checked: a read outside the tensor is an error, not garbage."""
-    index = tuple(np.asarray(i) for i in index)
+def _load(name, array, *index, care=None):
+    """array[index], every subscript checked where ``care`` holds (everywhere when None): a read
+    outside the tensor there is an error, not garbage; elsewhere (the branch a where() does not
+    take) it is clamped and its value unused."""
+    index = [np.asarray(i) for i in index]
     for axis, (i, n) in enumerate(zip(index, array.shape)):
         bad = (i < 0) | (i >= n)
+        if care is not None and np.any(bad):
+            bad = bad & care
         if np.any(bad):
-            value = int(i[np.nonzero(bad)][0]) if i.ndim else int(i)
+            value = int(np.broadcast_to(i, np.shape(bad))[np.nonzero(bad)][0]) if np.ndim(bad) else int(i)
             raise AttncRuntimeError(f"tensor '{name}' read out of range: axis {axis} index {value} "
                                     f"is outside [0, {n}) (shape {list(array.shape)})")
-    return array[index]
+        if care is not None:
+            index[axis] = np.clip(i, 0, max(n - 1, 0))
+    return array[tuple(index)]
 
 
 def _floordiv(a, b):
-    if np.any(np.asarray(b) == 0):
-        raise AttncRuntimeError("integer division by zero in '//' while evaluating the spec")
-    return np.floor_divide(a, b)
+    """The language's `//`: floor division, total on integers (x // 0 = 0); floor(a / b) on floats."""
+    a, b = np.asarray(a), np.asarray(b)
+    if a.dtype.kind == "f" or b.dtype.kind == "f":
+        return np.floor(a / b)
+    zero = b == 0
+    return np.where(zero, 0, np.floor_divide(a, np.where(zero, 1, b)))
 
 
 def _mod(a, b):
-    if np.any(np.asarray(b) == 0):
-        raise AttncRuntimeError("integer division by zero in '%' while evaluating the spec")
-    return np.mod(a, b)
+    """The language's `%`: the remainder with the divisor's sign, total on integers (x % 0 = x);
+    a - floor(a / b) * b on floats."""
+    a, b = np.asarray(a), np.asarray(b)
+    if a.dtype.kind == "f" or b.dtype.kind == "f":
+        return a - np.floor(a / b) * b
+    zero = b == 0
+    return np.where(zero, a, np.mod(a, np.where(zero, 1, b)))
 
-
-def _check_scores(s, keep, b, h, q_pos, k_pos):
-    bad = keep & ~np.isfinite(s)
-    if np.any(bad):
-        i, j = (int(x[0]) for x in np.nonzero(bad))
-        raise AttncRuntimeError(f"the score program produced {s[i, j]} at visible cell "
-                                f"(b={b}, h={h}, q={int(q_pos[i, 0])}, k={int(k_pos[0, j])})")
 
 
 def _absorb(state, s, v_tile):
     """One online-softmax update with a K/V tile; hidden scores are already -inf, so they
     move neither the running max nor the sum (M4.5 §0x05C)."""
     m_i, l_i, acc = state
+    with np.errstate(invalid="ignore"):  # inf - inf at a NaN-or-+inf visible score: the row is marked NaN
+        return _absorb_tile(m_i, l_i, acc, s, v_tile)
+
+
+def _absorb_tile(m_i, l_i, acc, s, v_tile):
     m_new = np.maximum(m_i, s.max(axis=1))
     m_safe = np.where(np.isneginf(m_new), np.float32(0), m_new)  # a row with nothing visible yet stays empty
     alpha = np.exp(m_i - m_safe)
@@ -106,21 +118,25 @@ def _absorb(state, s, v_tile):
 
 
 def _finalize(state):
-    """O = acc / l and LSE = m + log l; a row with no visible key gives O = 0, LSE = -inf."""
+    """O = acc / l and LSE = m + log l; a row with no visible key gives O = 0, LSE = -inf; a row
+    where a visible score was NaN or +inf (l is NaN) gives O and LSE NaN, which the caller reports."""
     m_i, l_i, acc = state
-    seen = l_i > 0
+    seen = (l_i > 0) | np.isnan(l_i)
     o = np.where(seen[:, None], acc / np.where(seen, l_i, 1)[:, None], 0)
     return o, np.where(seen, m_i + np.log(np.where(seen, l_i, 1)), -np.inf)
 
 
-def visible(b, h, q, k, t_doc):
-    """The mask: True where key position k is visible to query position q."""
-    return np.logical_and((k <= q), (_load("doc", t_doc, b, q) == _load("doc", t_doc, b, k)))
+def visible(b, h, q, k, S_q, S_k, t_doc):
+    """The mask: True where key position k is visible to query position q (S_q query rows over
+    S_k keys: the request's lengths)."""
+    with np.errstate(all="ignore"):  # the language defines every value (IEEE f32, total // and %)
+        return np.logical_and((_w1 := (k <= q)), (_load("doc", t_doc, b, q, care=_w1) == _load("doc", t_doc, b, k, care=_w1)))
 
 
-def score_program(score, b, h, q, k, t_doc):
+def score_program(score, b, h, q, k, S_q, S_k, t_doc):
     """The score statements, in order, on the scaled q.k (float32)."""
-    score = (np.float32(50.0) * np.tanh((score / np.float32(50.0))))
+    with np.errstate(all="ignore"):  # a NaN or +inf at a visible cell is reported by the caller
+        score = (np.float32(50.0) * np.tanh((score / np.float32(50.0))))
     return score
 
 
@@ -154,7 +170,7 @@ def _write_state(ws, rows, heads, s, state, n_q):
     o, lse = _finalize(state)
     ws["partial_o"][rows, heads, s] = _store(WORKSPACE["partial_o"], _by_row(o, n_q))
     ws["partial_lse"][rows, heads, s] = _by_row(lse, n_q)
-    ws["partial_valid"][rows, heads, s] = _by_row(state[1] > 0, n_q)
+    ws["partial_valid"][rows, heads, s] = _by_row((state[1] > 0) | np.isnan(state[1]), n_q)
 
 
 def _identity_rows(n):
@@ -196,14 +212,6 @@ def _read_rows(k, v, block, offset, n, kv_head):
     return k[block, offset:offset + n, kv_head], v[block, offset:offset + n, kv_head]
 
 
-def _check_split_scores(s, keep, b, h, q_pos, k_pos):
-    bad = keep & ~np.isfinite(s)
-    if np.any(bad):
-        g, i, j = (int(x[0]) for x in np.nonzero(bad))
-        cell = f"b={b}, h={int(h[g, 0, 0])}, q={int(q_pos[0, i, 0])}, k={int(k_pos[0, 0, j])}"
-        raise AttncRuntimeError(f"the score program produced {s[g, i, j]} at visible cell ({cell})")
-
-
 def _online_empty(n):
     """n rows of an empty online-softmax state (m, l, acc)."""
     return np.full(n, -np.inf, np.float32), np.zeros(n, np.float32), np.zeros((n, D_V), np.float32)
@@ -218,18 +226,18 @@ def _walk(b, kv_head, s, q, k, v, plan, tensors, counts, state, absorb):
     q_rows = q[q0:q0 + n_q, heads].transpose(1, 0, 2)                # [GROUP, n_q, D_QK]
     h = np.arange(heads.start, heads.stop).reshape(-1, 1, 1)
     q_pos = (plan["q_start"][b] + np.arange(n_q)).reshape(1, -1, 1)
+    lengths = (n_q, int(plan["kv_lens"][b]))  # the request's S_q, S_k
     slot = b * plan["capacity"] + s
     for i in range(plan["seg_ptr"][slot], plan["seg_ptr"][slot + 1]):
         n = int(plan["seg_count"][i])
         k_pos = (plan["seg_t0"][i] + np.arange(n)).reshape(1, 1, -1)
-        keep = np.broadcast_to(visible(b, h, q_pos, k_pos, *tensors), (GROUP, n_q, n))
+        keep = np.broadcast_to(visible(b, h, q_pos, k_pos, *lengths, *tensors), (GROUP, n_q, n))
         if not keep.any():
             counts["segments_skipped"] += 1
             continue
         k_seg, v_seg = _read_rows(k, v, plan["seg_block"][i], plan["seg_offset"][i], n, kv_head)
         sc = (q_rows @ k_seg.T) * np.float32(SCALE)                  # [GROUP, n_q, n]
-        sc = _f32(np.broadcast_to(score_program(sc, b, h, q_pos, k_pos, *tensors), sc.shape))
-        _check_split_scores(sc, keep, b, h, q_pos, k_pos)
+        sc = _f32(np.broadcast_to(score_program(sc, b, h, q_pos, k_pos, *lengths, *tensors), sc.shape))
         state = absorb(state, np.where(keep, sc, np.float32(-np.inf)).reshape(GROUP * n_q, n), v_seg)
         counts["segments_read"] += 1
         counts["kv_rows_read"] += n

@@ -10,7 +10,8 @@ The loop nest is the FlashAttention forward schedule (M4.5 §0x05C/D): for each
 float32 absorbs one K/V tile at a time.  Hidden scores become -inf *before*
 the tile's max and sum update.  Positions are bottom-right aligned:
 query row i of a call with S_q rows over S_k keys is at q = S_k - S_q + i.
-A row with no visible key returns O = 0 and LSE = -inf.
+A row with no visible key returns O = 0 and LSE = -inf; a row where a visible cell's score is
+NaN or +inf returns O and LSE NaN (attnc's runtime reports it as an error).
 """
 import numpy as np
 
@@ -24,7 +25,7 @@ BLOCK_M, BLOCK_N = 16, 16
 
 
 class AttncRuntimeError(ValueError):
-    """A runtime input broke the spec's contract (out-of-range read, zero divisor, bad score)."""
+    """A runtime input broke the spec's contract (a tensor read outside the tensor)."""
 
 
 def _f32(x):
@@ -43,42 +44,53 @@ def _to_storage(x):
     return x
 
 
-def _load(name, array, *index):
-    """array[index], every subscript checked: a read outside the tensor is an error, not garbage."""
-    index = tuple(np.asarray(i) for i in index)
+def _load(name, array, *index, care=None):
+    """array[index], every subscript checked where ``care`` holds (everywhere when None): a read
+    outside the tensor there is an error, not garbage; elsewhere (the branch a where() does not
+    take) it is clamped and its value unused."""
+    index = [np.asarray(i) for i in index]
     for axis, (i, n) in enumerate(zip(index, array.shape)):
         bad = (i < 0) | (i >= n)
+        if care is not None and np.any(bad):
+            bad = bad & care
         if np.any(bad):
-            value = int(i[np.nonzero(bad)][0]) if i.ndim else int(i)
+            value = int(np.broadcast_to(i, np.shape(bad))[np.nonzero(bad)][0]) if np.ndim(bad) else int(i)
             raise AttncRuntimeError(f"tensor '{name}' read out of range: axis {axis} index {value} "
                                     f"is outside [0, {n}) (shape {list(array.shape)})")
-    return array[index]
+        if care is not None:
+            index[axis] = np.clip(i, 0, max(n - 1, 0))
+    return array[tuple(index)]
 
 
 def _floordiv(a, b):
-    if np.any(np.asarray(b) == 0):
-        raise AttncRuntimeError("integer division by zero in '//' while evaluating the spec")
-    return np.floor_divide(a, b)
+    """The language's `//`: floor division, total on integers (x // 0 = 0); floor(a / b) on floats."""
+    a, b = np.asarray(a), np.asarray(b)
+    if a.dtype.kind == "f" or b.dtype.kind == "f":
+        return np.floor(a / b)
+    zero = b == 0
+    return np.where(zero, 0, np.floor_divide(a, np.where(zero, 1, b)))
 
 
 def _mod(a, b):
-    if np.any(np.asarray(b) == 0):
-        raise AttncRuntimeError("integer division by zero in '%' while evaluating the spec")
-    return np.mod(a, b)
+    """The language's `%`: the remainder with the divisor's sign, total on integers (x % 0 = x);
+    a - floor(a / b) * b on floats."""
+    a, b = np.asarray(a), np.asarray(b)
+    if a.dtype.kind == "f" or b.dtype.kind == "f":
+        return a - np.floor(a / b) * b
+    zero = b == 0
+    return np.where(zero, a, np.mod(a, np.where(zero, 1, b)))
 
-
-def _check_scores(s, keep, b, h, q_pos, k_pos):
-    bad = keep & ~np.isfinite(s)
-    if np.any(bad):
-        i, j = (int(x[0]) for x in np.nonzero(bad))
-        raise AttncRuntimeError(f"the score program produced {s[i, j]} at visible cell "
-                                f"(b={b}, h={h}, q={int(q_pos[i, 0])}, k={int(k_pos[0, j])})")
 
 
 def _absorb(state, s, v_tile):
     """One online-softmax update with a K/V tile; hidden scores are already -inf, so they
     move neither the running max nor the sum (M4.5 §0x05C)."""
     m_i, l_i, acc = state
+    with np.errstate(invalid="ignore"):  # inf - inf at a NaN-or-+inf visible score: the row is marked NaN
+        return _absorb_tile(m_i, l_i, acc, s, v_tile)
+
+
+def _absorb_tile(m_i, l_i, acc, s, v_tile):
     m_new = np.maximum(m_i, s.max(axis=1))
     m_safe = np.where(np.isneginf(m_new), np.float32(0), m_new)  # a row with nothing visible yet stays empty
     alpha = np.exp(m_i - m_safe)
@@ -87,9 +99,10 @@ def _absorb(state, s, v_tile):
 
 
 def _finalize(state):
-    """O = acc / l and LSE = m + log l; a row with no visible key gives O = 0, LSE = -inf."""
+    """O = acc / l and LSE = m + log l; a row with no visible key gives O = 0, LSE = -inf; a row
+    where a visible score was NaN or +inf (l is NaN) gives O and LSE NaN, which the caller reports."""
     m_i, l_i, acc = state
-    seen = l_i > 0
+    seen = (l_i > 0) | np.isnan(l_i)
     o = np.where(seen[:, None], acc / np.where(seen, l_i, 1)[:, None], 0)
     return o, np.where(seen, m_i + np.log(np.where(seen, l_i, 1)), -np.inf)
 
@@ -105,12 +118,14 @@ def _every_tile_partial(s_q, s_k, block_m=BLOCK_M, block_n=BLOCK_N):
 
 
 
-def visible(b, h, q, k, t_prefix):
-    """The mask: True where key position k is visible to query position q."""
-    return np.logical_or((k < _load("prefix", t_prefix, b)), (k <= q))
+def visible(b, h, q, k, S_q, S_k, t_prefix):
+    """The mask: True where key position k is visible to query position q (S_q query rows over
+    S_k keys: the request's lengths)."""
+    with np.errstate(all="ignore"):  # the language defines every value (IEEE f32, total // and %)
+        return np.logical_or((k < _load("prefix", t_prefix, b, care=None)), (k <= q))
 
 
-def score_program(score, b, h, q, k, t_prefix):
+def score_program(score, b, h, q, k, S_q, S_k, t_prefix):
     """The score statements, in order, on the scaled q.k (float32)."""
     return score
 
@@ -164,7 +179,7 @@ def attention(q, k, v, *, plan=None, return_lse=False, stats=None, **tensors):
                         j0, j1 = j * bn, min(j * bn + bn, s_k)
                         k_pos = (k_base + np.arange(j0, j1)).reshape(1, -1)
                         s = (q_tile @ k[b, kv_h, j0:j1].T) * np.float32(SCALE)
-                        s = _f32(np.broadcast_to(score_program(s, b, h, q_pos, k_pos, *tensors), s.shape))
+                        s = _f32(np.broadcast_to(score_program(s, b, h, q_pos, k_pos, s_q, s_k, *tensors), s.shape))
                         if cls == "full":
                             keep = np.ones(s.shape, bool)
                         elif from_intervals:  # FlashMask: hidden iff the row is in [UTS, UTE) or [LTS, LTE)
@@ -174,8 +189,7 @@ def attention(q, k, v, *, plan=None, return_lse=False, stats=None, **tensors):
                                      ((i >= plan["LTS"][cols]) & (i < plan["LTE"][cols]))
                             keep = ~hidden
                         else:
-                            keep = np.broadcast_to(visible(b, h, q_pos, k_pos, *tensors), s.shape)
-                        _check_scores(s, keep, b, h, q_pos, k_pos)
+                            keep = np.broadcast_to(visible(b, h, q_pos, k_pos, s_q, s_k, *tensors), s.shape)
                         state = _absorb(state, np.where(keep, s, np.float32(-np.inf)), v[b, kv_h, j0:j1])
                         counts[cls] += 1
                 counts["skip"] += k_tiles - (plan["partial_indptr"][row + 1] - plan["partial_indptr"][row]) \

@@ -36,28 +36,42 @@ def _f64(x):
     return np.asarray(x, np.float64)
 
 
-def _load(name, array, *index):
-    """array[index], every subscript checked: a read outside the tensor is an error, not garbage."""
-    index = tuple(np.asarray(i) for i in index)
+def _load(name, array, *index, care=None):
+    """array[index], every subscript checked where ``care`` holds (everywhere when None): a read
+    outside the tensor there is an error, not garbage; elsewhere (the branch a where() does not
+    take) it is clamped and its value unused."""
+    index = [np.asarray(i) for i in index]
     for axis, (i, n) in enumerate(zip(index, array.shape)):
         bad = (i < 0) | (i >= n)
+        if care is not None and np.any(bad):
+            bad = bad & care
         if np.any(bad):
-            value = int(i[np.nonzero(bad)][0]) if i.ndim else int(i)
+            value = int(np.broadcast_to(i, np.shape(bad))[np.nonzero(bad)][0]) if np.ndim(bad) else int(i)
             raise AttncRuntimeError(f"tensor '{name}' read out of range: axis {axis} index {value} "
                                     f"is outside [0, {n}) (shape {list(array.shape)})")
-    return array[index]
+        if care is not None:
+            index[axis] = np.clip(i, 0, max(n - 1, 0))
+    return array[tuple(index)]
 
 
 def _floordiv(a, b):
-    if np.any(np.asarray(b) == 0):
-        raise AttncRuntimeError("integer division by zero in '//' while evaluating the spec")
-    return np.floor_divide(a, b)
+    """The language's `//`: floor division, total on integers (x // 0 = 0); floor(a / b) on floats."""
+    a, b = np.asarray(a), np.asarray(b)
+    if a.dtype.kind == "f" or b.dtype.kind == "f":
+        return np.floor(a / b)
+    zero = b == 0
+    return np.where(zero, 0, np.floor_divide(a, np.where(zero, 1, b)))
 
 
 def _mod(a, b):
-    if np.any(np.asarray(b) == 0):
-        raise AttncRuntimeError("integer division by zero in '%' while evaluating the spec")
-    return np.mod(a, b)
+    """The language's `%`: the remainder with the divisor's sign, total on integers (x % 0 = x);
+    a - floor(a / b) * b on floats."""
+    a, b = np.asarray(a), np.asarray(b)
+    if a.dtype.kind == "f" or b.dtype.kind == "f":
+        return a - np.floor(a / b) * b
+    zero = b == 0
+    return np.where(zero, a, np.mod(a, np.where(zero, 1, b)))
+
 
 
 def _check_scores(s, keep, b, h, q_pos, k_pos):
@@ -85,12 +99,12 @@ def _scatter(target, contrib, *index):
     np.add.at(target, tuple(np.broadcast_to(np.asarray(i), contrib.shape) for i in index), contrib)
 
 
-def visible(b, h, q, k):
+def visible(b, h, q, k, S_q, S_k):
     """The mask: True where key position k is visible to query position q."""
     return (k <= q)
 
 
-def score_values(score, b, h, q, k):
+def score_values(score, b, h, q, k, S_q, S_k):
     """[s_0, s_1, ..., s_n]: the scaled q.k and the value of each score statement (float64)."""
     values = [score]
     score = np.broadcast_to((np.float64(20.0) * np.tanh((score / np.float64(20.0)))), values[0].shape)
@@ -98,7 +112,7 @@ def score_values(score, b, h, q, k):
     return values
 
 
-def score_chain(values, ds, keep, dtensors, b, h, q, k):
+def score_chain(values, ds, keep, dtensors, b, h, q, k, S_q, S_k):
     """dL/ds_0 from ds = dL/ds_n, statement by statement from the last; the f32 tensor reads
     of each statement add their share to ``dtensors``."""
     score = values[0]  # the input of statement 1: 20.0 * tanh(score / 20.0)
@@ -129,9 +143,10 @@ def _cells(q, k, b, h, q_pos, k_pos, tensors):
     """The score values and the visibility of request b, query head h: [S_q, S_k] each.
     Hidden cells may hold any value (they are never used), so numpy's warnings are off."""
     s0 = (q[b, h] @ k[b, h // GROUP].T) * SCALE
+    lengths = (q.shape[2], k.shape[2])  # S_q, S_k
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        values = score_values(s0, b, h, q_pos, k_pos, *tensors)
-    keep = np.broadcast_to(visible(b, h, q_pos, k_pos, *tensors), s0.shape)
+        values = score_values(s0, b, h, q_pos, k_pos, *lengths, *tensors)
+        keep = np.broadcast_to(visible(b, h, q_pos, k_pos, *lengths, *tensors), s0.shape)
     _check_scores(values[-1], keep, b, h, q_pos, k_pos)
     return values, keep
 
@@ -187,7 +202,8 @@ def backward(q, k, v, o, lse, do, dlse=None, **tensors):
             if dlse is not None:
                 delta = delta - np.where(np.isfinite(row), _f64(dlse)[b, h][:, None], 0.0)
             with np.errstate(divide="ignore", invalid="ignore", over="ignore"):  # hidden cells: never used
-                ds = score_chain(values, p * (dp - delta), keep, dtensors, b, h, q_pos, k_pos, *tensors)
+                ds = score_chain(values, p * (dp - delta), keep, dtensors, b, h, q_pos, k_pos, s_q, k.shape[2],
+                                 *tensors)
             dq[b, h] = SCALE * ds @ k[b, kv_h]
             dk[b, kv_h] += SCALE * ds.T @ q[b, h]
             dv[b, kv_h] += p.T @ do[b, h]

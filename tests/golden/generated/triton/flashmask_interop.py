@@ -6,28 +6,29 @@ Spec digest e3b9703d8a034962e1b5dd788dda178122b6088b0e7664202542ef160db7ebcd.
 
 The kernels (attnc.backends.triton: prefill, gluon_engine, split) take ``visible``,
 ``score_program`` and SPEC as constexpr arguments and inline them; TS is the tuple of the
-tensors below, each followed by its strides and sizes (one pair per axis).
+tensors below, each followed by its strides and sizes (one pair per axis): tensor i is _t<i>.
 """
 import triton
 import triton.language as tl  # noqa: F401  (the printed expressions use it)
 
-from attnc.backends.triton.lang import _floordiv, _mod, _tanh  # noqa: F401
+from attnc.backends.triton.lang import _floordiv, _floordiv_total, _mod, _mod_total, _tanh  # noqa: F401
 
 DTYPE = "bf16"
 SPEC = dict(H_Q=8, H_KV=2, GROUP=4, D_QK=64, D_V=64, D_QK_PAD=64,
             D_V_PAD=64, SCALE=0.125, HAS_SCORE=False, DOT_PRECISION="tf32")
 TENSORS = {"sri": ("i32", ('b', 2, 's', 1))}
+LENGTHS = False  # TS ends with the call's kv_lens [B] and qo_indptr [B + 1] (S_k, S_q)
 
 
 @triton.jit
 def visible(b, h, q, k, TS):
     """The mask: True where key position k is visible to query position q."""
-    T_sri, sri_s0, sri_n0, sri_s1, sri_n1, sri_s2, sri_n2, sri_s3, sri_n3 = TS
-    return ((k <= q) & (q < tl.load(T_sri + tl.minimum(tl.maximum(b, 0), sri_n0 - 1) * sri_s0 + tl.minimum(tl.maximum(_floordiv(h, 4), 0), sri_n1 - 1) * sri_s1 + tl.minimum(tl.maximum(k, 0), sri_n2 - 1) * sri_s2 + tl.minimum(tl.maximum(0, 0), sri_n3 - 1) * sri_s3)))
+    _t0, _t0_s0, _t0_n0, _t0_s1, _t0_n1, _t0_s2, _t0_n2, _t0_s3, _t0_n3 = TS
+    return ((k <= q) & (q < tl.load(_t0 + tl.minimum(tl.maximum(b, 0), _t0_n0 - 1) * _t0_s0 + tl.minimum(tl.maximum(_floordiv(h, 4), 0), _t0_n1 - 1) * _t0_s1 + tl.minimum(tl.maximum(k, 0), _t0_n2 - 1) * _t0_s2 + tl.minimum(tl.maximum(0, 0), _t0_n3 - 1) * _t0_s3)))
 
 
 @triton.jit
 def score_program(score, b, h, q, k, TS):
     """The score statements, in order, on the scaled q.k (float32)."""
-    T_sri, sri_s0, sri_n0, sri_s1, sri_n1, sri_s2, sri_n2, sri_s3, sri_n3 = TS
+    _t0, _t0_s0, _t0_n0, _t0_s1, _t0_n1, _t0_s2, _t0_n2, _t0_s3, _t0_n3 = TS
     return score

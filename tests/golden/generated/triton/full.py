@@ -6,17 +6,18 @@ Spec digest da6f13eb75793395550b99fa82630c6d389ab21afecabe29fcd8df8c9f4aebf6.
 
 The kernels (attnc.backends.triton: prefill, gluon_engine, split) take ``visible``,
 ``score_program`` and SPEC as constexpr arguments and inline them; TS is the tuple of the
-tensors below, each followed by its strides and sizes (one pair per axis).
+tensors below, each followed by its strides and sizes (one pair per axis): tensor i is _t<i>.
 """
 import triton
 import triton.language as tl  # noqa: F401  (the printed expressions use it)
 
-from attnc.backends.triton.lang import _floordiv, _mod, _tanh  # noqa: F401
+from attnc.backends.triton.lang import _floordiv, _floordiv_total, _mod, _mod_total, _tanh  # noqa: F401
 
 DTYPE = "f32"
 SPEC = dict(H_Q=4, H_KV=4, GROUP=1, D_QK=64, D_V=64, D_QK_PAD=64,
             D_V_PAD=64, SCALE=0.125, HAS_SCORE=False, DOT_PRECISION="ieee")
 TENSORS = {}
+LENGTHS = False  # TS ends with the call's kv_lens [B] and qo_indptr [B + 1] (S_k, S_q)
 
 
 @triton.jit

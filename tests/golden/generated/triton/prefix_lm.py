@@ -6,28 +6,29 @@ Spec digest a52692c16b958473720c6744a233e795777b11a987b1e3eddaae8329e6ceab16.
 
 The kernels (attnc.backends.triton: prefill, gluon_engine, split) take ``visible``,
 ``score_program`` and SPEC as constexpr arguments and inline them; TS is the tuple of the
-tensors below, each followed by its strides and sizes (one pair per axis).
+tensors below, each followed by its strides and sizes (one pair per axis): tensor i is _t<i>.
 """
 import triton
 import triton.language as tl  # noqa: F401  (the printed expressions use it)
 
-from attnc.backends.triton.lang import _floordiv, _mod, _tanh  # noqa: F401
+from attnc.backends.triton.lang import _floordiv, _floordiv_total, _mod, _mod_total, _tanh  # noqa: F401
 
 DTYPE = "bf16"
 SPEC = dict(H_Q=4, H_KV=4, GROUP=1, D_QK=64, D_V=32, D_QK_PAD=64,
             D_V_PAD=32, SCALE=0.125, HAS_SCORE=False, DOT_PRECISION="tf32")
 TENSORS = {"prefix": ("i32", ('b',))}
+LENGTHS = False  # TS ends with the call's kv_lens [B] and qo_indptr [B + 1] (S_k, S_q)
 
 
 @triton.jit
 def visible(b, h, q, k, TS):
     """The mask: True where key position k is visible to query position q."""
-    T_prefix, prefix_s0, prefix_n0 = TS
-    return ((k < tl.load(T_prefix + tl.minimum(tl.maximum(b, 0), prefix_n0 - 1) * prefix_s0)) | (k <= q))
+    _t0, _t0_s0, _t0_n0 = TS
+    return ((k < tl.load(_t0 + tl.minimum(tl.maximum(b, 0), _t0_n0 - 1) * _t0_s0)) | (k <= q))
 
 
 @triton.jit
 def score_program(score, b, h, q, k, TS):
     """The score statements, in order, on the scaled q.k (float32)."""
-    T_prefix, prefix_s0, prefix_n0 = TS
+    _t0, _t0_s0, _t0_n0 = TS
     return score

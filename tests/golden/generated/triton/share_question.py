@@ -6,28 +6,29 @@ Spec digest 57e58abc5bbd0f9c0b8eccf2fef2129f035f4717e9d94a20a77153783b787cd3.
 
 The kernels (attnc.backends.triton: prefill, gluon_engine, split) take ``visible``,
 ``score_program`` and SPEC as constexpr arguments and inline them; TS is the tuple of the
-tensors below, each followed by its strides and sizes (one pair per axis).
+tensors below, each followed by its strides and sizes (one pair per axis): tensor i is _t<i>.
 """
 import triton
 import triton.language as tl  # noqa: F401  (the printed expressions use it)
 
-from attnc.backends.triton.lang import _floordiv, _mod, _tanh  # noqa: F401
+from attnc.backends.triton.lang import _floordiv, _floordiv_total, _mod, _mod_total, _tanh  # noqa: F401
 
 DTYPE = "bf16"
 SPEC = dict(H_Q=4, H_KV=4, GROUP=1, D_QK=64, D_V=64, D_QK_PAD=64,
             D_V_PAD=64, SCALE=0.125, HAS_SCORE=False, DOT_PRECISION="tf32")
 TENSORS = {"doc": ("i32", ('b', 's'))}
+LENGTHS = False  # TS ends with the call's kv_lens [B] and qo_indptr [B + 1] (S_k, S_q)
 
 
 @triton.jit
 def visible(b, h, q, k, TS):
     """The mask: True where key position k is visible to query position q."""
-    T_doc, doc_s0, doc_n0, doc_s1, doc_n1 = TS
-    return ((k <= q) & ((tl.load(T_doc + tl.minimum(tl.maximum(b, 0), doc_n0 - 1) * doc_s0 + tl.minimum(tl.maximum(q, 0), doc_n1 - 1) * doc_s1) == tl.load(T_doc + tl.minimum(tl.maximum(b, 0), doc_n0 - 1) * doc_s0 + tl.minimum(tl.maximum(k, 0), doc_n1 - 1) * doc_s1)) | (tl.load(T_doc + tl.minimum(tl.maximum(b, 0), doc_n0 - 1) * doc_s0 + tl.minimum(tl.maximum(k, 0), doc_n1 - 1) * doc_s1) == 0)))
+    _t0, _t0_s0, _t0_n0, _t0_s1, _t0_n1 = TS
+    return ((k <= q) & ((tl.load(_t0 + tl.minimum(tl.maximum(b, 0), _t0_n0 - 1) * _t0_s0 + tl.minimum(tl.maximum(q, 0), _t0_n1 - 1) * _t0_s1) == tl.load(_t0 + tl.minimum(tl.maximum(b, 0), _t0_n0 - 1) * _t0_s0 + tl.minimum(tl.maximum(k, 0), _t0_n1 - 1) * _t0_s1)) | (tl.load(_t0 + tl.minimum(tl.maximum(b, 0), _t0_n0 - 1) * _t0_s0 + tl.minimum(tl.maximum(k, 0), _t0_n1 - 1) * _t0_s1) == 0)))
 
 
 @triton.jit
 def score_program(score, b, h, q, k, TS):
     """The score statements, in order, on the scaled q.k (float32)."""
-    T_doc, doc_s0, doc_n0, doc_s1, doc_n1 = TS
+    _t0, _t0_s0, _t0_n0, _t0_s1, _t0_n1 = TS
     return score

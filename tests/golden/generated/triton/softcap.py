@@ -7,17 +7,18 @@ Spec digest 4ed49aefd799c820a092682643391a8e3ba812da51bf5532b82b4a52cd96df25.
 
 The kernels (attnc.backends.triton: prefill, gluon_engine, split) take ``visible``,
 ``score_program`` and SPEC as constexpr arguments and inline them; TS is the tuple of the
-tensors below, each followed by its strides and sizes (one pair per axis).
+tensors below, each followed by its strides and sizes (one pair per axis): tensor i is _t<i>.
 """
 import triton
 import triton.language as tl  # noqa: F401  (the printed expressions use it)
 
-from attnc.backends.triton.lang import _floordiv, _mod, _tanh  # noqa: F401
+from attnc.backends.triton.lang import _floordiv, _floordiv_total, _mod, _mod_total, _tanh  # noqa: F401
 
 DTYPE = "bf16"
 SPEC = dict(H_Q=8, H_KV=2, GROUP=4, D_QK=64, D_V=64, D_QK_PAD=64,
             D_V_PAD=64, SCALE=0.125, HAS_SCORE=True, DOT_PRECISION="tf32")
 TENSORS = {}
+LENGTHS = False  # TS ends with the call's kv_lens [B] and qo_indptr [B + 1] (S_k, S_q)
 
 
 @triton.jit
@@ -29,7 +30,7 @@ def visible(b, h, q, k, TS):
 @triton.jit
 def score_program(score, b, h, q, k, TS):
     """The score statements, in order, on the scaled q.k (float32)."""
-    score = (20.0 * _tanh((score / 20.0)))
+    score = (20.0 * _tanh(tl.math.div_rn(score, 20.0)))
     return score
 
 
@@ -38,6 +39,6 @@ def score_grad(score, b, h, q, k, TS):
     """The score statements and d score / d (scaled q.k) by the chain rule (the compiler's
     derivative, attnc.compiler.autodiff): the backward kernels' SCORE_GRAD."""
     grad = 1.0
-    grad = grad * (1.0 - (_tanh((score / 20.0)) * _tanh((score / 20.0))))
-    score = (20.0 * _tanh((score / 20.0)))
+    grad = grad * (1.0 - (_tanh(tl.math.div_rn(score, 20.0)) * _tanh(tl.math.div_rn(score, 20.0))))
+    score = (20.0 * _tanh(tl.math.div_rn(score, 20.0)))
     return score, grad
