@@ -42,8 +42,8 @@ sinks (``s_aux``), ``position_bias``, a 4D or BlockMask ``attention_mask`` (a cu
 it as a spec), a model that adds its own mask function (``or_mask_function``/``and_mask_function``,
 e.g. image tokens that attend bidirectionally), a static cache (its keys are not bottom-right
 aligned: the unwritten slots follow the written ones; use the default ``DynamicCache``), packed
-sequences over earlier cache content, and (from ``attnc.compile``'s call) q/k/v that require grad:
-attnc has no backward pass yet, so this is for inference (``torch.no_grad()``).
+sequences over earlier cache content.  Training works through attnc's backward pass (q, k, v
+gradients; masks read from the position ids have none).
 
 Under ``torch.compile`` (``fullgraph=True`` too) the spec's handle is a constant of the trace and
 the call is attnc's custom op.  Host checks cannot run inside a graph, so there a multi-token call

@@ -62,6 +62,22 @@ def test_llama_logits_match_eager(llama):
         torch.testing.assert_close(ours(ids).logits, eager(ids).logits, **TOL)
 
 
+def test_gemma2_trains_like_eager(gemma2):
+    """A training step: the loss's gradients through attnc's backward (sliding window, softcap,
+    GQA) against eager attention's, parameter by parameter."""
+    eager, ours = gemma2
+    ids = _ids(2, 20, seed=3)
+    grads = []
+    for model in (eager, ours):
+        model.zero_grad()
+        model(ids, labels=ids).loss.backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+        model.zero_grad()
+    assert grads[0].keys() == grads[1].keys() and len(grads[0]) > 10
+    for n, g in grads[0].items():
+        torch.testing.assert_close(grads[1][n], g, atol=1e-4, rtol=1e-3, msg=n)
+
+
 def test_gemma2_sliding_window_softcap_and_scaling_match_eager(gemma2, monkeypatch):
     eager, ours = gemma2
     assert [layer.self_attn.sliding_window for layer in ours.model.layers] == [8, None]
