@@ -10,7 +10,7 @@ from __future__ import annotations
 from attnc.compiler import inputs, ir
 from attnc.compiler.autodiff import score_grad
 from attnc.backends.common import render
-from .emit import Source, _spec_context, numpy_expr
+from .emit import Source, _spec_context, numpy_expr, shape_docs
 
 
 def emit_backward(program: ir.Program) -> Source:
@@ -27,14 +27,9 @@ def emit_backward(program: ir.Program) -> Source:
                     for j, load, d in grad.dloads if j == i])
         for i, s in enumerate(grad.forward)]
     layout = p.cache.layout.value
-    shapes = {"q": ("B", p.heads_q, "S_q", p.d_qk), "k": ("B", p.heads_kv, "S_k", p.d_qk),
-              "v": ("B", p.heads_kv, "S_k", p.d_v)}
-    if layout == "bshd":
-        shapes = {n: (s[0], s[2], s[1], s[3]) for n, s in shapes.items()}
-    fmt = lambda s: "[" + ", ".join(str(x) for x in s) + "]"  # noqa: E731
     text = render(
         "numpy", "backward.py.j2", **{**_spec_context(p), "mask_code": code(p.mask)}, layout=layout,
         statements=statements, grad_tensors=list(grad.tensors), grad_tensors_repr=repr(grad.tensors),
-        q_shape=fmt(shapes["q"]), k_shape=fmt(shapes["k"]), v_shape=fmt(shapes["v"]),
+        **shape_docs(p, layout),
     )
     return Source(text, f"{p.name}_numpy_backward", entry="backward", family="backward")

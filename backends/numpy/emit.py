@@ -128,6 +128,15 @@ def _spec_context(p: ir.Program) -> dict:
     )
 
 
+def shape_docs(p: ir.Program, layout: str) -> dict[str, str]:
+    """q_shape, k_shape, v_shape: the entry point's argument shapes as its docstring writes them."""
+    shapes = {"q": ("B", p.heads_q, "S_q", p.d_qk), "k": ("B", p.heads_kv, "S_k", p.d_qk),
+              "v": ("B", p.heads_kv, "S_k", p.d_v)}
+    if layout == "bshd":
+        shapes = {n: (s[0], s[2], s[1], s[3]) for n, s in shapes.items()}
+    return {f"{n}_shape": "[" + ", ".join(str(x) for x in s) + "]" for n, s in shapes.items()}
+
+
 def emit(program: ir.Program, block_m: int = BLOCK_M, block_n: int = BLOCK_N,
          family: str | None = None) -> Source:
     family = family or default_family(program)
@@ -137,16 +146,8 @@ def emit(program: ir.Program, block_m: int = BLOCK_M, block_n: int = BLOCK_N,
         raise ValueError(f"unknown numpy kernel family {family!r}; expected one of {FAMILIES}")
     layout = program.cache.layout.value if program.cache.kind is ir.CacheKind.CONTIGUOUS else "bhsd"
     p = program
-    shapes = {"q": ("B", p.heads_q, "S_q", p.d_qk), "k": ("B", p.heads_kv, "S_k", p.d_qk),
-              "v": ("B", p.heads_kv, "S_k", p.d_v)}
-    if layout == "bshd":
-        shapes = {n: (s[0], s[2], s[1], s[3]) for n, s in shapes.items()}
-    fmt = lambda s: "[" + ", ".join(str(x) for x in s) + "]"  # noqa: E731
-    text = render(
-        "numpy", "attention.py.j2", **_spec_context(p), layout=layout,
-        block_m=block_m, block_n=block_n,
-        q_shape=fmt(shapes["q"]), k_shape=fmt(shapes["k"]), v_shape=fmt(shapes["v"]),
-    )
+    text = render("numpy", "attention.py.j2", **_spec_context(p), layout=layout, block_m=block_m, block_n=block_n,
+                  **shape_docs(p, layout))
     return Source(text, f"{p.name}_numpy")
 
 

@@ -69,9 +69,10 @@ def _lists(classes: np.ndarray, by_columns: bool) -> dict:
     return {"ptr": ptr, "idx": idx[order].astype(np.int32)}
 
 
-def _order(classes: np.ndarray, by_columns: bool) -> np.ndarray:
-    """Each plane's rows (or columns) by descending computed blocks, flattened: the jobs' order."""
-    work = (classes != 0).sum(axis=2 if by_columns else 3)
+def _column_order(classes: np.ndarray) -> np.ndarray:
+    """Each plane's key blocks by descending computed query blocks, flattened: the dK/dV jobs'
+    order (the columns' twin of ``Plan.q_tile_order``, which orders the dQ jobs)."""
+    work = (classes != 0).sum(axis=2)
     return np.argsort(-work, axis=2, kind="stable").reshape(-1).astype(np.int32)
 
 
@@ -87,8 +88,8 @@ class BackwardLaunch:
         self.batch, self.s_q, self.s_k = shape
         cc, rc = dkdv_plan.tiles.classes, dq_plan.tiles.classes
         cols, rows = _lists(cc, True), _lists(rc, False)
-        host = {"c_order": _order(cc, True), "c_ptr": cols["ptr"], "c_idx": cols["idx"],
-                "r_order": _order(rc, False), "r_ptr": rows["ptr"], "r_idx": rows["idx"]}
+        host = {"c_order": _column_order(cc), "c_ptr": cols["ptr"], "c_idx": cols["idx"],
+                "r_order": dq_plan.q_tile_order(), "r_ptr": rows["ptr"], "r_idx": rows["idx"]}
         self.arrays = P.upload(host, device)
         spec = module.SPEC
         c = config

@@ -215,12 +215,16 @@ class Kernel:
                             (launch.batch, launch.s_q, launch.s_k), launch.device)
             self._run_launch(launch, qb, kb, vb, ts, ob, lse, key)
 
+    def _plan_key(self, *key, tensors: dict) -> tuple[list, tuple]:
+        """(the tensors the plan cache watches, the plan cache's key): the spec and ``key`` and,
+        for a mask that reads tensors, each tensor's identity and version (plans.tensor_key)."""
+        if not self._mask_reads:
+            return [], (self.digest, *key)
+        named = [tensors[n] for n in self._tensor_names if n in tensors]
+        return named, (self.digest, *key, tuple(P.tensor_key(n, tensors[n]) for n in self._tensor_names if n in tensors))
+
     def _cached_launch(self, bound: _Bound, key, qb, kb, vb, tensors: dict):
-        if self._mask_reads:
-            named = [tensors[n] for n in self._tensor_names if n in tensors]
-            pkey = (self.digest, key, tuple(P.tensor_key(n, tensors[n]) for n in self._tensor_names if n in tensors))
-        else:
-            named, pkey = [], (self.digest, key)
+        named, pkey = self._plan_key(key, tensors=tensors)
         launch = P.PLANS.get(pkey, named)
         if launch is None:
             import torch
@@ -328,12 +332,7 @@ class Kernel:
         cfg = config or G.default_backward_config(p.d_qk, p.d_v, interpreted())
         key = (self._key(q, k, v, tensors), o.stride(), do.stride(), o.data_ptr() % 16 == 0,
                do.data_ptr() % 16 == 0, dlse is not None)
-        if self._mask_reads:
-            named = [tensors[n] for n in self._tensor_names if n in tensors]
-            pkey = ("backward", self.digest, key, cfg,
-                    tuple(P.tensor_key(n, tensors[n]) for n in self._tensor_names if n in tensors))
-        else:
-            named, pkey = [], ("backward", self.digest, key, cfg)
+        named, pkey = self._plan_key("backward", key, cfg, tensors=tensors)
         launch = P.PLANS.get(pkey, named)
         if launch is None:
             (bm1, bn1), (bm2, bn2) = cfg.tiles()

@@ -45,25 +45,8 @@ def _shift_split(Q, K, V, P_N, P_L, P_VALID, P_GUARD,
     tk = tl.program_id(1)
     tile = tk // H_KV
     kv_h = tk % H_KV
-    rows = tl.arange(0, BLOCK_Q * G_PAD)
-    if ONE_ROW:
-        b = tile
-        g = rows
-        row_ok = g < GROUP
-        t_len = tl.load(KV_LENS + b)
-        q_row = b
-        q_pos = t_len - 1
-    else:
-        b = tl.load(TILE_REQ + tile)
-        g = rows % G_PAD
-        row0 = tl.load(QO_INDPTR + b)
-        n_q = tl.load(QO_INDPTR + b + 1) - row0
-        i = tl.load(TILE_ROW0 + tile) + rows // G_PAD
-        row_ok = (g < GROUP) & (i < n_q)
-        t_len = tl.load(KV_LENS + b)
-        q_row = row0 + i
-        q_pos = (t_len - n_q + i)[:, None]
-    h = kv_h * GROUP + g
+    b, h, row_ok, t_len, q_row, q_pos = split._tile_rows(tile, kv_h, KV_LENS, QO_INDPTR, TILE_REQ, TILE_ROW0,
+                                                         ONE_ROW, BLOCK_Q, G_PAD, GROUP)
     offs_dk = tl.arange(0, D_QK_PAD)
     offs_dv = tl.arange(0, D_V_PAD)
     q_off = q_row * s_qt + h * s_qh
@@ -77,17 +60,7 @@ def _shift_split(Q, K, V, P_N, P_L, P_VALID, P_GUARD,
     for e in range(tl.load(ENTRY_PTR + slot), tl.load(ENTRY_PTR + slot + 1)):
         t = tl.load(BLOCKS + e) * BLOCK_N + tl.arange(0, BLOCK_N)
         live = t < t_len
-        if CACHE == 0:
-            row = base + t
-            k_off = row.to(tl.int64) * s_kt
-            v_off = row.to(tl.int64) * s_vt
-        else:
-            if CACHE == 1:
-                page = tl.load(TABLE + b * s_tb + t // PAGE_SIZE, mask=live, other=0)
-            else:
-                page = tl.load(TABLE + base + t // PAGE_SIZE, mask=live, other=0)
-            k_off = page.to(tl.int64) * s_kp + (t % PAGE_SIZE) * s_kt
-            v_off = page.to(tl.int64) * s_vp + (t % PAGE_SIZE) * s_vt
+        k_off, v_off = split._kv_rows(t, live, b, base, TABLE, s_tb, s_kp, s_kt, s_vp, s_vt, CACHE, PAGE_SIZE)
         kt = tl.load(K + k_off[None, :] + kv_h * s_kh + offs_dk[:, None] * s_kd,
                      mask=live[None, :] & (offs_dk[:, None] < D_QK), other=0.0)
         s = tl.dot(q, kt, input_precision=DOT_PRECISION)

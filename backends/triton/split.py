@@ -33,20 +33,10 @@ CACHE_KINDS = {"contiguous": 0, "paged_dense": 1, "paged_csr": 2}
 
 
 @triton.jit
-def _decode_split(Q, K, V, P_O, P_M, P_L, P_VALID,
-                  s_qt, s_qh, s_qd, s_kp, s_kt, s_kh, s_kd, s_vp, s_vt, s_vh, s_vd,
-                  KV_LENS, QO_INDPTR, TILE_REQ, TILE_ROW0, BASE, TABLE, s_tb, ENTRY_PTR, BLOCKS, PARTIAL, TS,
-                  S_CAP, qk_scale, SPLIT_BOUNDS,
-                  CACHE: tl.constexpr, PAGE_SIZE: tl.constexpr, ABI_MLU: tl.constexpr, BOUNDED: tl.constexpr,
-                  ONE_ROW: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, G_PAD: tl.constexpr,
-                  VISIBLE: tl.constexpr, SCORE: tl.constexpr, HAS_SCORE: tl.constexpr, SCALE: tl.constexpr,
-                  H_Q: tl.constexpr, H_KV: tl.constexpr, GROUP: tl.constexpr,
-                  D_QK: tl.constexpr, D_V: tl.constexpr, D_QK_PAD: tl.constexpr, D_V_PAD: tl.constexpr,
-                  DOT_PRECISION: tl.constexpr):
-    split = tl.program_id(0)
-    tk = tl.program_id(1)
-    tile = tk // H_KV
-    kv_h = tk % H_KV
+def _tile_rows(tile, kv_h, KV_LENS, QO_INDPTR, TILE_REQ, TILE_ROW0, ONE_ROW: tl.constexpr, BLOCK_Q: tl.constexpr,
+               G_PAD: tl.constexpr, GROUP: tl.constexpr):
+    """A split program's rows (BLOCK_Q query rows x the G_PAD query heads of K/V head kv_h):
+    (request b, query heads h, row_ok, the request's t_len, packed q_row, bottom-right q_pos)."""
     rows = tl.arange(0, BLOCK_Q * G_PAD)
     if ONE_ROW:  # decode: tile = request b, its one row at the last position, packed row b
         b = tile
@@ -65,7 +55,43 @@ def _decode_split(Q, K, V, P_O, P_M, P_L, P_VALID,
         t_len = tl.load(KV_LENS + b)
         q_row = row0 + i
         q_pos = (t_len - n_q + i)[:, None]  # bottom-right
-    h = kv_h * GROUP + g  # the query heads of this K/V head
+    return b, kv_h * GROUP + g, row_ok, t_len, q_row, q_pos
+
+
+@triton.jit
+def _kv_rows(t, live, b, base, TABLE, s_tb, s_kp, s_kt, s_vp, s_vt, CACHE: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    """Element offsets (int64) of K/V rows ``t`` of request b in the cache's storage."""
+    if CACHE == 0:  # contiguous or ragged: base = the request's first row
+        row = base + t
+        k_off = row.to(tl.int64) * s_kt
+        v_off = row.to(tl.int64) * s_vt
+    else:
+        if CACHE == 1:  # dense table: its rows are in request order (the plan gathered them)
+            page = tl.load(TABLE + b * s_tb + t // PAGE_SIZE, mask=live, other=0)
+        else:  # CSR: the request's pages start at kv_indptr[b] (= base)
+            page = tl.load(TABLE + base + t // PAGE_SIZE, mask=live, other=0)
+        k_off = page.to(tl.int64) * s_kp + (t % PAGE_SIZE) * s_kt
+        v_off = page.to(tl.int64) * s_vp + (t % PAGE_SIZE) * s_vt
+    return k_off, v_off
+
+
+@triton.jit
+def _decode_split(Q, K, V, P_O, P_M, P_L, P_VALID,
+                  s_qt, s_qh, s_qd, s_kp, s_kt, s_kh, s_kd, s_vp, s_vt, s_vh, s_vd,
+                  KV_LENS, QO_INDPTR, TILE_REQ, TILE_ROW0, BASE, TABLE, s_tb, ENTRY_PTR, BLOCKS, PARTIAL, TS,
+                  S_CAP, qk_scale, SPLIT_BOUNDS,
+                  CACHE: tl.constexpr, PAGE_SIZE: tl.constexpr, ABI_MLU: tl.constexpr, BOUNDED: tl.constexpr,
+                  ONE_ROW: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, G_PAD: tl.constexpr,
+                  VISIBLE: tl.constexpr, SCORE: tl.constexpr, HAS_SCORE: tl.constexpr, SCALE: tl.constexpr,
+                  H_Q: tl.constexpr, H_KV: tl.constexpr, GROUP: tl.constexpr,
+                  D_QK: tl.constexpr, D_V: tl.constexpr, D_QK_PAD: tl.constexpr, D_V_PAD: tl.constexpr,
+                  DOT_PRECISION: tl.constexpr):
+    split = tl.program_id(0)
+    tk = tl.program_id(1)
+    tile = tk // H_KV
+    kv_h = tk % H_KV
+    b, h, row_ok, t_len, q_row, q_pos = _tile_rows(tile, kv_h, KV_LENS, QO_INDPTR, TILE_REQ, TILE_ROW0, ONE_ROW,
+                                                   BLOCK_Q, G_PAD, GROUP)
     offs_dk = tl.arange(0, D_QK_PAD)
     offs_dv = tl.arange(0, D_V_PAD)
     q_off = q_row * s_qt + h * s_qh
@@ -85,17 +111,7 @@ def _decode_split(Q, K, V, P_O, P_M, P_L, P_VALID,
             live = (t >= lo) & (t < hi)
         else:
             live = t < t_len  # rows past the request's length are never read
-        if CACHE == 0:  # contiguous or ragged: base = the request's first row
-            row = base + t
-            k_off = row.to(tl.int64) * s_kt
-            v_off = row.to(tl.int64) * s_vt
-        else:
-            if CACHE == 1:  # dense table: its rows are in request order (the plan gathered them)
-                page = tl.load(TABLE + b * s_tb + t // PAGE_SIZE, mask=live, other=0)
-            else:  # CSR: the request's pages start at kv_indptr[b] (= base)
-                page = tl.load(TABLE + base + t // PAGE_SIZE, mask=live, other=0)
-            k_off = page.to(tl.int64) * s_kp + (t % PAGE_SIZE) * s_kt
-            v_off = page.to(tl.int64) * s_vp + (t % PAGE_SIZE) * s_vt
+        k_off, v_off = _kv_rows(t, live, b, base, TABLE, s_tb, s_kp, s_kt, s_vp, s_vt, CACHE, PAGE_SIZE)
         kt = tl.load(K + k_off[None, :] + kv_h * s_kh + offs_dk[:, None] * s_kd,
                      mask=live[None, :] & (offs_dk[:, None] < D_QK), other=0.0)
         s = tl.dot(q, kt, input_precision=DOT_PRECISION)

@@ -9,7 +9,6 @@ generated code or call keywords, 300-character names, sizes past i32, float cons
 from __future__ import annotations
 
 import numpy as np
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -215,6 +214,6 @@ def test_check_never_raises_anything_but_a_located_error(text, run):
 
 def test_the_fuzz_reaches_both_outcomes():
     """The generator is not degenerate: it made accepted and refused specs, and ran some."""
-    if stats["accepted"] + stats["refused"] == 0:
-        pytest.skip("runs after the fuzz test in the same session")
+    if stats["accepted"] + stats["refused"] == 0:  # run on its own: draw the sample here
+        test_check_never_raises_anything_but_a_located_error()
     assert stats["accepted"] > 500 and stats["refused"] > 200 and stats["ran"] > 10, stats
