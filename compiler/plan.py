@@ -54,7 +54,7 @@ class Plan:
         """The plan as the plain arrays and ints a kernel reads: tiles, the CSR lists of PARTIAL and
         FULL blocks per (b', h', query tile), the heaviest-first tile order, and the mask's interval
         vectors or row runs where the plan has them (a backend adds the arrays its own walk needs)."""
-        b_, h_, _ = self.intervals.shape
+        b_, h_ = self.tiles.classes.shape[:2]
         args = {
             "block_m": self.block_m, "block_n": self.block_n, "plan_b": b_, "plan_h": h_,
             "q_tiles": self.tiles.classes.shape[2],

@@ -21,7 +21,9 @@ With a score program, the spec's ``SCORE_GRAD`` (generated from the compiler's d
 the score statements, ``compiler.autodiff``) returns the final score and d score / d (scale q.k)
 on each cell; dS is multiplied by it before the two GEMMs that use it.  Rows with no visible key
 (LSE = -inf) take P = 0, so they contribute nothing and produce no NaN.  Positions are
-bottom-right: query row i is at q = Q_OFF + i with Q_OFF = S_k - S_q.
+bottom-right: query row i is at q = Q_OFF + i with Q_OFF = S_k - S_q, and key j at k = K_OFF + j
+with K_OFF = 0; one block of a larger call (context parallelism, ``attnc.distributed``) passes
+its rows' and keys' absolute positions instead, with the saved LSE of the whole row.
 """
 import triton
 import triton.language as tl
@@ -50,11 +52,12 @@ def _bwd_delta(O, DO, DLSE, DELTA, s_ob, s_oh, s_om, s_od, s_db, s_dh, s_dm, s_d
 
 
 @triton.jit
-def _probs(s_raw, b, h, q_pos, k_pos, lse2, TS, S_K, Q_END, MASKED: tl.constexpr, EVEN: tl.constexpr,
+def _probs(s_raw, b, h, q_pos, k_pos, lse2, TS, K_END, Q_END, MASKED: tl.constexpr, EVEN: tl.constexpr,
            VISIBLE: tl.constexpr, SCORE_GRAD: tl.constexpr, HAS_SCORE: tl.constexpr, SCALE: tl.constexpr):
     """P (from the saved LSE, base 2) and d score / d (scale q.k) on a tile of raw q.k.  MASKED
     (a PARTIAL block) hides cells by the spec's predicate; cells past S_q or S_k are hidden
-    unless the call's lengths are multiples of the tiles (EVEN)."""
+    unless the call's lengths are multiples of the tiles (EVEN).  Positions are absolute: keys
+    end at K_END = K_OFF + S_K, rows at Q_END = Q_OFF + S_Q."""
     if HAS_SCORE:
         s, g = SCORE_GRAD(s_raw * SCALE, b, h, q_pos, k_pos, TS)
         s = s * 1.4426950408889634
@@ -64,16 +67,16 @@ def _probs(s_raw, b, h, q_pos, k_pos, lse2, TS, S_K, Q_END, MASKED: tl.constexpr
     if MASKED:
         keep = VISIBLE(b, h, q_pos, k_pos, TS)
         if not EVEN:
-            keep = keep & (k_pos < S_K) & (q_pos < Q_END)
+            keep = keep & (k_pos < K_END) & (q_pos < Q_END)
         s = tl.where(keep, s, float("-inf"))
     elif not EVEN:
-        s = tl.where((k_pos < S_K) & (q_pos < Q_END), s, float("-inf"))
+        s = tl.where((k_pos < K_END) & (q_pos < Q_END), s, float("-inf"))
     return tl.math.exp2(s - lse2), g
 
 
 @triton.jit
 def _dkdv_step(dk, dv, k, v, q_base, do_base, LSE, DELTA, DQA, C_IDX, i, b, h, bh, k_pos, offs_dk, offs_dv,
-               s_qm, s_qd, s_dm, s_dd, TS, S_Q, S_K, Q_OFF, ATOMIC_DQ: tl.constexpr, MASKED: tl.constexpr,
+               s_qm, s_qd, s_dm, s_dd, TS, S_Q, K_END, Q_OFF, ATOMIC_DQ: tl.constexpr, MASKED: tl.constexpr,
                EVEN_M: tl.constexpr,
                EVEN_N: tl.constexpr, BLOCK_M: tl.constexpr, VISIBLE: tl.constexpr, SCORE_GRAD: tl.constexpr,
                HAS_SCORE: tl.constexpr, SCALE: tl.constexpr, D_QK: tl.constexpr, D_V: tl.constexpr,
@@ -100,7 +103,7 @@ def _dkdv_step(dk, dv, k, v, q_base, do_base, LSE, DELTA, DQA, C_IDX, i, b, h, b
         delta = tl.load(DELTA + bh * S_Q + offs_m, mask=row_in, other=0.0)
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
     s_raw = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_M]
-    pt, gt = _probs(s_raw, b, h, q_pos, k_pos, lse2[None, :], TS, S_K, Q_OFF + S_Q, MASKED, EVEN_M and EVEN_N,
+    pt, gt = _probs(s_raw, b, h, q_pos, k_pos, lse2[None, :], TS, K_END, Q_OFF + S_Q, MASKED, EVEN_M and EVEN_N,
                     VISIBLE, SCORE_GRAD, HAS_SCORE, SCALE)
     dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
     dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
@@ -119,7 +122,7 @@ def _dkdv_step(dk, dv, k, v, q_base, do_base, LSE, DELTA, DQA, C_IDX, i, b, h, b
 def _dkdv_program(t, Q, K, V, DO, DK, DV, LSE, DELTA, DQA,
                   s_qb, s_qh, s_qm, s_qd, s_kb, s_kh, s_kn, s_kd, s_vb, s_vh, s_vn, s_vd,
                   s_db, s_dh, s_dm, s_dd, s_dkb, s_dkh, s_dkn, s_dkd, s_dvb, s_dvh, s_dvn, s_dvd,
-                  C_ORDER, C_PTR, C_IDX, TS, S_Q, S_K, Q_OFF, PLAN_B, PLAN_H, K_TILES, BKV,
+                  C_ORDER, C_PTR, C_IDX, TS, S_Q, S_K, Q_OFF, K_OFF, PLAN_B, PLAN_H, K_TILES, BKV,
                   EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   HEAD_GROUP: tl.constexpr, ATOMIC_DQ: tl.constexpr, VISIBLE: tl.constexpr,
                   SCORE_GRAD: tl.constexpr, HAS_SCORE: tl.constexpr, SCALE: tl.constexpr, H_Q: tl.constexpr,
@@ -133,7 +136,7 @@ def _dkdv_program(t, Q, K, V, DO, DK, DV, LSE, DELTA, DQA,
     plane0 = tl.where(PLAN_B > 1, b, 0) * PLAN_H + tl.where(PLAN_H > 1, kv_h * GROUP, 0)
     pid_n = tl.load(C_ORDER + plane0 * K_TILES + rank)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    k_pos = offs_n[:, None]
+    k_pos = (K_OFF + offs_n)[:, None]
     offs_dk = tl.arange(0, D_QK_PAD)
     offs_dv = tl.arange(0, D_V_PAD)
     k = tl.load(K + b * s_kb + kv_h * s_kh + offs_n[:, None] * s_kn + offs_dk[None, :] * s_kd,
@@ -152,11 +155,11 @@ def _dkdv_program(t, Q, K, V, DO, DK, DV, LSE, DELTA, DQA,
         lo, mid, hi = tl.load(C_PTR + 2 * col), tl.load(C_PTR + 2 * col + 1), tl.load(C_PTR + 2 * col + 2)
         for i in tl.range(lo, mid):  # FULL blocks: no element mask
             dk, dv = _dkdv_step(dk, dv, k, v, q_base, do_base, LSE, DELTA, DQA, C_IDX, i, b, h, bh, k_pos, offs_dk,
-                                offs_dv, s_qm, s_qd, s_dm, s_dd, TS, S_Q, S_K, Q_OFF, ATOMIC_DQ, False, EVEN_M, EVEN_N, BLOCK_M,
+                                offs_dv, s_qm, s_qd, s_dm, s_dd, TS, S_Q, K_OFF + S_K, Q_OFF, ATOMIC_DQ, False, EVEN_M, EVEN_N, BLOCK_M,
                                 VISIBLE, SCORE_GRAD, HAS_SCORE, SCALE, D_QK, D_V, D_QK_PAD, D_V_PAD, DOT_PRECISION)
         for i in tl.range(mid, hi):  # PARTIAL blocks: the spec's predicate
             dk, dv = _dkdv_step(dk, dv, k, v, q_base, do_base, LSE, DELTA, DQA, C_IDX, i, b, h, bh, k_pos, offs_dk,
-                                offs_dv, s_qm, s_qd, s_dm, s_dd, TS, S_Q, S_K, Q_OFF, ATOMIC_DQ, True, EVEN_M, EVEN_N, BLOCK_M,
+                                offs_dv, s_qm, s_qd, s_dm, s_dd, TS, S_Q, K_OFF + S_K, Q_OFF, ATOMIC_DQ, True, EVEN_M, EVEN_N, BLOCK_M,
                                 VISIBLE, SCORE_GRAD, HAS_SCORE, SCALE, D_QK, D_V, D_QK_PAD, D_V_PAD, DOT_PRECISION)
     dk = dk * SCALE
     tl.store(DK + b * s_dkb + kv_h * s_dkh + offs_n[:, None] * s_dkn + offs_dk[None, :] * s_dkd,
@@ -167,13 +170,13 @@ def _dkdv_program(t, Q, K, V, DO, DK, DV, LSE, DELTA, DQA,
 
 @triton.jit
 def _dq_step(dq, q, do, K, V, R_IDX, i, b, h, q_pos, lse2, delta, offs_dk, offs_dv, s_kn, s_kd, s_vn, s_vd,
-             TS, S_Q, S_K, Q_OFF, MASKED: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
+             TS, S_Q, S_K, Q_OFF, K_OFF, MASKED: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
              BLOCK_N: tl.constexpr, VISIBLE: tl.constexpr, SCORE_GRAD: tl.constexpr, HAS_SCORE: tl.constexpr,
              SCALE: tl.constexpr, D_QK: tl.constexpr, D_V: tl.constexpr, D_QK_PAD: tl.constexpr,
              D_V_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """One K/V block's share of a query tile's dQ."""
     offs_n = tl.load(R_IDX + i) * BLOCK_N + tl.arange(0, BLOCK_N)
-    k_pos = offs_n[None, :]
+    k_pos = (K_OFF + offs_n)[None, :]
     if EVEN_N and D_QK_PAD == D_QK:
         kt = tl.load(K + offs_n[None, :] * s_kn + offs_dk[:, None] * s_kd)
     else:
@@ -185,7 +188,7 @@ def _dq_step(dq, q, do, K, V, R_IDX, i, b, h, q_pos, lse2, delta, offs_dk, offs_
         vt = tl.load(V + offs_n[None, :] * s_vn + offs_dv[:, None] * s_vd,
                      mask=(offs_n[None, :] < S_K) & (offs_dv[:, None] < D_V), other=0.0)
     s_raw = tl.dot(q, kt, input_precision=DOT_PRECISION)
-    p, g = _probs(s_raw, b, h, q_pos, k_pos, lse2, TS, S_K, Q_OFF + S_Q, MASKED, EVEN_M and EVEN_N,
+    p, g = _probs(s_raw, b, h, q_pos, k_pos, lse2, TS, K_OFF + S_K, Q_OFF + S_Q, MASKED, EVEN_M and EVEN_N,
                   VISIBLE, SCORE_GRAD, HAS_SCORE, SCALE)
     dp = tl.dot(do, vt, input_precision=DOT_PRECISION)
     ds = p * (dp - delta[:, None])
@@ -198,7 +201,7 @@ def _dq_step(dq, q, do, K, V, R_IDX, i, b, h, q_pos, lse2, delta, offs_dk, offs_
 def _dq_program(t, Q, K, V, DO, DQ, LSE, DELTA,
                 s_qb, s_qh, s_qm, s_qd, s_kb, s_kh, s_kn, s_kd, s_vb, s_vh, s_vn, s_vd,
                 s_db, s_dh, s_dm, s_dd, s_dqb, s_dqh, s_dqm, s_dqd,
-                R_ORDER, R_PTR, R_IDX, TS, S_Q, S_K, Q_OFF, PLAN_B, PLAN_H, Q_TILES, BH,
+                R_ORDER, R_PTR, R_IDX, TS, S_Q, S_K, Q_OFF, K_OFF, PLAN_B, PLAN_H, Q_TILES, BH,
                 EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 HEAD_GROUP: tl.constexpr, VISIBLE: tl.constexpr, SCORE_GRAD: tl.constexpr,
                 HAS_SCORE: tl.constexpr, SCALE: tl.constexpr, H_Q: tl.constexpr, H_KV: tl.constexpr,
@@ -230,11 +233,11 @@ def _dq_program(t, Q, K, V, DO, DQ, LSE, DELTA,
     lo, mid, hi = tl.load(R_PTR + 2 * row), tl.load(R_PTR + 2 * row + 1), tl.load(R_PTR + 2 * row + 2)
     for i in tl.range(lo, mid):  # FULL blocks
         dq = _dq_step(dq, q, do, K, V, R_IDX, i, b, h, q_pos, lse2, delta, offs_dk, offs_dv, s_kn, s_kd, s_vn, s_vd,
-                      TS, S_Q, S_K, Q_OFF, False, EVEN_M, EVEN_N, BLOCK_N, VISIBLE, SCORE_GRAD, HAS_SCORE, SCALE,
+                      TS, S_Q, S_K, Q_OFF, K_OFF, False, EVEN_M, EVEN_N, BLOCK_N, VISIBLE, SCORE_GRAD, HAS_SCORE, SCALE,
                       D_QK, D_V, D_QK_PAD, D_V_PAD, DOT_PRECISION)
     for i in tl.range(mid, hi):  # PARTIAL blocks
         dq = _dq_step(dq, q, do, K, V, R_IDX, i, b, h, q_pos, lse2, delta, offs_dk, offs_dv, s_kn, s_kd, s_vn, s_vd,
-                      TS, S_Q, S_K, Q_OFF, True, EVEN_M, EVEN_N, BLOCK_N, VISIBLE, SCORE_GRAD, HAS_SCORE, SCALE,
+                      TS, S_Q, S_K, Q_OFF, K_OFF, True, EVEN_M, EVEN_N, BLOCK_N, VISIBLE, SCORE_GRAD, HAS_SCORE, SCALE,
                       D_QK, D_V, D_QK_PAD, D_V_PAD, DOT_PRECISION)
     dq = dq * SCALE
     tl.store(DQ + b * s_dqb + h * s_dqh + offs_m[:, None] * s_dqm + offs_dk[None, :] * s_dqd,
@@ -245,7 +248,7 @@ def _dq_program(t, Q, K, V, DO, DQ, LSE, DELTA,
 def _bwd_main(Q, K, V, DO, DQ, DK, DV, LSE, DELTA, DQA,
               s_qb, s_qh, s_qm, s_qd, s_kb, s_kh, s_kn, s_kd, s_vb, s_vh, s_vn, s_vd, s_db, s_dh, s_dm, s_dd,
               s_dqb, s_dqh, s_dqm, s_dqd, s_dkb, s_dkh, s_dkn, s_dkd, s_dvb, s_dvh, s_dvn, s_dvd,
-              C_ORDER, C_PTR, C_IDX, R_ORDER, R_PTR, R_IDX, TS, S_Q, S_K, Q_OFF, PLAN_B, PLAN_H, K_TILES, Q_TILES,
+              C_ORDER, C_PTR, C_IDX, R_ORDER, R_PTR, R_IDX, TS, S_Q, S_K, Q_OFF, K_OFF, PLAN_B, PLAN_H, K_TILES, Q_TILES,
               BKV, BH, DKDV_JOBS,
               EVEN_M1: tl.constexpr, EVEN_N1: tl.constexpr, EVEN_M2: tl.constexpr, EVEN_N2: tl.constexpr,
               BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
@@ -263,13 +266,13 @@ def _bwd_main(Q, K, V, DO, DQ, DK, DV, LSE, DELTA, DQA,
     if t < DKDV_JOBS:
         _dkdv_program(t, Q, K, V, DO, DK, DV, LSE, DELTA, DQA, s_qb, s_qh, s_qm, s_qd, s_kb, s_kh, s_kn, s_kd,
                       s_vb, s_vh, s_vn, s_vd, s_db, s_dh, s_dm, s_dd, s_dkb, s_dkh, s_dkn, s_dkd, s_dvb, s_dvh, s_dvn,
-                      s_dvd, C_ORDER, C_PTR, C_IDX, TS, S_Q, S_K, Q_OFF, PLAN_B, PLAN_H, K_TILES, BKV,
+                      s_dvd, C_ORDER, C_PTR, C_IDX, TS, S_Q, S_K, Q_OFF, K_OFF, PLAN_B, PLAN_H, K_TILES, BKV,
                       EVEN_M1, EVEN_N1, BLOCK_M1, BLOCK_N1, HEAD_GROUP, ATOMIC_DQ, VISIBLE, SCORE_GRAD, HAS_SCORE, SCALE,
                       H_Q, H_KV, GROUP, D_QK, D_V, D_QK_PAD, D_V_PAD, DOT_PRECISION)
     else:
         _dq_program(t - DKDV_JOBS, Q, K, V, DO, DQ, LSE, DELTA, s_qb, s_qh, s_qm, s_qd, s_kb, s_kh, s_kn, s_kd,
                     s_vb, s_vh, s_vn, s_vd, s_db, s_dh, s_dm, s_dd, s_dqb, s_dqh, s_dqm, s_dqd,
-                    R_ORDER, R_PTR, R_IDX, TS, S_Q, S_K, Q_OFF, PLAN_B, PLAN_H, Q_TILES, BH,
+                    R_ORDER, R_PTR, R_IDX, TS, S_Q, S_K, Q_OFF, K_OFF, PLAN_B, PLAN_H, Q_TILES, BH,
                     EVEN_M2, EVEN_N2, BLOCK_M2, BLOCK_N2, HEAD_GROUP, VISIBLE, SCORE_GRAD, HAS_SCORE, SCALE,
                     H_Q, H_KV, GROUP, D_QK, D_V, D_QK_PAD, D_V_PAD, DOT_PRECISION)
 

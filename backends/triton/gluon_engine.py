@@ -45,7 +45,7 @@ SCHEDULES = {"one_tile": 0, "counter": 1}
 
 
 @gluon.jit
-def _ws_softmax(s, part, kb, ks, ke, m_i, l_i, b, h, q_pos, qk_scale, TS, MASK_FROM_ROWS: tl.constexpr,
+def _ws_softmax(s, part, kb, ks, ke, m_i, l_i, b, h, q_pos, K_OFF, qk_scale, TS, MASK_FROM_ROWS: tl.constexpr,
                 BLOCK_N: tl.constexpr, col_l: tl.constexpr, VISIBLE: tl.constexpr, SCORE: tl.constexpr,
                 HAS_SCORE: tl.constexpr, SCALE: tl.constexpr):
     """K/V block kb of the row's list on the scores s: the score program, the mask where the
@@ -53,7 +53,7 @@ def _ws_softmax(s, part, kb, ks, ke, m_i, l_i, b, h, q_pos, qk_scale, TS, MASK_F
     [ks, ke); then the online-softmax update.  Returns P, alpha (the accumulator's rescale), m
     and l."""
     if HAS_SCORE or part != 0:
-        k_pos = (kb * BLOCK_N + gl.arange(0, BLOCK_N, col_l))[None, :]
+        k_pos = (K_OFF + kb * BLOCK_N + gl.arange(0, BLOCK_N, col_l))[None, :]
         if HAS_SCORE:
             s = SCORE(s * SCALE, b, h, q_pos, k_pos, TS)
         if part != 0:
@@ -97,7 +97,7 @@ def _ws_get(smem, j: tl.constexpr, N: tl.constexpr):
 
 @gluon.jit
 def _ws_consumer(half, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars, o_desc, LSE, KS, KE, S_Q, Q_OFF,
-                 PLAN_B, PLAN_H, Q_TILES, BH, qk_scale, TS, MASK_FROM_ROWS: tl.constexpr, ROWS_: tl.constexpr,
+                 K_OFF, PLAN_B, PLAN_H, Q_TILES, BH, qk_scale, TS, MASK_FROM_ROWS: tl.constexpr, ROWS_: tl.constexpr,
                  BLOCK_N: tl.constexpr, D: tl.constexpr, STAGES: tl.constexpr, HEAD_GROUP: tl.constexpr,
                  VISIBLE: tl.constexpr, SCORE: tl.constexpr, HAS_SCORE: tl.constexpr, SCALE: tl.constexpr,
                  H_Q: tl.constexpr):
@@ -152,7 +152,7 @@ def _ws_consumer(half, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars,
             part = _ws_get(blk_smem.index(stage), 1, 2)
             s = warpgroup_mma_wait(0, deps=(s, ))
             mbarrier.arrive(k_empty.index(stage), count=1)
-            p, alpha, m_i, l_i = _ws_softmax(s, part, kb, ks, ke, m_i, l_i, b, h, q_pos, qk_scale, TS,
+            p, alpha, m_i, l_i = _ws_softmax(s, part, kb, ks, ke, m_i, l_i, b, h, q_pos, K_OFF, qk_scale, TS,
                                              MASK_FROM_ROWS, BLOCK_N, col_l, VISIBLE, SCORE, HAS_SCORE, SCALE)
             acc = acc * gl.convert_layout(alpha, orow_l)[:, None]
             mbarrier.wait(v_ready.index(stage), phase)
@@ -232,7 +232,7 @@ def _ws_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, job_smem, blk_s
 
 @gluon.jit
 def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, LSE, COUNTER_PTR, ORDER, M_CSR, M_IDX, M_FLAG, KS, KE, TS,
-                 S_Q, S_K, Q_OFF, PLAN_B, PLAN_H, Q_TILES, qk_scale, BH,
+                 S_Q, S_K, Q_OFF, K_OFF, PLAN_B, PLAN_H, Q_TILES, qk_scale, BH,
                  MASK_FROM_ROWS: tl.constexpr, ROWS_: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
                  STAGES: tl.constexpr, HEAD_GROUP: tl.constexpr, CONSUMER_REGS: tl.constexpr,
                  PRODUCER_REGS: tl.constexpr, SCHEDULE: tl.constexpr,
@@ -268,10 +268,10 @@ def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, LSE, COUNTER_PTR, ORDER, M_CSR,
     bars = (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty)
     gl.warp_specialize([
         (_ws_consumer, (0, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars, o_desc, LSE, KS, KE, S_Q, Q_OFF,
-                        PLAN_B, PLAN_H, Q_TILES, BH, qk_scale, TS, MASK_FROM_ROWS, ROWS_, BLOCK_N, D,
+                        K_OFF, PLAN_B, PLAN_H, Q_TILES, BH, qk_scale, TS, MASK_FROM_ROWS, ROWS_, BLOCK_N, D,
                         STAGES, HEAD_GROUP, VISIBLE, SCORE, HAS_SCORE, SCALE, H_Q)),
         (_ws_consumer, (1, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars, o_desc, LSE, KS, KE, S_Q, Q_OFF,
-                        PLAN_B, PLAN_H, Q_TILES, BH, qk_scale, TS, MASK_FROM_ROWS, ROWS_, BLOCK_N, D,
+                        K_OFF, PLAN_B, PLAN_H, Q_TILES, BH, qk_scale, TS, MASK_FROM_ROWS, ROWS_, BLOCK_N, D,
                         STAGES, HEAD_GROUP, VISIBLE, SCORE, HAS_SCORE, SCALE, H_Q)),
         (_ws_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, job_smem, blk_smem, bars, COUNTER_PTR, ORDER,
                         M_CSR, M_IDX, M_FLAG, S_Q, S_K, PLAN_B, PLAN_H, Q_TILES, BH, ROWS_, BLOCK_N, STAGES,

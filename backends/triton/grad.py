@@ -82,7 +82,10 @@ class BackwardLaunch:
     which fixes every argument's specialization) the compiled kernels are called directly,
     without the JIT's argument binding."""
 
-    def __init__(self, module, config: BackwardConfig, dkdv_plan: Plan, dq_plan: Plan, shape: tuple, device):
+    def __init__(self, module, config: BackwardConfig, dkdv_plan: Plan, dq_plan: Plan, shape: tuple, device,
+                 offsets: tuple[int, int] | None = None):
+        """``offsets``: the absolute positions (Q_OFF, K_OFF) of the first row and key, for one block
+        of a larger call (context parallelism); None: a whole call, bottom-right (S_k - S_q, 0)."""
         from .launch import Launcher
         self.module, self.config = module, config
         self.batch, self.s_q, self.s_k = shape
@@ -96,7 +99,8 @@ class BackwardLaunch:
         self.h_q, self.h_kv = spec["H_Q"], spec["H_KV"]
         k_tiles, q_tiles = cc.shape[3], rc.shape[2]
         self.jobs = (k_tiles * self.batch * self.h_kv, q_tiles * self.batch * self.h_q)
-        self.ints = (self.s_q, self.s_k, self.s_k - self.s_q, *cc.shape[:2], k_tiles, q_tiles,
+        q_off, k_off = offsets if offsets is not None else (self.s_k - self.s_q, 0)
+        self.ints = (self.s_q, self.s_k, q_off, k_off, *cc.shape[:2], k_tiles, q_tiles,
                      self.batch * self.h_kv, self.batch * self.h_q, self.jobs[0])
         consts = dict(VISIBLE=module.visible, SCORE_GRAD=getattr(module, "score_grad", module.score_program),
                       HAS_SCORE=spec["HAS_SCORE"], SCALE=spec["SCALE"], H_Q=spec["H_Q"], H_KV=spec["H_KV"],

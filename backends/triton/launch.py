@@ -362,16 +362,21 @@ class PrefillLaunch:
     """A prefill launch bound to a spec, a config, a plan's device arrays and one call shape
     (B, H_q, S_q, S_k, strides, dtypes, alignments): ``__call__(q, k, v, ts, out, lse)``."""
 
-    def __init__(self, module, config: PrefillConfig, arrays: dict, shape: tuple, device):
+    def __init__(self, module, config: PrefillConfig, arrays: dict, shape: tuple, device,
+                 offsets: tuple[int, int] | None = None):
+        """``offsets``: the absolute positions (Q_OFF, K_OFF) of the first row and key, for one block
+        of a larger call (context parallelism); None: a whole call, bottom-right (S_k - S_q, 0)."""
         self.module, self.config, self.arrays = module, config, arrays
         self.batch, self.s_q, self.s_k = shape
+        self.offsets = offsets
         self.device = device
         spec = spec_constexprs(module)
         self.bh = self.batch * module.SPEC["H_Q"]
         self.jobs = arrays["q_tiles"] * self.bh
         c = config
         self._descs = {}  # role -> ((address, shape, strides), TMA descriptor): reused while the tensor is
-        self.ints = (self.s_q, self.s_k, self.s_k - self.s_q, arrays["plan_b"], arrays["plan_h"],
+        q_off, k_off = offsets if offsets is not None else (self.s_k - self.s_q, 0)
+        self.ints = (self.s_q, self.s_k, q_off, k_off, arrays["plan_b"], arrays["plan_h"],
                      arrays["q_tiles"], qk_scale(module), self.bh)
         if c.engine == "gluon":
             self.schedule = gluon_engine.SCHEDULES[c.schedule]

@@ -18,7 +18,8 @@ applied before the max/sum update; FULL blocks take no mask.  The mask comes fro
 vectors.  The spec's ``SCORE`` function runs on the scaled q.k when HAS_SCORE.  Scores live in
 base 2 (exp2) inside the loop; LSE is written in natural log, -inf for rows with no visible
 key, whose O is 0.  Positions are bottom-right aligned: query row i is at q = Q_OFF + i with
-Q_OFF = S_k - S_q.
+Q_OFF = S_k - S_q, key j at k = K_OFF + j with K_OFF = 0; one block of a larger call (context
+parallelism) passes its rows' and keys' absolute positions instead.
 
 Everything the spec decides arrives as constexpr arguments (``SPEC_ARGS``): the mask and score
 functions (``@triton.jit`` functions of the generated module, inlined where they are called),
@@ -42,21 +43,22 @@ def _interval_vectors(UTS, UTE, LTS, LTE, vec_base, k_pos, S_K):
 
 
 @triton.jit
-def _hide(s, b, h, q_pos, k_pos, S_K, Q_OFF, uts, ute, lts, lte, TS, VISIBLE: tl.constexpr,
+def _hide(s, b, h, q_pos, k_pos, S_K, Q_OFF, K_OFF, uts, ute, lts, lte, TS, VISIBLE: tl.constexpr,
           MASK_FROM_INTERVALS: tl.constexpr):
     """Hidden cells and keys past S_K to -inf: from the interval vectors (hidden iff the row is
-    in [UTS, UTE) or [LTS, LTE)) when MASK_FROM_INTERVALS, else from the predicate."""
+    in [UTS, UTE) or [LTS, LTE)) when MASK_FROM_INTERVALS, else from the predicate (at the
+    absolute key position K_OFF + k_pos; ``k_pos`` is the key's index in this call)."""
     if MASK_FROM_INTERVALS:
         row = q_pos - Q_OFF
         keep = ~(((row >= uts) & (row < ute)) | ((row >= lts) & (row < lte)))
     else:
-        keep = VISIBLE(b, h, q_pos, k_pos, TS)
+        keep = VISIBLE(b, h, q_pos, K_OFF + k_pos, TS)
     return tl.where(keep & (k_pos < S_K), s, float("-inf"))
 
 
 @triton.jit
 def _tile(q, K, V, desc_k, desc_v, kv_row0, s_kn, s_kd, s_vn, s_vd, start_n, m_i, l_i, acc, b, h, q_pos,
-          S_K, Q_OFF, vec_base, qk_scale, UTS, UTE, LTS, LTE, TS, part,
+          S_K, Q_OFF, K_OFF, vec_base, qk_scale, UTS, UTE, LTS, LTE, TS, part,
           PARTIAL: tl.constexpr, DYNAMIC: tl.constexpr, MASK_FROM_INTERVALS: tl.constexpr,
           EVEN_N: tl.constexpr, USE_TMA: tl.constexpr, BLOCK_N: tl.constexpr,
           VISIBLE: tl.constexpr, SCORE: tl.constexpr, HAS_SCORE: tl.constexpr, SCALE: tl.constexpr,
@@ -80,19 +82,20 @@ def _tile(q, K, V, desc_k, desc_v, kv_row0, s_kn, s_kd, s_vn, s_vd, start_n, m_i
             kt = tl.load(k_ptrs, mask=(k_pos < S_K) & (offs_dk[:, None] < D_QK), other=0.0)
     s = tl.dot(q, kt, input_precision=DOT_PRECISION)
     if HAS_SCORE:
-        s = SCORE(s * SCALE, b, h, q_pos, k_pos, TS)
+        s = SCORE(s * SCALE, b, h, q_pos, K_OFF + k_pos, TS)
     if PARTIAL or DYNAMIC:
         uts, ute, lts, lte = 0, 0, 0, 0
         if MASK_FROM_INTERVALS:
             uts, ute, lts, lte = _interval_vectors(UTS, UTE, LTS, LTE, vec_base, k_pos, S_K)
         if PARTIAL:
-            s = _hide(s, b, h, q_pos, k_pos, S_K, Q_OFF, uts, ute, lts, lte, TS, VISIBLE, MASK_FROM_INTERVALS)
+            s = _hide(s, b, h, q_pos, k_pos, S_K, Q_OFF, K_OFF, uts, ute, lts, lte, TS, VISIBLE, MASK_FROM_INTERVALS)
         else:
             hide = part != 0
             if not EVEN_N:  # the block across S_K takes the mask path (it hides keys past S_K); a
                 hide = hide | (start_n + BLOCK_N > S_K)  # run-time if/else on s breaks Triton 3.6's pipeliner
             if hide:
-                s = _hide(s, b, h, q_pos, k_pos, S_K, Q_OFF, uts, ute, lts, lte, TS, VISIBLE, MASK_FROM_INTERVALS)
+                s = _hide(s, b, h, q_pos, k_pos, S_K, Q_OFF, K_OFF, uts, ute, lts, lte, TS, VISIBLE,
+                          MASK_FROM_INTERVALS)
     elif not EVEN_N:
         s = tl.where(k_pos < S_K, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
@@ -143,7 +146,7 @@ def _attn_fwd(Q, K, V, O, LSE, desc_k, desc_v,
               s_ob, s_oh, s_om, s_od,
               ORDER, F_PTR, F_LO, F_HI, P_CSR, P_IDX, F_CSR, F_IDX, M_PTR, M_LO, M_HI, M_BASE, M_FLAG,
               M_CSR, M_IDX, UTS, UTE, LTS, LTE, TS,
-              S_Q, S_K, Q_OFF, PLAN_B, PLAN_H, Q_TILES, qk_scale, BH,
+              S_Q, S_K, Q_OFF, K_OFF, PLAN_B, PLAN_H, Q_TILES, qk_scale, BH,
               MASK_FROM_INTERVALS: tl.constexpr, EVEN_N: tl.constexpr, USE_TMA: tl.constexpr,
               WALK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_GROUP: tl.constexpr,
               VISIBLE: tl.constexpr, SCORE: tl.constexpr, HAS_SCORE: tl.constexpr, SCALE: tl.constexpr,
@@ -169,7 +172,7 @@ def _attn_fwd(Q, K, V, O, LSE, desc_k, desc_v,
     if WALK == 3:
         for i in tl.range(tl.load(M_CSR + row), tl.load(M_CSR + row + 1)):
             m_i, l_i, acc = _tile(q, K, V, desc_k, desc_v, kv_row0, s_kn, s_kd, s_vn, s_vd,
-                                  tl.load(M_IDX + i) * BLOCK_N, m_i, l_i, acc, b, h, q_pos, S_K, Q_OFF, vec_base,
+                                  tl.load(M_IDX + i) * BLOCK_N, m_i, l_i, acc, b, h, q_pos, S_K, Q_OFF, K_OFF, vec_base,
                                   qk_scale, UTS, UTE, LTS, LTE, TS, tl.load(M_FLAG + i), False, True,
                                   MASK_FROM_INTERVALS, EVEN_N, USE_TMA, BLOCK_N, VISIBLE, SCORE, HAS_SCORE, SCALE,
                                   D_QK, D_V, D_QK_PAD, D_V_PAD, DOT_PRECISION)
@@ -179,7 +182,7 @@ def _attn_fwd(Q, K, V, O, LSE, desc_k, desc_v,
             flags = M_FLAG + tl.load(M_BASE + r) - lo
             for j in tl.range(lo, tl.load(M_HI + r)):
                 m_i, l_i, acc = _tile(q, K, V, desc_k, desc_v, kv_row0, s_kn, s_kd, s_vn, s_vd,
-                                      j * BLOCK_N, m_i, l_i, acc, b, h, q_pos, S_K, Q_OFF, vec_base,
+                                      j * BLOCK_N, m_i, l_i, acc, b, h, q_pos, S_K, Q_OFF, K_OFF, vec_base,
                                       qk_scale, UTS, UTE, LTS, LTE, TS, tl.load(flags + j), False, True,
                                       MASK_FROM_INTERVALS, EVEN_N, USE_TMA, BLOCK_N, VISIBLE, SCORE, HAS_SCORE,
                                       SCALE, D_QK, D_V, D_QK_PAD, D_V_PAD, DOT_PRECISION)
@@ -187,21 +190,21 @@ def _attn_fwd(Q, K, V, O, LSE, desc_k, desc_v,
         for r in range(tl.load(F_PTR + row), tl.load(F_PTR + row + 1)):
             for start_n in tl.range(tl.load(F_LO + r) * BLOCK_N, tl.load(F_HI + r) * BLOCK_N, BLOCK_N):
                 m_i, l_i, acc = _tile(q, K, V, desc_k, desc_v, kv_row0, s_kn, s_kd, s_vn, s_vd,
-                                      start_n, m_i, l_i, acc, b, h, q_pos, S_K, Q_OFF, vec_base,
+                                      start_n, m_i, l_i, acc, b, h, q_pos, S_K, Q_OFF, K_OFF, vec_base,
                                       qk_scale, UTS, UTE, LTS, LTE, TS, 0, False, False,
                                       MASK_FROM_INTERVALS, EVEN_N, USE_TMA, BLOCK_N, VISIBLE, SCORE, HAS_SCORE,
                                       SCALE, D_QK, D_V, D_QK_PAD, D_V_PAD, DOT_PRECISION)
     else:
         for i in range(tl.load(F_CSR + row), tl.load(F_CSR + row + 1)):
             m_i, l_i, acc = _tile(q, K, V, desc_k, desc_v, kv_row0, s_kn, s_kd, s_vn, s_vd,
-                                  tl.load(F_IDX + i) * BLOCK_N, m_i, l_i, acc, b, h, q_pos, S_K, Q_OFF, vec_base,
+                                  tl.load(F_IDX + i) * BLOCK_N, m_i, l_i, acc, b, h, q_pos, S_K, Q_OFF, K_OFF, vec_base,
                                   qk_scale, UTS, UTE, LTS, LTE, TS, 0, False, False,
                                   MASK_FROM_INTERVALS, EVEN_N, USE_TMA, BLOCK_N, VISIBLE, SCORE, HAS_SCORE, SCALE,
                                   D_QK, D_V, D_QK_PAD, D_V_PAD, DOT_PRECISION)
     if WALK < 2:
         for i in range(tl.load(P_CSR + row), tl.load(P_CSR + row + 1)):
             m_i, l_i, acc = _tile(q, K, V, desc_k, desc_v, kv_row0, s_kn, s_kd, s_vn, s_vd,
-                                  tl.load(P_IDX + i) * BLOCK_N, m_i, l_i, acc, b, h, q_pos, S_K, Q_OFF, vec_base,
+                                  tl.load(P_IDX + i) * BLOCK_N, m_i, l_i, acc, b, h, q_pos, S_K, Q_OFF, K_OFF, vec_base,
                                   qk_scale, UTS, UTE, LTS, LTE, TS, 1, True, False,
                                   MASK_FROM_INTERVALS, EVEN_N, USE_TMA, BLOCK_N, VISIBLE, SCORE, HAS_SCORE, SCALE,
                                   D_QK, D_V, D_QK_PAD, D_V_PAD, DOT_PRECISION)

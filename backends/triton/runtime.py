@@ -212,7 +212,7 @@ class Kernel:
             if c.origin != "default" or c.num_stages <= 1 or type(e).__name__ != "OutOfResources":
                 raise
             launch.__init__(launch.module, L.replace(c, num_stages=c.num_stages - 1), launch.arrays,
-                            (launch.batch, launch.s_q, launch.s_k), launch.device)
+                            (launch.batch, launch.s_q, launch.s_k), launch.device, launch.offsets)
             self._run_launch(launch, qb, kb, vb, ts, ob, lse, key)
 
     def _plan_key(self, *key, tensors: dict) -> tuple[list, tuple]:
@@ -313,6 +313,18 @@ class Kernel:
         lse = lse.cpu().numpy()
         return (o, lse) if return_lse else o
 
+    # ------------------------------------------------------------ blocks of a larger call
+    def block(self, q, k, v, args: dict, tensors: dict, lengths: tuple[int, int]):
+        """Partial (O float32, LSE) of one block of a larger call at its absolute positions
+        (context parallelism: ``blocks.forward``); bhsd q, k, v."""
+        from . import blocks
+        return blocks.forward(self, q, k, v, args, tensors, lengths)
+
+    def block_backward(self, q, k, v, o, lse, do, dlse, args: dict, tensors: dict, lengths: tuple[int, int]):
+        """Partial (dQ, dK, dV) float32 of one block of a larger call (``blocks.backward``)."""
+        from . import blocks
+        return blocks.backward(self, q, k, v, o, lse, do, dlse, args, tensors, lengths)
+
     # ------------------------------------------------------------ backward
     def backward(self, q, k, v, o, lse, do, dlse=None, *, config=None, **tensors):
         """dQ, dK, dV of a prefill call from its saved O and LSE and the gradient of O (``dlse``: of
@@ -352,7 +364,9 @@ class Kernel:
         qb, kb, vb, ob, dob, dqb, dkb, dvb = views
         lse = lse.contiguous()
         dlse = dlse.contiguous() if dlse is not None else None
-        launch(qb, kb, vb, ob, lse, dob, dlse, L.tensor_args(self.module, tensors), dqb, dkb, dvb,
+        ts = L.tensor_args(self.module, tensors, L.uniform_lengths(bound.batch, bound.s_q, bound.s_k, q.device)
+                           if self.module.LENGTHS else None)
+        launch(qb, kb, vb, ob, lse, dob, dlse, ts, dqb, dkb, dvb,
                key if not bound.emulate else None)
         if bound.emulate:
             dq, dk, dv = (x.to(torch.bfloat16) for x in (dq, dk, dv))
