@@ -108,3 +108,9 @@ def test_head_dims_and_half_dtypes(head_dim, dtype):
     kernel = runtime.load(program)
     s = 300 if kernel.device == "cuda" else 21
     _check(kernel, s, s, seed=9, batch=1)
+
+
+def test_a_mask_reading_the_lengths():
+    """S_k in the mask: the backward passes the call's lengths as the forward does."""
+    kernel = runtime.load(compile_spec("attention e { heads = 2 head_dim = 16 dtype = f32 mask = causal & k < S_k - 3 }"))
+    _check(kernel, 13, 20, seed=2, batch=1)
