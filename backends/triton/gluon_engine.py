@@ -11,6 +11,12 @@ row's run of keys [KS, KE) where the plan has one (MASK_FROM_ROWS: masks reading
 as documents), else the spec's ``VISIBLE`` predicate; the spec's ``SCORE`` program is inlined as
 in the Triton kernel.  The spec arrives as constexpr arguments, as in ``prefill.py``.
 
+Any S_q and S_k: the K/V block across S_k takes the mask path with its keys past S_k hidden (its
+TMA load reads the next head's first rows there, finite values times P = 0, so a non-finite
+value in those rows of V -- the caller's garbage -- would show as NaN in this head's last rows;
+K's are masked); the Q tile across S_q computes the next head's rows and drops them, storing
+its own rows and LSE under a mask instead of a TMA store (EVEN_Q / EVEN_K: neither crosses).
+
 The counter is an int32 the launch layer keeps per device and stream, zero before a launch: the
 program whose draw is the launch's last (the counter then holds the job count) sets it back to
 zero, so a launch leaves it ready for the next one on its stream, CUDA-graph replays included.
@@ -45,22 +51,28 @@ SCHEDULES = {"one_tile": 0, "counter": 1}
 
 
 @gluon.jit
-def _ws_softmax(s, part, kb, ks, ke, m_i, l_i, b, h, q_pos, K_OFF, qk_scale, TS, MASK_FROM_ROWS: tl.constexpr,
-                BLOCK_N: tl.constexpr, col_l: tl.constexpr, VISIBLE: tl.constexpr, SCORE: tl.constexpr,
-                HAS_SCORE: tl.constexpr, SCALE: tl.constexpr):
+def _ws_softmax(s, part, kb, ks, ke, m_i, l_i, b, h, q_pos, S_K, K_OFF, qk_scale, TS, MASK_FROM_ROWS: tl.constexpr,
+                EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, col_l: tl.constexpr, VISIBLE: tl.constexpr,
+                SCORE: tl.constexpr, HAS_SCORE: tl.constexpr, SCALE: tl.constexpr):
     """K/V block kb of the row's list on the scores s: the score program, the mask where the
     block is PARTIAL (part != 0): the predicate, or MASK_FROM_ROWS the rows' runs of keys
-    [ks, ke); then the online-softmax update.  Returns P, alpha (the accumulator's rescale), m
-    and l."""
+    [ks, ke); then the online-softmax update.  Unless EVEN_K (S_K a multiple of BLOCK_N), the
+    block across S_K takes the mask path and hides its keys past S_K (the TMA load read the next
+    head's first rows there).  Returns P, alpha (the accumulator's rescale), m and l."""
+    if not EVEN_K:
+        part = gl.where(kb * BLOCK_N + BLOCK_N > S_K, 1, part)
     if HAS_SCORE or part != 0:
-        k_pos = (K_OFF + kb * BLOCK_N + gl.arange(0, BLOCK_N, col_l))[None, :]
+        k_idx = (kb * BLOCK_N + gl.arange(0, BLOCK_N, col_l))[None, :]
+        k_pos = K_OFF + k_idx
         if HAS_SCORE:
             s = SCORE(s * SCALE, b, h, q_pos, k_pos, TS)
         if part != 0:
-            if MASK_FROM_ROWS:
+            if MASK_FROM_ROWS:  # (a row's run of keys ends at S_K at most)
                 s = gl.where((k_pos >= ks) & (k_pos < ke), s, float("-inf"))
-            else:
+            elif EVEN_K:
                 s = gl.where(VISIBLE(b, h, q_pos, k_pos, TS), s, float("-inf"))
+            else:
+                s = gl.where(VISIBLE(b, h, q_pos, k_pos, TS) & (k_idx < S_K), s, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
     m_new = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
     p = gl.exp2(s * qk_scale - m_new[:, None])
@@ -96,8 +108,9 @@ def _ws_get(smem, j: tl.constexpr, N: tl.constexpr):
 
 
 @gluon.jit
-def _ws_consumer(half, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars, o_desc, LSE, KS, KE, S_Q, Q_OFF,
-                 K_OFF, PLAN_B, PLAN_H, Q_TILES, BH, qk_scale, TS, MASK_FROM_ROWS: tl.constexpr, ROWS_: tl.constexpr,
+def _ws_consumer(half, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars, o_desc, O, LSE, KS, KE, S_Q, S_K,
+                 Q_OFF, K_OFF, PLAN_B, PLAN_H, Q_TILES, BH, qk_scale, TS, MASK_FROM_ROWS: tl.constexpr,
+                 EVEN_Q: tl.constexpr, EVEN_K: tl.constexpr, ROWS_: tl.constexpr,
                  BLOCK_N: tl.constexpr, D: tl.constexpr, STAGES: tl.constexpr, HEAD_GROUP: tl.constexpr,
                  VISIBLE: tl.constexpr, SCORE: tl.constexpr, HAS_SCORE: tl.constexpr, SCALE: tl.constexpr,
                  H_Q: tl.constexpr):
@@ -105,7 +118,10 @@ def _ws_consumer(half, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars,
     tile's list, then O (through shared memory and a TMA store) and LSE.  The producer hands
     each job (t, query tile, block range) over with its Q, and each block's index and PARTIAL
     flag with its K, so that the consumers load nothing from the plan.  ``c`` counts the blocks
-    this program has consumed: the K/V ring's stage and phase; ``jc`` its tiles: Q's phase."""
+    this program has consumed: the K/V ring's stage and phase; ``jc`` its tiles: Q's phase.
+    Unless EVEN_Q, the rows of the tile across S_Q are stored from registers under a mask (a TMA
+    store would write the next head's first rows); its Q rows past S_Q are the next head's,
+    computed and dropped."""
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = bars
     s_layout: tl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -135,8 +151,12 @@ def _ws_consumer(half, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars,
         q_pos = (Q_OFF + rows)[:, None]
         if MASK_FROM_ROWS:  # the rows' runs of keys, for the tile's PARTIAL blocks
             plane = gl.where(PLAN_B > 1, b, 0) * PLAN_H + gl.where(PLAN_H > 1, h, 0)
-            ks = gl.load(KS + plane * S_Q + rows)[:, None]
-            ke = gl.load(KE + plane * S_Q + rows)[:, None]
+            if EVEN_Q:
+                ks = gl.load(KS + plane * S_Q + rows)[:, None]
+                ke = gl.load(KE + plane * S_Q + rows)[:, None]
+            else:
+                ks = gl.load(KS + plane * S_Q + rows, mask=rows < S_Q, other=0)[:, None]
+                ke = gl.load(KE + plane * S_Q + rows, mask=rows < S_Q, other=0)[:, None]
         else:
             ks = 0
             ke = 0
@@ -152,8 +172,9 @@ def _ws_consumer(half, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars,
             part = _ws_get(blk_smem.index(stage), 1, 2)
             s = warpgroup_mma_wait(0, deps=(s, ))
             mbarrier.arrive(k_empty.index(stage), count=1)
-            p, alpha, m_i, l_i = _ws_softmax(s, part, kb, ks, ke, m_i, l_i, b, h, q_pos, K_OFF, qk_scale, TS,
-                                             MASK_FROM_ROWS, BLOCK_N, col_l, VISIBLE, SCORE, HAS_SCORE, SCALE)
+            p, alpha, m_i, l_i = _ws_softmax(s, part, kb, ks, ke, m_i, l_i, b, h, q_pos, S_K, K_OFF, qk_scale, TS,
+                                             MASK_FROM_ROWS, EVEN_K, BLOCK_N, col_l, VISIBLE, SCORE, HAS_SCORE,
+                                             SCALE)
             acc = acc * gl.convert_layout(alpha, orow_l)[:, None]
             mbarrier.wait(v_ready.index(stage), phase)
             acc = warpgroup_mma(gl.convert_layout(p.to(q_smem.dtype), p_layout), v_smem.index(stage), acc,
@@ -165,12 +186,22 @@ def _ws_consumer(half, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars,
         seen = (l_i > 0) | (l_i != l_i)  # NaN: a visible score was NaN or +inf; LSE NaN marks the row
         l_safe = gl.where(seen, l_i, 1.0)
         out = acc / gl.convert_layout(l_safe, orow_l)[:, None]  # rows that saw nothing: acc = 0, O = 0
-        tma.store_wait(0)  # the last tile's O has left shared memory (o may be Q's own stage)
-        o.store(out.to(q_smem.dtype))
-        fence_async_shared()
-        _tma_store(o_desc, [bh * S_Q + q_tile0 + half * ROWS_, 0], o)
-        gl.store(LSE + bh * S_Q + rows, gl.where(seen, (m_i + gl.log2(l_safe)) * 0.6931471805599453,
-                                                 float("-inf")))
+        row0 = q_tile0 + half * ROWS_
+        if EVEN_Q or row0 + ROWS_ <= S_Q:
+            tma.store_wait(0)  # the last tile's O has left shared memory (o may be Q's own stage)
+            o.store(out.to(q_smem.dtype))
+            fence_async_shared()
+            _tma_store(o_desc, [bh * S_Q + row0, 0], o)
+        else:
+            o_rows = row0 + gl.arange(0, ROWS_, orow_l)
+            o_cols = gl.arange(0, D, gl.SliceLayout(0, o_layout))
+            gl.store(O + (bh * S_Q + o_rows)[:, None] * D + o_cols[None, :], out.to(q_smem.dtype),
+                     mask=(o_rows < S_Q)[:, None])
+        lse_out = gl.where(seen, (m_i + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+        if EVEN_Q:
+            gl.store(LSE + bh * S_Q + rows, lse_out)
+        else:
+            gl.store(LSE + bh * S_Q + rows, lse_out, mask=rows < S_Q)
         jc += 1
         mbarrier.wait(q_ready, jc & 1)
         t = _ws_get(job_smem, 0, 4)
@@ -231,9 +262,10 @@ def _ws_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, job_smem, blk_s
 
 
 @gluon.jit
-def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, LSE, COUNTER_PTR, ORDER, M_CSR, M_IDX, M_FLAG, KS, KE, TS,
+def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, O, LSE, COUNTER_PTR, ORDER, M_CSR, M_IDX, M_FLAG, KS, KE, TS,
                  S_Q, S_K, Q_OFF, K_OFF, PLAN_B, PLAN_H, Q_TILES, qk_scale, BH,
-                 MASK_FROM_ROWS: tl.constexpr, ROWS_: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
+                 MASK_FROM_ROWS: tl.constexpr, EVEN_Q: tl.constexpr, EVEN_K: tl.constexpr, ROWS_: tl.constexpr,
+                 BLOCK_N: tl.constexpr, D: tl.constexpr,
                  STAGES: tl.constexpr, HEAD_GROUP: tl.constexpr, CONSUMER_REGS: tl.constexpr,
                  PRODUCER_REGS: tl.constexpr, SCHEDULE: tl.constexpr,
                  VISIBLE: tl.constexpr, SCORE: tl.constexpr, HAS_SCORE: tl.constexpr, SCALE: tl.constexpr,
@@ -267,11 +299,11 @@ def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, LSE, COUNTER_PTR, ORDER, M_CSR,
         mbarrier.init(v_empty.index(i), count=2)
     bars = (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty)
     gl.warp_specialize([
-        (_ws_consumer, (0, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars, o_desc, LSE, KS, KE, S_Q, Q_OFF,
-                        K_OFF, PLAN_B, PLAN_H, Q_TILES, BH, qk_scale, TS, MASK_FROM_ROWS, ROWS_, BLOCK_N, D,
+        (_ws_consumer, (0, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars, o_desc, O, LSE, KS, KE, S_Q, S_K,
+                        Q_OFF, K_OFF, PLAN_B, PLAN_H, Q_TILES, BH, qk_scale, TS, MASK_FROM_ROWS, EVEN_Q, EVEN_K, ROWS_, BLOCK_N, D,
                         STAGES, HEAD_GROUP, VISIBLE, SCORE, HAS_SCORE, SCALE, H_Q)),
-        (_ws_consumer, (1, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars, o_desc, LSE, KS, KE, S_Q, Q_OFF,
-                        K_OFF, PLAN_B, PLAN_H, Q_TILES, BH, qk_scale, TS, MASK_FROM_ROWS, ROWS_, BLOCK_N, D,
+        (_ws_consumer, (1, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars, o_desc, O, LSE, KS, KE, S_Q, S_K,
+                        Q_OFF, K_OFF, PLAN_B, PLAN_H, Q_TILES, BH, qk_scale, TS, MASK_FROM_ROWS, EVEN_Q, EVEN_K, ROWS_, BLOCK_N, D,
                         STAGES, HEAD_GROUP, VISIBLE, SCORE, HAS_SCORE, SCALE, H_Q)),
         (_ws_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, job_smem, blk_smem, bars, COUNTER_PTR, ORDER,
                         M_CSR, M_IDX, M_FLAG, S_Q, S_K, PLAN_B, PLAN_H, Q_TILES, BH, ROWS_, BLOCK_N, STAGES,

@@ -6,8 +6,8 @@ The choice, in order of authority: what the caller asked for, else ``attnc tune`
 the call's dispatch key, else the untuned defaults below (measured on the H200; the numbers live
 in bench/results/README.md):
 
-* Hopper (sm_90), f16 / bf16, one head dim of 64 or 128, S_q and S_k multiples of 128,
-  contiguous bhsd tensors: the Gluon engine (``gluon_engine.py``) on 128 x 128 tiles, 2 K/V
+* Hopper (sm_90), f16 / bf16, one head dim of 64 or 128, any S_q and S_k (the tiles across
+  the ends are masked), contiguous bhsd tensors: the Gluon engine (``gluon_engine.py``) on 128 x 128 tiles, 2 K/V
   stages, programs drawing jobs from a counter; PARTIAL blocks from each row's run of keys where
   the plan has them (documents), else the predicate.
 * Otherwise the Triton kernel (``prefill.py``): 128 x 128 tiles, 8 warps, 3 stages, TMA on
@@ -156,9 +156,6 @@ def gluon_call_refusal(program: ir.Program, s_q: int, s_k: int, contiguous: bool
         return reason
     if tiles not in ((2 * gluon_engine.ROWS, 64), (2 * gluon_engine.ROWS, 128)):
         return f"the Gluon engine walks 128 x 64 or 128 x 128 tiles, not {tiles[0]} x {tiles[1]}"
-    if s_q % tiles[0] or s_k % tiles[1]:
-        return (f"the Gluon engine needs S_q a multiple of {tiles[0]} and S_k of {tiles[1]} "
-                f"(S_q = {s_q}, S_k = {s_k})")
     if not contiguous:
         return "the Gluon engine reads and writes contiguous bhsd tensors"
     return None
@@ -389,7 +386,8 @@ class PrefillLaunch:
             keep = {n: spec[n] for n in ("VISIBLE", "SCORE", "HAS_SCORE", "SCALE", "H_Q", "H_KV", "GROUP")}
             from_rows = c.mask_source == "rows"
             self.launcher = Launcher(gluon_engine._attn_fwd_ws, dict(
-                MASK_FROM_ROWS=from_rows, ROWS_=gluon_engine.ROWS, BLOCK_N=bn, D=d, STAGES=stages,
+                MASK_FROM_ROWS=from_rows, EVEN_Q=self.s_q % (2 * gluon_engine.ROWS) == 0, EVEN_K=self.s_k % bn == 0,
+                ROWS_=gluon_engine.ROWS, BLOCK_N=bn, D=d, STAGES=stages,
                 HEAD_GROUP=c.head_group, CONSUMER_REGS=consumer, PRODUCER_REGS=producer, SCHEDULE=self.schedule,
                 **keep), num_warps=4, maxnreg=maxnreg)
             unused = arrays["merged_partial"]
@@ -424,7 +422,7 @@ class PrefillLaunch:
             desc = self._gluon_descriptor
             counter = _counter(self.device) if self.schedule == 1 else self.arrays["merged_partial"]
             rows, bn = gluon_engine.ROWS, self.config.block_n
-            args = (desc(q, rows, "q"), desc(k, bn, "k"), desc(v, bn, "v"), desc(out, rows, "o"), lse, counter,
+            args = (desc(q, rows, "q"), desc(k, bn, "k"), desc(v, bn, "v"), desc(out, rows, "o"), out, lse, counter,
                     *self.fixed_tail, ts, *self.ints)
         else:
             desc_k = desc_v = k

@@ -80,10 +80,8 @@ def test_engine_choice_by_hand_by_spec_and_by_shape(monkeypatch):
     assert (config.engine, config.block_m, config.num_stages) == ("triton", 128, 3)
     assert _choose(_spec("causal", dtype="f32"), monkeypatch=monkeypatch)[0].engine == "triton"  # spec
     assert _choose(_spec("causal", head_dim=96), monkeypatch=monkeypatch)[0].engine == "triton"
-    assert _choose(_spec("causal"), s=8000, monkeypatch=monkeypatch)[0].engine == "triton"  # not a tile multiple
+    assert _choose(_spec("causal"), s=8000, monkeypatch=monkeypatch)[0].engine == "gluon"  # tails are masked
     assert _choose(_spec("causal"), contiguous=False, monkeypatch=monkeypatch)[0].engine == "triton"
-    with pytest.raises(ValueError, match="engine='gluon': the Gluon engine needs S_q a multiple of 128"):
-        _choose(_spec("causal"), s=8000, asked={"engine": "gluon"}, monkeypatch=monkeypatch)
     with pytest.raises(ValueError, match="engine='gluon': the Gluon engine needs an sm_90 GPU"):
         _choose(_spec("causal"), capability=80, asked={"engine": "gluon"}, monkeypatch=monkeypatch)
     # an option only the Triton kernel has takes the Triton kernel's defaults
