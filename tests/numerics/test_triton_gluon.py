@@ -78,6 +78,7 @@ def test_persistent_programs_take_many_tiles_each(schedule, monkeypatch):
     Q stage carried from one tile to the next (B=2, 16 heads, 2048 rows: 512 tiles on 132 SMs);
     and one program per tile."""
     program = compile_spec(SPECS["f16_documents"].replace("heads = 4", "heads = 16"))
+    monkeypatch.setenv("ATTNC_MEMORY_LIMIT", "16GiB")  # the float64 oracle of 134M cells: about 6 GiB
     _check(program, 2048, 2048, seed=5, schedule=schedule, monkeypatch=monkeypatch)
 
 
