@@ -265,7 +265,7 @@ def _ws_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, job_smem, blk_s
 def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, O, LSE, COUNTER_PTR, ORDER, M_CSR, M_IDX, M_FLAG, KS, KE, TS,
                  S_Q, S_K, Q_OFF, K_OFF, PLAN_B, PLAN_H, Q_TILES, qk_scale, BH,
                  MASK_FROM_ROWS: tl.constexpr, EVEN_Q: tl.constexpr, EVEN_K: tl.constexpr, ROWS_: tl.constexpr,
-                 BLOCK_N: tl.constexpr, D: tl.constexpr,
+                 BLOCK_N: tl.constexpr, D: tl.constexpr, SAME_D: tl.constexpr,
                  STAGES: tl.constexpr, HEAD_GROUP: tl.constexpr, CONSUMER_REGS: tl.constexpr,
                  PRODUCER_REGS: tl.constexpr, SCHEDULE: tl.constexpr,
                  VISIBLE: tl.constexpr, SCORE: tl.constexpr, HAS_SCORE: tl.constexpr, SCALE: tl.constexpr,
@@ -274,12 +274,13 @@ def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, O, LSE, COUNTER_PTR, ORDER, M_C
     program (SCHEDULE == ONE_TILE), or one program per SM looping over jobs drawn from the
     counter at COUNTER_PTR (SCHEDULE == COUNTER) with O staged in its own buffers, so that the
     next tile's Q and K/V loads run under this tile's last blocks and epilogue.  KS, KE: each
-    query row's run of keys (MASK_FROM_ROWS), [PLAN_B, PLAN_H, S_Q]."""
+    query row's run of keys (MASK_FROM_ROWS), [PLAN_B, PLAN_H, S_Q].  D is V's (and O's) head
+    dim; Q and K's may differ (SAME_D false: d_qk != d_v, O has its own buffers)."""
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
-    if SCHEDULE == ONE_TILE:
+    if SCHEDULE == ONE_TILE and SAME_D:
         o_smem = q_smem  # one tile per program: O goes out through Q's stages
     else:
-        o_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+        o_smem = gl.allocate_shared_memory(o_desc.dtype, [2] + o_desc.block_type.shape, o_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
     job_smem = gl.allocate_shared_memory(gl.int32, [4], gl.SwizzledSharedLayout(1, 1, 1, [0]))

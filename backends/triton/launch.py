@@ -6,7 +6,8 @@ The choice, in order of authority: what the caller asked for, else ``attnc tune`
 the call's dispatch key, else the untuned defaults below (measured on the H200; the numbers live
 in bench/results/README.md):
 
-* Hopper (sm_90), f16 / bf16, one head dim of 64 or 128, any S_q and S_k (the tiles across
+* Hopper (sm_90), f16 / bf16, head dims 64, 128, 192 or 256 (q.k's and v's may differ: 192 /
+  128 as in MLA prefill; above 128, 128 x 64 tiles), any S_q and S_k (the tiles across
   the ends are masked), contiguous bhsd tensors: the Gluon engine (``gluon_engine.py``) on 128 x 128 tiles, 2 K/V
   stages, programs drawing jobs from a counter; PARTIAL blocks from each row's run of keys where
   the plan has them (documents), else the predicate.
@@ -40,6 +41,8 @@ from .decode import interpreted  # noqa: F401  (the launch layer's, as the tests
 
 HEAD_GROUP = 4  # heads whose tiles interleave, longest first (``prefill._job``)
 GLUON_TILES = (128, 128)
+GLUON_WIDE_TILES = (128, 64)  # head dims above 128: two K/V stages fit shared memory on 64-key blocks
+GLUON_HEAD_DIMS = (64, 128, 192, 256)
 GLUON_STAGES = 2
 SHORT_ROW_BLOCKS = 16  # computed K/V blocks per 128-row tile under which rows count as short
 SHORT_ROW_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 64, "num_stages": 3}  # warps follow the tile: 4
@@ -139,8 +142,9 @@ def gluon_spec_refusal(program: ir.Program) -> str | None:
         return f"the Gluon engine takes f16 / bf16, not {program.dtype}"
     if program.cache.layout is ir.Layout.BSHD:
         return "the Gluon engine reads and writes bhsd tensors (the spec's layout is bshd)"
-    if not (program.d_qk == program.d_v and program.d_qk in (64, 128)):
-        return f"the Gluon engine takes head_dim 64 or 128 for both q.k and v, not {program.d_qk} / {program.d_v}"
+    if program.d_qk not in GLUON_HEAD_DIMS or program.d_v not in GLUON_HEAD_DIMS:
+        return (f"the Gluon engine takes head dims {', '.join(map(str, GLUON_HEAD_DIMS))} for q.k and v, not "
+                f"{program.d_qk} / {program.d_v}")
     return None
 
 
@@ -156,9 +160,22 @@ def gluon_call_refusal(program: ir.Program, s_q: int, s_k: int, contiguous: bool
         return reason
     if tiles not in ((2 * gluon_engine.ROWS, 64), (2 * gluon_engine.ROWS, 128)):
         return f"the Gluon engine walks 128 x 64 or 128 x 128 tiles, not {tiles[0]} x {tiles[1]}"
+    need = gluon_smem(program.d_qk, program.d_v, tiles[1], stages=1)
+    if need > gluon_engine.SMEM:
+        return (f"the Gluon engine's buffers for head dims {program.d_qk} / {program.d_v} on {tiles[0]} x {tiles[1]} "
+                f"tiles take {need:,} bytes of shared memory, over the {gluon_engine.SMEM:,} a program has")
     if not contiguous:
         return "the Gluon engine reads and writes contiguous bhsd tensors"
     return None
+
+
+def gluon_smem(d_qk: int, d_v: int, block_n: int, stages: int, schedule: int = 1) -> int:
+    """Shared memory bytes of the Gluon engine's buffers: Q's two halves, O's (unless one tile
+    per program with d_qk = d_v: O goes out through Q's), ``stages`` K/V blocks, 1 KiB of
+    barriers and job slots (f16 / bf16)."""
+    rows = 2 * gluon_engine.ROWS
+    o = 0 if schedule == 0 and d_qk == d_v else rows * d_v
+    return 2 * (rows * d_qk + o + stages * block_n * (d_qk + d_v)) + 1024
 
 
 def check_options(asked: dict) -> None:
@@ -202,14 +219,15 @@ def choose_prefill(program: ir.Program, s_q: int, s_k: int, plan_for, *, asked: 
     else:
         tiles = None
     # the engine: Gluon where asked, or untuned where this machine, spec and call allow it
-    refusal = gluon_call_refusal(program, s_q, s_k, contiguous, device_capability, tiles or GLUON_TILES)
+    gluon_tiles = GLUON_WIDE_TILES if max(program.d_qk, program.d_v) > 128 else GLUON_TILES
+    refusal = gluon_call_refusal(program, s_q, s_k, contiguous, device_capability, tiles or gluon_tiles)
     if engine == "gluon" and refusal:
         raise ValueError(f"engine='gluon': {refusal}")
     gluon = engine == "gluon" or (engine is None and not tuned and refusal is None)
     if asked.get("mask_source") == "rows" and not gluon:
         raise ValueError(f"mask_source='rows' is an option of the Gluon engine, which refuses this call: {refusal}")
     if tiles is None:
-        tiles = GLUON_TILES if gluon else (default["BLOCK_M"], default["BLOCK_N"])
+        tiles = gluon_tiles if gluon else (default["BLOCK_M"], default["BLOCK_N"])
     plan = given_plan if given_plan is not None else plan_for(*tiles)
     stages = asked.get("num_stages") or tuned.get("num_stages") or (GLUON_STAGES if gluon else default["num_stages"])
     if not gluon and origin == "default" and not interp:  # the default's tiles, chosen again now the rows are known
@@ -378,16 +396,17 @@ class PrefillLaunch:
         if c.engine == "gluon":
             self.schedule = gluon_engine.SCHEDULES[c.schedule]
             self.grid = (self.jobs,) if self.schedule == 0 else (min(self.jobs, sm_count(device)),)
-            d, bn = module.SPEC["D_QK"], c.block_n
+            d_qk, d_v, bn = module.SPEC["D_QK"], module.SPEC["D_V"], c.block_n
             elem = 2  # f16 / bf16: the only storage the engine takes
-            fixed = (1 if self.schedule == 0 else 2) * 2 * gluon_engine.ROWS * d * elem
-            stages = max(1, min(c.num_stages, (gluon_engine.SMEM - fixed - 1024) // (2 * bn * d * elem)))
+            same = d_qk == d_v
+            fixed = gluon_smem(d_qk, d_v, bn, 0, self.schedule)
+            stages = max(1, min(c.num_stages, (gluon_engine.SMEM - fixed) // (bn * (d_qk + d_v) * elem)))
             maxnreg, consumer, producer = gluon_engine.REGS
             keep = {n: spec[n] for n in ("VISIBLE", "SCORE", "HAS_SCORE", "SCALE", "H_Q", "H_KV", "GROUP")}
             from_rows = c.mask_source == "rows"
             self.launcher = Launcher(gluon_engine._attn_fwd_ws, dict(
                 MASK_FROM_ROWS=from_rows, EVEN_Q=self.s_q % (2 * gluon_engine.ROWS) == 0, EVEN_K=self.s_k % bn == 0,
-                ROWS_=gluon_engine.ROWS, BLOCK_N=bn, D=d, STAGES=stages,
+                ROWS_=gluon_engine.ROWS, BLOCK_N=bn, D=d_v, SAME_D=same, STAGES=stages,
                 HEAD_GROUP=c.head_group, CONSUMER_REGS=consumer, PRODUCER_REGS=producer, SCHEDULE=self.schedule,
                 **keep), num_warps=4, maxnreg=maxnreg)
             unused = arrays["merged_partial"]
@@ -450,11 +469,13 @@ class PrefillLaunch:
         return self._cached(t, role, lambda: TensorDescriptor.from_tensor(t.reshape(-1, d), [self.config.block_n, d]))
 
     def _gluon_descriptor(self, t, rows, role):
-        """The Gluon engine's descriptor of ``t`` viewed as [-1, d] in ``rows``-row blocks."""
-        d = self.module.SPEC["D_QK"]
-        layout = self._layouts.get(rows)
+        """The Gluon engine's descriptor of ``t`` viewed as [-1, d] in ``rows``-row blocks (d: q and
+        k's head dim, or v and o's)."""
+        d = self.module.SPEC["D_QK" if role in ("q", "k") else "D_V"]
+        layout = self._layouts.get((rows, d))
         if layout is None:
-            layout = self._layouts[rows] = gluon_engine.gl.NVMMASharedLayout.get_default_for([rows, d], self.gl_dtype)
+            layout = self._layouts[(rows, d)] = gluon_engine.gl.NVMMASharedLayout.get_default_for([rows, d],
+                                                                                                  self.gl_dtype)
         return self._cached(t, role, lambda: gluon_engine.TensorDescriptor.from_tensor(t.view(-1, d), [rows, d],
                                                                                       layout))
 

@@ -26,6 +26,8 @@ SPECS = {
     "softcap_window": "attention w { heads = 4 / 4 head_dim = 128 dtype = bf16 mask = causal & q - k < 100 "
                       "score = 30.0 * tanh(score / 30.0) }",
     "all_masked_rows": "attention e { heads = 2 head_dim = 64 dtype = bf16 mask = q >= 200 & causal }",
+    "mla_192_128": "attention m { heads = 4 head_dim = 192 / 128 dtype = bf16 mask = causal }",
+    "d256_window": "attention w { heads = 2 head_dim = 256 dtype = f16 mask = causal & q - k < 150 }",
 }
 PHASES = {"prefill": (256, 256), "append": (128, 384),  # S_q and S_k multiples of the 128-row tile
           "tails": (200, 200), "append_tails": (77, 333)}  # tiles across S_q and S_k: masked
@@ -128,9 +130,11 @@ def test_programs_the_engine_takes():
     refusal = launch.gluon_spec_refusal
     if refusal(compile_spec("attention a { heads = 4 head_dim = 128 dtype = bf16 mask = causal }")) is not None:
         pytest.skip("this Triton has no Gluon")
-    assert refusal(compile_spec("attention a { heads = 4 head_dim = 64 dtype = f16 mask = causal }")) is None
-    for spec in ("heads = 4 head_dim = 128 dtype = f32", "heads = 4 head_dim = 256 dtype = bf16",
-                 "heads = 4 head_dim = 128 / 64 dtype = bf16", "heads = 4 head_dim = 96 dtype = bf16"):
+    for spec in ("heads = 4 head_dim = 64 dtype = f16", "heads = 4 head_dim = 256 dtype = bf16",
+                 "heads = 4 head_dim = 192 / 128 dtype = bf16", "heads = 4 head_dim = 128 / 64 dtype = f16"):
+        assert refusal(compile_spec(f"attention a {{ {spec} mask = causal }}")) is None, spec
+    for spec in ("heads = 4 head_dim = 128 dtype = f32", "heads = 4 head_dim = 96 dtype = bf16",
+                 "heads = 4 head_dim = 128 / 96 dtype = bf16"):
         assert refusal(compile_spec(f"attention a {{ {spec} mask = causal }}")), spec
 
 
