@@ -42,7 +42,8 @@ from .decode import interpreted  # noqa: F401  (the launch layer's, as the tests
 HEAD_GROUP = 4  # heads whose tiles interleave, longest first (``prefill._job``)
 GLUON_TILES = (128, 128)
 GLUON_WIDE_TILES = (128, 64)  # head dims above 128: two K/V stages fit shared memory on 64-key blocks
-GLUON_HEAD_DIMS = (64, 128, 192, 256)
+GLUON_HEAD_DIMS = (64, 128, 192, 256)  # q.k's (192: loaded as 256 columns, zero-filled)
+GLUON_V_DIMS = (64, 128, 256)  # v's and O's (the register tile and the masked tail store need a power of two)
 GLUON_STAGES = 2
 SHORT_ROW_BLOCKS = 16  # computed K/V blocks per 128-row tile under which rows count as short
 SHORT_ROW_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 64, "num_stages": 3}  # warps follow the tile: 4
@@ -142,9 +143,9 @@ def gluon_spec_refusal(program: ir.Program) -> str | None:
         return f"the Gluon engine takes f16 / bf16, not {program.dtype}"
     if program.cache.layout is ir.Layout.BSHD:
         return "the Gluon engine reads and writes bhsd tensors (the spec's layout is bshd)"
-    if program.d_qk not in GLUON_HEAD_DIMS or program.d_v not in GLUON_HEAD_DIMS:
-        return (f"the Gluon engine takes head dims {', '.join(map(str, GLUON_HEAD_DIMS))} for q.k and v, not "
-                f"{program.d_qk} / {program.d_v}")
+    if program.d_qk not in GLUON_HEAD_DIMS or program.d_v not in GLUON_V_DIMS:
+        return (f"the Gluon engine takes q.k head dims {', '.join(map(str, GLUON_HEAD_DIMS))} and v head dims "
+                f"{', '.join(map(str, GLUON_V_DIMS))}, not {program.d_qk} / {program.d_v}")
     return None
 
 
@@ -169,10 +170,17 @@ def gluon_call_refusal(program: ir.Program, s_q: int, s_k: int, contiguous: bool
     return None
 
 
+def gluon_box(d: int) -> int:
+    """The columns a TMA copy of a d-wide head moves: d rounded up to a power of two (TMA boxes
+    are; the columns past d are zero-filled, so Q.K^T is unchanged)."""
+    return 1 << (d - 1).bit_length()
+
+
 def gluon_smem(d_qk: int, d_v: int, block_n: int, stages: int, schedule: int = 1) -> int:
     """Shared memory bytes of the Gluon engine's buffers: Q's two halves, O's (unless one tile
     per program with d_qk = d_v: O goes out through Q's), ``stages`` K/V blocks, 1 KiB of
     barriers and job slots (f16 / bf16)."""
+    d_qk, d_v = gluon_box(d_qk), gluon_box(d_v)
     rows = 2 * gluon_engine.ROWS
     o = 0 if schedule == 0 and d_qk == d_v else rows * d_v
     return 2 * (rows * d_qk + o + stages * block_n * (d_qk + d_v)) + 1024
@@ -400,7 +408,8 @@ class PrefillLaunch:
             elem = 2  # f16 / bf16: the only storage the engine takes
             same = d_qk == d_v
             fixed = gluon_smem(d_qk, d_v, bn, 0, self.schedule)
-            stages = max(1, min(c.num_stages, (gluon_engine.SMEM - fixed) // (bn * (d_qk + d_v) * elem)))
+            per_stage = bn * (gluon_box(d_qk) + gluon_box(d_v)) * elem
+            stages = max(1, min(c.num_stages, (gluon_engine.SMEM - fixed) // per_stage))
             maxnreg, consumer, producer = gluon_engine.REGS
             keep = {n: spec[n] for n in ("VISIBLE", "SCORE", "HAS_SCORE", "SCALE", "H_Q", "H_KV", "GROUP")}
             from_rows = c.mask_source == "rows"
@@ -472,11 +481,12 @@ class PrefillLaunch:
         """The Gluon engine's descriptor of ``t`` viewed as [-1, d] in ``rows``-row blocks (d: q and
         k's head dim, or v and o's)."""
         d = self.module.SPEC["D_QK" if role in ("q", "k") else "D_V"]
-        layout = self._layouts.get((rows, d))
+        box = gluon_box(d)  # (a 192-wide head is loaded as 256 columns, the last 64 zero-filled by TMA)
+        layout = self._layouts.get((rows, box))
         if layout is None:
-            layout = self._layouts[(rows, d)] = gluon_engine.gl.NVMMASharedLayout.get_default_for([rows, d],
-                                                                                                  self.gl_dtype)
-        return self._cached(t, role, lambda: gluon_engine.TensorDescriptor.from_tensor(t.view(-1, d), [rows, d],
+            layout = self._layouts[(rows, box)] = gluon_engine.gl.NVMMASharedLayout.get_default_for([rows, box],
+                                                                                                    self.gl_dtype)
+        return self._cached(t, role, lambda: gluon_engine.TensorDescriptor.from_tensor(t.view(-1, d), [rows, box],
                                                                                       layout))
 
 
