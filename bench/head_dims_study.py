@@ -1,6 +1,8 @@
 """Study: the Gluon engine against the Triton kernel on head dims the engine newly takes
 (192 / 128 as in MLA prefill, 256, and 64 with 32 heads), causal, bf16, through the public call
-with ``engine=`` forced (a study: the user's untuned call takes the Gluon engine).  Prints one
+with ``engine=`` forced (a study: the user's untuned call takes the Gluon engine); and what a
+score program costs on the engine: plain causal, ALiBi (per-head slope times distance) and
+softcap 30 at B4 H16 S8192 d128.  Prints one
 JSON line per (case, engine): median ms and visible-cell TFLOP/s (4 * d_qk-or-d_v-weighted
 cells: 2 * d_qk + 2 * d_v FLOPs per visible cell).
 
@@ -11,15 +13,18 @@ from __future__ import annotations
 import json
 import sys
 
-CASES = [(2, 16, 8192, 192, 128), (2, 16, 8192, 256, 256), (4, 32, 8192, 64, 64)]
+CASES = [(2, 16, 8192, 192, 128, ""), (2, 16, 8192, 256, 256, ""), (4, 32, 8192, 64, 64, ""),
+         (4, 16, 8192, 128, 128, ""), (4, 16, 8192, 128, 128, "score = score - exp(-(h + 1) * log(2.0) / 2.0) * (q - k)"),
+         (4, 16, 8192, 128, 128, "score = softcap(score, 30.0)")]
 
 
 def main() -> int:
     import torch
     import triton.testing
     import attnc
-    for b, h, s, d_qk, d_v in CASES:
-        attn = attnc.compile(f"attention c {{ heads = {h} head_dim = {d_qk} / {d_v} dtype = bf16 mask = causal }}")
+    for b, h, s, d_qk, d_v, score in CASES:
+        attn = attnc.compile(f"attention c {{ heads = {h} head_dim = {d_qk} / {d_v} dtype = bf16 {score} "
+                             "mask = causal }")
         g = torch.Generator(device="cuda").manual_seed(0)
         q = torch.randn(b, h, s, d_qk, device="cuda", dtype=torch.bfloat16, generator=g)
         k = torch.randn(b, h, s, d_qk, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -36,7 +41,7 @@ def main() -> int:
                 continue
             err = float((o.float() - ref.float()).abs().max())
             ms = triton.testing.do_bench(lambda: kernel(q, k, v, engine=engine), warmup=50, rep=300)
-            print(json.dumps({"study": "head_dims", "B": b, "H": h, "S": s, "d_qk": d_qk, "d_v": d_v,
+            print(json.dumps({"study": "head_dims", "B": b, "H": h, "S": s, "d_qk": d_qk, "d_v": d_v, "score": score,
                               "engine": engine, "ms": ms, "tflops": 2 * (d_qk + d_v) * cells / ms / 1e9,
                               "max_err_vs_triton": err,
                               "config": kernel.config_for(q, k, v).describe() if engine == "gluon" else "triton"}),
