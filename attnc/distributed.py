@@ -243,7 +243,7 @@ class ContextParallel:
         if plan.ranks == 1 and backend != "reference":  # the plain (differentiable) call
             o, lse = self.attn(q, k, v, return_lse=True, backend=backend, **plan.tensors)
         else:
-            backend = backend or ("triton" if q.is_cuda else "numpy")
+            backend = backend or ("triton" if q.is_cuda else "reference" if q.dtype == torch.float64 else "numpy")
             self._check_call(q, k, v, plan, backend)
             if torch.is_grad_enabled():
                 asked = [n for n, t in plan.tensors.items() if getattr(t, "requires_grad", False)]
@@ -266,8 +266,12 @@ class ContextParallel:
         for n, t in (("k", k), ("v", v)):
             if t.device != q.device:
                 raise InputError(f"inputs: '{n}' is on {t.device}, q on {q.device}: q, k and v live on one device")
-        shape = (q.shape[h], k.shape[h], q.shape[3], v.shape[3], _DTYPES.get(q.dtype))
         p = cp.program
+        wide = q.dtype == torch.float64  # float64 end to end: the reference blocks only
+        if wide and backend != "reference":
+            raise InputError(f"inputs: q is float64, which runs on backend 'reference' only (float64 end to end); "
+                             f"backend {backend!r} takes the plan's dtype {p.dtype}")
+        shape = (q.shape[h], k.shape[h], q.shape[3], v.shape[3], p.dtype if wide else _DTYPES.get(q.dtype))
         if shape != (p.heads_q, p.heads_kv, p.d_qk, p.d_v, p.dtype) or k.dtype != q.dtype or v.dtype != q.dtype:
             raise InputError(f"inputs: q/k/v have heads {shape[0]}/{shape[1]}, head_dim {shape[2]}/{shape[3]}, "
                              f"dtype {q.dtype}/{k.dtype}/{v.dtype}; the plan is for heads {p.heads_q}/{p.heads_kv}, "
@@ -639,7 +643,7 @@ class _Exchange:
             self.recvs[src] = _Message(runs, n, buf)
             ops.append(dist.P2POp(dist.irecv, buf, peer(src), group=plan.group))
         works = dist.batch_isend_irecv(ops) if ops else []
-        for msg, work in zip([*self.sends, *self.recvs.values()], works):
+        for msg, work in zip([*self.sends, *self.recvs.values()], _per_op(works, len(ops))):
             msg.work = work
 
     def _numel(self, shape: list, n: int) -> int:
@@ -666,6 +670,22 @@ class _Exchange:
     def finish(self) -> None:
         for msg in self.sends:
             msg.work.wait()
+
+
+class _Works:
+    """Waits for every work of a batch (NCCL coalesces a batch into fewer works than ops)."""
+
+    def __init__(self, works):
+        self.works = works
+
+    def wait(self):
+        for w in self.works:
+            w.wait()
+
+
+def _per_op(works: list, ops: int) -> list:
+    """One waitable per op: the works themselves, or (coalesced) the whole batch for each."""
+    return list(works) if len(works) == ops else [_Works(works)] * ops
 
 
 def _token_index(cp: CPPlan, rank: int, runs: list, device) -> torch.Tensor:
