@@ -24,18 +24,38 @@ its rows compute against.  A call then
    tiles as they arrive, one block (query segment x run of key tiles) at a time, each block at its
    true positions (the mask is evaluated at absolute q and k; the tensors are the whole
    sequence's);
-3. merges the blocks' partial (O, LSE) states with the split-state algebra
-   (``backends.numpy.state.merge_output_state``, M4.5 §0x02F) and rounds O once.
+3. merges the blocks' partial (O, LSE) states with the split-state algebra on torch tensors
+   (:func:`merge_states`, the twin of ``backends.numpy.state.merge_output_state``, M4.5 §0x02F:
+   a row is valid where its LSE is not -inf, so a NaN row propagates and is reported) and
+   rounds O once.
 
-Multi-rank runs take CPU tensors (the numpy backend; ``backend="reference"`` runs the float64
-oracle per block, a check) over a gloo group.  The Triton kernels have no position offsets yet,
-so a multi-rank call on CUDA tensors is refused; a one-rank plan runs the plain call
-(``attn(q, k, v, **tensors)``) whatever the device.
+**Blocks and devices.**  A block backend (``_NumpyBlocks``, ``_TritonBlocks``,
+``_ReferenceBlocks``) has ``prepare(t)`` (a bhsd torch tensor -> its container: CPU float32,
+the storage dtype on the call's device, CPU float64), ``forward(q, k, v, args)`` (a partial O,
+LSE), ``backward(q, k, v, o, lse, do, dlse, args)`` (the block's dQ, dK, dV shares) and
+``output(o)``; ``args`` is ``CPPlan.block_args`` (tile lists, ``classes``, offsets, the whole
+call's ``lengths``).  CUDA tensors run Triton, CPU tensors numpy (``backend=`` forces one;
+"triton" on CPU tensors needs ``TRITON_INTERPRET=1``; "reference" is the float64 oracle per
+block, forward and backward, a check, and the default for float64 shards).  The messages are
+buffers on the tensors' device over NCCL; over gloo, CUDA tensors are staged through host memory.
+A one-rank plan runs the plain call (``attn(q, k, v, **tensors)``) whatever the device.
 
-Forward only.  A backward pass would be an ``autograd.Function`` around :meth:`ContextParallel.
-__call__` that keeps the received K/V (or fetches it again by the same messages), runs each block's
-backward with the merged LSE, and sends each owner the dK/dV of its tiles back along the reversed
-messages, where the owner sums them.
+**The backward pass.**  The call is a ``torch.autograd.Function`` (``_ContextParallelFn``) that
+saves this rank's q, k, v shards and its O and LSE.  Its backward posts the same K/V messages
+again rather than keeping the received K/V from the forward: keeping them would hold up to the
+whole sequence's K/V on a rank (causal's last rank needs every earlier tile), which is the memory
+context parallelism exists to save, and the messages overlap the own-K/V blocks as in the
+forward.  Every block the forward computed runs its backward with its rows' *final* O and LSE
+(P = exp(S - LSE), D = rowsum(dO * O) - dLSE), so the blocks' shares add up to the exact
+gradient: dQ sums over the rank's blocks, dK/dV of its own keys over its own rows' blocks, and
+the shares of another owner's keys go back to it along the reversed messages (one
+``batch_isend_irecv`` after the blocks, in float32, float64 on the reference path), where the
+owner adds them.  GQA's dK/dV sum over each K/V head's query group inside the blocks; LSE in the
+loss (dLSE) is differentiated.  ``gather=True`` is differentiable: the gathered O is taken as
+replicated (every rank computes the same loss from it, as DTensor's ``Replicate``), so a rank's
+gradient is the incoming gradient at its own positions.  Spec tensors are the plan's values: one
+that requires grad is refused on more than one rank (one rank runs the plain call, which
+differentiates score tensors on the numpy backend).
 """
 from __future__ import annotations
 
