@@ -39,7 +39,7 @@ CALL_KEYWORDS = {
     "self", "return_lse", "plan", "stats", "cache", "lengths", "backend", "block_m", "block_n", "block_q",
     "splits", "num_warps", "num_stages", "capture", "max_kv_len", "cuda_graph", "sp", "case", "mask_from",
     "tensors", "arrays", "options", "route", "device", "engine", "walk", "use_tma", "head_group",
-    "schedule", "occupancy", "kernel", "do", "dlse", "config", "k_new", "v_new", "manifest",
+    "schedule", "occupancy", "kernel", "do", "dlse", "config", "k_new", "v_new", "manifest", "q_offset", "k_offset",
 }
 LANGUAGE_NAMES = set(ir.POSITION_VARS) | set(ir.LENGTH_VARS) | {"s", "score", "causal", "true", "false"} \
     | set(FUNCTIONS)

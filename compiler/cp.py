@@ -116,6 +116,12 @@ class CPPlan:
     classes: np.ndarray = field(repr=False)  # int8 [B', H', T, T]: the call's tile classes
     tensors: dict = field(repr=False)  # the mask's tensors, validated (whole sequence)
     requested: str = "auto"
+    _block_args: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # (rows, keys) -> block_args
+
+    @property
+    def lengths(self) -> tuple[int, int]:
+        """The whole call's (S_q, S_k): what a spec's S_q and S_k mean in every block."""
+        return self.seq_len, self.seq_len
 
     # ------------------------------------------------------------ sizes
     @property
@@ -211,18 +217,27 @@ class CPPlan:
         return out
 
     def block_args(self, rows: tuple[int, int], keys: tuple[int, int]) -> dict | None:
-        """The numpy kernel's plan for query tiles ``rows`` against key tiles ``keys`` (their tile
-        lists, positions and a partial-state result), or None where every tile is SKIP."""
-        (i0, i1), (j0, j1) = rows, keys
+        """The block kernels' plan for query tiles ``rows`` against key tiles ``keys``: their tile
+        lists (the numpy kernel's CSR), ``classes`` (the sub-array of tile classes, int8 [B', H',
+        rows, keys]), the positions of the block's first row and key (``q_offset``, ``k_offset``),
+        the whole call's ``lengths`` (S_q, S_k) and a partial-state result; None where every tile
+        is SKIP.  Made once per (rows, keys) and cached on the plan: callers must not mutate it."""
+        key = (tuple(rows), tuple(keys))
+        if key in self._block_args:
+            return self._block_args[key]
+        (i0, i1), (j0, j1) = key
         sub = np.ascontiguousarray(self.classes[:, :, i0:i1, j0:j1])
         if not (sub != SKIP).any():
+            self._block_args[key] = None
             return None
         tp = TilePlan.from_classes(sub, self.block, self.block, "cp")
-        return {"block_m": self.block, "block_n": self.block, "plan_b": sub.shape[0], "plan_h": sub.shape[1],
+        args = {"block_m": self.block, "block_n": self.block, "plan_b": sub.shape[0], "plan_h": sub.shape[1],
                 "q_tiles": i1 - i0, "partial_indptr": tp.partial_indptr, "partial_indices": tp.partial_indices,
                 "full_indptr": tp.full_indptr, "full_indices": tp.full_indices, "mask_from_intervals": False,
                 "mask_from_rows": False, "q_offset": i0 * self.block, "k_offset": j0 * self.block,
-                "partial_state": True}
+                "lengths": self.lengths, "classes": sub, "partial_state": True}
+        self._block_args[key] = args
+        return args
 
     def needs(self, rows: tuple[int, int], keys: tuple[int, int]) -> bool:
         """Whether query tiles ``rows`` compute against any of key tiles ``keys``."""

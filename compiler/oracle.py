@@ -21,10 +21,10 @@ from attnc.compiler.numerics import check_rows
 from attnc.compiler.ranges import check_length
 
 def positions(batch: int, heads: int, s_q: int, s_k: int, q_offset: int | None = None,
-              k_offset: int = 0) -> dict[str, np.ndarray]:
+              k_offset: int = 0, lengths: tuple[int, int] | None = None) -> dict[str, np.ndarray]:
     """Broadcastable b, h, q, k grids over [B, H_q, S_q, S_k]: bottom-right q by default; a block
     of a larger call (context parallelism) puts its rows at ``q_offset + i`` and its keys at
-    ``k_offset + j``; and the call's lengths S_q, S_k."""
+    ``k_offset + j``; and the call's lengths S_q, S_k (a block's: ``lengths``, the whole call's)."""
     check_length(s_k)
     if q_offset is None:
         if s_q > s_k:
@@ -36,7 +36,8 @@ def positions(batch: int, heads: int, s_q: int, s_k: int, q_offset: int | None =
         "h": np.arange(heads).reshape(1, -1, 1, 1),
         "q": (q_offset + np.arange(s_q)).reshape(1, 1, -1, 1),
         "k": (k_offset + np.arange(s_k)).reshape(1, 1, 1, -1),
-        "S_q": np.asarray(s_q), "S_k": np.asarray(s_k),
+        "S_q": np.asarray(s_q if lengths is None else lengths[0]),
+        "S_k": np.asarray(s_k if lengths is None else lengths[1]),
     }
 
 
@@ -50,17 +51,17 @@ def dense_mask(program: ir.Program, batch: int, s_q: int, s_k: int, tensors: dic
 
 
 def reference(program: ir.Program, q, k, v, tensors: dict | None = None, *, q_offset: int | None = None,
-              k_offset: int = 0, wide: bool = False):
+              k_offset: int = 0, lengths: tuple[int, int] | None = None, wide: bool = False):
     """Float64 attention: returns (O [B,H_q,S_q,d_v], LSE [B,H_q,S_q]).
 
     q [B,H_q,S_q,d_qk], k [B,H_kv,S_k,d_qk], v [B,H_kv,S_k,d_v] (bhsd).  ``q_offset``/``k_offset``:
     a block of a larger call, rows and keys at those positions (:func:`positions`), the
-    tensors the whole call's.  ``wide``: the score program in float64 instead of the language's
+    tensors and ``lengths`` (S_q, S_k) the whole call's.  ``wide``: the score program in float64 instead of the language's
     f32 (the backward reference's finite-difference checks)."""
     q = np.asarray(q)
     batch, _, s_q, _ = q.shape
     s_k = np.asarray(k).shape[2]
-    env = positions(batch, program.heads_q, s_q, s_k, q_offset, k_offset)
+    env = positions(batch, program.heads_q, s_q, s_k, q_offset, k_offset, lengths)
     o, lse = _attend(program, q, k, v, env, tensors or {}, wide)
     check_rows(lse, s_q=s_q, s_k=s_k)
     return o, lse
@@ -146,27 +147,40 @@ def _softmax(scores, visible, v):
     return np.where(bad[..., None], np.nan, o), np.where(bad, np.nan, lse)
 
 
-def reference_backward(program: ir.Program, q, k, v, do, tensors: dict | None = None):
+def reference_backward(program: ir.Program, q, k, v, do, tensors: dict | None = None, *, o=None, lse=None,
+                       dlse=None, q_offset: int | None = None, k_offset: int = 0,
+                       lengths: tuple[int, int] | None = None):
     """Float64 gradients of attention for the incoming ``do [B,H_q,S_q,d_v]`` (bhsd, like
     :func:`reference`): returns ``(dq, dk, dv, dtensors)`` with ``dtensors`` mapping each f32
     tensor the score program reads to its gradient (its own shape; a tensor element read by
     many cells sums them).  The score program's derivatives are
     :func:`compiler.autodiff.score_grad`'s expressions evaluated by the IR interpreter (the
     numpy backend prints the same expressions: the two check each other).  P comes from the
-    forward's LSE: ``P = exp(s_n - LSE)`` on visible cells, zero on rows with no visible key."""
+    forward's LSE: ``P = exp(s_n - LSE)`` on visible cells, zero on rows with no visible key.
+
+    ``dlse`` (bhs) is the gradient of LSE (it enters as D - dLSE).  A block of a larger call
+    (context parallelism): ``q_offset``, ``k_offset`` and ``lengths`` as in :func:`reference`,
+    and ``o``, ``lse`` the rows' final O and LSE over the whole call's keys (not the block's):
+    the gradients are then the block's share, and the shares of every block add up to the
+    call's (dK, dV of the block's keys, summed over each K/V head's query group)."""
     grad = score_grad(program)
     tensors = tensors or {}
     q, k, v, do = (np.asarray(x, np.float64) for x in (q, k, v, do))
     batch, _, s_q, _ = q.shape
-    env = positions(batch, program.heads_q, s_q, k.shape[2])
+    env = positions(batch, program.heads_q, s_q, k.shape[2], q_offset, k_offset, lengths)
     kv_head = np.arange(program.heads_q) // program.group
     kx, vx = k[:, kv_head], v[:, kv_head]
     values, visible = _score_values(program, q, kx, env, tensors, wide=True)
-    o, lse = _softmax(values[-1], visible, vx)
-    check_rows(lse, s_q=s_q, s_k=k.shape[2])
+    if o is None or lse is None:
+        o, lse = _softmax(values[-1], visible, vx)
+        check_rows(lse, s_q=s_q, s_k=k.shape[2])
+    o, lse = np.asarray(o, np.float64), np.asarray(lse, np.float64)
     row = lse[..., None]  # -inf on rows with no visible key, and those rows have no visible cell
     p = np.exp(np.where(visible, values[-1] - np.where(np.isfinite(row), row, 0.0), -np.inf))
-    ds = p * (do @ vx.swapaxes(-1, -2) - (do * o).sum(axis=-1, keepdims=True))
+    delta = (do * o).sum(axis=-1, keepdims=True)
+    if dlse is not None:
+        delta = delta - np.where(np.isfinite(row), np.asarray(dlse, np.float64)[..., None], 0.0)
+    ds = p * (do @ vx.swapaxes(-1, -2) - delta)
     dtensors = {n: np.zeros(np.shape(tensors[n])) for n in grad.tensors}
     shape = ds.shape
     for i in reversed(range(len(grad.forward))):

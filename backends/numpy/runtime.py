@@ -165,6 +165,25 @@ class Kernel:
         except self.module.AttncRuntimeError as e:
             raise PlanError(str(e)) from None
 
+    def block_backward(self, q, k, v, o, lse, do, dlse, block: dict, tensors: dict):
+        """The float64 gradients of one block of a larger contiguous call (context parallelism):
+        q, o, do [rows] and k, v [keys] in the spec's layout (as :meth:`block`), ``o``, ``lse``
+        (and ``dlse``, or None) the rows' *final* values over the whole call's keys, ``block`` the
+        block's ``CPPlan.block_args`` (its ``q_offset``, ``k_offset`` and ``lengths`` are read),
+        ``tensors`` the whole call's, validated.  Returns this block's share of (dQ, dK, dV) in
+        float64, in the spec's layout (dK, dV per K/V head: GQA's query group summed); the shares
+        of every block add up to the call's gradients.  Gradients of score tensors are not
+        returned (a block's share would be over the whole tensor: ``backward`` gives them)."""
+        module = self.backward_module
+        wide = [np.asarray(x, np.float64) for x in (q, k, v, o, lse, do)]
+        try:
+            dq, dk, dv, _ = module.backward(*wide, None if dlse is None else np.asarray(dlse, np.float64),
+                                            q_offset=block["q_offset"], k_offset=block["k_offset"],
+                                            lengths=block.get("lengths"), **tensors)
+        except module.AttncRuntimeError as e:
+            raise PlanError(str(e)) from None
+        return dq, dk, dv
+
     def run(self, arrays: dict, *, plan: Plan | SplitPlan | None = None, return_lse=False,
             stats: dict | None = None, occupancy=None):
         """A call given as a dict of DESIGN §5 keys (what ``attnc run`` reads from an npz)."""

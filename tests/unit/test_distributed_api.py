@@ -41,7 +41,7 @@ def test_one_rank_is_the_plain_call():
     assert plan.report()["ranks"] == 1 and plan.report()["total_bytes"] == 0
 
 
-def test_refusals():
+def test_refusals(monkeypatch):
     attn = attnc.compile(DOCS)
     q, k, v, doc = _inputs()
     cp = cpd.ContextParallel(attn, block=8)
@@ -54,18 +54,56 @@ def test_refusals():
     plan = cp.plan(batch=2, seq_len=40, doc=doc)
     with pytest.raises(InputError, match="shard holds B = 2 requests of 40 tokens"):
         cp(q[:, :, :32], k, v, plan=plan)
-    with pytest.raises(InputError, match="no backward pass yet"):
-        cp(q.requires_grad_(), k, v, plan=plan)
     with pytest.raises(InputError, match="shard: the tensor has 32 entries along dim 1"):
         plan.shard(doc[:, :32])
     with pytest.raises(InputError, match="a group was given but torch.distributed is not initialized"):
         cpd.ContextParallel(attn, group=object())
-    # a multi-rank plan's call on the Triton backend is refused before any message is posted
+    # a multi-rank plan's calls are refused before any message is posted: Triton on CPU tensors
+    # outside Triton's interpreter, a group that cannot move the tensors, a spec tensor that requires
+    # grad, float64 tensors off the reference path
     two = cpd.ShardPlan(plan_cp(attn.program, 2, 40, 2, {"doc": doc.numpy()}, block=8, strategy="even"), 0, None,
                         {"doc": doc})
     cp.ranks = 2
-    with pytest.raises(BackendRefused, match="position offsets in the Triton kernels"):
-        cp(*(two.shard(x.detach()) for x in (q, k, v)), plan=two, backend="triton")
+    shards = [two.shard(x.detach()) for x in (q, k, v)]
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(BackendRefused, match="TRITON_INTERPRET=1"):
+        cp(*shards, plan=two, backend="triton")
+    monkeypatch.setattr(cpd, "_backend_config", lambda group: {"cuda": "nccl"})
+    with pytest.raises(BackendRefused, match="backend is 'cuda:nccl' and q, k, v are on cpu"):
+        cp(*shards, plan=two)
+    monkeypatch.setattr(cpd, "_backend_config", lambda group: {"cpu": "gloo", "cuda": "gloo"})
+    assert two.transport("cpu") == "device" and two.transport("cuda") == "host"
+    learned = cpd.ShardPlan(two.cp, 0, None, {"doc": doc.float().requires_grad_()})
+    with pytest.raises(InputError, match="tensor 'doc' requires grad"):
+        cp(*(x.requires_grad_() for x in shards), plan=learned)
+    with pytest.raises(InputError, match="q is float64, which runs on backend 'reference' only"):
+        cp(*(x.detach().double() for x in shards), plan=two, backend="numpy")
     cp.rank = 1
     with pytest.raises(PlanError, match="made for rank 0 of 2; this is rank 1 of 2"):
         cp(q, k, v, plan=two)
+
+
+def test_one_rank_is_differentiable():
+    """One rank: the plain call's autograd (bit for bit), and the float64 reference path through
+    the context-parallel autograd node (blocks, merges, the blockwise backward) within 1e-10 of
+    the float64 plain call; LSE in the loss, and through gather=True."""
+    attn = attnc.compile(DOCS)
+    q, k, v, doc = _inputs()
+    cp = cpd.ContextParallel(attn, block=8)
+    plan = cp.plan(batch=2, seq_len=40, doc=doc)
+    g = torch.Generator().manual_seed(3)
+    g_o, g_lse = torch.randn(2, 2, 40, 8, generator=g), torch.randn(2, 2, 40, generator=g)
+
+    def grads(fn, dtype):
+        x = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+        o, lse = fn(*x)
+        ((o * g_o.to(dtype)).sum() + (torch.where(lse.isfinite(), lse, 0) * g_lse.to(dtype)).sum()).backward()
+        return [t.grad for t in x]
+
+    plain = grads(lambda *x: attn(*x, doc=doc, return_lse=True), torch.float32)
+    for got, want in zip(grads(lambda *x: cp(*x, plan=plan, return_lse=True, gather=True), torch.float32), plain):
+        assert torch.equal(got, want)
+    wide = grads(lambda *x: attn(*x, doc=doc, return_lse=True), torch.float64)
+    ref = grads(lambda *x: cp(*x, plan=plan, return_lse=True, backend="reference"), torch.float64)
+    for got, want in zip(ref, wide):
+        assert got.dtype == torch.float64 and (got - want).abs().max() <= 1e-10

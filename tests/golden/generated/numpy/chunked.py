@@ -140,7 +140,8 @@ def attention(q, k, v, *, plan=None, return_lse=False, stats=None, **tensors):
 
     A plan may place a block of a larger call (context parallelism, compiler.cp): its
     ``q_offset`` and ``k_offset`` put query row i at position q_offset + i and key j at
-    k_offset + j (the tensors are the whole call's), and ``partial_state`` returns O in
+    k_offset + j (the tensors are the whole call's), ``lengths`` is the whole call's (S_q, S_k)
+    (what the spec's S_q and S_k mean), and ``partial_state`` returns O in
     float32 as computed, a partial state for the split-state merge, not rounded to storage."""
     if sorted(tensors) != sorted(TENSORS):
         raise AttncRuntimeError(f"expected tensors {sorted(TENSORS)}, got {sorted(tensors)}")
@@ -156,6 +157,7 @@ def attention(q, k, v, *, plan=None, return_lse=False, stats=None, **tensors):
     k_tiles = -(-s_k // bn)
     from_intervals = plan["mask_from_intervals"]
     q_base, k_base = plan.get("q_offset", s_k - s_q), plan.get("k_offset", 0)
+    len_q, len_k = plan.get("lengths", (s_q, s_k))  # what the spec's S_q, S_k mean: the whole call's
     if from_intervals and (q_base, k_base) != (s_k - s_q, 0):
         raise AttncRuntimeError("a block at position offsets evaluates the mask, not the call's interval vectors")
     counts = {"partial": 0, "full": 0, "skip": 0}
@@ -179,7 +181,7 @@ def attention(q, k, v, *, plan=None, return_lse=False, stats=None, **tensors):
                         j0, j1 = j * bn, min(j * bn + bn, s_k)
                         k_pos = (k_base + np.arange(j0, j1)).reshape(1, -1)
                         s = (q_tile @ k[b, kv_h, j0:j1].T) * np.float32(SCALE)
-                        s = _f32(np.broadcast_to(score_program(s, b, h, q_pos, k_pos, s_q, s_k, *tensors), s.shape))
+                        s = _f32(np.broadcast_to(score_program(s, b, h, q_pos, k_pos, len_q, len_k, *tensors), s.shape))
                         if cls == "full":
                             keep = np.ones(s.shape, bool)
                         elif from_intervals:  # FlashMask: hidden iff the row is in [UTS, UTE) or [LTS, LTE)
@@ -189,7 +191,7 @@ def attention(q, k, v, *, plan=None, return_lse=False, stats=None, **tensors):
                                      ((i >= plan["LTS"][cols]) & (i < plan["LTE"][cols]))
                             keep = ~hidden
                         else:
-                            keep = np.broadcast_to(visible(b, h, q_pos, k_pos, s_q, s_k, *tensors), s.shape)
+                            keep = np.broadcast_to(visible(b, h, q_pos, k_pos, len_q, len_k, *tensors), s.shape)
                         state = _absorb(state, np.where(keep, s, np.float32(-np.inf)), v[b, kv_h, j0:j1])
                         counts[cls] += 1
                 counts["skip"] += k_tiles - (plan["partial_indptr"][row + 1] - plan["partial_indptr"][row]) \

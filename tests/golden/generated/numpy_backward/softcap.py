@@ -9,7 +9,8 @@ Spec digest 4ed49aefd799c820a092682643391a8e3ba812da51bf5532b82b4a52cd96df25.  S
 Dense per (request, query head), in float64, with the semantics of attnc's oracle: s_0 =
 scale * q.k, each score statement maps its input score to the next, P = softmax of the last
 over the visible keys, O = P V; positions are bottom-right (query row i of S_q rows over S_k
-keys is at q = S_k - S_q + i) and a row with no visible key gives O = 0, LSE = -inf.
+keys is at q = S_k - S_q + i; a block of a larger call, context parallelism, passes its
+offsets and the whole call's lengths) and a row with no visible key gives O = 0, LSE = -inf.
 
 backward() takes the saved O and LSE and dO: P = exp(s_n - LSE) on visible cells (the
 softmax the saved LSE implies), dP = dO V^T, D = rowsum(dO * O), dS_n = P (dP - D), then
@@ -135,15 +136,22 @@ def _tensors(tensors):
     return tuple(_f64(tensors[n]) if TENSORS[n][0] == "f32" else np.asarray(tensors[n]) for n in TENSORS)
 
 
-def _positions(s_q, s_k):
-    return (s_k - s_q + np.arange(s_q)).reshape(-1, 1), np.arange(s_k).reshape(1, -1)
+def _positions(s_q, s_k, q_offset=None, k_offset=0):
+    """Query and key positions: bottom-right by default; a block of a larger call puts its rows at
+    q_offset + i and its keys at k_offset + j."""
+    q_offset = s_k - s_q if q_offset is None else q_offset
+    return (q_offset + np.arange(s_q)).reshape(-1, 1), (k_offset + np.arange(s_k)).reshape(1, -1)
 
 
-def _cells(q, k, b, h, q_pos, k_pos, tensors):
-    """The score values and the visibility of request b, query head h: [S_q, S_k] each.
+def _lengths(q, k, lengths):
+    """What the spec's S_q and S_k mean: this call's rows and keys, or the whole call's of a block."""
+    return (q.shape[2], k.shape[2]) if lengths is None else tuple(int(n) for n in lengths)
+
+
+def _cells(q, k, b, h, q_pos, k_pos, lengths, tensors):
+    """The score values and the visibility of request b, query head h: [rows, keys] each.
     Hidden cells may hold any value (they are never used), so numpy's warnings are off."""
     s0 = (q[b, h] @ k[b, h // GROUP].T) * SCALE
-    lengths = (q.shape[2], k.shape[2])  # S_q, S_k
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         values = score_values(s0, b, h, q_pos, k_pos, *lengths, *tensors)
         keep = np.broadcast_to(visible(b, h, q_pos, k_pos, *lengths, *tensors), s0.shape)
@@ -151,18 +159,21 @@ def _cells(q, k, b, h, q_pos, k_pos, tensors):
     return values, keep
 
 
-def forward(q, k, v, **tensors):
+def forward(q, k, v, *, q_offset=None, k_offset=0, lengths=None, **tensors):
     """(O, LSE) in float64 for q [B, 8, S_q, 64], k [B, 2, S_k, 64], v [B, 2, S_k, 64]; declared tensors by name (none).
-    O is in q's layout, LSE is [B, H_q, S_q]."""
+    O is in q's layout, LSE is [B, H_q, S_q].  A block of a larger call (context parallelism):
+    ``q_offset``/``k_offset`` are the positions of its first row and key, ``lengths`` the whole
+    call's (S_q, S_k), and the tensors are the whole call's."""
     q, k, v = (_bhsd(x) for x in (q, k, v))
     tensors = _tensors(tensors)
     batch, _, s_q, _ = q.shape
-    q_pos, k_pos = _positions(s_q, k.shape[2])
+    q_pos, k_pos = _positions(s_q, k.shape[2], q_offset, k_offset)
+    lengths = _lengths(q, k, lengths)
     o = np.zeros((batch, H_Q, s_q, D_V))
     lse = np.full((batch, H_Q, s_q), -np.inf)
     for b in range(batch):
         for h in range(H_Q):
-            values, keep = _cells(q, k, b, h, q_pos, k_pos, tensors)
+            values, keep = _cells(q, k, b, h, q_pos, k_pos, lengths, tensors)
             s = np.where(keep, values[-1], -np.inf)
             m = s.max(axis=1, initial=-np.inf)
             seen = np.isfinite(m)
@@ -173,23 +184,30 @@ def forward(q, k, v, **tensors):
     return _spec_layout(o), lse
 
 
-def backward(q, k, v, o, lse, do, dlse=None, **tensors):
+def backward(q, k, v, o, lse, do, dlse=None, *, q_offset=None, k_offset=0, lengths=None, **tensors):
     """(dQ, dK, dV, dtensors) in float64 from the saved O (q's layout), LSE [B, H_q, S_q] and the
     incoming dO (O's layout) and, optionally, dLSE [B, H_q, S_q] (d LSE / d s = P: it enters as
     D - dLSE); dQ, dK, dV come in the layouts of q, k, v and ``dtensors`` maps
-    each f32 tensor the score reads (none) to its gradient (its own shape)."""
+    each f32 tensor the score reads (none) to its gradient (its own shape).
+
+    One block of a larger call (context parallelism): ``q_offset``/``k_offset`` are the positions
+    of its first row and key, ``lengths`` the whole call's (S_q, S_k), the tensors the whole
+    call's, and O, LSE (and dLSE) the rows' final values over every key of the call: the
+    gradients are then this block's share (its keys' dK, dV; its part of the rows' dQ), and the
+    shares of a row's blocks add up to the whole call's."""
     q, k, v, o, do = (_bhsd(x) for x in (q, k, v, o, do))
     lse = _f64(lse)
     named = dict(zip(TENSORS, _tensors(tensors)))
     tensors = tuple(named.values())
     batch, _, s_q, _ = q.shape
-    q_pos, k_pos = _positions(s_q, k.shape[2])
+    q_pos, k_pos = _positions(s_q, k.shape[2], q_offset, k_offset)
+    lengths = _lengths(q, k, lengths)
     dq, dk, dv = np.zeros(q.shape), np.zeros(k.shape), np.zeros(v.shape)
     dtensors = {n: np.zeros(named[n].shape) for n in GRAD_TENSORS}
     for b in range(batch):
         for h in range(H_Q):
             kv_h = h // GROUP
-            values, keep = _cells(q, k, b, h, q_pos, k_pos, tensors)
+            values, keep = _cells(q, k, b, h, q_pos, k_pos, lengths, tensors)
             row = lse[b, h][:, None]
             lost = np.isneginf(row[:, 0]) & keep.any(axis=1)
             if np.any(lost):
@@ -202,8 +220,7 @@ def backward(q, k, v, o, lse, do, dlse=None, **tensors):
             if dlse is not None:
                 delta = delta - np.where(np.isfinite(row), _f64(dlse)[b, h][:, None], 0.0)
             with np.errstate(divide="ignore", invalid="ignore", over="ignore"):  # hidden cells: never used
-                ds = score_chain(values, p * (dp - delta), keep, dtensors, b, h, q_pos, k_pos, s_q, k.shape[2],
-                                 *tensors)
+                ds = score_chain(values, p * (dp - delta), keep, dtensors, b, h, q_pos, k_pos, *lengths, *tensors)
             dq[b, h] = SCALE * ds @ k[b, kv_h]
             dk[b, kv_h] += SCALE * ds.T @ q[b, h]
             dv[b, kv_h] += p.T @ do[b, h]
