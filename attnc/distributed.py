@@ -480,9 +480,6 @@ class _TritonBlocks:
     def __init__(self, attn: Attention, cp: CPPlan, device, dtype):
         self.cp = cp
         self.kernel = attn.kernel("triton", cp.program)
-        if not (hasattr(self.kernel, "block") and hasattr(self.kernel, "block_backward")):
-            raise BackendRefused("attnc.distributed: this build's Triton kernels have no block entry points "
-                                 "(Kernel.block / Kernel.block_backward); use backend='numpy'")
         self.device, self.dtype = torch.device(device), dtype
         self.tensors = {n: torch.as_tensor(np.ascontiguousarray(t.astype(np.int32) if t.dtype.kind in "iu" else t),
                                            device=self.device) for n, t in cp.tensors.items()}
@@ -688,8 +685,12 @@ class _Exchange:
         return k.to(self.device), v.to(self.device)
 
     def finish(self) -> None:
+        """Wait for the sends, then let go of every message's work handle (a handle kept alive
+        until the interpreter's exit can outlive its process group there)."""
         for msg in self.sends:
             msg.work.wait()
+        for msg in (*self.sends, *self.recvs.values()):
+            msg.work = None
 
 
 class _Works:

@@ -221,7 +221,8 @@ class CPPlan:
         lists (the numpy kernel's CSR), ``classes`` (the sub-array of tile classes, int8 [B', H',
         rows, keys]), the positions of the block's first row and key (``q_offset``, ``k_offset``),
         the whole call's ``lengths`` (S_q, S_k) and a partial-state result; None where every tile
-        is SKIP.  Made once per (rows, keys) and cached on the plan: callers must not mutate it."""
+        is SKIP.  Made once per (rows, keys) and cached on the plan: callers must not change it (the
+        Triton backend keeps the block's launches in it, under "_triton": ``backends/triton/blocks.py``)."""
         key = (tuple(rows), tuple(keys))
         if key in self._block_args:
             return self._block_args[key]

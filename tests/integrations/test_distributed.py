@@ -109,6 +109,35 @@ def _check_backward(name, attn, program, cp, plan, q, k, v, tensors, posted, ran
             assert not any(s.grad.any() for s in shards), where
 
 
+def _check_triton_blocks(rank: int, ranks: int) -> None:
+    """The Triton blocks (the CPU interpreter) through the same exchange: a GQA document mask's O
+    and gradients against the single-process numpy call (the GPU runs this in test_distributed_gpu)."""
+    import attnc
+    import attnc.distributed as cpd
+    from attnc.compiler import numerics
+    text = ("attention cp_tri { heads = 4 / 2 head_dim = 16 dtype = f32 tensor doc: i32[b, s] "
+            "mask = causal & doc[b, q] == doc[b, k] & doc[b, q] >= 0 }")
+    attn = attnc.compile(text)
+    program = attn.program
+    q, k, v, tensors = _inputs("documents", program, 1, 48, ranks)
+    cp = cpd.ContextParallel(attn, block=BLOCK, strategy="auto")
+    plan = cp.plan(batch=1, seq_len=48, **tensors)
+    g_o = torch.randn(1, program.heads_q, 48, program.d_v, generator=torch.Generator().manual_seed(2))
+    whole = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    o, lse = attn(*whole, return_lse=True, backend="numpy", **tensors)
+    (o * g_o).sum().backward()
+    shards = [plan.shard(x.detach()).requires_grad_() for x in (q, k, v)]
+    o_l, lse_l = cp(*shards, plan=plan, return_lse=True, backend="triton")
+    (o_l * plan.shard(g_o)).sum().backward()
+    where = f"triton blocks, rank {rank} of {ranks}"
+    for c in numerics.compare_outputs("f32", o_l.detach().numpy(), lse_l.detach().numpy(), plan.shard(o).detach().numpy(),
+                                      plan.shard(lse, dim=2).detach().numpy()):
+        assert c.ok, f"{where}: {c}"
+    for n, shard, x in zip("qkv", shards, whole):
+        c = numerics.compare_gradient(f"d{n}", "f32", shard.grad.double().numpy(), plan.shard(x.grad).double().numpy())
+        assert c.ok, f"{where}: {c}"
+
+
 def _worker(rank: int, ranks: int, init: str) -> None:
     import attnc
     import attnc.distributed as cpd
@@ -166,6 +195,8 @@ def _worker(rank: int, ranks: int, init: str) -> None:
             assert np.abs(lse64.numpy()[finite] - want_lse[finite]).max() <= 1e-12, where
             if name in GRAD_CASES:
                 _check_backward(name, attn, program, cp, plan, q, k, v, tensors, posted, rank, ranks, where)
+        if ranks == 2:
+            _check_triton_blocks(rank, ranks)
         if ranks == 4:  # the tiny case's even split leaves rank 0 without a token
             assert cpd.ContextParallel(attnc.compile(CASES["tiny"][0]), block=BLOCK, strategy="even").plan(
                 batch=1, seq_len=20).tokens == (0, 8, 8, 4)[rank]
