@@ -177,8 +177,11 @@ class ShardPlan:
         padded = torch.cat([x, x.new_zeros(pad)], dim=d).contiguous()
         if self.transport(x.device) == "host":
             padded = padded.cpu()
-        parts = [torch.empty_like(padded) for _ in range(self.ranks)]
-        dist.all_gather(parts, padded, group=self.group)
+        # gloo gathers no bfloat16 in some torch builds ("unsupported ScalarType"): 2-byte floats go
+        # over it as float32 (exact); P2P messages are bytes and need no such care
+        wire = padded.float() if padded.device.type == "cpu" and padded.element_size() == 2 else padded
+        parts = [torch.empty_like(wire) for _ in range(self.ranks)]
+        dist.all_gather(parts, wire, group=self.group)
         shape = list(x.shape)
         shape[d] = self.cp.seq_len
         out = x.new_empty(shape)
@@ -186,7 +189,7 @@ class ShardPlan:
             n = int(self.cp.tokens[r])
             if n:
                 out.index_copy_(d, torch.from_numpy(self.cp.positions(r)).to(x.device),
-                                part.narrow(d, 0, n).to(x.device))
+                                part.narrow(d, 0, n).to(x.device, x.dtype))
         return out
 
 
