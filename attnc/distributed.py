@@ -556,7 +556,7 @@ def rank_attention(cp: CPPlan, rank: int, blocks, q, k, v, fetch):
     Own K/V first, then each owner's, nearest first; each query segment's partial states merge
     as they come (:func:`merge_states`)."""
     segments, rows = cp.segments(rank), _segment_rows(cp, rank)
-    batch, heads, dtype = q.shape[0], q.shape[1], q.dtype
+    batch, heads, dtype = q.shape[0], q.shape[1], blocks.acc  # (merged in the blocks' accumulation dtype)
     states = [OutputState(torch.zeros((batch, heads, r1 - r0), dtype=torch.bool),
                           torch.full((batch, heads, r1 - r0), -torch.inf, dtype=dtype),
                           torch.zeros((batch, heads, r1 - r0, v.shape[3]), dtype=dtype)) for r0, r1 in rows]
@@ -574,7 +574,7 @@ def rank_attention(cp: CPPlan, rank: int, blocks, q, k, v, fetch):
                 o_p, lse_p = blocks.forward(q[:, :, r0:r1], k_run, v_run, args)
                 states[i] = merge_states(states[i], _partial(lse_p, o_p, dtype))
     if not states:
-        return (q.new_zeros((batch, heads, 0, v.shape[3])), q.new_zeros((batch, heads, 0)))
+        return (q.new_zeros((batch, heads, 0, v.shape[3]), dtype=dtype), q.new_zeros((batch, heads, 0), dtype=dtype))
     o = torch.cat([torch.where(s.valid[..., None], s.o, 0) for s in states], dim=2)
     lse = torch.cat([torch.where(s.valid, s.lse, -torch.inf) for s in states], dim=2)
     return o, lse

@@ -165,9 +165,13 @@ def _lower_node(e: ast.Expr, spec: Spec, rec) -> ir.Expr:
         args = [rec(a) for a in e.args]
         if e.func == "window":  # q - k < n
             return _compare("lt", _binary("sub", Q, K), args[0])
-        if e.func == "softcap":  # cap * tanh(x / cap)
+        if e.func == "softcap":  # cap * tanh(x / cap); a constant cap: cap * tanh(x * (1 / cap))
             x, cap = args
-            return _binary("mul", _cast(cap, F32), _call("tanh", [_binary("div", x, cap)]))
+            if isinstance(cap, ir.Const):  # (a multiply per cell, not a correctly rounded division)
+                inner = _binary("mul", x, ir.Const(fold_f32(1.0 / float(cap.value)), F32))
+            else:
+                inner = _binary("div", x, cap)
+            return _binary("mul", _cast(cap, F32), _call("tanh", [inner]))
         if e.func == "where":
             c, a, b = args
             if a.type.numeric:

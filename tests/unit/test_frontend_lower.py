@@ -2,6 +2,7 @@
 and the surface printer round trip (property-tested with hypothesis)."""
 import math
 
+import numpy as np
 import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
@@ -34,8 +35,8 @@ def test_sugar_is_folded():
     assert mask_of("window(4)") == Compare("lt", Binary("sub", Q, K, I32), Const(4, I32))
     p = compile_spec("attention t { heads = 2 head_dim = 8 score = softcap(score, 30) }")
     s = Var("score", F32)
-    assert p.score == (Binary("mul", Const(30.0, F32),
-                              ir.Call("tanh", (Binary("div", s, Const(30.0, F32), F32),), F32), F32),)
+    r = Const(float(np.float32(1.0) / np.float32(30.0)), F32)  # a constant cap: x * f32(1 / cap)
+    assert p.score == (Binary("mul", Const(30.0, F32), ir.Call("tanh", (Binary("mul", s, r, F32),), F32), F32),)
 
 
 def test_mixed_arithmetic_gets_explicit_casts():
@@ -140,7 +141,11 @@ def test_format_expr_round_trips_through_the_parser(mask, score):
         # expressions deeper than the language's nesting limit (nested softcaps expand to 3 levels each)
         assume("may overflow i64" not in str(e) and "levels deep" not in str(e))
         raise
-    again = compile_spec(f"attention t {{ heads = 4 / 2 head_dim = 8 {DECLS} "
-                         f"score = {ir.format_expr(p.score[0])} mask = {ir.format_expr(p.mask)} }}")
+    try:
+        again = compile_spec(f"attention t {{ heads = 4 / 2 head_dim = 8 {DECLS} "
+                             f"score = {ir.format_expr(p.score[0])} mask = {ir.format_expr(p.mask)} }}")
+    except SpecError as e:  # the lowered text of a spec near the limit may be deeper than the limit
+        assume("levels deep" not in str(e))
+        raise
     assert again.mask == p.mask
     assert again.score == p.score
