@@ -263,8 +263,9 @@ class ContextParallel:
         if backend not in (None, *BACKENDS):
             raise InputError(f"unknown backend {backend!r}; expected numpy, triton or reference")
         grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-        if plan.ranks == 1 and backend != "reference":  # the plain (differentiable) call
-            o, lse = self.attn(q, k, v, return_lse=True, backend=backend, **plan.tensors)
+        if plan.ranks == 1 and backend != "reference":  # the plain (differentiable) call, as the user makes it
+            options = {} if backend is None else {"backend": backend}
+            return self.attn(q, k, v, return_lse=return_lse, **options, **plan.tensors)  # (gather: the same)
         else:
             backend = backend or ("triton" if q.is_cuda else "reference" if q.dtype == torch.float64 else "numpy")
             self._check_call(q, k, v, plan, backend)

@@ -66,7 +66,7 @@ def _worker(rank: int, ranks: int, init: str) -> None:
             assert o_l.is_cuda and o_l.dtype == q.dtype and lse_l.dtype == torch.float32, where
             o, lse = plan.gather(o_l.detach()), plan.gather(lse_l.detach(), dim=2)
             for c in numerics.compare_outputs("bf16", o.float().cpu().numpy(), lse.cpu().numpy(),
-                                              ref_o.detach().double().cpu().numpy(), ref_lse.double().cpu().numpy()):
+                                              ref_o.detach().double().cpu().numpy(), ref_lse.detach().double().cpu().numpy()):
                 assert c.ok, f"{where}: {c}"
             for n, mine, ref in (("dQ", ql, qr), ("dK", kl, kr), ("dV", vl, vr)):
                 got = plan.gather(mine.grad).double().cpu().numpy()
