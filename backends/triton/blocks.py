@@ -52,7 +52,7 @@ def block_plan(digest: str, args: dict, batch: int, rows: int, keys: int, block_
                                                                        "cp"), mask_from_intervals=False)
 
 
-def _device_tensors(kernel, tensors: dict, device) -> dict:
+def _device_tensors(tensors: dict, device) -> dict:
     import torch
     out = {}
     for n, t in tensors.items():
@@ -103,7 +103,7 @@ def forward(kernel, q, k, v, args: dict, tensors: dict, lengths: tuple[int, int]
         launch = L.PrefillLaunch(kernel.module, config, kernel.device_plan(plan, q.device), (batch, rows, keys),
                                  q.device, offsets=(args["q_offset"], args["k_offset"]))
         cache[key] = launch
-    ts = L.tensor_args(kernel.module, _device_tensors(kernel, tensors, q.device),
+    ts = L.tensor_args(kernel.module, _device_tensors(tensors, q.device),
                        _lengths(kernel, batch, lengths, q.device))
     out = torch.empty((batch, kernel.program.heads_q, rows, kernel.program.d_v), device=q.device,
                       dtype=torch.float32)
@@ -137,7 +137,7 @@ def backward(kernel, q, k, v, o, lse, do, dlse, args: dict, tensors: dict, lengt
                                   offsets=(args["q_offset"], args["k_offset"]))
         cache[key] = launch
     dq, dk, dv = (torch.empty(x.shape, device=x.device, dtype=torch.float32) for x in (q, k, v))
-    ts = L.tensor_args(kernel.module, _device_tensors(kernel, tensors, q.device),
+    ts = L.tensor_args(kernel.module, _device_tensors(tensors, q.device),
                        _lengths(kernel, batch, lengths, q.device))
     launch(q, k, v, o, lse.float().contiguous(), do, None if dlse is None else dlse.float().contiguous(), ts,
            dq, dk, dv, None)
