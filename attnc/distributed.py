@@ -485,8 +485,8 @@ class _TritonBlocks:
         self.cp = cp
         self.kernel = attn.kernel("triton", cp.program)
         self.device, self.dtype = torch.device(device), dtype
-        self.tensors = {n: torch.as_tensor(np.ascontiguousarray(t.astype(np.int32) if t.dtype.kind in "iu" else t),
-                                           device=self.device) for n, t in cp.tensors.items()}
+        from .backends.triton.decode import device_tensor
+        self.tensors = {n: device_tensor(t, self.device) for n, t in cp.tensors.items()}
 
     def prepare(self, t: torch.Tensor) -> torch.Tensor:
         dtype = torch.float32 if t.dim() == 3 else self.dtype  # LSE and dLSE stay float32
@@ -558,10 +558,11 @@ def rank_attention(cp: CPPlan, rank: int, blocks, q, k, v, fetch):
     as they come (:func:`merge_states`)."""
     segments, rows = cp.segments(rank), _segment_rows(cp, rank)
     batch, heads, dtype = q.shape[0], q.shape[1], blocks.acc  # (merged in the blocks' accumulation dtype)
-    states = [OutputState(torch.zeros((batch, heads, r1 - r0), dtype=torch.bool),
-                          torch.full((batch, heads, r1 - r0), -torch.inf, dtype=dtype),
-                          torch.zeros((batch, heads, r1 - r0, v.shape[3]), dtype=dtype)) for r0, r1 in rows]
-    states = [OutputState(*(x.to(q.device) for x in (s.valid, s.lse, s.o))) for s in states]
+    dev = q.device
+    states = [OutputState(torch.zeros((batch, heads, r1 - r0), dtype=torch.bool, device=dev),
+                          torch.full((batch, heads, r1 - r0), -torch.inf, dtype=dtype, device=dev),
+                          torch.zeros((batch, heads, r1 - r0, v.shape[3]), dtype=dtype, device=dev))
+              for r0, r1 in rows]
     for src, runs in _schedule(cp, rank):
         kb, vb = (k, v) if src == rank else fetch(src)
         for j0, j1, start in runs:

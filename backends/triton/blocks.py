@@ -52,21 +52,16 @@ def block_plan(digest: str, args: dict, batch: int, rows: int, keys: int, block_
                                                                        "cp"), mask_from_intervals=False)
 
 
-def _device_tensors(tensors: dict, device) -> dict:
-    import torch
-    out = {}
-    for n, t in tensors.items():
-        if not isinstance(t, torch.Tensor):
-            a = np.ascontiguousarray(t)
-            t = torch.as_tensor(a.astype(np.int32) if a.dtype.kind in "iu" else a)
-        if t.dtype in (torch.int64, torch.int16, torch.int8, torch.uint8):
-            t = t.to(torch.int32)
-        out[n] = t.to(device)
-    return out
-
-
-def _lengths(kernel, batch: int, lengths: tuple[int, int], device):
-    return L.uniform_lengths(batch, lengths[0], lengths[1], device) if kernel.module.LENGTHS else None
+def _tensor_args(kernel, cache: dict, tensors: dict, batch: int, lengths: tuple[int, int], device) -> tuple:
+    """TS of a block: the whole call's tensors and, where the spec reads them, its lengths (made
+    once per block and device, kept in the block's cache)."""
+    lens = None
+    if kernel.module.LENGTHS:
+        key = ("lengths", batch, tuple(lengths), str(device))
+        lens = cache.get(key)
+        if lens is None:
+            lens = cache[key] = L.uniform_lengths(batch, lengths[0], lengths[1], device)
+    return L.tensor_args(kernel.module, tensors, lens)
 
 
 def _check(kernel, q, k, v, args: dict) -> tuple[int, int, int]:
@@ -85,11 +80,11 @@ def _check(kernel, q, k, v, args: dict) -> tuple[int, int, int]:
 
 def forward(kernel, q, k, v, args: dict, tensors: dict, lengths: tuple[int, int]):
     """Partial (O float32 [B, H_q, rows, d_v], LSE [B, H_q, rows]) of one block: bhsd q, k, v in
-    the spec's storage dtype, the whole call's tensors and lengths (S_q, S_k)."""
+    the spec's storage dtype, the whole call's tensors (as the kernels read them, on q's device:
+    ``decode.device_tensor``) and lengths (S_q, S_k)."""
     import torch
     batch, rows, keys = _check(kernel, q, k, v, args)
-    emulate = L.interpreted() and q.dtype == torch.bfloat16  # (the interpreter misreads bf16: Kernel._validate)
-    if emulate:
+    if kernel.emulates(q.dtype):
         q, k, v = (x.float() for x in (q, k, v))
     cache = args.setdefault("_triton", {})
     key = ("forward", q.shape, k.shape, q.stride(), k.stride(), v.stride(), q.dtype, str(q.device))
@@ -103,8 +98,7 @@ def forward(kernel, q, k, v, args: dict, tensors: dict, lengths: tuple[int, int]
         launch = L.PrefillLaunch(kernel.module, config, kernel.device_plan(plan, q.device), (batch, rows, keys),
                                  q.device, offsets=(args["q_offset"], args["k_offset"]))
         cache[key] = launch
-    ts = L.tensor_args(kernel.module, _device_tensors(tensors, q.device),
-                       _lengths(kernel, batch, lengths, q.device))
+    ts = _tensor_args(kernel, cache, tensors, batch, lengths, q.device)
     out = torch.empty((batch, kernel.program.heads_q, rows, kernel.program.d_v), device=q.device,
                       dtype=torch.float32)
     lse = torch.empty((batch, kernel.program.heads_q, rows), device=q.device, dtype=torch.float32)
@@ -122,7 +116,7 @@ def backward(kernel, q, k, v, o, lse, do, dlse, args: dict, tensors: dict, lengt
                         ("lse", lse, (batch, p.heads_q, rows))):
         if tuple(t.shape) != shape:
             raise InputError(f"block backward: '{n}' has shape {list(t.shape)}; the block's is {list(shape)}")
-    store = torch.float32 if L.interpreted() and q.dtype == torch.bfloat16 else q.dtype
+    store = torch.float32 if kernel.emulates(q.dtype) else q.dtype
     q, k, v = (x.to(store) for x in (q, k, v))
     do = do.to(store)  # (the kernels' dO.V^T and P^T.dO run in the storage dtype)
     cfg = G.default_backward_config(p.d_qk, p.d_v, L.interpreted())
@@ -137,8 +131,7 @@ def backward(kernel, q, k, v, o, lse, do, dlse, args: dict, tensors: dict, lengt
                                   offsets=(args["q_offset"], args["k_offset"]))
         cache[key] = launch
     dq, dk, dv = (torch.empty(x.shape, device=x.device, dtype=torch.float32) for x in (q, k, v))
-    ts = L.tensor_args(kernel.module, _device_tensors(tensors, q.device),
-                       _lengths(kernel, batch, lengths, q.device))
+    ts = _tensor_args(kernel, cache, tensors, batch, lengths, q.device)
     launch(q, k, v, o, lse.float().contiguous(), do, None if dlse is None else dlse.float().contiguous(), ts,
            dq, dk, dv, None)
     return dq, dk, dv

@@ -356,6 +356,12 @@ def tensor_args(module, tensors: dict, lengths=None) -> tuple:
     return tuple(ts)
 
 
+def call_tensor_args(module, tensors: dict, batch: int, s_q: int, s_k: int, device) -> tuple:
+    """TS of a call whose requests all have S_q rows over S_k keys (the lengths only where the
+    spec reads them)."""
+    return tensor_args(module, tensors, uniform_lengths(batch, s_q, s_k, device) if module.LENGTHS else None)
+
+
 def uniform_lengths(batch: int, s_q: int, s_k: int, device) -> tuple:
     """(kv_lens, qo_indptr) of a call whose requests all have S_q rows over S_k keys."""
     import torch

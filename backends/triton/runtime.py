@@ -163,8 +163,13 @@ class Kernel:
         out_shape = (batch, s_q, p.heads_q, p.d_v) if bshd else (batch, p.heads_q, s_q, p.d_v)
         # The Triton interpreter (3.9) reads bf16 tensors as garbage: on the CPU, bf16 specs carry
         # their (already bf16-rounded) values in float32 and O is rounded to bf16 after.
-        emulate = storage and interpreted() and self._dtype == torch.bfloat16
+        emulate = storage and self.emulates(self._dtype)
         return _Bound(batch, s_q, s_k, out_shape, bshd, emulate)
+
+    def emulates(self, dtype) -> bool:
+        """Whether tensors of ``dtype`` run as float32 here: the Triton interpreter (3.9) reads bf16
+        tensors as garbage, so on the CPU bf16 values (already bf16-rounded) are carried in float32."""
+        return interpreted() and dtype == self._torch.bfloat16
 
     def _call_slow(self, q, k, v, tensors: dict, plan, options: dict):
         """Validate the call, then bind it (no options, no plan given) or run it once as asked."""
@@ -188,8 +193,7 @@ class Kernel:
         else:
             qb, kb, vb = q, k, v
         try:
-            ts = L.tensor_args(self.module, tensors, L.uniform_lengths(bound.batch, bound.s_q, bound.s_k, q.device)
-                               if self.module.LENGTHS else None)
+            ts = L.call_tensor_args(self.module, tensors, bound.batch, bound.s_q, bound.s_k, q.device)
         except KeyError as e:
             raise InputError(f"inputs: missing key '{e.args[0]}'") from None
         if asked is None:
@@ -274,8 +278,7 @@ class Kernel:
         bound = self._validate(q, k, v, tensors, storage=False)
         qb, kb, vb = (x.transpose(1, 2) for x in (q, k, v)) if bound.bshd else (q, k, v)
         launch = self._make_launch(bound, qb, kb, vb, tensors, plan, options)
-        ts = L.tensor_args(self.module, tensors, L.uniform_lengths(bound.batch, bound.s_q, bound.s_k, q.device)
-                           if self.module.LENGTHS else None)
+        ts = L.call_tensor_args(self.module, tensors, bound.batch, bound.s_q, bound.s_k, q.device)
         torch = self._torch
         key = ("prepared", id(launch))  # one binding: the arguments' specialization is fixed
 
@@ -305,8 +308,7 @@ class Kernel:
                          for x in (call.q, call.k, call.v))
         if self.program.cache.layout is ir.Layout.BSHD:  # validate gave bhsd; the call takes the spec's layout
             q_t, k_t, v_t = (x.transpose(1, 2) for x in (q_t, k_t, v_t))
-        ts = {n: torch.as_tensor(np.ascontiguousarray(t.astype(np.int32) if t.dtype.kind in "iu" else t), device=dev)
-              for n, t in call.tensors.items()}
+        ts = {n: device_tensor(t, dev) for n, t in call.tensors.items()}
         o, lse = self._call_slow(q_t, k_t, v_t, ts, plan, options) if plan is not None or any(
             v is not None for v in options.values()) else self(q_t, k_t, v_t, return_lse=True, **ts)
         o = o.float().cpu().numpy()
@@ -364,8 +366,7 @@ class Kernel:
         qb, kb, vb, ob, dob, dqb, dkb, dvb = views
         lse = lse.contiguous()
         dlse = dlse.contiguous() if dlse is not None else None
-        ts = L.tensor_args(self.module, tensors, L.uniform_lengths(bound.batch, bound.s_q, bound.s_k, q.device)
-                           if self.module.LENGTHS else None)
+        ts = L.call_tensor_args(self.module, tensors, bound.batch, bound.s_q, bound.s_k, q.device)
         launch(qb, kb, vb, ob, lse, dob, dlse, ts, dqb, dkb, dvb,
                key if not bound.emulate else None)
         if bound.emulate:
