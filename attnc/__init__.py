@@ -28,9 +28,9 @@ def __getattr__(name: str):
     if name == "MicrobatchManifest":
         from .compiler.analysis.microbatch import MicrobatchManifest
         return MicrobatchManifest
-    if name == "distributed":  # context parallelism (imports torch)
+    if name in ("distributed", "fp8"):  # context parallelism, FP8 inputs (they import torch when used)
         import importlib
-        return importlib.import_module(".distributed", __name__)
+        return importlib.import_module(f".{name}", __name__)
     if name == "AttncError":
         from .compiler.errors import AttncError
         return AttncError

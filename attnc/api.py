@@ -35,6 +35,7 @@ from .compiler import ir
 from .compiler.errors import AttncError, InputError
 
 _DTYPES = {"torch.float16": "f16", "torch.bfloat16": "bf16", "torch.float32": "f32"}
+_FP8 = "torch.float8_e4m3fn"  # compared with a torch dtype by its string (torch is imported lazily)
 _HANDLES: dict[str, "Attention"] = {}
 _LOCK = threading.Lock()
 
@@ -90,12 +91,15 @@ class Attention:
                                  f"takes q, k, v as {layout}")
         h_ax = 2 if self._bshd else 1
         dtype = _DTYPES.get(str(q.dtype))
-        if str(q.dtype) == "torch.float64" and not q.is_cuda:
+        if str(q.dtype) == _FP8:  # FP8 inputs (attnc.fp8): O in the spec's dtype, bf16 if open
+            dtype = "bf16" if "dtype" in self.program.open_fields else self.program.dtype
+        elif str(q.dtype) == "torch.float64" and not q.is_cuda:
             # a reference-precision call (numpy backend, float64 throughout): the spec's storage dtype
             # is not applied, so it is not checked against the call
             dtype = "f32" if "dtype" in self.program.open_fields else self.program.dtype
         elif dtype is None:
-            raise InputError(f"inputs: 'q' has dtype {q.dtype}; attention takes float16, bfloat16 or float32"
+            raise InputError(f"inputs: 'q' has dtype {q.dtype}; attention takes float16, bfloat16 or float32 "
+                             "(or float8_e4m3fn with descales: attnc.fp8)"
                              + (" (float64 runs on the CPU only, on the numpy backend)" if q.is_cuda and
                                 str(q.dtype) == "torch.float64" else ""))
         if k.dtype != q.dtype or v.dtype != q.dtype:
@@ -149,6 +153,9 @@ class Attention:
         except AttributeError:
             raise InputError(f"inputs: q, k and v must be torch tensors (attnc.compile(...) takes torch tensors; "
                              f"got {type(q).__name__}, {type(k).__name__}, {type(v).__name__})") from None
+        if q.dtype == torch.float8_e4m3fn:
+            o, lse = self._fp8_call(q, k, v, tensors, backend)
+            return (o, lse) if return_lse else o
         if len(tensors) != len(self.tensor_names) or (tensors and set(tensors) != set(self.tensor_names)):
             self._check_tensors(tensors)
         if torch.is_grad_enabled() and (needs_grad or any(
@@ -162,6 +169,51 @@ class Attention:
         else:
             o, lse = self.forward(q, k, v, tensors, backend)
         return (o, lse) if return_lse else o
+
+    def _fp8_call(self, q, k, v, tensors: dict, backend: str | None):
+        """(O, LSE) of an FP8 call (``attnc.fp8``): float8_e4m3fn q, k, v and the keywords q_descale,
+        k_descale, v_descale ([B, H] float32, or numbers; default 1).  Forward only, outside
+        torch.compile.  The Triton backend takes it (FP8 tensor cores on the Gluon engine); other
+        backends compute the same attention of the dequantized values."""
+        from . import fp8 as F
+        from .backends.triton.runtime import FP8_INPUTS
+        torch = _torch_module()
+        if torch.compiler.is_compiling():
+            raise InputError("inputs: FP8 calls are not traced by torch.compile; call the attention outside the "
+                             "compiled region, or pass bf16 / f16 tensors")
+        if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
+            raise InputError("inputs: FP8 calls are forward only (no backward through e4m3 inputs); pass q, k, v "
+                             "detached, or bf16 / f16 tensors for training")
+        descales = {n: tensors.pop(n) for n in FP8_INPUTS if n in tensors}
+        if set(tensors) != set(self.tensor_names):
+            self._check_tensors(tensors)
+        name, kernel = self._kernel_for(q, k, v, tensors, backend)
+        if name == "triton":
+            return kernel(q, k, v, return_lse=True, **descales, **tensors)
+        program = kernel.program
+        want = getattr(torch, {"f16": "float16", "bf16": "bfloat16", "f32": "float32"}[program.dtype])
+        axis = 2 if self._bshd else 1
+        batch = q.shape[0]
+        deq = []
+        for n, x, heads in (("q_descale", q, program.heads_q), ("k_descale", k, program.heads_kv),
+                            ("v_descale", v, program.heads_kv)):
+            if str(x.dtype) != _FP8:
+                raise InputError(f"inputs: q/k/v have dtypes {q.dtype}/{k.dtype}/{v.dtype}; an FP8 call takes all "
+                                 "three as float8_e4m3fn")
+            d = descales.get(n)
+            if d is None or isinstance(d, (int, float)):
+                d = torch.full((batch, heads), 1.0 if d is None else float(d))
+            elif isinstance(d, torch.Tensor) and d.dtype.is_floating_point:
+                d = d.detach().float().cpu()
+                d = d.expand(batch, heads) if d.dim() == 0 else d
+            else:
+                raise InputError(f"inputs: '{n}' must be a float tensor [B, H] = {[batch, heads]} or a number, not "
+                                 f"{type(d).__name__}")
+            if tuple(d.shape) != (batch, heads):
+                raise InputError(f"inputs: '{n}' has shape {list(d.shape)}; this call's is [B, H] = {[batch, heads]}")
+            deq.append(F.dequantize(x.cpu(), d, torch.float32, heads_axis=axis))
+        o, lse = self._host_call(kernel, *deq, tensors)
+        return o.to(device=q.device, dtype=want), lse.to(q.device)
 
     def _check_grads(self, q, k, v, tensors: dict, backend: str | None) -> None:
         """Refuse, before the forward runs, a gradient the backward cannot give: of a tensor the score

@@ -53,7 +53,8 @@ SCHEDULES = {"one_tile": 0, "counter": 1}
 @gluon.jit
 def _ws_softmax(s, part, kb, ks, ke, m_i, l_i, b, h, q_pos, S_K, K_OFF, qk_scale, TS, MASK_FROM_ROWS: tl.constexpr,
                 EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, col_l: tl.constexpr, VISIBLE: tl.constexpr,
-                SCORE: tl.constexpr, HAS_SCORE: tl.constexpr, SCALE: tl.constexpr):
+                SCORE: tl.constexpr, HAS_SCORE: tl.constexpr, SCALE: tl.constexpr, s_descale,
+                FP8: tl.constexpr):
     """K/V block kb of the row's list on the scores s: the score program, the mask where the
     block is PARTIAL (part != 0): the predicate, or MASK_FROM_ROWS the rows' runs of keys
     [ks, ke); then the online-softmax update.  Unless EVEN_K (S_K a multiple of BLOCK_N), the
@@ -65,7 +66,10 @@ def _ws_softmax(s, part, kb, ks, ke, m_i, l_i, b, h, q_pos, S_K, K_OFF, qk_scale
         k_idx = (kb * BLOCK_N + gl.arange(0, BLOCK_N, col_l))[None, :]
         k_pos = K_OFF + k_idx
         if HAS_SCORE:
-            s = SCORE(s * SCALE, b, h, q_pos, k_pos, TS)
+            if FP8:  # q.k of FP8 values: their descales first, so the score program sees q.k
+                s = SCORE(s * (SCALE * s_descale), b, h, q_pos, k_pos, TS)
+            else:
+                s = SCORE(s * SCALE, b, h, q_pos, k_pos, TS)
         if part != 0:
             if MASK_FROM_ROWS:  # (a row's run of keys ends at S_K at most)
                 s = gl.where((k_pos >= ks) & (k_pos < ke), s, float("-inf"))
@@ -108,12 +112,12 @@ def _ws_get(smem, j: tl.constexpr, N: tl.constexpr):
 
 
 @gluon.jit
-def _ws_consumer(half, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars, o_desc, O, LSE, KS, KE, S_Q, S_K,
-                 Q_OFF, K_OFF, PLAN_B, PLAN_H, Q_TILES, BH, qk_scale, TS, MASK_FROM_ROWS: tl.constexpr,
+def _ws_consumer(half, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars, o_desc, O, LSE, KS, KE, DQ, DK, DV,
+                 S_Q, S_K, Q_OFF, K_OFF, PLAN_B, PLAN_H, Q_TILES, BH, qk_scale, TS, MASK_FROM_ROWS: tl.constexpr,
                  EVEN_Q: tl.constexpr, EVEN_K: tl.constexpr, ROWS_: tl.constexpr,
                  BLOCK_N: tl.constexpr, D: tl.constexpr, STAGES: tl.constexpr, HEAD_GROUP: tl.constexpr,
                  VISIBLE: tl.constexpr, SCORE: tl.constexpr, HAS_SCORE: tl.constexpr, SCALE: tl.constexpr,
-                 H_Q: tl.constexpr):
+                 H_Q: tl.constexpr, H_KV: tl.constexpr, GROUP: tl.constexpr, FP8: tl.constexpr):
     """Rows [half * ROWS_, + ROWS_) of each tile the producer hands over: every block of the
     tile's list, then O (through shared memory and a TMA store) and LSE.  The producer hands
     each job (t, query tile, block range) over with its Q, and each block's index and PARTIAL
@@ -121,13 +125,16 @@ def _ws_consumer(half, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars,
     this program has consumed: the K/V ring's stage and phase; ``jc`` its tiles: Q's phase.
     Unless EVEN_Q, the rows of the tile across S_Q are stored from registers under a mask (a TMA
     store would write the next head's first rows); its Q rows past S_Q are the next head's,
-    computed and dropped."""
+    computed and dropped.  FP8: Q, K and V hold float8 e4m3 values with per-head descales (DQ
+    [B * H_q], DK and DV [B * H_kv]); V arrives transposed ([D, BLOCK_N] blocks, K-major as FP8
+    wgmma needs it), P is rounded to e4m3 for P.V, and O is written in O's dtype."""
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = bars
+    MMA_K: tl.constexpr = 32 if FP8 else 16  # the wgmma instruction's depth: 32 bytes of operands
     s_layout: tl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
+                                                       instr_shape=[16, BLOCK_N, MMA_K])
     o_layout: tl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, D, 16])
-    p_layout: tl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+                                                       instr_shape=[16, D, MMA_K])
+    p_layout: tl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4 if FP8 else 2)
     row_l: tl.constexpr = gl.SliceLayout(1, s_layout)
     col_l: tl.constexpr = gl.SliceLayout(0, s_layout)
     orow_l: tl.constexpr = gl.SliceLayout(1, o_layout)
@@ -160,6 +167,15 @@ def _ws_consumer(half, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars,
         else:
             ks = 0
             ke = 0
+        if FP8:  # the job's descales: q.k's into the softmax scale (or the score), V's into O
+            kvh = b * H_KV + h // GROUP
+            s_descale = gl.load(DQ + bh) * gl.load(DK + kvh)
+            job_scale = qk_scale if HAS_SCORE else qk_scale * s_descale
+            v_descale = gl.load(DV + kvh)
+        else:
+            s_descale = 1.0
+            job_scale = qk_scale
+            v_descale = 1.0
         m_i = gl.full([ROWS_], float("-inf"), gl.float32, row_l)
         l_i = gl.full([ROWS_], 0.0, gl.float32, row_l)
         acc = gl.zeros([ROWS_, D], gl.float32, o_layout)
@@ -172,30 +188,36 @@ def _ws_consumer(half, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars,
             part = _ws_get(blk_smem.index(stage), 1, 2)
             s = warpgroup_mma_wait(0, deps=(s, ))
             mbarrier.arrive(k_empty.index(stage), count=1)
-            p, alpha, m_i, l_i = _ws_softmax(s, part, kb, ks, ke, m_i, l_i, b, h, q_pos, S_K, K_OFF, qk_scale, TS,
+            p, alpha, m_i, l_i = _ws_softmax(s, part, kb, ks, ke, m_i, l_i, b, h, q_pos, S_K, K_OFF, job_scale, TS,
                                              MASK_FROM_ROWS, EVEN_K, BLOCK_N, col_l, VISIBLE, SCORE, HAS_SCORE,
-                                             SCALE)
+                                             SCALE, s_descale, FP8)
             acc = acc * gl.convert_layout(alpha, orow_l)[:, None]
             mbarrier.wait(v_ready.index(stage), phase)
-            acc = warpgroup_mma(gl.convert_layout(p.to(q_smem.dtype), p_layout), v_smem.index(stage), acc,
-                                is_async=True)
+            if FP8:  # V^T's block [D, BLOCK_N] read as [BLOCK_N, D], K-major
+                v_op = v_smem.index(stage).permute((1, 0))
+            else:
+                v_op = v_smem.index(stage)
+            acc = warpgroup_mma(gl.convert_layout(p.to(q_smem.dtype), p_layout), v_op, acc, is_async=True)
             acc = warpgroup_mma_wait(0, deps=(acc, ))
             mbarrier.arrive(v_empty.index(stage), count=1)
             c += 1
         mbarrier.arrive(q_empty, count=1)  # this half's Q.K^T are done: the next tile's Q may load
         seen = (l_i > 0) | (l_i != l_i)  # NaN: a visible score was NaN or +inf; LSE NaN marks the row
         l_safe = gl.where(seen, l_i, 1.0)
-        out = acc / gl.convert_layout(l_safe, orow_l)[:, None]  # rows that saw nothing: acc = 0, O = 0
+        if FP8:
+            out = acc * gl.convert_layout(v_descale / l_safe, orow_l)[:, None]
+        else:
+            out = acc / gl.convert_layout(l_safe, orow_l)[:, None]  # rows that saw nothing: acc = 0, O = 0
         row0 = q_tile0 + half * ROWS_
         if EVEN_Q or row0 + ROWS_ <= S_Q:
             tma.store_wait(0)  # the last tile's O has left shared memory (o may be Q's own stage)
-            o.store(out.to(q_smem.dtype))
+            o.store(out.to(o_smem.dtype))
             fence_async_shared()
             _tma_store(o_desc, [bh * S_Q + row0, 0], o)
         else:
             o_rows = row0 + gl.arange(0, ROWS_, orow_l)
             o_cols = gl.arange(0, D, gl.SliceLayout(0, o_layout))
-            gl.store(O + (bh * S_Q + o_rows)[:, None] * D + o_cols[None, :], out.to(q_smem.dtype),
+            gl.store(O + (bh * S_Q + o_rows)[:, None] * D + o_cols[None, :], out.to(O.dtype.element_ty),
                      mask=(o_rows < S_Q)[:, None])
         lse_out = gl.where(seen, (m_i + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
         if EVEN_Q:
@@ -212,7 +234,7 @@ def _ws_consumer(half, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars,
 def _ws_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, job_smem, blk_smem, bars, COUNTER_PTR, ORDER,
                  M_CSR, M_IDX, M_FLAG, S_Q, S_K, PLAN_B, PLAN_H, Q_TILES, BH, ROWS_: tl.constexpr,
                  BLOCK_N: tl.constexpr, STAGES: tl.constexpr, HEAD_GROUP: tl.constexpr, SCHEDULE: tl.constexpr,
-                 H_Q: tl.constexpr, H_KV: tl.constexpr, GROUP: tl.constexpr):
+                 H_Q: tl.constexpr, H_KV: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, FP8: tl.constexpr):
     """For each of the program's jobs: once both consumers are done with the last Q, the job
     and its Q, then K and V of every block of the tile's list, each into a stage both consumers
     have released, with the block's index and PARTIAL flag.  The next job (SCHEDULE) and its
@@ -238,7 +260,8 @@ def _ws_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, job_smem, blk_s
         mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
         _tma_load(q_desc, [q_row0, 0], q_ready, q_smem.index(0))
         _tma_load(q_desc, [q_row0 + ROWS_, 0], q_ready, q_smem.index(1))
-        kv_row0 = ((bh // H_Q) * H_KV + (bh % H_Q) // GROUP) * S_K
+        kvh = (bh // H_Q) * H_KV + (bh % H_Q) // GROUP
+        kv_row0 = kvh * S_K
         for i in range(lo, hi):
             stage = c % STAGES
             phase = (c // STAGES) & 1
@@ -250,7 +273,10 @@ def _ws_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, job_smem, blk_s
             _tma_load(k_desc, [kv_row0 + kb * BLOCK_N, 0], k_ready.index(stage), k_smem.index(stage))
             mbarrier.wait(v_empty.index(stage), phase ^ 1)
             mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
-            _tma_load(v_desc, [kv_row0 + kb * BLOCK_N, 0], v_ready.index(stage), v_smem.index(stage))
+            if FP8:  # V^T: the head's D rows, the block's BLOCK_N columns (past S_K: zero-filled)
+                _tma_load(v_desc, [kvh * D, kb * BLOCK_N], v_ready.index(stage), v_smem.index(stage))
+            else:
+                _tma_load(v_desc, [kv_row0 + kb * BLOCK_N, 0], v_ready.index(stage), v_smem.index(stage))
             c += 1
         jc += 1
         t = nxt
@@ -262,22 +288,24 @@ def _ws_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, job_smem, blk_s
 
 
 @gluon.jit
-def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, O, LSE, COUNTER_PTR, ORDER, M_CSR, M_IDX, M_FLAG, KS, KE, TS,
+def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, O, LSE, COUNTER_PTR, ORDER, M_CSR, M_IDX, M_FLAG, KS, KE, DQ, DK, DV, TS,
                  S_Q, S_K, Q_OFF, K_OFF, PLAN_B, PLAN_H, Q_TILES, qk_scale, BH,
                  MASK_FROM_ROWS: tl.constexpr, EVEN_Q: tl.constexpr, EVEN_K: tl.constexpr, ROWS_: tl.constexpr,
                  BLOCK_N: tl.constexpr, D: tl.constexpr, SAME_D: tl.constexpr,
                  STAGES: tl.constexpr, HEAD_GROUP: tl.constexpr, CONSUMER_REGS: tl.constexpr,
                  PRODUCER_REGS: tl.constexpr, SCHEDULE: tl.constexpr,
                  VISIBLE: tl.constexpr, SCORE: tl.constexpr, HAS_SCORE: tl.constexpr, SCALE: tl.constexpr,
-                 H_Q: tl.constexpr, H_KV: tl.constexpr, GROUP: tl.constexpr):
+                 H_Q: tl.constexpr, H_KV: tl.constexpr, GROUP: tl.constexpr, FP8: tl.constexpr):
     """Jobs (query tile of 2 * ROWS_ rows, request * query head) in ``_job``'s order: one per
     program (SCHEDULE == ONE_TILE), or one program per SM looping over jobs drawn from the
     counter at COUNTER_PTR (SCHEDULE == COUNTER) with O staged in its own buffers, so that the
     next tile's Q and K/V loads run under this tile's last blocks and epilogue.  KS, KE: each
     query row's run of keys (MASK_FROM_ROWS), [PLAN_B, PLAN_H, S_Q].  D is V's (and O's) head
-    dim; Q and K's may differ (SAME_D false: d_qk != d_v, O has its own buffers)."""
+    dim; Q and K's may differ (SAME_D false: d_qk != d_v, O has its own buffers).  FP8: float8
+    e4m3 Q, K and V^T (v_desc over [B * H_kv * D, S_k]) with descales DQ, DK, DV (``_ws_consumer``);
+    O has its own buffers in O's dtype."""
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
-    if SCHEDULE == ONE_TILE and SAME_D:
+    if SCHEDULE == ONE_TILE and SAME_D and not FP8:
         o_smem = q_smem  # one tile per program: O goes out through Q's stages
     else:
         o_smem = gl.allocate_shared_memory(o_desc.dtype, [2] + o_desc.block_type.shape, o_desc.layout)
@@ -300,13 +328,15 @@ def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, O, LSE, COUNTER_PTR, ORDER, M_C
         mbarrier.init(v_empty.index(i), count=2)
     bars = (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty)
     gl.warp_specialize([
-        (_ws_consumer, (0, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars, o_desc, O, LSE, KS, KE, S_Q, S_K,
-                        Q_OFF, K_OFF, PLAN_B, PLAN_H, Q_TILES, BH, qk_scale, TS, MASK_FROM_ROWS, EVEN_Q, EVEN_K, ROWS_, BLOCK_N, D,
-                        STAGES, HEAD_GROUP, VISIBLE, SCORE, HAS_SCORE, SCALE, H_Q)),
-        (_ws_consumer, (1, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars, o_desc, O, LSE, KS, KE, S_Q, S_K,
-                        Q_OFF, K_OFF, PLAN_B, PLAN_H, Q_TILES, BH, qk_scale, TS, MASK_FROM_ROWS, EVEN_Q, EVEN_K, ROWS_, BLOCK_N, D,
-                        STAGES, HEAD_GROUP, VISIBLE, SCORE, HAS_SCORE, SCALE, H_Q)),
+        (_ws_consumer, (0, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars, o_desc, O, LSE, KS, KE, DQ, DK,
+                        DV, S_Q, S_K, Q_OFF, K_OFF, PLAN_B, PLAN_H, Q_TILES, BH, qk_scale, TS, MASK_FROM_ROWS, EVEN_Q,
+                        EVEN_K, ROWS_, BLOCK_N, D, STAGES, HEAD_GROUP, VISIBLE, SCORE, HAS_SCORE, SCALE, H_Q, H_KV,
+                        GROUP, FP8)),
+        (_ws_consumer, (1, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars, o_desc, O, LSE, KS, KE, DQ, DK,
+                        DV, S_Q, S_K, Q_OFF, K_OFF, PLAN_B, PLAN_H, Q_TILES, BH, qk_scale, TS, MASK_FROM_ROWS, EVEN_Q,
+                        EVEN_K, ROWS_, BLOCK_N, D, STAGES, HEAD_GROUP, VISIBLE, SCORE, HAS_SCORE, SCALE, H_Q, H_KV,
+                        GROUP, FP8)),
         (_ws_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, job_smem, blk_smem, bars, COUNTER_PTR, ORDER,
                         M_CSR, M_IDX, M_FLAG, S_Q, S_K, PLAN_B, PLAN_H, Q_TILES, BH, ROWS_, BLOCK_N, STAGES,
-                        HEAD_GROUP, SCHEDULE, H_Q, H_KV, GROUP)),
+                        HEAD_GROUP, SCHEDULE, H_Q, H_KV, GROUP, D, FP8)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])

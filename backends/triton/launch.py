@@ -176,14 +176,15 @@ def gluon_box(d: int) -> int:
     return 1 << (d - 1).bit_length()
 
 
-def gluon_smem(d_qk: int, d_v: int, block_n: int, stages: int, schedule: int = 1) -> int:
+def gluon_smem(d_qk: int, d_v: int, block_n: int, stages: int, schedule: int = 1, fp8: bool = False) -> int:
     """Shared memory bytes of the Gluon engine's buffers: Q's two halves, O's (unless one tile
-    per program with d_qk = d_v: O goes out through Q's), ``stages`` K/V blocks, 1 KiB of
-    barriers and job slots (f16 / bf16)."""
+    per program with d_qk = d_v in one dtype: O goes out through Q's), ``stages`` K/V blocks,
+    1 KiB of barriers and job slots.  Q, K and V take 2 bytes (f16 / bf16) or 1 (``fp8``); O 2."""
     d_qk, d_v = gluon_box(d_qk), gluon_box(d_v)
     rows = 2 * gluon_engine.ROWS
-    o = 0 if schedule == 0 and d_qk == d_v else rows * d_v
-    return 2 * (rows * d_qk + o + stages * block_n * (d_qk + d_v)) + 1024
+    elem = 1 if fp8 else 2
+    o = 0 if schedule == 0 and d_qk == d_v and not fp8 else 2 * rows * d_v
+    return elem * (rows * d_qk + stages * block_n * (d_qk + d_v)) + o + 1024
 
 
 def check_options(asked: dict) -> None:
@@ -392,12 +393,15 @@ class PrefillLaunch:
     (B, H_q, S_q, S_k, strides, dtypes, alignments): ``__call__(q, k, v, ts, out, lse)``."""
 
     def __init__(self, module, config: PrefillConfig, arrays: dict, shape: tuple, device,
-                 offsets: tuple[int, int] | None = None):
+                 offsets: tuple[int, int] | None = None, fp8: bool = False):
         """``offsets``: the absolute positions (Q_OFF, K_OFF) of the first row and key, for one block
-        of a larger call (context parallelism); None: a whole call, bottom-right (S_k - S_q, 0)."""
+        of a larger call (context parallelism); None: a whole call, bottom-right (S_k - S_q, 0).
+        ``fp8``: float8 e4m3 Q, K and V (V transposed: ``__call__``) with descales (the Gluon
+        engine only)."""
         self.module, self.config, self.arrays = module, config, arrays
         self.batch, self.s_q, self.s_k = shape
         self.offsets = offsets
+        self.fp8 = fp8
         self.device = device
         spec = spec_constexprs(module)
         self.bh = self.batch * module.SPEC["H_Q"]
@@ -411,9 +415,9 @@ class PrefillLaunch:
             self.schedule = gluon_engine.SCHEDULES[c.schedule]
             self.grid = (self.jobs,) if self.schedule == 0 else (min(self.jobs, sm_count(device)),)
             d_qk, d_v, bn = module.SPEC["D_QK"], module.SPEC["D_V"], c.block_n
-            elem = 2  # f16 / bf16: the only storage the engine takes
+            elem = 1 if fp8 else 2
             same = d_qk == d_v
-            fixed = gluon_smem(d_qk, d_v, bn, 0, self.schedule)
+            fixed = gluon_smem(d_qk, d_v, bn, 0, self.schedule, fp8)
             per_stage = bn * (gluon_box(d_qk) + gluon_box(d_v)) * elem
             stages = max(1, min(c.num_stages, (gluon_engine.SMEM - fixed) // per_stage))
             maxnreg, consumer, producer = gluon_engine.REGS
@@ -423,13 +427,13 @@ class PrefillLaunch:
                 MASK_FROM_ROWS=from_rows, EVEN_Q=self.s_q % (2 * gluon_engine.ROWS) == 0, EVEN_K=self.s_k % bn == 0,
                 ROWS_=gluon_engine.ROWS, BLOCK_N=bn, D=d_v, SAME_D=same, STAGES=stages,
                 HEAD_GROUP=c.head_group, CONSUMER_REGS=consumer, PRODUCER_REGS=producer, SCHEDULE=self.schedule,
-                **keep), num_warps=4, maxnreg=maxnreg)
+                FP8=fp8, **keep), num_warps=4, maxnreg=maxnreg)
             unused = arrays["merged_partial"]
             rows = (arrays["KS"], arrays["KE"]) if from_rows else (unused, unused)
-            self.gl_dtype = None
             self._layouts = {}
             self.fixed_tail = (arrays["q_tile_order"], arrays["merged_indptr"], arrays["merged_indices"],
                                arrays["merged_partial"], *rows)
+            self.no_descales = (unused, unused, unused)
         else:
             walk = c.walk or default_walk(arrays["mean_merged_run_blocks"], c.mask_source)
             self.config = replace(c, walk=walk)
@@ -446,18 +450,18 @@ class PrefillLaunch:
                               arrays["merged_run_lo"], arrays["merged_run_hi"], arrays["merged_run_base"],
                               arrays["merged_partial"], arrays["merged_indptr"], arrays["merged_indices"], *vecs)
 
-    def __call__(self, q, k, v, ts: tuple, out, lse, key=None):
+    def __call__(self, q, k, v, ts: tuple, out, lse, key=None, descales: tuple | None = None):
         """Launch on bhsd views (strides carry the layout).  ``key``: the caller's binding key, which
-        fixes every argument's specialization (None: through the JIT)."""
+        fixes every argument's specialization (None: through the JIT).  FP8 launches: ``v`` is V^T,
+        a [B, H_kv, d_v, S_k] view with unit stride along S_k and 16-byte aligned rows, and
+        ``descales`` (q [B * H_q], k [B * H_kv], v [B * H_kv]) float32."""
         if self.config.engine == "gluon":
-            if self.gl_dtype is None:
-                gl = gluon_engine.gl
-                self.gl_dtype = {"torch.float16": gl.float16, "torch.bfloat16": gl.bfloat16}[str(q.dtype)]
             desc = self._gluon_descriptor
             counter = _counter(self.device) if self.schedule == 1 else self.arrays["merged_partial"]
             rows, bn = gluon_engine.ROWS, self.config.block_n
-            args = (desc(q, rows, "q"), desc(k, bn, "k"), desc(v, bn, "v"), desc(out, rows, "o"), out, lse, counter,
-                    *self.fixed_tail, ts, *self.ints)
+            v_desc = self._fp8_v_descriptor(v) if self.fp8 else desc(v, bn, "v")
+            args = (desc(q, rows, "q"), desc(k, bn, "k"), v_desc, desc(out, rows, "o"), out, lse, counter,
+                    *self.fixed_tail, *(descales if self.fp8 else self.no_descales), ts, *self.ints)
         else:
             desc_k = desc_v = k
             if self.config.use_tma:  # Hopper bulk copies of K/V tiles from a [B * H_kv * S_k, d] view
@@ -483,17 +487,33 @@ class PrefillLaunch:
         d = t.shape[-1]
         return self._cached(t, role, lambda: TensorDescriptor.from_tensor(t.reshape(-1, d), [self.config.block_n, d]))
 
+    def _gluon_layout(self, block: list, dtype):
+        key = (*block, str(dtype))
+        layout = self._layouts.get(key)
+        if layout is None:
+            gl = gluon_engine.gl
+            gl_dtype = {"torch.float16": gl.float16, "torch.bfloat16": gl.bfloat16,
+                        "torch.float8_e4m3fn": gl.float8e4nv}[str(dtype)]
+            layout = self._layouts[key] = gl.NVMMASharedLayout.get_default_for(block, gl_dtype)
+        return layout
+
     def _gluon_descriptor(self, t, rows, role):
         """The Gluon engine's descriptor of ``t`` viewed as [-1, d] in ``rows``-row blocks (d: q and
         k's head dim, or v and o's)."""
         d = self.module.SPEC["D_QK" if role in ("q", "k") else "D_V"]
         box = gluon_box(d)  # (a 192-wide head is loaded as 256 columns, the last 64 zero-filled by TMA)
-        layout = self._layouts.get((rows, box))
-        if layout is None:
-            layout = self._layouts[(rows, box)] = gluon_engine.gl.NVMMASharedLayout.get_default_for([rows, box],
-                                                                                                    self.gl_dtype)
+        layout = self._gluon_layout([rows, box], t.dtype)
         return self._cached(t, role, lambda: gluon_engine.TensorDescriptor.from_tensor(t.view(-1, d), [rows, box],
                                                                                       layout))
+
+    def _fp8_v_descriptor(self, vt):
+        """V^T's descriptor for an FP8 launch: [B * H_kv * d_v, S_k] in [d_v, BLOCK_N] blocks; its row
+        stride may exceed S_k (a padded copy), and TMA zero-fills the columns past S_k."""
+        d, bn = self.module.SPEC["D_V"], self.config.block_n
+        layout = self._gluon_layout([d, bn], vt.dtype)
+        rows = vt.shape[0] * vt.shape[1] * d
+        return self._cached(vt, "vt", lambda: gluon_engine.TensorDescriptor(vt, [rows, self.s_k], [vt.stride(3), 1],
+                                                                           [d, bn], layout))
 
 
 # ---------------------------------------------------------------- split calls

@@ -35,6 +35,7 @@ TORCH_DTYPES = {"f16": "float16", "bf16": "bfloat16", "f32": "float32"}
 # keyword options of a prefill call that are the launch layer's (everything else is a mask tensor)
 PREFILL_OPTIONS = ("block_m", "block_n", "num_warps", "num_stages", "use_tma", "walk", "mask_source", "head_group",
                    "engine", "schedule")
+FP8_INPUTS = ("q_descale", "k_descale", "v_descale")  # an FP8 call's descales (attnc.fp8)
 
 
 def _kind(t) -> str:
@@ -73,6 +74,8 @@ class Kernel:
         self._splits: dict = {}
         self._torch = torch
         self._dtype = getattr(torch, TORCH_DTYPES[program.dtype])
+        self._fp8 = getattr(torch, "float8_e4m3fn", None)
+        self._unit_descales: dict = {}
         self._device = "cpu" if interpreted() or not torch.cuda.is_available() else "cuda"
 
     @property
@@ -114,6 +117,10 @@ class Kernel:
         options = {n: kwargs.pop(n) for n in PREFILL_OPTIONS if n in kwargs}
         if isinstance(q, np.ndarray):
             return self._numpy_call(q, k, v, kwargs, plan, options, return_lse)
+        if q.dtype is self._fp8:
+            o, lse = self._fp8_call(q, k, v, kwargs, plan, options)
+            self._check_scores(lse, k)
+            return (o, lse) if return_lse else o
         if plan is None and not any(v is not None for v in options.values()):
             try:
                 key = self._key(q, k, v, kwargs)
@@ -127,6 +134,86 @@ class Kernel:
         o, lse = self._call_slow(q, k, v, kwargs, plan, options)
         self._check_scores(lse, k)
         return (o, lse) if return_lse else o
+
+    # ------------------------------------------------------------ FP8 (e4m3) inputs
+    def _fp8_call(self, q, k, v, tensors: dict, plan, options: dict):
+        """An FP8 call (``attnc.fp8``): float8_e4m3fn q, k, v with per-(request, head) descales.  On
+        the Gluon engine where it takes the call (Hopper, f16 / bf16 spec, bhsd, q.k and v head
+        dims equal and 64 / 128 / 256): Q.K^T and P.V on FP8 tensor cores, V read transposed;
+        elsewhere (or ``engine="triton"``) the inputs are dequantized to the spec's dtype and the
+        call runs as usual -- the same attention of the same dequantized values.  O comes back in
+        the spec's dtype."""
+        from attnc import fp8 as F
+        descales = [tensors.pop(n, None) for n in FP8_INPUTS]
+        aligned = tuple(d.data_ptr() % 16 == 0 if hasattr(d, "data_ptr") else None for d in descales)
+        key = ("fp8", self._key(q, k, v, tensors), aligned) if plan is None and not options else None
+        hit = self._bound.get(key) if key is not None else None
+        if hit is None:
+            hit = self._fp8_bind(q, k, v, tensors, plan, options)
+            if key is not None:
+                self._bound[key] = hit
+        bound, engine = hit
+        d = self._fp8_descales(descales, bound, q.device)
+        if not engine:
+            axis = 2 if bound.bshd else 1
+            qd, kd, vd = (F.dequantize(x, s.view(bound.batch, -1), self._dtype, heads_axis=axis)
+                          for x, s in zip((q, k, v), d))
+            return self(qd, kd, vd, plan=plan, return_lse=True, **tensors, **options)
+        vt = F.v_transposed(v)
+        launch = self._cached_launch(bound, key, q, k, vt, tensors, fp8=True) if key is not None else \
+            self._make_launch(bound, q, k, vt, tensors, plan, options, fp8=True)
+        out = self._torch.empty(bound.out_shape, device=q.device, dtype=self._dtype)
+        lse = self._torch.empty((bound.batch, self.program.heads_q, bound.s_q), device=q.device,
+                                dtype=self._torch.float32)
+        ts = L.call_tensor_args(self.module, tensors, bound.batch, bound.s_q, bound.s_k, q.device)
+        launch(q, k, vt, ts, out, lse, key, descales=d)
+        return out, lse
+
+    def _fp8_bind(self, q, k, v, tensors: dict, plan, options: dict):
+        """(what the call's key fixes, whether the Gluon engine runs it): validated once per key."""
+        f8 = self._fp8
+        if k.dtype is not f8 or v.dtype is not f8:
+            raise InputError(f"inputs: q/k/v have dtypes {q.dtype}/{k.dtype}/{v.dtype}; an FP8 call takes all "
+                             "three as float8_e4m3fn")
+        bound = self._validate(q, k, v, tensors, storage=False)._replace(emulate=False)
+        p = self.program
+        contiguous = q.is_contiguous() and k.is_contiguous() and not bound.bshd
+        refusal = None if p.d_qk == p.d_v and p.d_qk in (64, 128, 256) else \
+            f"FP8 runs on the Gluon engine with equal q.k and v head dims of 64, 128 or 256, not {p.d_qk} / {p.d_v}"
+        refusal = refusal or L.gluon_call_refusal(p, bound.s_q, bound.s_k, contiguous, L.capability(q.device),
+                                                  L.GLUON_WIDE_TILES if p.d_qk > 128 else L.GLUON_TILES)
+        asked = options.get("engine")
+        if asked == "gluon" and refusal:
+            raise ValueError(f"engine='gluon': {refusal}")
+        return bound, refusal is None and asked != "triton" and plan is None
+
+    def _fp8_descales(self, descales: list, bound: _Bound, device) -> tuple:
+        """The three descales as flat float32 device tensors [B * H] (None: 1; a number or a
+        0-d tensor: every head's; else [B, H])."""
+        torch = self._torch
+        p = self.program
+        out = []
+        for name, d, heads in zip(FP8_INPUTS, descales, (p.heads_q, p.heads_kv, p.heads_kv)):
+            shape = (bound.batch, heads)
+            if d is None or isinstance(d, (int, float)):
+                value = 1.0 if d is None else float(d)
+                key = (shape, str(device), value)
+                t = self._unit_descales.get(key)
+                if t is None:
+                    t = self._unit_descales[key] = torch.full(shape, value, dtype=torch.float32, device=device)
+                out.append(t.view(-1))
+                continue
+            if not isinstance(d, torch.Tensor) or not d.dtype.is_floating_point:
+                raise InputError(f"inputs: '{name}' must be a float tensor [B, H] = {list(shape)} or a number, "
+                                 f"not {type(d).__name__}{'' if not isinstance(d, torch.Tensor) else ' ' + str(d.dtype)}")
+            if d.device != device:
+                raise InputError(f"inputs: '{name}' is on {d.device}, q on {device}")
+            if d.dim() == 0:
+                d = d.expand(shape)
+            if tuple(d.shape) != shape:
+                raise InputError(f"inputs: '{name}' has shape {list(d.shape)}; this call's is [B, H] = {list(shape)}")
+            out.append(d.to(torch.float32).contiguous().view(-1))
+        return tuple(out)
 
     def _check_scores(self, lse, k=None, plan: dict | None = None):
         """The non-finite-score policy (compiler.numerics.check_rows): the kernels mark a row whose
@@ -152,6 +239,10 @@ class Kernel:
         """Check a prefill call's devices, keys, shapes (and, ``storage``, that q/k/v are in the
         spec's dtype); what the call's key then fixes."""
         torch = self._torch
+        stray = [n for n in FP8_INPUTS if n in tensors]
+        if stray:
+            raise InputError(f"inputs: '{stray[0]}' is given but q is {q.dtype}: descales go with float8_e4m3fn q, k "
+                             "and v (attnc.fp8.quantize)")
         L.check_device({"q": q, "k": k, "v": v, **tensors}, self.device)
         metas = {n: (tuple(t.shape), _kind(t), str(t.dtype)) for n, t in {"q": q, "k": k, "v": v, **tensors}.items()}
         batch, s_q, s_k = inputs.check_shapes(self.program, metas)
@@ -227,7 +318,7 @@ class Kernel:
         named = [tensors[n] for n in self._tensor_names if n in tensors]
         return named, (self.digest, *key, tuple(P.tensor_key(n, tensors[n]) for n in self._tensor_names if n in tensors))
 
-    def _cached_launch(self, bound: _Bound, key, qb, kb, vb, tensors: dict):
+    def _cached_launch(self, bound: _Bound, key, qb, kb, vb, tensors: dict, fp8: bool = False):
         named, pkey = self._plan_key(key, tensors=tensors)
         launch = P.PLANS.get(pkey, named)
         if launch is None:
@@ -236,18 +327,21 @@ class Kernel:
                 raise PlanError("a prefill call is being captured in a CUDA graph but its plan is not made yet: "
                                 "run the call once before capture (its plan is then reused), and for a mask that "
                                 "reads tensors, capture with the same tensors (a graph replays its plan)")
-            launch = self._make_launch(bound, qb, kb, vb, tensors, None, {})
+            launch = self._make_launch(bound, qb, kb, vb, tensors, None, {}, fp8=fp8)
             P.PLANS.put(pkey, launch, P.nbytes_of(launch.arrays), named)
         return launch
 
-    def _make_launch(self, bound: _Bound, qb, kb, vb, tensors: dict, plan, options: dict):
-        """Choose the config and plan for this call and bind a launch (``launch.choose_prefill``)."""
+    def _make_launch(self, bound: _Bound, qb, kb, vb, tensors: dict, plan, options: dict, fp8: bool = False):
+        """Choose the config and plan for this call and bind a launch (``launch.choose_prefill``);
+        ``fp8``: an FP8 call the Gluon engine takes (``_fp8_bind``)."""
         from attnc.compiler import tune
         p = self.program
         asked = dict(options)
         tuned = None
-        if plan is None and asked.get("block_m") is None and asked.get("block_n") is None:
+        if plan is None and asked.get("block_m") is None and asked.get("block_n") is None and not fp8:
             tuned = tune.tuned_tiles(p, bound.batch, bound.s_q, bound.s_k, "triton")
+        if fp8:
+            asked["engine"] = "gluon"
         host = {n: (t.detach().cpu().numpy() if hasattr(t, "detach") else np.asarray(t)) for n, t in tensors.items()}
         host = {n: a.astype(np.int64) if a.dtype.kind in "iu" else a for n, a in host.items()}
         made: dict = {}
@@ -260,13 +354,14 @@ class Kernel:
                 made[(bm, bn)] = next(iter(made.values())).retile(bm, bn)
             return made[(bm, bn)]
 
-        # (the Gluon engine writes O through a bhsd view: bshd outputs take the Triton kernel)
-        contiguous = all(x.is_contiguous() for x in (qb, kb, vb)) and not bound.bshd
+        # (the Gluon engine writes O through a bhsd view: bshd outputs take the Triton kernel; an FP8
+        # call's V is V^T, whose layout _fp8_bind checked)
+        contiguous = all(x.is_contiguous() for x in (qb, kb, vb if not fp8 else qb)) and not bound.bshd
         config, plan = L.choose_prefill(p, bound.s_q, bound.s_k, plan_for, asked=asked, tuned=tuned,
                                         contiguous=contiguous, device_capability=L.capability(qb.device),
                                         given_plan=plan)
         arrays = self.device_plan(plan, qb.device)
-        return L.PrefillLaunch(self.module, config, arrays, (bound.batch, bound.s_q, bound.s_k), qb.device)
+        return L.PrefillLaunch(self.module, config, arrays, (bound.batch, bound.s_q, bound.s_k), qb.device, fp8=fp8)
 
     def prepare(self, q, k, v, *, plan: Plan | None = None, **kwargs):
         """A prefill call bound once and run many times (the tuner's and the studies' timing
