@@ -5,12 +5,21 @@ timed.  Timings are ``triton.testing.do_bench`` samples (ms, raw samples recorde
 ``host_us``: the host time of one call, measured over back-to-back calls while the GPU is kept
 busy (so it is the time Python spends issuing the call, launches included).
 
+Prefill cases (``PREFILL_CASES``, ``attnc bench prefill --cases all|<names>``): the five bench
+masks at B4 H16 S8192 d128 and issue 21's shapes and score programs (S 8000, d 64 with 32 heads,
+ALiBi, softcap 30 with GQA 32/8, MLA d 192/128, d 256, FP8 e4m3 causal); each case is checked
+against a float32 dense reference of its own (score program, GQA, d_qk != d_v; FP8 against the
+original bf16 inputs, tolerance 5e-2) and the run ends with issue 21's summary (``issue21_summary``:
+x Flex best, x cuDNN, FP8 over bf16, and the done-criterion's verdict per case).
 Prefill implementations:
   attnc_call    ``attnc.compile(spec)(q, k, v, **tensors)`` as a user makes it: no plan passed in,
-                the untuned default; its plan comes from the plan cache after the first call;
+                the untuned default; its plan comes from the plan cache after the first call (FP8:
+                ``attn(q8, k8, v8, q_descale=, k_descale=, v_descale=)``, quantized once outside);
   attnc_kernel  the same kernel with its launch bound once (``Kernel.prepare``): the kernel alone;
-  flex_<mode>   FlexAttention compiled with torch.compile (its BlockMask made once);
-  sdpa_cudnn, sdpa_flash   SDPA's backends (causal and full only).
+  flex_<mode>   FlexAttention compiled with torch.compile (its BlockMask made once; dynamo reset
+                before each mode and case; score_mod for the score programs, enable_gqa for GQA);
+  sdpa_cudnn, sdpa_flash   SDPA's backends (plain causal and full cases only; FP8: tried on the
+                quantized tensors, a refusal is recorded as an error row).
 Decode implementations (GQA, paged bf16 cache, page 16, shuffled page ids):
   attnc_call    ``attn.decode(q, k_cache=..., v_cache=..., block_table=..., kv_lens=...)``: the
                 default config, planned in every call, no graph;
@@ -18,15 +27,17 @@ Decode implementations (GQA, paged bf16 cache, page 16, shuffled page ids):
   attnc_cfg     fixed configs (BLOCK_N, splits, warps, stages) with the plan made once: the best
                 of them is what the default is measured against;
   sdpa_*        SDPA on the same K/V stored contiguously (and replayed from a graph).
-TFLOP/s count visible cells only (4 * d * visible cells per (b, h)); decode TB/s counts the K/V
-bytes a call must read once.
+TFLOP/s count visible cells only (2 * (d_qk + d_v) * visible cells per (b, h): 4 * d when they
+are equal); decode TB/s counts the K/V bytes a call must read once.
 """
 from __future__ import annotations
 
+import gc
 import json
 import math
 import platform
 import time
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -124,14 +135,19 @@ def host_us(fn, calls: int = 40) -> float:
 
 
 def timed(fn, check, record: dict, rows: Rows, label: str, work: float, unit: str, tol: float = 1e-2,
-          warmup: int = 50, rep: int = 300) -> dict | None:
-    """Check ``fn``'s output, then time it: one row (or an error row)."""
+          warmup: int = 50, rep: int = 300, post=None) -> dict | None:
+    """Check ``fn``'s output, then time it: one row (or an error row).  ``check_call_ms`` is the
+    wall time of the checking call (a compile, for a peer compiled on first use); ``post(row)``
+    returns fields derived from the measurement, added before the row is written."""
     import torch
     import triton
     try:
+        t0 = time.perf_counter()
         out = fn()
         torch.cuda.synchronize()
+        check_ms = (time.perf_counter() - t0) * 1e3
         err = check(out)
+        del out
     except Exception as e:  # noqa: BLE001 - a peer failing is a row, not the end of the run
         rows.append({**record, "error": f"{type(e).__name__}: {str(e)[-1200:]}"})
         print(f"{label}: ERROR {type(e).__name__}: {str(e)[-300:]}", flush=True)
@@ -147,13 +163,142 @@ def timed(fn, check, record: dict, rows: Rows, label: str, work: float, unit: st
     hus = host_us(fn) if ok else float("nan")
     rate = work / med / 1e9 if samples else None  # FLOP (or bytes) per ms / 1e9: TFLOP/s (or TB/s)
     row = {**record, "rel_l2_error": err, "pass": ok, "median_ms": med, "host_us": hus, unit: rate,
-           "samples_ms": samples}
+           "check_call_ms": check_ms, "samples_ms": samples}
+    derived = post(row) if post is not None else {}
+    row.update(derived)
     rows.append(row)
-    print(f"{label}: err {err:.1e}  {med * 1e3:8.1f} us  host {hus:6.1f} us  {rate or 0:7.1f} {unit}", flush=True)
+    print(f"{label}: err {err:.1e}  {med * 1e3:8.1f} us  host {hus:6.1f} us  {rate or 0:7.1f} {unit}"
+          + "".join(f"  {n} {x:.3f}" if isinstance(x, float) else f"  {n} {x}" for n, x in derived.items()), flush=True)
     return row
 
 
 # ---------------------------------------------------------------- prefill
+# Score programs the cases use: (the .attn statement, the float32 reference's score function on
+# an [S_q, S_k] plane of head h, FlexAttention's score_mod).  The statement acts on the scaled score.
+ALIBI_SCORE = "score = score - exp(-(h + 1) * log(2.0) * 8.0 / 16.0) * (q - k)"  # slopes 2^(-8(h+1)/16)
+SOFTCAP_SCORE = "score = softcap(score, 30.0)"
+
+
+def _alibi_reference(s, h, qi, ki):
+    return s - math.exp(-(h + 1) * math.log(2.0) * 8.0 / 16.0) * (qi - ki).to(s.dtype)
+
+
+def _alibi_flex():
+    import torch
+    return lambda s, b, h, q, k: s - torch.exp2(-(h + 1) * 8.0 / 16.0) * (q - k)
+
+
+def _softcap_reference(s, h, qi, ki):
+    import torch
+    return 30.0 * torch.tanh(s / 30.0)
+
+
+def _softcap_flex():
+    import torch
+    return lambda s, b, h, q, k: 30.0 * torch.tanh(s / 30.0)
+
+
+SCORES = {
+    "alibi": (ALIBI_SCORE, _alibi_reference, _alibi_flex),
+    "softcap30": (SOFTCAP_SCORE, _softcap_reference, _softcap_flex),
+}
+DEVICE = "cuda"  # the prefill cases' device (the CPU only in the unit tests' dry run)
+FLOP_FORMULA = "2 * (d_qk + d_v) * H_q * visible_cells (visible (q, k) cells of one head, summed over b)"
+SDPA_BACKENDS = ("cudnn", "flash")
+
+
+@dataclass(frozen=True)
+class PrefillCase:
+    """One prefill case of the bench: its mask (a ``PREFILL_MASKS`` name: the .attn mask, the Flex
+    mask_mod and the reference's visibility all come from it), its score program (a ``SCORES``
+    name or ""), its shapes (bhsd; GQA when ``heads_kv`` < ``heads``; ``d_v`` None: d_qk), the SDPA
+    backends timed beside it, and whether its inputs are FP8 e4m3 (``attnc.fp8.quantize``)."""
+    name: str
+    mask: str = "causal"
+    score: str = ""
+    batch: int = 4
+    heads: int = 16
+    heads_kv: int | None = None
+    d_qk: int = 128
+    d_v: int | None = None
+    seq: int = 8192
+    sdpa: tuple[str, ...] = ()
+    fp8: bool = False
+
+    @property
+    def h_kv(self) -> int:
+        return self.heads_kv or self.heads
+
+    @property
+    def dv(self) -> int:
+        return self.d_v or self.d_qk
+
+    @property
+    def gqa(self) -> bool:
+        return self.h_kv != self.heads
+
+    def spec(self) -> str:
+        """The .attn text: shape-generic (heads and head dims come from the call), bf16 (the FP8
+        case's too: its inputs are float8_e4m3fn with descales, O is in the spec's dtype)."""
+        mask_src, decls = PREFILL_MASKS[self.mask]
+        body = " ".join(x for x in (decls, SCORES[self.score][0] if self.score else "") if x)
+        return spec_text(self.name, mask_src, body)
+
+    def describe(self) -> str:
+        heads = f"{self.heads}/{self.h_kv}" if self.gqa else f"{self.heads}"
+        dims = f"{self.d_qk}/{self.dv}" if self.dv != self.d_qk else f"{self.d_qk}"
+        return (f"B={self.batch} H={heads} S={self.seq} d={dims} {'fp8_e4m3' if self.fp8 else 'bf16'} "
+                f"mask={self.mask}{' score=' + self.score if self.score else ''}")
+
+    def flex_score_mod(self):
+        return SCORES[self.score][2]() if self.score else None
+
+
+def mask_case(name: str, batch: int = 4, heads: int = 16, seq: int = 8192, head_dim: int = 128) -> PrefillCase:
+    """One of the five bench masks as a case (SDPA beside causal and full)."""
+    if name not in PREFILL_MASKS:
+        raise ValueError(f"unknown mask {name!r}; expected one of {', '.join(PREFILL_MASKS)}")
+    return PrefillCase(name, mask=name, batch=batch, heads=heads, seq=seq, d_qk=head_dim,
+                       sdpa=SDPA_BACKENDS if name in ("causal", "full") else ())
+
+
+# Issue 21's cases: the five masks at B4 H16 S8192 d128, then the shapes and score programs.
+PREFILL_CASES = {name: mask_case(name) for name in PREFILL_MASKS}
+PREFILL_CASES.update({c.name: c for c in (
+    PrefillCase("causal_s8000", seq=8000, sdpa=SDPA_BACKENDS),
+    PrefillCase("causal_d64_h32", heads=32, d_qk=64, sdpa=SDPA_BACKENDS),
+    PrefillCase("alibi", score="alibi"),
+    PrefillCase("softcap30_gqa", score="softcap30", heads=32, heads_kv=8),
+    PrefillCase("mla_192_128", d_qk=192, d_v=128),
+    PrefillCase("causal_d256", d_qk=256, sdpa=SDPA_BACKENDS),
+    PrefillCase("fp8_causal", fp8=True, sdpa=SDPA_BACKENDS),  # SDPA on fp8 inputs: tried, expected to refuse
+)})
+
+# Issue 21's done-criterion, per case (the summary's verdict).
+ISSUE21_X_FLEX = 1.3          # attnc_call over FlexAttention's best mode, every case but FP8
+ISSUE21_X_CUDNN = {"causal": 1.0, "full": 1.0, "causal_s8000": 0.95}
+ISSUE21_VS_BF16 = {"fp8_causal": 1.4}  # FP8 causal over the same run's bf16 causal attnc_call
+ISSUE21_FLEX_MODES = ("default", "max-autotune-no-cudagraphs")
+
+
+def select_cases(text: str, batch: int | None = None, seq: int | None = None) -> list[PrefillCase]:
+    """``all`` or a comma list of case names (``PREFILL_CASES``); ``batch`` / ``seq`` replace every
+    case's (a smaller run: its rows say so, and the summary is then not issue 21's shapes)."""
+    names = list(PREFILL_CASES) if text.strip() == "all" else [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in PREFILL_CASES]
+    if unknown or not names:
+        raise ValueError(f"unknown case {unknown[0] if unknown else text!r}; expected 'all' or a comma list of "
+                         f"{', '.join(PREFILL_CASES)}")
+    cases = [PREFILL_CASES[n] for n in dict.fromkeys(names)]
+    return [replace(c, **({"batch": batch} if batch else {}), **({"seq": seq} if seq else {})) for c in cases]
+
+
+def prefill_flops(visible_cells: float, heads_q: int, d_qk: int, d_v: int) -> float:
+    """FLOPs of a prefill call counting visible cells only (``FLOP_FORMULA``): Q.K^T is 2 d_qk and
+    P.V 2 d_v per visible cell per (b, h); ``visible_cells`` is one head's count over the batch."""
+    return 2.0 * (d_qk + d_v) * heads_q * visible_cells
+
+
 def _flex_mask_mod(name, tensors):
     if name == "causal":
         return lambda b, h, qi, ki: qi >= ki
@@ -169,115 +314,373 @@ def _flex_mask_mod(name, tensors):
     raise ValueError(name)
 
 
+def _mask_planes(name, s_q, s_k, tensors, device):
+    """b -> [S_q, S_k] bool visibility of a bench mask (for the references)."""
+    import torch
+    qi = torch.arange(s_q, device=device)[:, None]
+    ki = torch.arange(s_k, device=device)[None, :]
+    if name == "causal_document":
+        return lambda b: (qi >= ki) & (tensors["doc"][b][:s_q, None] == tensors["doc"][b][None, :s_k])
+    fixed = {"causal": lambda: qi >= ki, "sliding_window_1024": lambda: (qi >= ki) & (qi - ki < 1024),
+             "prefix_lm_2048": lambda: (qi >= ki) | (ki < 2048),
+             "full": lambda: torch.ones(s_q, s_k, dtype=torch.bool, device=device)}
+    plane = fixed[name]()
+    return lambda b: plane
+
+
+def reference_planes(case: PrefillCase, q, k, v, tensors: dict, planes) -> list:
+    """float32 O of each (b, h) plane by dense masked softmax on q's device: scale 1/sqrt(d_qk),
+    the case's score program on the scaled score, GQA by the query head's K/V head (h // group),
+    d_v from v.  Rows that see no key are zero."""
+    import torch
+    group = q.shape[1] // k.shape[1]
+    s_q, s_k = q.shape[2], k.shape[2]
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    visible = _mask_planes(case.mask, s_q, s_k, tensors, q.device)
+    qi = torch.arange(s_q, device=q.device)[:, None]
+    ki = torch.arange(s_k, device=q.device)[None, :]
+    score = SCORES[case.score][1] if case.score else None
+    out = []
+    for b, h in planes:
+        s = (q[b, h].float() @ k[b, h // group].float().T) * scale
+        if score is not None:
+            s = score(s, h, qi, ki)
+        s = s.masked_fill(~visible(b), float("-inf"))
+        p = torch.softmax(s, -1).nan_to_num(0.0)
+        out.append(p @ v[b, h // group].float())
+        del s, p
+    return out
+
+
+def plane_check(refs, planes):
+    """o -> relative L2 error of o's planes against the references (o or (o, lse))."""
+    def check(o):
+        o = o[0] if isinstance(o, tuple) else o
+        num = sum(((o[b, h].float() - r) ** 2).sum() for (b, h), r in zip(planes, refs))
+        den = sum((r ** 2).sum() for r in refs)
+        return float((num / den).sqrt())
+    return check
+
+
+def _plan_stats(program, batch, seq, tensors):
+    """(visible cells of one head over the batch, tile-class counts at 128 x 128, plan ms) from the
+    mask analysis on the host."""
+    from attnc.compiler.plan import plan as make_plan
+    host = {n: t.cpu().numpy().astype(np.int64) for n, t in tensors.items()}
+    t0 = time.perf_counter()
+    p = make_plan(program, batch, seq, seq, host, 128, 128)
+    plan_ms = (time.perf_counter() - t0) * 1e3
+    per_column = p.intervals.visible.must.cells_in(0, p.s_q).reshape(p.intervals.shape)
+    visible = int(np.broadcast_to(per_column.sum(-1)[:, :1], (batch, 1)).sum())
+    return visible, p.tiles.counts(), plan_ms
+
+
+def _case_key(attn, program, case, batch, seq):
+    """The dispatch key of the case's call; FP8 rows carry the key of the fp8 specialisation where
+    the compiler has one, else the bf16 one (the row's ``key_note`` says so)."""
+    if case.fp8:
+        try:
+            return call_key(attn.specialize(case.heads, case.h_kv, case.d_qk, case.dv, "fp8_e4m3"), batch, seq,
+                            seq), None
+        except Exception as e:  # noqa: BLE001 - the key is a label here, not the measurement
+            return call_key(program, batch, seq, seq), (f"dispatch key of the bf16 specialisation (no fp8 key: "
+                                                         f"{type(e).__name__}: {str(e)[:160]})")
+    return call_key(program, batch, seq, seq), None
+
+
+def _error_row(rows, record, label, e):
+    rows.append({**record, "error": f"{type(e).__name__}: {str(e)[-1200:]}"})
+    print(f"{label}: ERROR {type(e).__name__}: {str(e)[-300:]}", flush=True)
+
+
 def run_prefill(batch=4, heads=16, seq=8192, head_dim=128, masks=None, out=None, seed=0, command="",
-                flex_modes=("default", "max-autotune-no-cudagraphs"), sdpa=True, kernel_alone=True):
+                flex_modes=ISSUE21_FLEX_MODES, sdpa=True, kernel_alone=True, cases=None, issue21=False):
+    """Time every case (``cases``: ``PrefillCase`` s; default the bench masks ``masks`` at the given
+    shape) in this process; with ``issue21``, end with issue 21's summary table and its JSON row."""
+    import torch
+
+    if cases is None:
+        cases = [mask_case(name, batch, heads, seq, head_dim) for name in masks or GOAL_MASKS]
+    rows = Rows(out, command)
+    env = environment()
+    start = time.perf_counter()
+    for i, case in enumerate(cases):
+        print(f"[{i + 1}/{len(cases)}] {case.name}: {case.describe()}  ({time.perf_counter() - start:.0f} s so far)",
+              flush=True)
+        try:
+            _run_case(case, rows, env, seed, flex_modes, sdpa, kernel_alone)
+        except Exception as e:  # noqa: BLE001 - a case that fails outside timed() (inputs, plan) is a row
+            _error_row(rows, {"bench": "prefill", "case": case.name, "impl": "case", "env": env},
+                       f"{case.name} (setup)", e)
+        finally:
+            torch._dynamo.reset()
+            gc.collect()
+            torch.cuda.empty_cache()
+    print(f"prefill: {len(cases)} cases in {time.perf_counter() - start:.0f} s", flush=True)
+    if issue21:
+        s = issue21_summary(rows, flex_modes=flex_modes)
+        rows.append({"bench": "issue21_summary", **s})
+        print(format_issue21(s), flush=True)
+    return list(rows)
+
+
+def _run_case(case: PrefillCase, rows: Rows, env: dict, seed: int, flex_modes, sdpa: bool, kernel_alone: bool):
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
     import attnc
     from attnc.compiler import inputs
 
-    rows = Rows(out, command)
-    env = environment()
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    for name in masks or GOAL_MASKS:
-        mask_src, decls = PREFILL_MASKS[name]
-        attn = attnc.compile(spec_text(name, mask_src, decls))  # shape-generic: heads, head_dim from the call
-        q = torch.randn(batch, heads, seq, head_dim, device="cuda", dtype=torch.bfloat16, generator=g)
-        k = torch.randn(batch, heads, seq, head_dim, device="cuda", dtype=torch.bfloat16, generator=g)
-        v = torch.randn(batch, heads, seq, head_dim, device="cuda", dtype=torch.bfloat16, generator=g)
-        tensors = {}
-        program = attn.specialize(heads, heads, head_dim, head_dim, "bf16")
-        if program.tensors:
-            sample = inputs.sample(program, batch, seq, seq, seed)
-            tensors = {t.name: torch.as_tensor(sample[t.name].astype(np.int32), device="cuda")
-                       for t in program.tensors}
-        kernel = attn.kernel("triton", program)
-        t0 = time.perf_counter()
-        plan = kernel.plan(batch, seq, seq, tensors, 128, 128)
-        plan_ms = (time.perf_counter() - t0) * 1e3
-        counts = plan.tiles.counts()
-        visible = _visible_cells(program, batch, seq, tensors)
-        flops = 4.0 * head_dim * visible * heads
-        # float32 reference on two (b, h) planes
-        planes = [(0, 0), (batch - 1, heads - 1)]
-        refs = []
-        dense = _dense_visible(program, seq, tensors)
-        for b, h in planes:
-            s = (q[b, h].float() @ k[b, h].float().T) / math.sqrt(head_dim)
-            vis = dense(b)
-            s = s.masked_fill(~vis, float("-inf"))
-            p = torch.softmax(s, -1).nan_to_num(0.0)
-            refs.append(p @ v[b, h].float())
+    B, H, H_kv, d_qk, d_v, S = case.batch, case.heads, case.h_kv, case.d_qk, case.dv, case.seq
+    attn = attnc.compile(case.spec())  # shape-generic: heads, head dims from the call
+    program = attn.specialize(H, H_kv, d_qk, d_v, "bf16")  # (FP8: the mask analysis and the key's fallback)
+    g = torch.Generator(device=DEVICE).manual_seed(seed)  # each case's inputs whatever ran before it
+    q = torch.randn(B, H, S, d_qk, device=DEVICE, dtype=torch.bfloat16, generator=g)
+    k = torch.randn(B, H_kv, S, d_qk, device=DEVICE, dtype=torch.bfloat16, generator=g)
+    v = torch.randn(B, H_kv, S, d_v, device=DEVICE, dtype=torch.bfloat16, generator=g)
+    tensors = {}
+    if program.tensors:
+        sample = inputs.sample(program, B, S, S, seed)
+        tensors = {t.name: torch.as_tensor(sample[t.name].astype(np.int32), device=DEVICE) for t in program.tensors}
+        del sample
+    visible, counts, plan_ms = _plan_stats(program, B, S, tensors)
+    flops = prefill_flops(visible, H, d_qk, d_v)
+    planes = [(0, 0), (B - 1, H - 1)]
+    refs = reference_planes(case, q, k, v, tensors, planes)  # FP8: of the original bf16 inputs
+    check = plane_check(refs, planes)
+    tol = 5e-2 if case.fp8 else 1e-2
+    key, key_note = _case_key(attn, program, case, B, S)
+    record = {"_key": key, "bench": "prefill", "case": case.name, "mask": case.mask,
+              "score": SCORES[case.score][0] if case.score else "", "spec": case.spec(),
+              "B": B, "H": H, "H_kv": H_kv, "S": S, "D": d_qk, "d_qk": d_qk, "d_v": d_v,
+              "dtype": "fp8_e4m3" if case.fp8 else "bf16", "layout": "bhsd",
+              "visible_cells": visible, "density": visible / (B * S * S), "flops": flops, "flop_formula": FLOP_FORMULA,
+              "tiles_128": counts, "plan_ms": plan_ms, "env": env,
+              "reference": (f"float32 dense softmax on GPU{' of the original bf16 inputs' if case.fp8 else ''}"
+                            f"{', score ' + case.score if case.score else ''}, (b,h) in {planes}"),
+              "tolerance_rel_l2": tol}
+    if key_note:
+        record["key_note"] = key_note
+    label = f"{case.name:20}"
+    args, extra, post = (q, k, v), {}, None
+    if case.fp8:
+        bf16_rate, source = _bf16_causal_rate(rows, case)
+        if bf16_rate is None:  # no bf16 causal row at this shape in this run: time one on these inputs
+            base = attnc.compile(mask_case("causal").spec())
+            base(q, k, v)
+            row = timed(lambda: base(q, k, v), check,
+                        {**record, "_key": call_key(program, B, S, S), "impl": "attnc_call_bf16", "dtype": "bf16",
+                         "tolerance_rel_l2": 1e-2, "spec": mask_case("causal").spec()},
+                        rows, f"{label} bf16_call    ", flops, "TFLOPs")
+            bf16_rate, source = (row["TFLOPs"], "attnc_call_bf16 row of this case") if row else (None, None)
+        record.update(bf16_causal_TFLOPs=bf16_rate, bf16_causal_source=source,
+                      quantize="attnc.fp8.quantize: per-(b,h) float32 descales; v transposed=True")
+        try:
+            import attnc.fp8
+            t0 = time.perf_counter()
+            q8, dq = attnc.fp8.quantize(q)
+            k8, dk = attnc.fp8.quantize(k)
+            v8, dv = attnc.fp8.quantize(v, transposed=True)
+            torch.cuda.synchronize()
+            record["quantize_ms"] = (time.perf_counter() - t0) * 1e3
+        except Exception as e:  # noqa: BLE001
+            _error_row(rows, {**record, "impl": "attnc_call"}, f"{label} fp8 quantize", e)
+            return
+        args, extra = (q8, k8, v8), {"q_descale": dq, "k_descale": dk, "v_descale": dv}
 
-        def check(o):
-            o = o[0] if isinstance(o, tuple) else o
-            num = sum(((o[b, h].float() - r) ** 2).sum() for (b, h), r in zip(planes, refs))
-            den = sum((r ** 2).sum() for r in refs)
-            return float((num / den).sqrt())
+        def post(row):
+            rate = row.get("TFLOPs")
+            return {"vs_bf16_causal": rate / bf16_rate if rate and bf16_rate else None}
 
-        record = {"_key": call_key(program, batch, seq, seq), "bench": "prefill", "mask": name, "B": batch, "H": heads, "S": seq, "D": head_dim,
-                  "dtype": "bf16", "visible_cells": visible, "density": visible / (batch * seq * seq),
-                  "tiles_128": counts, "plan_ms": plan_ms, "env": env,
-                  "reference": f"float32 dense softmax on GPU, (b,h) in {planes}", "tolerance_rel_l2": 1e-2}
-        label = f"{name:20} B={batch} S={seq}"
+    # the public call: no plan passed, the default config
+    try:
         t0 = time.perf_counter()
-        attn(q, k, v, **tensors)
+        attn(*args, **tensors, **extra)
         torch.cuda.synchronize()
         first_ms = (time.perf_counter() - t0) * 1e3
-        config = kernel.config_for(q, k, v, **tensors)
-        timed(lambda: attn(q, k, v, **tensors), check,
-              {**record, "impl": "attnc_call", "config": config.describe(), "first_call_ms": first_ms}, rows,
-              f"{label} attnc_call   ", flops, "TFLOPs")
-        if kernel_alone:
-            run = kernel.prepare(q, k, v, **tensors)
-            timed(run, check, {**record, "impl": "attnc_kernel", "config": run.config.describe()}, rows,
-                  f"{label} attnc_kernel ", flops, "TFLOPs")
-        if flex_modes:
-            from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-            torch._dynamo.reset()
+        backend, kernel = attn._kernel_for(*args, tensors, None)
+    except Exception as e:  # noqa: BLE001
+        _error_row(rows, {**record, "impl": "attnc_call"}, f"{label} attnc_call", e)
+        return
+    try:
+        config = kernel.config_for(*args, **tensors, **extra).describe()
+    except Exception as e:  # noqa: BLE001 - the label is missing, the call is still timed
+        config = {"error": f"config_for: {type(e).__name__}: {str(e)[:300]}"}
+    timed(lambda: attn(*args, **tensors, **extra), check,
+          {**record, "impl": "attnc_call", "backend": backend, "config": config, "first_call_ms": first_ms},
+          rows, f"{label} attnc_call   ", flops, "TFLOPs", tol=tol, post=post)
+    if kernel_alone:
+        try:
+            run = kernel.prepare(*args, **tensors, **extra)
+        except Exception as e:  # noqa: BLE001
+            _error_row(rows, {**record, "impl": "attnc_kernel", "backend": backend}, f"{label} attnc_kernel", e)
+        else:
+            timed(run, check, {**record, "impl": "attnc_kernel", "backend": backend, "config": run.config.describe()},
+                  rows, f"{label} attnc_kernel ", flops, "TFLOPs", tol=tol, post=post)
+            del run
+    if flex_modes and not case.fp8:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        torch._dynamo.reset()
+        try:
             t0 = time.perf_counter()
-            block_mask = create_block_mask(_flex_mask_mod(name, tensors), batch if tensors else None, None, seq, seq,
-                                           device="cuda")
+            block_mask = create_block_mask(_flex_mask_mod(case.mask, tensors), B if tensors else None, None, S, S,
+                                           device=DEVICE)
             torch.cuda.synchronize()
             bm_ms = (time.perf_counter() - t0) * 1e3
+        except Exception as e:  # noqa: BLE001
             for mode in flex_modes:
-                compiled = torch.compile(flex_attention) if mode == "default" else torch.compile(flex_attention,
-                                                                                                 mode=mode)
-                timed(lambda: compiled(q, k, v, block_mask=block_mask), check,
-                      {**record, "impl": f"flex_{mode}", "block_mask_ms": bm_ms}, rows, f"{label} flex_{mode[:8]}",
-                      flops, "TFLOPs")
-        if sdpa and name in ("causal", "full"):
-            for impl, backend in (("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa_flash", SDPBackend.FLASH_ATTENTION)):
-                def fn(backend=backend):
-                    with sdpa_kernel(backend):
-                        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=name == "causal")
-                timed(fn, check, {**record, "impl": impl}, rows, f"{label} {impl:12}", flops, "TFLOPs")
-        del q, k, v
-        torch.cuda.empty_cache()
-    return list(rows)
+                _error_row(rows, {**record, "impl": f"flex_{mode}", "flex_mode": mode}, f"{label} flex block mask", e)
+            block_mask = None
+        if block_mask is not None:
+            flex_kw = {"block_mask": block_mask, "scale": 1.0 / math.sqrt(d_qk)}
+            if case.score:
+                flex_kw["score_mod"] = case.flex_score_mod()
+            if case.gqa:
+                flex_kw["enable_gqa"] = True
+            for mode in flex_modes:
+                torch._dynamo.reset()  # each mode compiles afresh (no recompile limit, no shared cache entry)
+                # ("eager": flex_attention uncompiled, slow; for checking the bench itself)
+                compiled = (flex_attention if mode == "eager" else torch.compile(flex_attention) if mode == "default"
+                            else torch.compile(flex_attention, mode=mode))
+                print(f"{label} flex_{mode}: {'running' if mode == 'eager' else 'compiling'}", flush=True)
+                timed(lambda: compiled(q, k, v, **flex_kw), check,
+                      {**record, "impl": f"flex_{mode}", "flex_mode": mode, "block_mask_ms": bm_ms,
+                       "config": {"flex_mode": mode, "score_mod": case.score or None, "enable_gqa": case.gqa,
+                                  "block_mask": f"create_block_mask(B={B if tensors else None}, H=None), made once"}},
+                      rows, f"{label} flex_{mode[:8]}", flops, "TFLOPs", tol=tol)
+                del compiled
+            del block_mask
+    if sdpa and case.sdpa:
+        backends = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}
+        sdpa_args = args  # FP8: the quantized tensors, no descales (SDPA has none): a refusal is the expected row
+        for name in case.sdpa:
+            def fn(backend=backends[name]):
+                with sdpa_kernel(backend):
+                    return torch.nn.functional.scaled_dot_product_attention(*sdpa_args, is_causal=case.mask == "causal")
+            timed(fn, check, {**record, "impl": f"sdpa_{name}"}, rows, f"{label} sdpa_{name:7}", flops, "TFLOPs",
+                  tol=tol)
+    del q, k, v, args, extra, refs
+
+
+def _bf16_causal_rate(rows, case: PrefillCase):
+    """The bf16 causal attnc_call TFLOP/s of this run at the FP8 case's shape, and where it came from."""
+    for r in rows:
+        if (r.get("case") == "causal" and r.get("impl") == "attnc_call" and r.get("pass")
+                and (r["B"], r["H"], r["S"], r["d_qk"]) == (case.batch, case.heads, case.seq, case.d_qk)):
+            return r["TFLOPs"], "case causal of this run"
+    return None, None
 
 
 def _visible_cells(program, batch, seq, tensors) -> int:
     """Visible (query, key) cells of one head over the batch, exactly, from the analysis' row sets
     (no S x S evaluation)."""
-    from attnc.compiler.plan import plan as make_plan
-    host = {n: t.cpu().numpy().astype(np.int64) for n, t in tensors.items()}
-    p = make_plan(program, batch, seq, seq, host, 128, 128)
-    per_column = p.intervals.visible.must.cells_in(0, p.s_q).reshape(p.intervals.shape)
-    return int(np.broadcast_to(per_column.sum(-1)[:, :1], (batch, 1)).sum())
+    return _plan_stats(program, batch, seq, tensors)[0]
 
 
 def _dense_visible(program, seq, tensors):
     """b -> [S, S] bool visibility on the GPU for the bench masks (for the reference)."""
-    import torch
-    qi = torch.arange(seq, device="cuda")[:, None]
-    ki = torch.arange(seq, device="cuda")[None, :]
-    name = program.name.removeprefix("bench_")
-    if name == "causal_document":
-        return lambda b: (qi >= ki) & (tensors["doc"][b][:, None] == tensors["doc"][b][None, :])
-    fixed = {"causal": qi >= ki, "sliding_window_1024": (qi >= ki) & (qi - ki < 1024),
-             "prefix_lm_2048": (qi >= ki) | (ki < 2048), "full": torch.ones(seq, seq, dtype=torch.bool, device="cuda")}
-    return lambda b: fixed[name]
+    return _mask_planes(program.name.removeprefix("bench_"), seq, seq, tensors, "cuda")
+
+
+# ---------------------------------------------------------------- issue 21's summary
+def _check(name, value, threshold, ok=None):
+    if ok is None and value is not None:
+        ok = value >= threshold
+    return {"check": name, "value": value, "threshold": threshold, "ok": ok}
+
+
+def issue21_summary(rows, flex_modes=ISSUE21_FLEX_MODES) -> dict:
+    """Issue 21's done-criterion over a run's prefill rows: per case attnc_call TFLOP/s, x Flex best
+    (the best mode that passed its check), x cuDNN, and a verdict: ``pass`` (every check met),
+    ``fail`` (one missed, or the call failed its check), ``incomplete`` (a peer is missing; an x Flex
+    at or above 1.3 without the max-autotune mode tried is incomplete: that mode can only raise
+    Flex's best).  The run's verdict is ``pass`` only with every case of ``PREFILL_CASES``."""
+    by_case: dict[str, list] = {}
+    for r in rows:
+        if r.get("bench") == "prefill" and "case" in r:
+            by_case.setdefault(r["case"], []).append(r)
+    out = []
+    for name, rs in by_case.items():
+        impl = {}
+        for r in rs:
+            impl.setdefault(r["impl"], r)
+        first = rs[0]
+        call = impl.get("attnc_call")
+        call_ok = bool(call and call.get("pass") and "error" not in call)
+        rate = call["TFLOPs"] if call_ok else None
+
+        def ok_rate(name):
+            r = impl.get(name)
+            return r["TFLOPs"] if r and r.get("pass") and r.get("TFLOPs") else None
+
+        flex = {r["flex_mode"]: (r["TFLOPs"] if r.get("pass") else None) for r in rs
+                if r["impl"].startswith("flex_") and "flex_mode" in r}
+        passed = {m: t for m, t in flex.items() if t}
+        best_mode = max(passed, key=passed.get) if passed else None
+        flex_best = passed.get(best_mode)
+        cudnn = ok_rate("sdpa_cudnn")
+        x_flex = rate / flex_best if rate and flex_best else None
+        x_cudnn = rate / cudnn if rate and cudnn else None
+        fp8 = name in ISSUE21_VS_BF16 or str(first.get("dtype", "")).startswith("fp8")
+        vs_bf16 = call.get("vs_bf16_causal") if call_ok else None
+        checks = [_check("attnc_call passes its reference check", None, None, ok=call_ok)]
+        if fp8:
+            checks.append(_check("vs_bf16_causal", vs_bf16, ISSUE21_VS_BF16.get(name, 1.4)))
+        else:
+            c = _check("x_flex_best", x_flex, ISSUE21_X_FLEX)
+            autotuned = "max-autotune-no-cudagraphs" in flex or "max-autotune" in flex
+            if c["ok"] and not autotuned:
+                c.update(ok=None, note="Flex max-autotune not run: its best may be higher")
+            checks.append(c)
+        if name in ISSUE21_X_CUDNN:
+            checks.append(_check("x_cudnn", x_cudnn, ISSUE21_X_CUDNN[name]))
+        oks = [c["ok"] for c in checks]
+        verdict = "fail" if False in oks else "incomplete" if None in oks else "pass"
+        out.append({"case": name, "B": first.get("B"), "H": first.get("H"), "H_kv": first.get("H_kv"),
+                    "S": first.get("S"), "d_qk": first.get("d_qk", first.get("D")), "d_v": first.get("d_v"),
+                    "dtype": first.get("dtype"), "attnc_call_TFLOPs": rate,
+                    "attnc_call_host_us": call.get("host_us") if call_ok else None,
+                    "attnc_call_error": (call or {}).get("error") if not call_ok else None,
+                    "attnc_kernel_TFLOPs": ok_rate("attnc_kernel"), "flex_TFLOPs": flex,
+                    "flex_best_TFLOPs": flex_best, "flex_best_mode": best_mode, "x_flex": x_flex,
+                    "cudnn_TFLOPs": cudnn, "x_cudnn": x_cudnn, "flash_TFLOPs": ok_rate("sdpa_flash"),
+                    "vs_bf16_causal": vs_bf16, "checks": checks, "verdict": verdict})
+    missing = [n for n in PREFILL_CASES if n not in by_case]
+    verdicts = [c["verdict"] for c in out]
+    overall = "fail" if "fail" in verdicts else "incomplete" if (missing or "incomplete" in verdicts) else "pass"
+    return {"verdict": overall, "missing_cases": missing, "flex_modes": list(flex_modes or ()),
+            "thresholds": {"x_flex": ISSUE21_X_FLEX, "x_cudnn": ISSUE21_X_CUDNN, "vs_bf16_causal": ISSUE21_VS_BF16},
+            "flop_formula": FLOP_FORMULA, "cases": out}
+
+
+def _why(check: dict) -> str:
+    """Why a check is not met, in words."""
+    if check.get("note"):
+        return f"{check['check']} {check['value']:.3f}: {check['note']}"
+    if check["value"] is not None:
+        return f"{check['check']} {check['value']:.3f} < {check['threshold']}"
+    if check["threshold"] is None:
+        return f"not {check['check']}" if check["ok"] is False else check["check"]
+    return f"{check['check']}: not measured"
+
+
+def format_issue21(summary: dict) -> str:
+    def f(x, fmt="7.1f"):
+        return format(x, fmt) if isinstance(x, (int, float)) else f"{'-':>{int(fmt.split('.')[0])}}"
+    lines = [f"issue 21 (visible-cell TFLOP/s, {summary['flop_formula']})",
+             f"{'case':18} {'shape':24} {'attnc':>7} {'flex':>7} {'x flex':>7} {'cuDNN':>7} {'x cuDNN':>7} "
+             f"{'vs bf16':>7}  verdict"]
+    for c in summary["cases"]:
+        heads = f"{c['H']}/{c['H_kv']}" if c.get("H_kv") not in (None, c["H"]) else f"{c['H']}"
+        dims = f"{c['d_qk']}/{c['d_v']}" if c.get("d_v") not in (None, c["d_qk"]) else f"{c['d_qk']}"
+        shape = f"B{c['B']} H{heads} S{c['S']} d{dims}"
+        why = [_why(x) for x in c["checks"] if x["ok"] is not True]
+        lines.append(f"{c['case']:18} {shape:24} {f(c['attnc_call_TFLOPs'])} {f(c['flex_best_TFLOPs'])} "
+                     f"{f(c['x_flex'], '7.3f')} {f(c['cudnn_TFLOPs'])} {f(c['x_cudnn'], '7.3f')} "
+                     f"{f(c['vs_bf16_causal'], '7.3f')}  {c['verdict']}{' (' + '; '.join(why) + ')' if why else ''}")
+    if summary["missing_cases"]:
+        lines.append(f"not run: {', '.join(summary['missing_cases'])}")
+    lines.append(f"issue 21 verdict: {summary['verdict']}")
+    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------- decode
@@ -380,7 +783,7 @@ def summary(rows) -> str:
     for r in rows:
         if not r.get("pass"):
             continue
-        case = (r["bench"], r.get("mask", ""), r.get("B"), r.get("S", r.get("T")), r.get("phase", ""))
+        case = (r["bench"], r.get("case", r.get("mask", "")), r.get("B"), r.get("S", r.get("T")), r.get("phase", ""))
         best = cases.setdefault(case, {})
         if r["impl"] not in best or r["median_ms"] < best[r["impl"]]["median_ms"]:
             best[r["impl"]] = r

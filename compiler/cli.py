@@ -362,16 +362,36 @@ def cmd_bench(args) -> int:
                                   configs=() if args.no_configs else harness.DECODE_CONFIGS)
     elif args.what == "backward":
         from bench.backward import run_backward
-        rows = run_backward(batch=args.batch, heads=args.heads, seq=args.seq, head_dim=args.head_dim,
-                            masks=args.masks.split(",") if args.masks else None, out=args.out, command=command,
-                            flex_modes=tuple(m for m in args.flex_modes.split(",") if m), sdpa=not args.no_sdpa)
+        rows = run_backward(**_bench_shape(args), masks=args.masks.split(",") if args.masks else None, out=args.out,
+                            command=command, flex_modes=tuple(m for m in args.flex_modes.split(",") if m),
+                            sdpa=not args.no_sdpa)
+    elif args.cases:  # prefill: issue 21's cases, by name (the table's shapes)
+        if args.masks:
+            raise AttncError("attnc bench prefill: give --cases or --masks, not both (--cases names the masks too)")
+        if args.heads is not None or args.head_dim is not None:
+            raise AttncError("attnc bench prefill --cases: heads and head dims are the cases' own "
+                             "(--batch and --seq may replace every case's, for a smaller run)")
+        try:
+            cases = harness.select_cases(args.cases, batch=args.batch, seq=args.seq)
+        except ValueError as e:
+            raise AttncError(f"attnc bench prefill --cases: {e}") from None
+        rows = harness.run_prefill(cases=cases, out=args.out, command=command,
+                                   flex_modes=tuple(m for m in args.flex_modes.split(",") if m),
+                                   sdpa=not args.no_sdpa, issue21=True)
     else:
-        rows = harness.run_prefill(batch=args.batch, heads=args.heads, seq=args.seq, head_dim=args.head_dim,
-                                   masks=args.masks.split(",") if args.masks else None, out=args.out,
-                                   command=command, flex_modes=tuple(m for m in args.flex_modes.split(",") if m),
+        rows = harness.run_prefill(**_bench_shape(args), masks=args.masks.split(",") if args.masks else None,
+                                   out=args.out, command=command,
+                                   flex_modes=tuple(m for m in args.flex_modes.split(",") if m),
                                    sdpa=not args.no_sdpa)
     print(harness.summary(rows))
     return 0
+
+
+def _bench_shape(args) -> dict:
+    """The bench's shape options with their defaults (B 4, H 16, S 8192, d 128)."""
+    given = {"batch": args.batch, "heads": args.heads, "seq": args.seq, "head_dim": args.head_dim}
+    defaults = {"batch": 4, "heads": 16, "seq": 8192, "head_dim": 128}
+    return {n: defaults[n] if x is None else x for n, x in given.items()}
 
 
 def cmd_demo(args) -> int:
@@ -594,13 +614,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, metavar="FILE.jsonl")
     p.add_argument("--masks", default=None, help="prefill: comma-separated subset of "
                                                  "causal,sliding_window_1024,causal_document,prefix_lm_2048,full")
-    p.add_argument("--batch", type=_positive, default=4)
-    p.add_argument("--heads", type=_positive, default=16)
-    p.add_argument("--seq", type=_length, default=8192)
-    p.add_argument("--head-dim", type=_positive, default=128)
-    p.add_argument("--flex-modes", default="default,max-autotune-no-cudagraphs", help="empty: no FlexAttention")
+    p.add_argument("--batch", type=_positive, default=None, help="default 4 (with prefill --cases: replaces "
+                                                                   "every case's B)")
+    p.add_argument("--heads", type=_positive, default=None, help="default 16 (not with prefill --cases)")
+    p.add_argument("--seq", type=_length, default=None, help="default 8192 (with prefill --cases: replaces "
+                                                               "every case's S)")
+    p.add_argument("--head-dim", type=_positive, default=None, help="default 128 (not with prefill --cases)")
+    p.add_argument("--flex-modes", default="default,max-autotune-no-cudagraphs", help="comma-separated "
+                   "torch.compile modes of FlexAttention (eager: uncompiled, to check the bench itself); empty: "
+                   "no FlexAttention")
     p.add_argument("--no-sdpa", action="store_true")
-    p.add_argument("--cases", default=None, help="decode: B:T,... (default 8:8192,32:8192,1:131072,64:2048)")
+    p.add_argument("--cases", default=None, help="prefill: 'all' or a comma list of issue 21's cases "
+                   "(causal, sliding_window_1024, causal_document, prefix_lm_2048, full, causal_s8000, "
+                   "causal_d64_h32, alibi, softcap30_gqa, mla_192_128, causal_d256, fp8_causal; each at its own "
+                   "shape), ending with issue 21's summary; decode: B:T,... (default 8:8192,32:8192,1:131072,64:2048)")
     p.add_argument("--no-graph", action="store_true", help="decode: no CUDA-graph rows")
     p.add_argument("--no-configs", action="store_true", help="decode: no fixed-config rows")
     p.set_defaults(fn=cmd_bench)
