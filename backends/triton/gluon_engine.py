@@ -44,7 +44,7 @@ except (ImportError, AttributeError):  # a Triton without Gluon: the engine is u
         jit = staticmethod(lambda fn: fn)
 
 ROWS = 64  # query rows per consumer warpgroup; the engine's query tile is 2 * ROWS
-REGS = (168, 232, 24)  # maxnreg, then the consumer warpgroups' and the producer warp's registers
+REGS = (168, 240, 24)  # maxnreg, then the consumer warpgroups' and the producer warp's registers
 SMEM = 232448  # bytes of shared memory a program may take on sm_90
 ONE_TILE, COUNTER = tl.constexpr(0), tl.constexpr(1)
 SCHEDULES = {"one_tile": 0, "counter": 1}
@@ -85,6 +85,26 @@ def _ws_softmax(s, part, kb, ks, ke, m_i, l_i, b, h, q_pos, S_K, K_OFF, qk_scale
 
 
 @gluon.jit
+def _ws_pv(s, acc, m_i, l_i, part, kb, ks, ke, b, h, q_pos, S_K, K_OFF, job_scale, TS, s_descale, v_stage, v_bar,
+           phase, op_dtype: tl.constexpr, MASK_FROM_ROWS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
+           col_l: tl.constexpr, orow_l: tl.constexpr, p_layout: tl.constexpr, VISIBLE: tl.constexpr,
+           SCORE: tl.constexpr, HAS_SCORE: tl.constexpr, SCALE: tl.constexpr, FP8: tl.constexpr):
+    """Block kb's softmax on its scores s, the accumulator's rescale, and its P.V issued on the
+    tensor cores once V is in (OVERLAP): returns (P.V's pending accumulator, m, l)."""
+    p, alpha, m_i, l_i = _ws_softmax(s, part, kb, ks, ke, m_i, l_i, b, h, q_pos, S_K, K_OFF, job_scale, TS,
+                                     MASK_FROM_ROWS, EVEN_K, BLOCK_N, col_l, VISIBLE, SCORE, HAS_SCORE, SCALE,
+                                     s_descale, FP8)
+    acc = acc * gl.convert_layout(alpha, orow_l)[:, None]
+    mbarrier.wait(v_bar, phase)
+    if FP8:
+        v_op = v_stage.permute((1, 0))
+    else:
+        v_op = v_stage
+    acc = warpgroup_mma(gl.convert_layout(p.to(op_dtype), p_layout), v_op, acc, is_async=True)
+    return acc, m_i, l_i
+
+
+@gluon.jit
 def _ws_job(t, BH, Q_TILES, ORDER, PLAN_B, PLAN_H, M_CSR, HEAD_GROUP: tl.constexpr, H_Q: tl.constexpr):
     """The launch's t-th job (``_job``'s order): its query tile, b * H_q + h, and its range
     [lo, hi) of the plan's merged block list."""
@@ -117,7 +137,8 @@ def _ws_consumer(half, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars,
                  EVEN_Q: tl.constexpr, EVEN_K: tl.constexpr, ROWS_: tl.constexpr,
                  BLOCK_N: tl.constexpr, D: tl.constexpr, STAGES: tl.constexpr, HEAD_GROUP: tl.constexpr,
                  VISIBLE: tl.constexpr, SCORE: tl.constexpr, HAS_SCORE: tl.constexpr, SCALE: tl.constexpr,
-                 H_Q: tl.constexpr, H_KV: tl.constexpr, GROUP: tl.constexpr, FP8: tl.constexpr):
+                 H_Q: tl.constexpr, H_KV: tl.constexpr, GROUP: tl.constexpr, FP8: tl.constexpr,
+                 OVERLAP: tl.constexpr):
     """Rows [half * ROWS_, + ROWS_) of each tile the producer hands over: every block of the
     tile's list, then O (through shared memory and a TMA store) and LSE.  The producer hands
     each job (t, query tile, block range) over with its Q, and each block's index and PARTIAL
@@ -179,28 +200,63 @@ def _ws_consumer(half, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars,
         m_i = gl.full([ROWS_], float("-inf"), gl.float32, row_l)
         l_i = gl.full([ROWS_], 0.0, gl.float32, row_l)
         acc = gl.zeros([ROWS_, D], gl.float32, o_layout)
-        for i in range(lo, hi):
-            stage = c % STAGES
-            phase = (c // STAGES) & 1
-            mbarrier.wait(k_ready.index(stage), phase)
-            s = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), s0, use_acc=False, is_async=True)
-            kb = _ws_get(blk_smem.index(stage), 0, 2)
-            part = _ws_get(blk_smem.index(stage), 1, 2)
-            s = warpgroup_mma_wait(0, deps=(s, ))
-            mbarrier.arrive(k_empty.index(stage), count=1)
-            p, alpha, m_i, l_i = _ws_softmax(s, part, kb, ks, ke, m_i, l_i, b, h, q_pos, S_K, K_OFF, job_scale, TS,
-                                             MASK_FROM_ROWS, EVEN_K, BLOCK_N, col_l, VISIBLE, SCORE, HAS_SCORE,
-                                             SCALE, s_descale, FP8)
-            acc = acc * gl.convert_layout(alpha, orow_l)[:, None]
-            mbarrier.wait(v_ready.index(stage), phase)
-            if FP8:  # V^T's block [D, BLOCK_N] read as [BLOCK_N, D], K-major
-                v_op = v_smem.index(stage).permute((1, 0))
-            else:
-                v_op = v_smem.index(stage)
-            acc = warpgroup_mma(gl.convert_layout(p.to(q_smem.dtype), p_layout), v_op, acc, is_async=True)
-            acc = warpgroup_mma_wait(0, deps=(acc, ))
-            mbarrier.arrive(v_empty.index(stage), count=1)
-            c += 1
+        if OVERLAP:  # block i+1's Q.K^T runs on the tensor cores under block i's softmax
+            if hi > lo:
+                stage = c % STAGES
+                mbarrier.wait(k_ready.index(stage), (c // STAGES) & 1)
+                s = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), s0, use_acc=False, is_async=True)
+                s = warpgroup_mma_wait(0, deps=(s, ))
+                for i in range(lo, hi - 1):
+                    stage = c % STAGES
+                    phase = (c // STAGES) & 1
+                    kb = _ws_get(blk_smem.index(stage), 0, 2)
+                    part = _ws_get(blk_smem.index(stage), 1, 2)
+                    mbarrier.arrive(k_empty.index(stage), count=1)
+                    nstage = (c + 1) % STAGES
+                    mbarrier.wait(k_ready.index(nstage), ((c + 1) // STAGES) & 1)
+                    s_next = warpgroup_mma(q, k_smem.index(nstage).permute((1, 0)), s0, use_acc=False, is_async=True)
+                    acc, m_i, l_i = _ws_pv(s, acc, m_i, l_i, part, kb, ks, ke, b, h, q_pos, S_K, K_OFF, job_scale, TS,
+                                           s_descale, v_smem.index(stage), v_ready.index(stage), phase, q_smem.dtype,
+                                           MASK_FROM_ROWS, EVEN_K, BLOCK_N, col_l, orow_l, p_layout, VISIBLE, SCORE,
+                                           HAS_SCORE, SCALE, FP8)
+                    acc, s = warpgroup_mma_wait(0, deps=(acc, s_next))
+                    mbarrier.arrive(v_empty.index(stage), count=1)
+                    c += 1
+                stage = c % STAGES
+                phase = (c // STAGES) & 1
+                kb = _ws_get(blk_smem.index(stage), 0, 2)
+                part = _ws_get(blk_smem.index(stage), 1, 2)
+                mbarrier.arrive(k_empty.index(stage), count=1)
+                acc, m_i, l_i = _ws_pv(s, acc, m_i, l_i, part, kb, ks, ke, b, h, q_pos, S_K, K_OFF, job_scale, TS,
+                                       s_descale, v_smem.index(stage), v_ready.index(stage), phase, q_smem.dtype,
+                                       MASK_FROM_ROWS, EVEN_K, BLOCK_N, col_l, orow_l, p_layout, VISIBLE, SCORE,
+                                       HAS_SCORE, SCALE, FP8)
+                acc = warpgroup_mma_wait(0, deps=(acc, ))
+                mbarrier.arrive(v_empty.index(stage), count=1)
+                c += 1
+        else:
+            for i in range(lo, hi):
+                stage = c % STAGES
+                phase = (c // STAGES) & 1
+                mbarrier.wait(k_ready.index(stage), phase)
+                s = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), s0, use_acc=False, is_async=True)
+                kb = _ws_get(blk_smem.index(stage), 0, 2)
+                part = _ws_get(blk_smem.index(stage), 1, 2)
+                s = warpgroup_mma_wait(0, deps=(s, ))
+                mbarrier.arrive(k_empty.index(stage), count=1)
+                p, alpha, m_i, l_i = _ws_softmax(s, part, kb, ks, ke, m_i, l_i, b, h, q_pos, S_K, K_OFF, job_scale, TS,
+                                                 MASK_FROM_ROWS, EVEN_K, BLOCK_N, col_l, VISIBLE, SCORE, HAS_SCORE,
+                                                 SCALE, s_descale, FP8)
+                acc = acc * gl.convert_layout(alpha, orow_l)[:, None]
+                mbarrier.wait(v_ready.index(stage), phase)
+                if FP8:  # V^T's block [D, BLOCK_N] read as [BLOCK_N, D], K-major
+                    v_op = v_smem.index(stage).permute((1, 0))
+                else:
+                    v_op = v_smem.index(stage)
+                acc = warpgroup_mma(gl.convert_layout(p.to(q_smem.dtype), p_layout), v_op, acc, is_async=True)
+                acc = warpgroup_mma_wait(0, deps=(acc, ))
+                mbarrier.arrive(v_empty.index(stage), count=1)
+                c += 1
         mbarrier.arrive(q_empty, count=1)  # this half's Q.K^T are done: the next tile's Q may load
         seen = (l_i > 0) | (l_i != l_i)  # NaN: a visible score was NaN or +inf; LSE NaN marks the row
         l_safe = gl.where(seen, l_i, 1.0)
@@ -295,7 +351,8 @@ def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, O, LSE, COUNTER_PTR, ORDER, M_C
                  STAGES: tl.constexpr, HEAD_GROUP: tl.constexpr, CONSUMER_REGS: tl.constexpr,
                  PRODUCER_REGS: tl.constexpr, SCHEDULE: tl.constexpr,
                  VISIBLE: tl.constexpr, SCORE: tl.constexpr, HAS_SCORE: tl.constexpr, SCALE: tl.constexpr,
-                 H_Q: tl.constexpr, H_KV: tl.constexpr, GROUP: tl.constexpr, FP8: tl.constexpr):
+                 H_Q: tl.constexpr, H_KV: tl.constexpr, GROUP: tl.constexpr, FP8: tl.constexpr,
+                 OVERLAP: tl.constexpr):
     """Jobs (query tile of 2 * ROWS_ rows, request * query head) in ``_job``'s order: one per
     program (SCHEDULE == ONE_TILE), or one program per SM looping over jobs drawn from the
     counter at COUNTER_PTR (SCHEDULE == COUNTER) with O staged in its own buffers, so that the
@@ -331,11 +388,11 @@ def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, O, LSE, COUNTER_PTR, ORDER, M_C
         (_ws_consumer, (0, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars, o_desc, O, LSE, KS, KE, DQ, DK,
                         DV, S_Q, S_K, Q_OFF, K_OFF, PLAN_B, PLAN_H, Q_TILES, BH, qk_scale, TS, MASK_FROM_ROWS, EVEN_Q,
                         EVEN_K, ROWS_, BLOCK_N, D, STAGES, HEAD_GROUP, VISIBLE, SCORE, HAS_SCORE, SCALE, H_Q, H_KV,
-                        GROUP, FP8)),
+                        GROUP, FP8, OVERLAP)),
         (_ws_consumer, (1, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars, o_desc, O, LSE, KS, KE, DQ, DK,
                         DV, S_Q, S_K, Q_OFF, K_OFF, PLAN_B, PLAN_H, Q_TILES, BH, qk_scale, TS, MASK_FROM_ROWS, EVEN_Q,
                         EVEN_K, ROWS_, BLOCK_N, D, STAGES, HEAD_GROUP, VISIBLE, SCORE, HAS_SCORE, SCALE, H_Q, H_KV,
-                        GROUP, FP8)),
+                        GROUP, FP8, OVERLAP)),
         (_ws_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, job_smem, blk_smem, bars, COUNTER_PTR, ORDER,
                         M_CSR, M_IDX, M_FLAG, S_Q, S_K, PLAN_B, PLAN_H, Q_TILES, BH, ROWS_, BLOCK_N, STAGES,
                         HEAD_GROUP, SCHEDULE, H_Q, H_KV, GROUP, D, FP8)),

@@ -145,14 +145,7 @@ class Kernel:
         the spec's dtype."""
         from attnc import fp8 as F
         descales = [tensors.pop(n, None) for n in FP8_INPUTS]
-        aligned = tuple(d.data_ptr() % 16 == 0 if hasattr(d, "data_ptr") else None for d in descales)
-        key = ("fp8", self._key(q, k, v, tensors), aligned) if plan is None and not options else None
-        hit = self._bound.get(key) if key is not None else None
-        if hit is None:
-            hit = self._fp8_bind(q, k, v, tensors, plan, options)
-            if key is not None:
-                self._bound[key] = hit
-        bound, engine = hit
+        key, bound, engine = self._fp8_route(q, k, v, tensors, descales, plan, options)
         d = self._fp8_descales(descales, bound, q.device)
         if not engine:
             axis = 2 if bound.bshd else 1
@@ -162,11 +155,26 @@ class Kernel:
         vt = F.v_transposed(v)
         launch = self._cached_launch(bound, key, q, k, vt, tensors, fp8=True) if key is not None else \
             self._make_launch(bound, q, k, vt, tensors, plan, options, fp8=True)
+        return self._fp8_launch(launch, bound, key, q, k, vt, tensors, d)
+
+    def _fp8_route(self, q, k, v, tensors: dict, descales: list, plan, options: dict, cache: bool = True):
+        """(the call's key, or None for a call with a plan or options or not to ``cache``; what the
+        key fixes; whether the FP8 engine runs it), validated once per key."""
+        aligned = tuple(d.data_ptr() % 16 == 0 if hasattr(d, "data_ptr") else None for d in descales)
+        key = ("fp8", self._key(q, k, v, tensors), aligned) if plan is None and not options and cache else None
+        hit = self._bound.get(key) if key is not None else None
+        if hit is None:
+            hit = self._fp8_bind(q, k, v, tensors, plan, options)
+            if key is not None:
+                self._bound[key] = hit
+        return (key, *hit)
+
+    def _fp8_launch(self, launch, bound: _Bound, key, q, k, vt, tensors: dict, descales: tuple):
         out = self._torch.empty(bound.out_shape, device=q.device, dtype=self._dtype)
         lse = self._torch.empty((bound.batch, self.program.heads_q, bound.s_q), device=q.device,
                                 dtype=self._torch.float32)
         ts = L.call_tensor_args(self.module, tensors, bound.batch, bound.s_q, bound.s_k, q.device)
-        launch(q, k, vt, ts, out, lse, key, descales=d)
+        launch(q, k, vt, ts, out, lse, key, descales=descales)
         return out, lse
 
     def _fp8_bind(self, q, k, v, tensors: dict, plan, options: dict):
@@ -369,6 +377,8 @@ class Kernel:
         config ``kwargs``' options select (torch inputs in the spec's layout)."""
         options = {n: kwargs.pop(n) for n in PREFILL_OPTIONS if n in kwargs}
         tensors = kwargs
+        if q.dtype is self._fp8:
+            return self._fp8_prepare(q, k, v, tensors, plan, options)
         # (the tuner carries bf16 values in float32 under the interpreter: no storage check)
         bound = self._validate(q, k, v, tensors, storage=False)
         qb, kb, vb = (x.transpose(1, 2) for x in (q, k, v)) if bound.bshd else (q, k, v)
@@ -383,10 +393,39 @@ class Kernel:
             self._run_launch(launch, qb, kb, vb, ts, out.transpose(1, 2) if bound.bshd else out, lse, key)
             return out, lse
         run.config = launch.config
+        run.launch = launch
+        return run
+
+    def _fp8_prepare(self, q, k, v, tensors: dict, plan, options: dict):
+        """``prepare`` of an FP8 call: its launch bound once (the dequantizing path: the call)."""
+        from attnc import fp8 as F
+        descales = [tensors.pop(n, None) for n in FP8_INPUTS]
+        _, bound, engine = self._fp8_route(q, k, v, tensors, descales, plan, options, cache=False)
+        if not engine:
+            run = lambda: self._fp8_call(q, k, v, dict(zip(FP8_INPUTS, descales), **tensors), plan, options)  # noqa: E731
+            run.config = None
+            return run
+        d = self._fp8_descales(descales, bound, q.device)
+        vt = F.v_transposed(v)
+        launch = self._make_launch(bound, q, k, vt, tensors, plan, options, fp8=True)
+        key = ("prepared", id(launch))
+
+        def run():
+            return self._fp8_launch(launch, bound, key, q, k, vt, tensors, d)
+        run.config = launch.config
+        run.launch = launch
         return run
 
     def config_for(self, q, k, v, **tensors) -> L.PrefillConfig:
         """The config an untuned call with these inputs runs (binds it if needed)."""
+        if q.dtype is self._fp8:
+            self(q, k, v, **tensors)  # binds
+            descales = [tensors.pop(n, None) for n in FP8_INPUTS]
+            key, bound, engine = self._fp8_route(q, k, v, tensors, descales, None, {})
+            if not engine:
+                return self.config_for(*(x.to(self._dtype) for x in (q, k, v)), **tensors)
+            from attnc import fp8 as F
+            return self._cached_launch(bound, key, q, k, F.v_transposed(v), tensors, fp8=True).config
         self(q, k, v, **tensors)  # binds
         key = self._key(q, k, v, tensors)
         bound = self._bound[key]

@@ -1,0 +1,82 @@
+"""Study: variants of the Gluon engine's consumer on causal and full, B4 H16 S8192 d128, bf16
+and FP8 (kernel alone, ``Kernel.prepare``, each variant a fresh launch):
+
+  base        the engine as shipped;
+  overlap / no_overlap   block i+1's Q.K^T issued before block i's softmax (FlashAttention-3's
+              intra-warpgroup overlap: ``launch.GLUON_OVERLAP``; FP8 launches never overlap);
+  regs232 / regs240      the consumer warpgroups' registers (``gluon_engine.REGS``);
+  stages3     three K/V stages (``launch.GLUON_STAGES``; FP8 blocks are half the bytes).
+
+Each row records the compiled kernel's registers and spills (``n_regs``, ``n_spills``): the
+overlap keeps two score tiles live, and the question is whether it spills.  Outputs are checked
+against the base variant's (max |diff|) before timing.
+
+    python -m bench.engine_variants_study > study.jsonl
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+VARIANTS = {"base": {}, "overlap": {"OVERLAP": True}, "no_overlap": {"OVERLAP": False},
+            "regs232": {"REGS": (168, 232, 24)}, "regs240": {"REGS": (168, 240, 24)},
+            "overlap_regs240": {"OVERLAP": True, "REGS": (168, 240, 24)}, "stages3": {"STAGES": 3},
+            "overlap_stages3": {"OVERLAP": True, "STAGES": 3}}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--masks", default="causal,full")
+    ap.add_argument("--dtypes", default="bf16,fp8")
+    ap.add_argument("--seq", type=int, default=8192)
+    args = ap.parse_args(argv)
+    import torch
+    import triton.testing
+    import attnc
+    from attnc.backends.triton import gluon_engine, launch
+    b, h, s, d = 4, 16, args.seq, 128
+    defaults = {"OVERLAP": launch.GLUON_OVERLAP, "REGS": gluon_engine.REGS, "STAGES": launch.GLUON_STAGES}
+    for mask in args.masks.split(","):
+        attn = attnc.compile(f"attention c {{ heads = {h} head_dim = {d} dtype = bf16 "
+                             f"mask = {'causal' if mask == 'causal' else 'true'} }}")
+        kernel = attn.kernel("triton", attn.program)
+        g = torch.Generator(device="cuda").manual_seed(0)
+        q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
+        (q8, dq), (k8, dk), (v8, dv) = attnc.fp8.quantize(q), attnc.fp8.quantize(k), attnc.fp8.quantize(v, transposed=True)
+        inputs = {"bf16": ((q, k, v), {}), "fp8": ((q8, k8, v8), dict(q_descale=dq, k_descale=dk, v_descale=dv))}
+        cells = b * h * (s * (s + 1) / 2 if mask == "causal" else s * s)
+        for dtype in args.dtypes.split(","):
+            qkv, extra = inputs[dtype]
+            base = None
+            for name in args.variants.split(","):
+                knobs = {**defaults, **VARIANTS[name]}
+                launch.GLUON_OVERLAP, gluon_engine.REGS, launch.GLUON_STAGES = (knobs["OVERLAP"], knobs["REGS"],
+                                                                                 knobs["STAGES"])
+                row = {"study": "engine_variants", "variant": name, "mask": mask, "dtype": dtype, "B": b, "H": h,
+                       "S": s, "D": d}
+                try:
+                    run = kernel.prepare(*qkv, engine="gluon", **extra)
+                    o = run()[0]
+                    torch.cuda.synchronize()
+                except Exception as e:  # noqa: BLE001 - a study records what failed and goes on
+                    print(json.dumps({**row, "error": f"{type(e).__name__}: {str(e)[-600:]}"}), flush=True)
+                    continue
+                base = o if base is None else base
+                compiled = list(run.launch.launcher.compiled.values())
+                ms = triton.testing.do_bench(run, warmup=50, rep=300)
+                print(json.dumps({**row, "ms": ms, "tflops": 4 * d * cells / ms / 1e9,
+                                  "max_diff_vs_first": float((o.float() - base.float()).abs().max()),
+                                  "n_regs": getattr(compiled[0], "n_regs", None) if compiled else None,
+                                  "n_spills": getattr(compiled[0], "n_spills", None) if compiled else None,
+                                  "config": run.config.describe()}), flush=True)
+        launch.GLUON_OVERLAP, gluon_engine.REGS, launch.GLUON_STAGES = (defaults["OVERLAP"], defaults["REGS"],
+                                                                         defaults["STAGES"])
+        del q, k, v, q8, k8, v8
+        torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
