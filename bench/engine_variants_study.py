@@ -5,7 +5,9 @@ and FP8 (kernel alone, ``Kernel.prepare``, each variant a fresh launch):
   overlap / no_overlap   block i+1's Q.K^T issued before block i's softmax (FlashAttention-3's
               intra-warpgroup overlap: ``launch.GLUON_OVERLAP``; FP8 launches never overlap);
   regs232 / regs240      the consumer warpgroups' registers (``gluon_engine.REGS``);
-  stages3     three K/V stages (``launch.GLUON_STAGES``; FP8 blocks are half the bytes).
+  stages3     three K/V stages (``launch.GLUON_STAGES``; FP8 blocks are half the bytes);
+  one_tile, head_group<n>   the call options ``schedule="one_tile"`` (one job per program) and
+              ``head_group=n`` (heads whose tiles interleave; default 4).
 
 Each row records the compiled kernel's registers and spills (``n_regs``, ``n_spills``): the
 overlap keeps two score tiles live, and the question is whether it spills.  Outputs are checked
@@ -22,7 +24,9 @@ import sys
 VARIANTS = {"base": {}, "overlap": {"OVERLAP": True}, "no_overlap": {"OVERLAP": False},
             "regs232": {"REGS": (168, 232, 24)}, "regs240": {"REGS": (168, 240, 24)},
             "overlap_regs240": {"OVERLAP": True, "REGS": (168, 240, 24)}, "stages3": {"STAGES": 3},
-            "overlap_stages3": {"OVERLAP": True, "STAGES": 3}}
+            "overlap_stages3": {"OVERLAP": True, "STAGES": 3},
+            "one_tile": {"options": {"schedule": "one_tile"}}, "head_group8": {"options": {"head_group": 8}},
+            "head_group16": {"options": {"head_group": 16}}, "head_group2": {"options": {"head_group": 2}}}
 
 
 def main(argv=None) -> int:
@@ -51,13 +55,13 @@ def main(argv=None) -> int:
             qkv, extra = inputs[dtype]
             base = None
             for name in args.variants.split(","):
-                knobs = {**defaults, **VARIANTS[name]}
+                knobs = {**defaults, **{n: x for n, x in VARIANTS[name].items() if n != "options"}}
                 launch.GLUON_OVERLAP, gluon_engine.REGS, launch.GLUON_STAGES = (knobs["OVERLAP"], knobs["REGS"],
                                                                                  knobs["STAGES"])
                 row = {"study": "engine_variants", "variant": name, "mask": mask, "dtype": dtype, "B": b, "H": h,
                        "S": s, "D": d}
                 try:
-                    run = kernel.prepare(*qkv, engine="gluon", **extra)
+                    run = kernel.prepare(*qkv, engine="gluon", **VARIANTS[name].get("options", {}), **extra)
                     o = run()[0]
                     torch.cuda.synchronize()
                 except Exception as e:  # noqa: BLE001 - a study records what failed and goes on
