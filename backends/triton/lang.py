@@ -39,3 +39,11 @@ def _tanh(x):
     within ~1e-7 absolute (tl.sigmoid's correctly rounded division cost softcap 3x its arithmetic);
     +-inf and large |x| give +-1, NaN stays NaN."""
     return 1.0 - tl.fdiv(2.0, tl.exp2(x * 2.8853900817779268) + 1.0, ieee_rounding=False)
+
+
+@triton.jit
+def _f32_small(x):
+    """float(x) for an integer 0 <= x < 2**23 without a conversion instruction: the float32 whose
+    bits are those of 2**23 plus x is 2**23 + x, exactly; one integer addition and one float
+    subtraction.  Score programs' fast forms convert positions with it (attnc.compiler.fast_score)."""
+    return (x + 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0

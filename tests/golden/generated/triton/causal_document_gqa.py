@@ -6,13 +6,14 @@ Spec digest c8310eac98f3dcb56106c9e7a2055e14c7fda4a929d1485e705e29ef2ac56ec3.
   score = 50.0 * tanh(score * 0.019999999552965164)
 
 The kernels (attnc.backends.triton: prefill, gluon_engine, split) take ``visible``,
-``score_program`` and SPEC as constexpr arguments and inline them; TS is the tuple of the
+``score_program`` (``score_program_fast`` on calls whose positions lie below 2**23: the
+launch layer decides) and SPEC as constexpr arguments and inline them; TS is the tuple of the
 tensors below, each followed by its strides and sizes (one pair per axis): tensor i is _t<i>.
 """
 import triton
 import triton.language as tl  # noqa: F401  (the printed expressions use it)
 
-from attnc.backends.triton.lang import _floordiv, _floordiv_total, _mod, _mod_total, _tanh  # noqa: F401
+from attnc.backends.triton.lang import _f32_small, _floordiv, _floordiv_total, _mod, _mod_total, _tanh  # noqa: F401
 
 DTYPE = "bf16"
 SPEC = dict(H_Q=32, H_KV=8, GROUP=4, D_QK=64, D_V=64, D_QK_PAD=64,
@@ -36,6 +37,9 @@ def score_program(score, b, h, q, k, TS):
     return score
 
 
+score_program_fast = score_program  # (no conversion of positions to move off the cells)
+
+
 @triton.jit
 def score_grad(score, b, h, q, k, TS):
     """The score statements and d score / d (scaled q.k) by the chain rule (the compiler's
@@ -45,3 +49,6 @@ def score_grad(score, b, h, q, k, TS):
     grad = grad * (0.9999999776482582 * (1.0 - (_tanh((score * 0.019999999552965164)) * _tanh((score * 0.019999999552965164)))))
     score = (50.0 * _tanh((score * 0.019999999552965164)))
     return score, grad
+
+
+score_grad_fast = score_grad
