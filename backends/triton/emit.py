@@ -23,6 +23,11 @@ _COMPARE = {"eq": "==", "ne": "!=", "lt": "<", "le": "<=", "gt": ">", "ge": ">="
 # device's (within a few ulp)
 _CALLS = {"min": "tl.minimum", "max": "tl.maximum", "abs": "tl.abs", "exp": "tl.exp", "log": "tl.log",
           "sqrt": "tl.math.sqrt_rn", "tanh": "_tanh", "erf": "tl.math.erf", "sin": "tl.sin", "cos": "tl.cos"}
+# Storage whose tolerance takes the GPU's tanh.approx.f32 (lang._tanh_approx): measured on the
+# H200, relative error at most 1.1e-5 (2**-16.5) over |x| <= 12, so about s * 1e-5 on a softcapped
+# score s, within f16's and bf16's tolerance on O at any cap, not within f32's (2e-5).  (The PTX
+# ISA promises only 2**-11, under which f16's would not hold once scores reach a few units.)
+APPROX_TANH = ("f16", "bf16")
 
 
 def tensor_names(program: ir.Program) -> dict[str, str]:
@@ -32,11 +37,17 @@ def tensor_names(program: ir.Program) -> dict[str, str]:
     return {t.name: f"_t{i}" for i, t in enumerate(program.tensors)}
 
 
-def triton_expr(e: ir.Expr, names: dict[str, str] | None = None, fast: IntRanges | None = None) -> str:
+def calls(dtype: str) -> dict[str, str]:
+    """The functions a spec stored in ``dtype`` calls."""
+    return {**_CALLS, "tanh": "_tanh_approx"} if dtype in APPROX_TANH else _CALLS
+
+
+def triton_expr(e: ir.Expr, names: dict[str, str] | None = None, functions: dict[str, str] = _CALLS,
+                fast: IntRanges | None = None) -> str:
     """Triton source for one IR expression over q [BLOCK_M, 1], k [1, BLOCK_N], scalar b, h.
     ``fast``: the guarded calls' ranges of a fast form (compiler/fast_score.py), whose small
     position conversions print as ``_f32_small``."""
-    rec = lambda x: triton_expr(x, names, fast)  # noqa: E731
+    rec = lambda x: triton_expr(x, names, functions, fast)  # noqa: E731
     if isinstance(e, ir.Const):
         return repr(e.value)
     if isinstance(e, ir.Var):  # the request's lengths come with TS: kv_lens [B] and qo_indptr [B + 1]
@@ -68,7 +79,7 @@ def triton_expr(e: ir.Expr, names: dict[str, str] | None = None, fast: IntRanges
     if isinstance(e, ir.Select):
         return f"tl.where({rec(e.cond)}, {rec(e.if_true)}, {rec(e.if_false)})"
     if isinstance(e, ir.Call):
-        return f"{_CALLS[e.fn]}({', '.join(rec(a) for a in e.args)})"
+        return f"{functions[e.fn]}({', '.join(rec(a) for a in e.args)})"
     raise TypeError(e)
 
 
@@ -81,7 +92,7 @@ def _score_code(p: ir.Program, names: dict, fast: bool) -> list[str]:
     """The score statements, printed: score_program's, or ``fast`` score_program_fast's."""
     ranges = fast_score.guard_ranges(p) if fast else None
     exprs = [fast_score.fast_expr(s, ranges) for s in p.score] if fast else p.score
-    return [triton_expr(s, names, ranges) for s in exprs]
+    return [triton_expr(s, names, calls(p.dtype), ranges) for s in exprs]
 
 
 def _grad_code(p: ir.Program, names: dict, fast: bool) -> list[tuple[str, str]]:
@@ -93,7 +104,8 @@ def _grad_code(p: ir.Program, names: dict, fast: bool) -> list[tuple[str, str]]:
     g = score_grad(p)
     ranges = fast_score.guard_ranges(p) if fast else None
     form = (lambda e: fast_score.fast_expr(e, ranges)) if fast else (lambda e: e)  # noqa: E731
-    return [(triton_expr(form(d), names, ranges), triton_expr(form(s), names, ranges))
+    functions = calls(p.dtype)
+    return [(triton_expr(form(d), names, functions, ranges), triton_expr(form(s), names, functions, ranges))
             for d, s in zip(g.dscore, g.forward)]
 
 

@@ -114,8 +114,8 @@ def test_head_dims_and_half_dtypes(head_dim, dtype):
 @pytest.mark.parametrize("score", {"alibi": "score - exp(-(h + 1) * log(2.0)) * (q - k)",
                                    "softcap": "softcap(score, 30.0)"}.items(), ids=lambda s: s[0])
 def test_score_programs_in_half_dtypes(score, dtype):
-    """ALiBi's fast form (score_grad_fast) and softcap through the backward in f16 and bf16, at the
-    GPU's head dim and a length across the tiles."""
+    """ALiBi's fast form (score_grad_fast) and softcap's tanh (the GPU's tanh.approx.f32 on a GPU)
+    through the backward, at the GPU's head dim and a length across the tiles."""
     program = compile_spec(f"attention t {{ heads = 4 / 2 head_dim = 64 dtype = {dtype} mask = causal "
                            f"score = {score[1]} }}")
     kernel = runtime.load(program)

@@ -64,6 +64,15 @@ def test_regrouping_and_the_rules_that_keep_it_exact():
     assert "score_program_fast = score_program" in emit(_spec("score + (q - k) * h")).text
 
 
+def test_softcap_takes_the_gpus_tanh_in_half_dtypes():
+    for dtype, want in (("bf16", "_tanh_approx("), ("f16", "_tanh_approx("), ("f32", "_tanh(")):
+        text = emit(_spec("softcap(score, 30.0)", dtype)).text
+        assert want in _function(text, "score_program") and want in _function(text, "score_grad"), dtype
+    from attnc.backends.triton import lang
+    if lang.INTERPRETED:  # the interpreter runs no inline assembly: the accurate form there
+        assert lang._tanh_approx is lang._tanh
+
+
 class _Module:
     score_program, score_program_fast = "exact", "fast"
     score_grad, score_grad_fast = "exact grad", "fast grad"

@@ -12,7 +12,8 @@ tensors below, each followed by its strides and sizes (one pair per axis): tenso
 import triton
 import triton.language as tl  # noqa: F401  (the printed expressions use it)
 
-from attnc.backends.triton.lang import _f32_small, _floordiv, _floordiv_total, _mod, _mod_total, _tanh  # noqa: F401
+from attnc.backends.triton.lang import (_f32_small, _floordiv, _floordiv_total, _mod, _mod_total,  # noqa: F401
+                                        _tanh, _tanh_approx)
 
 DTYPE = "bf16"
 SPEC = dict(H_Q=4, H_KV=4, GROUP=1, D_QK=64, D_V=64, D_QK_PAD=64,
