@@ -40,9 +40,11 @@ def check_length(s_k: int, what: str = "S_k") -> None:
                         "(integer arithmetic in masks is proven to fit for positions below it)")
 
 
-def var_range(name: str, heads_q: int | None) -> Range:
+def var_range(name: str, heads_q: int | None, positions: int = MAX_LENGTH) -> Range:
+    """The values a variable takes; ``positions`` bounds q and k (a guard tighter than the
+    language's, for code that runs only on such calls), never the lengths S_q and S_k."""
     if name in ("q", "k"):
-        return 0, MAX_LENGTH - 1
+        return 0, positions - 1
     if name == "b":
         return 0, MAX_BATCH - 1
     if name == "h":
@@ -58,10 +60,12 @@ def fits(r: Range, t: ir.Type) -> bool:
 
 
 class IntRanges:
-    """Ranges of the integer nodes of one program's expressions (memoized by node identity)."""
+    """Ranges of the integer nodes of one program's expressions (memoized by node identity);
+    ``positions``: q and k lie below it (default: the language's MAX_LENGTH)."""
 
-    def __init__(self, heads_q: int | None):
+    def __init__(self, heads_q: int | None, positions: int = MAX_LENGTH):
         self.heads_q = heads_q
+        self.positions = positions
         self._memo: dict[int, tuple[ir.Expr, Range]] = {}
 
     def __call__(self, e: ir.Expr) -> Range:
@@ -76,7 +80,7 @@ class IntRanges:
         if isinstance(e, ir.Const):
             return int(e.value), int(e.value)
         if isinstance(e, ir.Var):
-            return var_range(e.name, self.heads_q)
+            return var_range(e.name, self.heads_q, self.positions)
         if isinstance(e, ir.Load):
             return INT_BOUNDS[I32]  # a declared i32 tensor holds any i32
         if isinstance(e, ir.Unary):

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from attnc.compiler import __version__, ir
+from attnc.compiler import __version__, fast_score, ir
+from attnc.compiler.ranges import IntRanges
 from attnc.backends.common import render
 
 _BINARY = {"add": "+", "sub": "-", "mul": "*", "and": "&", "or": "|", "bitand": "&", "bitor": "|", "bitxor": "^",
@@ -22,6 +23,11 @@ _COMPARE = {"eq": "==", "ne": "!=", "lt": "<", "le": "<=", "gt": ">", "ge": ">="
 # device's (within a few ulp)
 _CALLS = {"min": "tl.minimum", "max": "tl.maximum", "abs": "tl.abs", "exp": "tl.exp", "log": "tl.log",
           "sqrt": "tl.math.sqrt_rn", "tanh": "_tanh", "erf": "tl.math.erf", "sin": "tl.sin", "cos": "tl.cos"}
+# Storage whose tolerance takes the GPU's tanh.approx.f32 (lang._tanh_approx): measured on the
+# H200, relative error at most 1.1e-5 (2**-16.5) over |x| <= 12, so about s * 1e-5 on a softcapped
+# score s, within f16's and bf16's tolerance on O at any cap, not within f32's (2e-5).  (The PTX
+# ISA promises only 2**-11, under which f16's would not hold once scores reach a few units.)
+APPROX_TANH = ("f16", "bf16")
 
 
 def tensor_names(program: ir.Program) -> dict[str, str]:
@@ -31,9 +37,17 @@ def tensor_names(program: ir.Program) -> dict[str, str]:
     return {t.name: f"_t{i}" for i, t in enumerate(program.tensors)}
 
 
-def triton_expr(e: ir.Expr, names: dict[str, str] | None = None) -> str:
-    """Triton source for one IR expression over q [BLOCK_M, 1], k [1, BLOCK_N], scalar b, h."""
-    rec = lambda x: triton_expr(x, names)  # noqa: E731
+def calls(dtype: str) -> dict[str, str]:
+    """The functions a spec stored in ``dtype`` calls."""
+    return {**_CALLS, "tanh": "_tanh_approx"} if dtype in APPROX_TANH else _CALLS
+
+
+def triton_expr(e: ir.Expr, names: dict[str, str] | None = None, functions: dict[str, str] = _CALLS,
+                fast: IntRanges | None = None) -> str:
+    """Triton source for one IR expression over q [BLOCK_M, 1], k [1, BLOCK_N], scalar b, h.
+    ``fast``: the guarded calls' ranges of a fast form (compiler/fast_score.py), whose small
+    position conversions print as ``_f32_small``."""
+    rec = lambda x: triton_expr(x, names, functions, fast)  # noqa: E731
     if isinstance(e, ir.Const):
         return repr(e.value)
     if isinstance(e, ir.Var):  # the request's lengths come with TS: kv_lens [B] and qo_indptr [B + 1]
@@ -45,6 +59,8 @@ def triton_expr(e: ir.Expr, names: dict[str, str] | None = None) -> str:
         return f"tl.load({t} + {offset})"
     if isinstance(e, ir.Unary):
         x = rec(e.operand)
+        if e.op == "cast_f32" and fast is not None and fast_score.converts_by_addition(e.operand, fast):
+            return f"_f32_small({x})"
         return {"neg": f"(-{x})", "not": f"(~{x})", "cast_f32": f"({x}).to(tl.float32)",
                 "cast_i64": f"({x}).to(tl.int64)"}[e.op]
     if isinstance(e, ir.Binary):
@@ -63,7 +79,7 @@ def triton_expr(e: ir.Expr, names: dict[str, str] | None = None) -> str:
     if isinstance(e, ir.Select):
         return f"tl.where({rec(e.cond)}, {rec(e.if_true)}, {rec(e.if_false)})"
     if isinstance(e, ir.Call):
-        return f"{_CALLS[e.fn]}({', '.join(rec(a) for a in e.args)})"
+        return f"{functions[e.fn]}({', '.join(rec(a) for a in e.args)})"
     raise TypeError(e)
 
 
@@ -72,13 +88,25 @@ def _pad(d: int) -> int:
     return max(16, 1 << (d - 1).bit_length())
 
 
-def _grad_code(p: ir.Program, names: dict) -> list[tuple[str, str]]:
-    """(d s_i / d s_(i-1), s_i) per score statement, printed: the backward's score_grad."""
+def _score_code(p: ir.Program, names: dict, fast: bool) -> list[str]:
+    """The score statements, printed: score_program's, or ``fast`` score_program_fast's."""
+    ranges = fast_score.guard_ranges(p) if fast else None
+    exprs = [fast_score.fast_expr(s, ranges) for s in p.score] if fast else p.score
+    return [triton_expr(s, names, calls(p.dtype), ranges) for s in exprs]
+
+
+def _grad_code(p: ir.Program, names: dict, fast: bool) -> list[tuple[str, str]]:
+    """(d s_i / d s_(i-1), s_i) per score statement, printed: the backward's score_grad (or
+    ``fast`` score_grad_fast)."""
     if not p.score:
         return []
     from attnc.compiler.autodiff import score_grad
     g = score_grad(p)
-    return [(triton_expr(d, names), triton_expr(s, names)) for d, s in zip(g.dscore, g.forward)]
+    ranges = fast_score.guard_ranges(p) if fast else None
+    form = (lambda e: fast_score.fast_expr(e, ranges)) if fast else (lambda e: e)  # noqa: E731
+    functions = calls(p.dtype)
+    return [(triton_expr(form(d), names, functions, ranges), triton_expr(form(s), names, functions, ranges))
+            for d, s in zip(g.dscore, g.forward)]
 
 
 @dataclass(frozen=True)
@@ -96,6 +124,8 @@ def uses_lengths(program: ir.Program) -> bool:
 def emit(program: ir.Program) -> Source:
     p = program
     names = tensor_names(p)
+    score, fast = _score_code(p, names, False), _score_code(p, names, True)
+    grad, fast_grad = _grad_code(p, names, False), _grad_code(p, names, True)
     text = render(
         "triton", "spec.py.j2",
         name=p.name, version=__version__, digest=ir.digest(p),
@@ -104,8 +134,8 @@ def emit(program: ir.Program) -> Source:
         tensors=[{"name": t.name, "arg": names[t.name], "dtype": t.dtype.value, "axes": tuple(t.axes)}
                  for t in p.tensors],
         mask_source=ir.format_expr(p.mask), score_source=[ir.format_expr(s) for s in p.score],
-        mask_code=triton_expr(p.mask, names), score_code=[triton_expr(s, names) for s in p.score],
-        grad_code=_grad_code(p, names),
-        lengths=uses_lengths(p),
+        mask_code=triton_expr(p.mask, names), score_code=score, fast_code=fast if fast != score else None,
+        grad_code=grad, fast_grad_code=fast_grad if fast_grad != grad else None,
+        lengths=uses_lengths(p), fast_positions=f"2**{fast_score.FAST_POSITIONS.bit_length() - 1}",
     )
     return Source(text, f"{p.name}_triton", entry="visible")

@@ -86,7 +86,7 @@ class BackwardLaunch:
                  offsets: tuple[int, int] | None = None):
         """``offsets``: the absolute positions (Q_OFF, K_OFF) of the first row and key, for one block
         of a larger call (context parallelism); None: a whole call, bottom-right (S_k - S_q, 0)."""
-        from .launch import Launcher
+        from .launch import Launcher, position_end, score_functions
         self.module, self.config = module, config
         self.batch, self.s_q, self.s_k = shape
         cc, rc = dkdv_plan.tiles.classes, dq_plan.tiles.classes
@@ -102,7 +102,8 @@ class BackwardLaunch:
         q_off, k_off = offsets if offsets is not None else (self.s_k - self.s_q, 0)
         self.ints = (self.s_q, self.s_k, q_off, k_off, *cc.shape[:2], k_tiles, q_tiles,
                      self.batch * self.h_kv, self.batch * self.h_q, self.jobs[0])
-        consts = dict(VISIBLE=module.visible, SCORE_GRAD=getattr(module, "score_grad", module.score_program),
+        score_grad = score_functions(module, position_end(self.s_q, self.s_k, offsets))[1]
+        consts = dict(VISIBLE=module.visible, SCORE_GRAD=score_grad,
                       HAS_SCORE=spec["HAS_SCORE"], SCALE=spec["SCALE"], H_Q=spec["H_Q"], H_KV=spec["H_KV"],
                       GROUP=spec["GROUP"], D_QK=spec["D_QK"], D_V=spec["D_V"], D_QK_PAD=spec["D_QK_PAD"],
                       D_V_PAD=spec["D_V_PAD"], DOT_PRECISION=spec["DOT_PRECISION"],

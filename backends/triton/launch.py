@@ -34,6 +34,7 @@ import numpy as np
 
 from attnc.compiler import ir
 from attnc.compiler.analysis.ledger import vector_dtype
+from attnc.compiler.fast_score import FAST_POSITIONS
 from attnc.compiler.errors import InputError, PlanError
 
 from . import gluon_engine, prefill, split
@@ -341,9 +342,33 @@ def _stream():
     return d.get_current_stream(d.get_current_device())
 
 
-def spec_constexprs(module) -> dict:
-    """What a generated spec module gives the kernels as constexpr arguments."""
-    return {"VISIBLE": module.visible, "SCORE": module.score_program, **module.SPEC}
+def fast_scores(end: int | None) -> bool:
+    """Whether a call whose positions all lie below ``end`` takes the spec's fast score functions
+    (``score_program_fast``, ``score_grad_fast``: the exact ones, bit for bit, on positions below
+    fast_score.FAST_POSITIONS; compiler/fast_score.py).  None: the launch does not know its
+    positions (split calls: a captured decode graph replays with longer requests)."""
+    return end is not None and end <= FAST_POSITIONS
+
+
+def score_functions(module, end: int | None) -> tuple:
+    """(SCORE, SCORE_GRAD): the spec's score program and its derivative for a call whose
+    positions all lie below ``end`` -- the fast forms where ``fast_scores`` allows them."""
+    if fast_scores(end):
+        return module.score_program_fast, getattr(module, "score_grad_fast", module.score_program_fast)
+    return module.score_program, getattr(module, "score_grad", module.score_program)
+
+
+def position_end(s_q: int, s_k: int, offsets: tuple[int, int] | None) -> int:
+    """One past the largest position of a call (rows at Q_OFF.., keys at K_OFF..; ``offsets``
+    None: a whole call, bottom-right)."""
+    q_off, k_off = offsets if offsets is not None else (s_k - s_q, 0)
+    return max(q_off + s_q, k_off + s_k)
+
+
+def spec_constexprs(module, end: int | None = None) -> dict:
+    """What a generated spec module gives the kernels as constexpr arguments, for a call whose
+    positions all lie below ``end`` (``score_functions``)."""
+    return {"VISIBLE": module.visible, "SCORE": score_functions(module, end)[0], **module.SPEC}
 
 
 def tensor_args(module, tensors: dict, lengths=None) -> tuple:
@@ -407,7 +432,7 @@ class PrefillLaunch:
         self.offsets = offsets
         self.fp8 = fp8
         self.device = device
-        spec = spec_constexprs(module)
+        spec = spec_constexprs(module, position_end(self.s_q, self.s_k, offsets))
         self.bh = self.batch * module.SPEC["H_Q"]
         self.jobs = arrays["q_tiles"] * self.bh
         c = config

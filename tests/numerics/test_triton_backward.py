@@ -110,6 +110,19 @@ def test_head_dims_and_half_dtypes(head_dim, dtype):
     _check(kernel, s, s, seed=9, batch=1)
 
 
+@pytest.mark.parametrize("dtype", ["bf16", "f16"])
+@pytest.mark.parametrize("score", {"alibi": "score - exp(-(h + 1) * log(2.0)) * (q - k)",
+                                   "softcap": "softcap(score, 30.0)"}.items(), ids=lambda s: s[0])
+def test_score_programs_in_half_dtypes(score, dtype):
+    """ALiBi's fast form (score_grad_fast) and softcap's tanh (the GPU's tanh.approx.f32 on a GPU)
+    through the backward, at the GPU's head dim and a length across the tiles."""
+    program = compile_spec(f"attention t {{ heads = 4 / 2 head_dim = 64 dtype = {dtype} mask = causal "
+                           f"score = {score[1]} }}")
+    kernel = runtime.load(program)
+    s = 300 if kernel.device == "cuda" else 21
+    _check(kernel, s, s, seed=4, batch=1)
+
+
 def test_a_mask_reading_the_lengths():
     """S_k in the mask: the backward passes the call's lengths as the forward does."""
     kernel = runtime.load(compile_spec("attention e { heads = 2 head_dim = 16 dtype = f32 mask = causal & k < S_k - 3 }"))

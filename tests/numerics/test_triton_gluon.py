@@ -25,6 +25,9 @@ SPECS = {
                      "mask = causal & doc[b, q] == doc[b, k] }",
     "softcap_window": "attention w { heads = 4 / 4 head_dim = 128 dtype = bf16 mask = causal & q - k < 100 "
                       "score = 30.0 * tanh(score / 30.0) }",
+    "softcap_f16": "attention s { heads = 4 / 2 head_dim = 64 dtype = f16 mask = causal score = softcap(score, 30.0) }",
+    "alibi_bf16": "attention a { heads = 8 / 2 head_dim = 128 dtype = bf16 mask = causal "
+                  "score = score - exp(-(h + 1) * log(2.0)) * (q - k) }",
     "all_masked_rows": "attention e { heads = 2 head_dim = 64 dtype = bf16 mask = q >= 200 & causal }",
     "mla_192_128": "attention m { heads = 4 head_dim = 192 / 128 dtype = bf16 mask = causal }",
     "d256_window": "attention w { heads = 2 head_dim = 256 dtype = f16 mask = causal & q - k < 150 }",
@@ -33,11 +36,14 @@ PHASES = {"prefill": (256, 256), "append": (128, 384),  # S_q and S_k multiples 
           "tails": (200, 200), "append_tails": (77, 333)}  # tiles across S_q and S_k: masked
 
 
-def _check(program, s_q, s_k, seed, schedule=None, monkeypatch=None, mask_source=None):
+def _check(program, s_q, s_k, seed, schedule=None, monkeypatch=None, mask_source=None, engine="gluon", scale=1):
+    """The call on ``engine`` against the oracle; ``scale`` multiplies q and k (a power of two: the
+    values stay those of the storage dtype)."""
     kernel = runtime.load(program)
     arrays = inputs.sample(program, 2, s_q, s_k, seed=seed)
+    arrays["q"], arrays["k"] = arrays["q"] * scale, arrays["k"] * scale
     call = inputs.validate(program, arrays)
-    o, lse = kernel(arrays["q"], arrays["k"], arrays["v"], return_lse=True, engine="gluon", mask_source=mask_source,
+    o, lse = kernel(arrays["q"], arrays["k"], arrays["v"], return_lse=True, engine=engine, mask_source=mask_source,
                     schedule=schedule, **{t.name: arrays[t.name] for t in program.tensors})
     ref_o, ref_lse = oracle.reference(program, call.q, call.k, call.v, call.tensors)
     co, cl = numerics.compare_outputs(program.dtype, inputs.output_bhsd(program, o), lse, ref_o, ref_lse)
@@ -58,6 +64,17 @@ def test_gluon_engine_matches_oracle_on_examples(path, phase):
 @pytest.mark.parametrize("name", SPECS)
 def test_gluon_engine_matches_oracle_on_specs(name, schedule, monkeypatch):
     _check(compile_spec(SPECS[name]), 256, 384, seed=4, schedule=schedule, monkeypatch=monkeypatch)
+
+
+@hopper
+@pytest.mark.parametrize("engine", ["gluon", "triton"])
+@pytest.mark.parametrize("name", ["alibi_bf16", "softcap_window", "softcap_f16"])
+def test_score_programs_on_both_engines_with_scores_of_a_few_units(name, engine):
+    """ALiBi's fast form (positions converted on the row and key vectors) and softcap's tanh (the
+    GPU's tanh.approx.f32 in f16 and bf16: an error of about s * 1e-5 on a capped score s) on the
+    Gluon engine and the Triton kernel, q and k doubled (scores of std about 4), against the
+    oracle; tiles across S_q and S_k."""
+    _check(compile_spec(SPECS[name]), 200, 333, seed=6, engine=engine, scale=2)
 
 
 @hopper

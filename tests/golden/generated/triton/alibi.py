@@ -6,13 +6,15 @@ Spec digest 1fb9dc3502b38de24e330a9678f75c37239f6b2cafea8e25903f8c2cb192c6eb.
   score = score - exp(-(h + 1) * 0.6931471824645996) * (q - k)
 
 The kernels (attnc.backends.triton: prefill, gluon_engine, split) take ``visible``,
-``score_program`` and SPEC as constexpr arguments and inline them; TS is the tuple of the
+``score_program`` (``score_program_fast`` on calls whose positions lie below 2**23: the
+launch layer decides) and SPEC as constexpr arguments and inline them; TS is the tuple of the
 tensors below, each followed by its strides and sizes (one pair per axis): tensor i is _t<i>.
 """
 import triton
 import triton.language as tl  # noqa: F401  (the printed expressions use it)
 
-from attnc.backends.triton.lang import _floordiv, _floordiv_total, _mod, _mod_total, _tanh  # noqa: F401
+from attnc.backends.triton.lang import (_f32_small, _floordiv, _floordiv_total, _mod, _mod_total,  # noqa: F401
+                                        _tanh, _tanh_approx)
 
 DTYPE = "f32"
 SPEC = dict(H_Q=8, H_KV=8, GROUP=1, D_QK=64, D_V=64, D_QK_PAD=64,
@@ -35,10 +37,28 @@ def score_program(score, b, h, q, k, TS):
 
 
 @triton.jit
+def score_program_fast(score, b, h, q, k, TS):
+    """score_program on calls whose positions q, k lie below 2**23, bit for bit: its
+    positions converted to float32 on the row and key vectors, not per cell (attnc.compiler.fast_score)."""
+    score = (score - (tl.exp((((-(h + 1))).to(tl.float32) * 0.6931471824645996)) * (_f32_small(q) - _f32_small(k))))
+    return score
+
+
+@triton.jit
 def score_grad(score, b, h, q, k, TS):
     """The score statements and d score / d (scaled q.k) by the chain rule (the compiler's
     derivative, attnc.compiler.autodiff): the backward kernels' SCORE_GRAD."""
     grad = 1.0
     grad = grad * 1.0
     score = (score - (tl.exp((((-(h + 1))).to(tl.float32) * 0.6931471824645996)) * ((q - k)).to(tl.float32)))
+    return score, grad
+
+
+@triton.jit
+def score_grad_fast(score, b, h, q, k, TS):
+    """score_grad on calls whose positions q, k lie below 2**23, bit for bit (as
+    score_program_fast): the backward kernels' SCORE_GRAD there."""
+    grad = 1.0
+    grad = grad * 1.0
+    score = (score - (tl.exp((((-(h + 1))).to(tl.float32) * 0.6931471824645996)) * (_f32_small(q) - _f32_small(k))))
     return score, grad

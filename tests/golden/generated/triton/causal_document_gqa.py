@@ -6,13 +6,15 @@ Spec digest c8310eac98f3dcb56106c9e7a2055e14c7fda4a929d1485e705e29ef2ac56ec3.
   score = 50.0 * tanh(score * 0.019999999552965164)
 
 The kernels (attnc.backends.triton: prefill, gluon_engine, split) take ``visible``,
-``score_program`` and SPEC as constexpr arguments and inline them; TS is the tuple of the
+``score_program`` (``score_program_fast`` on calls whose positions lie below 2**23: the
+launch layer decides) and SPEC as constexpr arguments and inline them; TS is the tuple of the
 tensors below, each followed by its strides and sizes (one pair per axis): tensor i is _t<i>.
 """
 import triton
 import triton.language as tl  # noqa: F401  (the printed expressions use it)
 
-from attnc.backends.triton.lang import _floordiv, _floordiv_total, _mod, _mod_total, _tanh  # noqa: F401
+from attnc.backends.triton.lang import (_f32_small, _floordiv, _floordiv_total, _mod, _mod_total,  # noqa: F401
+                                        _tanh, _tanh_approx)
 
 DTYPE = "bf16"
 SPEC = dict(H_Q=32, H_KV=8, GROUP=4, D_QK=64, D_V=64, D_QK_PAD=64,
@@ -32,8 +34,11 @@ def visible(b, h, q, k, TS):
 def score_program(score, b, h, q, k, TS):
     """The score statements, in order, on the scaled q.k (float32)."""
     _t0, _t0_s0, _t0_n0, _t0_s1, _t0_n1 = TS
-    score = (50.0 * _tanh((score * 0.019999999552965164)))
+    score = (50.0 * _tanh_approx((score * 0.019999999552965164)))
     return score
+
+
+score_program_fast = score_program  # (no conversion of positions to move off the cells)
 
 
 @triton.jit
@@ -42,6 +47,9 @@ def score_grad(score, b, h, q, k, TS):
     derivative, attnc.compiler.autodiff): the backward kernels' SCORE_GRAD."""
     _t0, _t0_s0, _t0_n0, _t0_s1, _t0_n1 = TS
     grad = 1.0
-    grad = grad * (0.9999999776482582 * (1.0 - (_tanh((score * 0.019999999552965164)) * _tanh((score * 0.019999999552965164)))))
-    score = (50.0 * _tanh((score * 0.019999999552965164)))
+    grad = grad * (0.9999999776482582 * (1.0 - (_tanh_approx((score * 0.019999999552965164)) * _tanh_approx((score * 0.019999999552965164)))))
+    score = (50.0 * _tanh_approx((score * 0.019999999552965164)))
     return score, grad
+
+
+score_grad_fast = score_grad

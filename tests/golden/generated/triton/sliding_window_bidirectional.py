@@ -5,13 +5,15 @@ Spec digest b14900245275314c4fcde6fb7b99c3ec1794f17482c4e496d3efbbacb2ec0b2f.
   mask  = abs(q - k) <= 16
 
 The kernels (attnc.backends.triton: prefill, gluon_engine, split) take ``visible``,
-``score_program`` and SPEC as constexpr arguments and inline them; TS is the tuple of the
+``score_program`` (``score_program_fast`` on calls whose positions lie below 2**23: the
+launch layer decides) and SPEC as constexpr arguments and inline them; TS is the tuple of the
 tensors below, each followed by its strides and sizes (one pair per axis): tensor i is _t<i>.
 """
 import triton
 import triton.language as tl  # noqa: F401  (the printed expressions use it)
 
-from attnc.backends.triton.lang import _floordiv, _floordiv_total, _mod, _mod_total, _tanh  # noqa: F401
+from attnc.backends.triton.lang import (_f32_small, _floordiv, _floordiv_total, _mod, _mod_total,  # noqa: F401
+                                        _tanh, _tanh_approx)
 
 DTYPE = "bf16"
 SPEC = dict(H_Q=8, H_KV=2, GROUP=4, D_QK=64, D_V=64, D_QK_PAD=64,
@@ -30,3 +32,6 @@ def visible(b, h, q, k, TS):
 def score_program(score, b, h, q, k, TS):
     """The score statements, in order, on the scaled q.k (float32)."""
     return score
+
+
+score_program_fast = score_program  # (no conversion of positions to move off the cells)

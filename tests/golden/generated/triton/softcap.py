@@ -6,13 +6,15 @@ Spec digest 45f9600f7acbb7763428d1751ecda928558685f527ab0ddc0d4a9fd0db332555.
   score = 20.0 * tanh(score * 0.05000000074505806)
 
 The kernels (attnc.backends.triton: prefill, gluon_engine, split) take ``visible``,
-``score_program`` and SPEC as constexpr arguments and inline them; TS is the tuple of the
+``score_program`` (``score_program_fast`` on calls whose positions lie below 2**23: the
+launch layer decides) and SPEC as constexpr arguments and inline them; TS is the tuple of the
 tensors below, each followed by its strides and sizes (one pair per axis): tensor i is _t<i>.
 """
 import triton
 import triton.language as tl  # noqa: F401  (the printed expressions use it)
 
-from attnc.backends.triton.lang import _floordiv, _floordiv_total, _mod, _mod_total, _tanh  # noqa: F401
+from attnc.backends.triton.lang import (_f32_small, _floordiv, _floordiv_total, _mod, _mod_total,  # noqa: F401
+                                        _tanh, _tanh_approx)
 
 DTYPE = "bf16"
 SPEC = dict(H_Q=8, H_KV=2, GROUP=4, D_QK=64, D_V=64, D_QK_PAD=64,
@@ -30,8 +32,11 @@ def visible(b, h, q, k, TS):
 @triton.jit
 def score_program(score, b, h, q, k, TS):
     """The score statements, in order, on the scaled q.k (float32)."""
-    score = (20.0 * _tanh((score * 0.05000000074505806)))
+    score = (20.0 * _tanh_approx((score * 0.05000000074505806)))
     return score
+
+
+score_program_fast = score_program  # (no conversion of positions to move off the cells)
 
 
 @triton.jit
@@ -39,6 +44,9 @@ def score_grad(score, b, h, q, k, TS):
     """The score statements and d score / d (scaled q.k) by the chain rule (the compiler's
     derivative, attnc.compiler.autodiff): the backward kernels' SCORE_GRAD."""
     grad = 1.0
-    grad = grad * (1.0000000149011612 * (1.0 - (_tanh((score * 0.05000000074505806)) * _tanh((score * 0.05000000074505806)))))
-    score = (20.0 * _tanh((score * 0.05000000074505806)))
+    grad = grad * (1.0000000149011612 * (1.0 - (_tanh_approx((score * 0.05000000074505806)) * _tanh_approx((score * 0.05000000074505806)))))
+    score = (20.0 * _tanh_approx((score * 0.05000000074505806)))
     return score, grad
+
+
+score_grad_fast = score_grad
