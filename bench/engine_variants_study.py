@@ -29,6 +29,17 @@ VARIANTS = {"base": {}, "overlap": {"OVERLAP": True}, "no_overlap": {"OVERLAP": 
             "head_group16": {"options": {"head_group": 16}}, "head_group2": {"options": {"head_group": 2}}}
 
 
+PTX_OPS = ("wgmma.mma_async", "ex2.approx", "shfl.sync", "prmt.b32", "st.shared", "ld.shared", "stmatrix", "ldmatrix",
+           "cvt.rn.satfinite.e4m3x2", "cvt.rn.bf16x2", "bar.sync", "mbarrier.try_wait")
+
+
+def _ptx_counts(compiled) -> dict:
+    """How often each of PTX_OPS appears in the kernel's PTX (where P's layout change goes:
+    shuffles and byte permutes, or a round trip through shared memory)."""
+    ptx = getattr(compiled, "asm", {}).get("ptx", "")
+    return {op: ptx.count(op) for op in PTX_OPS}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--variants", default=",".join(VARIANTS))
@@ -74,6 +85,7 @@ def main(argv=None) -> int:
                                   "max_diff_vs_first": float((o.float() - base.float()).abs().max()),
                                   "n_regs": getattr(compiled[0], "n_regs", None) if compiled else None,
                                   "n_spills": getattr(compiled[0], "n_spills", None) if compiled else None,
+                                  "ptx_counts": _ptx_counts(compiled[0]) if compiled else None,
                                   "config": run.config.describe()}), flush=True)
         launch.GLUON_OVERLAP, gluon_engine.REGS, launch.GLUON_STAGES = (defaults["OVERLAP"], defaults["REGS"],
                                                                          defaults["STAGES"])
