@@ -4,7 +4,7 @@ and FP8 (kernel alone, ``Kernel.prepare``, each variant a fresh launch):
   base        the engine as shipped;
   overlap / no_overlap   block i+1's Q.K^T issued before block i's softmax (FlashAttention-3's
               intra-warpgroup overlap: ``launch.GLUON_OVERLAP``; FP8 launches never overlap);
-  regs232 / regs240      the consumer warpgroups' registers (``gluon_engine.REGS``);
+  regs232 / regs240      the consumer warpgroups' registers (``launch.GLUON_REGS_D128``);
   stages3     three K/V stages (``launch.GLUON_STAGES``; FP8 blocks are half the bytes);
   one_tile, head_group<n>   the call options ``schedule="one_tile"`` (one job per program) and
               ``head_group=n`` (heads whose tiles interleave; default 4).
@@ -50,9 +50,9 @@ def main(argv=None) -> int:
     import torch
     import triton.testing
     import attnc
-    from attnc.backends.triton import gluon_engine, launch
+    from attnc.backends.triton import launch
     b, h, s, d = 4, 16, args.seq, 128
-    defaults = {"OVERLAP": launch.GLUON_OVERLAP, "REGS": gluon_engine.REGS, "STAGES": launch.GLUON_STAGES}
+    defaults = {"OVERLAP": launch.GLUON_OVERLAP, "REGS": launch.GLUON_REGS_D128, "STAGES": launch.GLUON_STAGES}
     for mask in args.masks.split(","):
         attn = attnc.compile(f"attention c {{ heads = {h} head_dim = {d} dtype = bf16 "
                              f"mask = {'causal' if mask == 'causal' else 'true'} }}")
@@ -67,7 +67,7 @@ def main(argv=None) -> int:
             base = None
             for name in args.variants.split(","):
                 knobs = {**defaults, **{n: x for n, x in VARIANTS[name].items() if n != "options"}}
-                launch.GLUON_OVERLAP, gluon_engine.REGS, launch.GLUON_STAGES = (knobs["OVERLAP"], knobs["REGS"],
+                launch.GLUON_OVERLAP, launch.GLUON_REGS_D128, launch.GLUON_STAGES = (knobs["OVERLAP"], knobs["REGS"],
                                                                                  knobs["STAGES"])
                 row = {"study": "engine_variants", "variant": name, "mask": mask, "dtype": dtype, "B": b, "H": h,
                        "S": s, "D": d}
@@ -87,7 +87,7 @@ def main(argv=None) -> int:
                                   "n_spills": getattr(compiled[0], "n_spills", None) if compiled else None,
                                   "ptx_counts": _ptx_counts(compiled[0]) if compiled else None,
                                   "config": run.config.describe()}), flush=True)
-        launch.GLUON_OVERLAP, gluon_engine.REGS, launch.GLUON_STAGES = (defaults["OVERLAP"], defaults["REGS"],
+        launch.GLUON_OVERLAP, launch.GLUON_REGS_D128, launch.GLUON_STAGES = (defaults["OVERLAP"], defaults["REGS"],
                                                                          defaults["STAGES"])
         del q, k, v, q8, k8, v8
         torch.cuda.empty_cache()

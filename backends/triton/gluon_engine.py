@@ -44,7 +44,7 @@ except (ImportError, AttributeError):  # a Triton without Gluon: the engine is u
         jit = staticmethod(lambda fn: fn)
 
 ROWS = 64  # query rows per consumer warpgroup; the engine's query tile is 2 * ROWS
-REGS = (168, 240, 24)  # maxnreg, then the consumer warpgroups' and the producer warp's registers
+REGS = (168, 232, 24)  # maxnreg, then the consumer warpgroups' and the producer warp's registers (launch.gluon_regs)
 SMEM = 232448  # bytes of shared memory a program may take on sm_90
 ONE_TILE, COUNTER = tl.constexpr(0), tl.constexpr(1)
 SCHEDULES = {"one_tile": 0, "counter": 1}

@@ -47,9 +47,22 @@ GLUON_HEAD_DIMS = (64, 128, 192, 256)  # q.k's (192: loaded as 256 columns, zero
 GLUON_V_DIMS = (64, 128, 256)  # v's and O's (the register tile and the masked tail store need a power of two)
 GLUON_STAGES = 2
 # Block i+1's Q.K^T issued before block i's softmax (FlashAttention-3's intra-warpgroup overlap), on
-# f16 / bf16: +3.6% causal, +4.5% full at S = 8K d128 on the H200, no spills at 240 registers
-# (study r44 bench/engine_variants_study.py); FP8 calls, whose MMAs take half the time, lose ~1%.
+# f16 / bf16 at d 128: +3.6% causal, +4.5% full at S = 8K on the H200, no spills at 240 registers
+# (study r44 bench/engine_variants_study.py); FP8 calls, whose MMAs take half the time, lose ~1%;
+# other head dims lost with it in the r44 bench (d 256: 408 TFLOP/s against r43's 562 without it;
+# d 64: 416 against 433), so they keep the r43 engine.
 GLUON_OVERLAP = True
+GLUON_REGS_D128 = (168, 240, 24)  # d 128's consumer registers (FP8 causal +3% at 240, r44); others: gluon_engine.REGS
+
+
+def gluon_overlap(d_qk: int, d_v: int, fp8: bool) -> bool:
+    """Whether the Gluon engine overlaps the next block's Q.K^T with this block's softmax."""
+    return GLUON_OVERLAP and not fp8 and d_qk == d_v == 128
+
+
+def gluon_regs(d_qk: int, d_v: int) -> tuple:
+    """(maxnreg, consumer warpgroups' registers, producer warp's registers) of a Gluon launch."""
+    return GLUON_REGS_D128 if d_qk == d_v == 128 else gluon_engine.REGS
 SHORT_ROW_BLOCKS = 16  # computed K/V blocks per 128-row tile under which rows count as short
 SHORT_ROW_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 64, "num_stages": 3}  # warps follow the tile: 4
 MERGED_RUN_BLOCKS = 24  # the merged walk once the plan's runs average this many blocks
@@ -449,14 +462,14 @@ class PrefillLaunch:
             fixed = gluon_smem(d_qk, d_v, bn, 0, self.schedule, fp8)
             per_stage = bn * (gluon_box(d_qk) + gluon_box(d_v)) * elem
             stages = max(1, min(c.num_stages, (gluon_engine.SMEM - fixed) // per_stage))
-            maxnreg, consumer, producer = gluon_engine.REGS
+            maxnreg, consumer, producer = gluon_regs(d_qk, d_v)
             keep = {n: spec[n] for n in ("VISIBLE", "SCORE", "HAS_SCORE", "SCALE", "H_Q", "H_KV", "GROUP")}
             from_rows = c.mask_source == "rows"
             self.launcher = Launcher(gluon_engine._attn_fwd_ws, dict(
                 MASK_FROM_ROWS=from_rows, EVEN_Q=self.s_q % (2 * gluon_engine.ROWS) == 0, EVEN_K=self.s_k % bn == 0,
                 ROWS_=gluon_engine.ROWS, BLOCK_N=bn, D=d_v, SAME_D=same, STAGES=stages,
                 HEAD_GROUP=c.head_group, CONSUMER_REGS=consumer, PRODUCER_REGS=producer, SCHEDULE=self.schedule,
-                FP8=fp8, OVERLAP=GLUON_OVERLAP and not fp8, **keep), num_warps=4, maxnreg=maxnreg)
+                FP8=fp8, OVERLAP=gluon_overlap(d_qk, d_v, fp8), **keep), num_warps=4, maxnreg=maxnreg)
             unused = arrays["merged_partial"]
             rows = (arrays["KS"], arrays["KE"]) if from_rows else (unused, unused)
             self._layouts = {}
