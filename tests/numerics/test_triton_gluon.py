@@ -8,7 +8,7 @@ torch = pytest.importorskip("torch", reason="the Triton backend's tests need tor
 pytest.importorskip("triton", reason="the Triton backend's tests need triton (pip install -e '.[test]')")
 
 from attnc.compiler import oracle  # noqa: E402
-from attnc.backends.triton import launch, runtime  # noqa: E402
+from attnc.backends.triton import gluon_engine, launch, runtime  # noqa: E402
 from attnc.compiler import inputs, numerics  # noqa: E402
 from attnc.compiler.lower import compile_file, compile_spec  # noqa: E402
 from tests.conftest import EXAMPLES  # noqa: E402
@@ -175,3 +175,12 @@ def test_elsewhere_every_call_takes_the_triton_kernel():
     arrays = inputs.sample(docs, 1, 128, 128, seed=1)
     with pytest.raises(ValueError, match="mask_source='rows' is an option of the Gluon engine"):
         runtime.load(docs)(arrays["q"], arrays["k"], arrays["v"], doc=arrays["doc"], mask_source="rows")
+
+
+def test_overlap_and_registers_follow_the_head_dim():
+    """The launch layer's rule (measured on the H200, r44): the intra-warpgroup overlap on f16/bf16
+    at head dim 128 only, with 240 consumer registers there; FP8 and the other head dims without."""
+    assert launch.gluon_overlap(128, 128, fp8=False) and not launch.gluon_overlap(128, 128, fp8=True)
+    assert not any(launch.gluon_overlap(dq, dv, fp8=False) for dq, dv in ((64, 64), (256, 256), (192, 128)))
+    assert launch.gluon_regs(128, 128)[1] == 240
+    assert launch.gluon_regs(256, 256) == launch.gluon_regs(64, 64) == gluon_engine.REGS
