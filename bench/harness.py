@@ -439,9 +439,8 @@ def _run_case(case: PrefillCase, rows: Rows, env: dict, seed: int, flex_modes, s
     v = torch.randn(B, H_kv, S, d_v, device=DEVICE, dtype=torch.bfloat16, generator=g)
     tensors = {}
     if program.tensors:
-        sample = inputs.sample(program, B, S, S, seed)
+        sample = inputs.sample_tensors(program, B, S, seed)  # (q, k, v are drawn on the GPU)
         tensors = {t.name: torch.as_tensor(sample[t.name].astype(np.int32), device=DEVICE) for t in program.tensors}
-        del sample
     visible, counts, plan_ms = _plan_stats(program, B, S, tensors)
     flops = prefill_flops(visible, H, d_qk, d_v)
     planes = [(0, 0), (B - 1, H - 1)]

@@ -649,6 +649,16 @@ def sample(program: ir.Program, batch: int, s_q: int, s_k: int, seed: int = 0) -
     return arrays
 
 
+def sample_tensors(program: ir.Program, batch: int, s_k: int, seed: int = 0) -> dict[str, np.ndarray]:
+    """Only the declared tensors, drawn from their ``~ kind(args)`` (a call whose q/k/v come from
+    elsewhere, such as a benchmark's on the GPU; the values differ from :func:`sample`'s, which
+    draws q/k/v first)."""
+    resources.require(f"sampled tensors of '{program.name}' (B = {batch}, S_k = {s_k})",
+                      16 * sum(int(np.prod([{"b": batch, "h": program.heads_q, "s": s_k}.get(x, x) for x in t.axes]))
+                               for t in program.tensors))
+    return _sample_tensors(program, np.random.default_rng(seed), {"b": batch, "h": program.heads_q, "s": s_k}, {})
+
+
 def _sample_tensors(p: ir.Program, rng, sizes: dict[str, int], arrays: dict) -> dict[str, np.ndarray]:
     """Every declared tensor drawn from its ``~ kind(args)`` (``arrays`` holds earlier draws)."""
     arrays = dict(arrays)

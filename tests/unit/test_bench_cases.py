@@ -258,3 +258,16 @@ def test_dry_run_on_the_cpu_writes_every_row_and_the_summary(tmp_path, monkeypat
     assert base["pass"] and base["dtype"] == "bf16" and base["case"] == "fp8_causal"
     call = next(r for r in rows if r["impl"] == "attnc_call")
     assert call["bf16_causal_source"] == "attnc_call_bf16 row of this case"
+
+
+def test_the_bench_draws_only_the_declared_tensors_on_the_host():
+    """The documents case at B4 S8192 needs its doc tensor only (q, k, v are drawn on the GPU): no
+    5 GiB host sample of q/k/v, and the same distribution as inputs.sample's."""
+    from attnc.compiler import inputs
+    from attnc.compiler.lower import compile_spec
+    program = compile_spec("attention d { heads = 16 head_dim = 128 dtype = bf16 tensor doc: i32[b, s] ~ "
+                           "segments(256, 2048) mask = causal & doc[b, q] == doc[b, k] }")
+    doc = inputs.sample_tensors(program, 4, 8192, seed=0)["doc"]
+    assert doc.shape == (4, 8192) and doc.dtype.kind == "i"
+    runs = np.diff(np.flatnonzero(np.diff(doc[0]) != 0))
+    assert (np.diff(doc, axis=1) >= 0).all() and runs.min() >= 256 and runs.max() <= 2048
