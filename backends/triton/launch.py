@@ -184,8 +184,14 @@ def gluon_call_refusal(program: ir.Program, s_q: int, s_k: int, contiguous: bool
         return (f"the Gluon engine's buffers for head dims {program.d_qk} / {program.d_v} on {tiles[0]} x {tiles[1]} "
                 f"tiles take {need:,} bytes of shared memory, over the {gluon_engine.SMEM:,} a program has")
     if not contiguous:
-        return "the Gluon engine reads and writes contiguous bhsd tensors"
+        return "the Gluon engine reads and writes contiguous bhsd tensors at 16-byte aligned addresses (TMA)"
     return None
+
+
+def tma_ready(*tensors) -> bool:
+    """Whether TMA can copy blocks of these tensors: contiguous, at 16-byte aligned addresses (a
+    contiguous view at an odd offset, ``x[1:]``, is not)."""
+    return all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in tensors)
 
 
 def gluon_box(d: int) -> int:

@@ -185,7 +185,7 @@ class Kernel:
                              "three as float8_e4m3fn")
         bound = self._validate(q, k, v, tensors, storage=False)._replace(emulate=False)
         p = self.program
-        contiguous = q.is_contiguous() and k.is_contiguous() and not bound.bshd
+        contiguous = L.tma_ready(q, k) and not bound.bshd
         refusal = None if p.d_qk == p.d_v and p.d_qk in (64, 128, 256) else \
             f"FP8 runs on the Gluon engine with equal q.k and v head dims of 64, 128 or 256, not {p.d_qk} / {p.d_v}"
         refusal = refusal or L.gluon_call_refusal(p, bound.s_q, bound.s_k, contiguous, L.capability(q.device),
@@ -364,7 +364,7 @@ class Kernel:
 
         # (the Gluon engine writes O through a bhsd view: bshd outputs take the Triton kernel; an FP8
         # call's V is V^T, whose layout _fp8_bind checked)
-        contiguous = all(x.is_contiguous() for x in (qb, kb, vb if not fp8 else qb)) and not bound.bshd
+        contiguous = L.tma_ready(qb, kb, vb if not fp8 else qb) and not bound.bshd
         config, plan = L.choose_prefill(p, bound.s_q, bound.s_k, plan_for, asked=asked, tuned=tuned,
                                         contiguous=contiguous, device_capability=L.capability(qb.device),
                                         given_plan=plan)

@@ -184,3 +184,14 @@ def test_overlap_and_registers_follow_the_head_dim():
     assert not any(launch.gluon_overlap(dq, dv, fp8=False) for dq, dv in ((64, 64), (256, 256), (192, 128)))
     assert launch.gluon_regs(128, 128)[1] == 240
     assert launch.gluon_regs(256, 256) == launch.gluon_regs(64, 64) == gluon_engine.REGS
+
+
+def test_tma_takes_contiguous_tensors_at_aligned_addresses():
+    """A contiguous view at an odd offset would fail TMA's descriptor with an assertion: the launch
+    layer sends such calls to the Triton kernel without TMA instead (``launch.tma_ready``)."""
+    x = torch.zeros(4, 64, dtype=torch.bfloat16)
+    assert launch.tma_ready(x, x[2:])
+    assert not launch.tma_ready(x.view(-1)[1:]) and not launch.tma_ready(x.t())
+    program = compile_spec(SPECS["gqa_d128_causal"])
+    refusal = launch.gluon_call_refusal(program, 256, 256, launch.tma_ready(x.view(-1)[1:]), 90)
+    assert refusal is not None and (runtime.interpreted() or "16-byte aligned" in refusal)
