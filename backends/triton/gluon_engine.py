@@ -17,6 +17,12 @@ value in those rows of V -- the caller's garbage -- would show as NaN in this he
 K's are masked); the Q tile across S_q computes the next head's rows and drops them, storing
 its own rows and LSE under a mask instead of a TMA store (EVEN_Q / EVEN_K: neither crosses).
 
+OVERLAP (the launch layer's choice, ``launch.gluon_overlap``): each consumer issues block i+1's
+Q.K^T before block i's softmax, so that it runs on the tensor cores under it (FlashAttention-3's
+intra-warpgroup overlap; the loop is peeled, so no MMA is wasted).  FP8: e4m3 Q, K and V^T with
+per-head descales, Q.K^T and P.V on FP8 wgmma, P rounded to e4m3, O in the spec's dtype
+(``_ws_consumer``; the V^T blocks past S_k are zero-filled by TMA).
+
 The counter is an int32 the launch layer keeps per device and stream, zero before a launch: the
 program whose draw is the launch's last (the counter then holds the job count) sets it back to
 zero, so a launch leaves it ready for the next one on its stream, CUDA-graph replays included.

@@ -10,7 +10,9 @@ in bench/results/README.md):
   128 as in MLA prefill; above 128, 128 x 64 tiles), any S_q and S_k (the tiles across
   the ends are masked), contiguous bhsd tensors: the Gluon engine (``gluon_engine.py``) on 128 x 128 tiles, 2 K/V
   stages, programs drawing jobs from a counter; PARTIAL blocks from each row's run of keys where
-  the plan has them (documents), else the predicate.
+  the plan has them (documents), else the predicate; at head dim 128 the next block's Q.K^T
+  under this block's softmax (``gluon_overlap``) and 240 consumer registers (``gluon_regs``).
+  FP8 (e4m3) calls with equal head dims of 64, 128 or 256 take it too, V read transposed.
 * Otherwise the Triton kernel (``prefill.py``): 128 x 128 tiles, 8 warps, 3 stages, TMA on
   Hopper; 64 x 64 tiles for masks that read tensors, for head dims above 128, and (once the
   plan shows it) for short rows (< 16 computed blocks per 128-row tile, on average); the walk
