@@ -176,7 +176,7 @@ class Attention:
         torch.compile.  The Triton backend takes it (FP8 tensor cores on the Gluon engine); other
         backends compute the same attention of the dequantized values."""
         from . import fp8 as F
-        from .backends.triton.runtime import FP8_INPUTS
+        from .backends.triton.runtime import FP8_INPUTS, TORCH_DTYPES
         torch = _torch_module()
         if torch.compiler.is_compiling():
             raise InputError("inputs: FP8 calls are not traced by torch.compile; call the attention outside the "
@@ -191,27 +191,12 @@ class Attention:
         if name == "triton":
             return kernel(q, k, v, return_lse=True, **descales, **tensors)
         program = kernel.program
-        want = getattr(torch, {"f16": "float16", "bf16": "bfloat16", "f32": "float32"}[program.dtype])
+        want = getattr(torch, TORCH_DTYPES[program.dtype])
         axis = 2 if self._bshd else 1
-        batch = q.shape[0]
-        deq = []
-        for n, x, heads in (("q_descale", q, program.heads_q), ("k_descale", k, program.heads_kv),
-                            ("v_descale", v, program.heads_kv)):
-            if str(x.dtype) != _FP8:
-                raise InputError(f"inputs: q/k/v have dtypes {q.dtype}/{k.dtype}/{v.dtype}; an FP8 call takes all "
-                                 "three as float8_e4m3fn")
-            d = descales.get(n)
-            if d is None or isinstance(d, (int, float)):
-                d = torch.full((batch, heads), 1.0 if d is None else float(d))
-            elif isinstance(d, torch.Tensor) and d.dtype.is_floating_point:
-                d = d.detach().float().cpu()
-                d = d.expand(batch, heads) if d.dim() == 0 else d
-            else:
-                raise InputError(f"inputs: '{n}' must be a float tensor [B, H] = {[batch, heads]} or a number, not "
-                                 f"{type(d).__name__}")
-            if tuple(d.shape) != (batch, heads):
-                raise InputError(f"inputs: '{n}' has shape {list(d.shape)}; this call's is [B, H] = {[batch, heads]}")
-            deq.append(F.dequantize(x.cpu(), d, torch.float32, heads_axis=axis))
+        F.check_inputs(q, k, v)
+        deq = [F.dequantize(x.cpu(), F.descale(n, descales.get(n), (q.shape[0], heads), q.device).cpu(),
+                            torch.float32, heads_axis=axis)
+               for n, x, heads in zip(FP8_INPUTS, (q, k, v), (program.heads_q, program.heads_kv, program.heads_kv))]
         o, lse = self._host_call(kernel, *deq, tensors)
         return o.to(device=q.device, dtype=want), lse.to(q.device)
 

@@ -17,7 +17,10 @@ given in [B, S, H, d] and their descales are still [B, H].
 """
 from __future__ import annotations
 
+from attnc.compiler.errors import InputError
+
 E4M3_MAX = 448.0  # the largest finite float8_e4m3fn
+DESCALES = ("q_descale", "k_descale", "v_descale")  # an FP8 call's keywords
 # descales of an all-zero head: any positive value quantizes it exactly; this one keeps 1/descale finite
 _TINY = 1.0 / (1 << 20)
 
@@ -58,6 +61,40 @@ def dequantize(x8, descale, dtype, *, heads_axis: int = 1):
     shape = [x8.shape[0], 1, 1, 1]
     shape[heads_axis] = x8.shape[heads_axis]
     return (x8.float() * descale.float().view(shape)).to(dtype)
+
+
+def check_inputs(q, k, v) -> None:
+    """An FP8 call takes q, k and v all as float8_e4m3fn."""
+    f8 = _torch().float8_e4m3fn
+    if not (q.dtype == k.dtype == v.dtype == f8):
+        raise InputError(f"inputs: q/k/v have dtypes {q.dtype}/{k.dtype}/{v.dtype}; an FP8 call takes all "
+                         "three as float8_e4m3fn")
+
+
+def descale(name: str, d, shape: tuple, device, cache: dict | None = None):
+    """An FP8 call's descale ``d`` for ``name`` as a float32 tensor of ``shape`` [B, H] on
+    ``device``: None means 1, a number or a 0-d tensor every head's value, else a float tensor
+    [B, H].  ``cache`` keeps the tensors made for None and numbers (one allocation per shape)."""
+    torch = _torch()
+    if d is None or isinstance(d, (int, float)):
+        value = 1.0 if d is None else float(d)
+        key = (shape, str(device), value)
+        t = cache.get(key) if cache is not None else None
+        if t is None:
+            t = torch.full(shape, value, dtype=torch.float32, device=device)
+            if cache is not None:
+                cache[key] = t
+        return t
+    if not isinstance(d, torch.Tensor) or not d.dtype.is_floating_point:
+        raise InputError(f"inputs: '{name}' must be a float tensor [B, H] = {list(shape)} or a number, "
+                         f"not {type(d).__name__}{'' if not isinstance(d, torch.Tensor) else ' ' + str(d.dtype)}")
+    if d.device != torch.device(device):
+        raise InputError(f"inputs: '{name}' is on {d.device}, q on {device}")
+    if d.dim() == 0:
+        d = d.expand(shape)
+    if tuple(d.shape) != tuple(shape):
+        raise InputError(f"inputs: '{name}' has shape {list(d.shape)}; this call's is [B, H] = {list(shape)}")
+    return d.detach().to(torch.float32).contiguous()
 
 
 def is_v_transposed(v) -> bool:

@@ -19,6 +19,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from attnc import fp8 as F
 from attnc.compiler import inputs, ir, numerics
 from attnc.compiler.ranges import may_be_nonfinite
 from attnc.compiler.errors import BackendUnavailable, InputError, PlanError
@@ -35,7 +36,7 @@ TORCH_DTYPES = {"f16": "float16", "bf16": "bfloat16", "f32": "float32"}
 # keyword options of a prefill call that are the launch layer's (everything else is a mask tensor)
 PREFILL_OPTIONS = ("block_m", "block_n", "num_warps", "num_stages", "use_tma", "walk", "mask_source", "head_group",
                    "engine", "schedule")
-FP8_INPUTS = ("q_descale", "k_descale", "v_descale")  # an FP8 call's descales (attnc.fp8)
+FP8_INPUTS = F.DESCALES  # an FP8 call's descales (attnc.fp8)
 
 
 def _kind(t) -> str:
@@ -143,7 +144,6 @@ class Kernel:
         elsewhere (or ``engine="triton"``) the inputs are dequantized to the spec's dtype and the
         call runs as usual -- the same attention of the same dequantized values.  O comes back in
         the spec's dtype."""
-        from attnc import fp8 as F
         descales = [tensors.pop(n, None) for n in FP8_INPUTS]
         key, bound, engine = self._fp8_route(q, k, v, tensors, descales, plan, options)
         d = self._fp8_descales(descales, bound, q.device)
@@ -179,10 +179,7 @@ class Kernel:
 
     def _fp8_bind(self, q, k, v, tensors: dict, plan, options: dict):
         """(what the call's key fixes, whether the Gluon engine runs it): validated once per key."""
-        f8 = self._fp8
-        if k.dtype is not f8 or v.dtype is not f8:
-            raise InputError(f"inputs: q/k/v have dtypes {q.dtype}/{k.dtype}/{v.dtype}; an FP8 call takes all "
-                             "three as float8_e4m3fn")
+        F.check_inputs(q, k, v)
         bound = self._validate(q, k, v, tensors, storage=False)._replace(emulate=False)
         p = self.program
         contiguous = L.tma_ready(q, k) and not bound.bshd
@@ -196,32 +193,10 @@ class Kernel:
         return bound, refusal is None and asked != "triton" and plan is None
 
     def _fp8_descales(self, descales: list, bound: _Bound, device) -> tuple:
-        """The three descales as flat float32 device tensors [B * H] (None: 1; a number or a
-        0-d tensor: every head's; else [B, H])."""
-        torch = self._torch
+        """The three descales as flat float32 device tensors [B * H] (``attnc.fp8.descale``)."""
         p = self.program
-        out = []
-        for name, d, heads in zip(FP8_INPUTS, descales, (p.heads_q, p.heads_kv, p.heads_kv)):
-            shape = (bound.batch, heads)
-            if d is None or isinstance(d, (int, float)):
-                value = 1.0 if d is None else float(d)
-                key = (shape, str(device), value)
-                t = self._unit_descales.get(key)
-                if t is None:
-                    t = self._unit_descales[key] = torch.full(shape, value, dtype=torch.float32, device=device)
-                out.append(t.view(-1))
-                continue
-            if not isinstance(d, torch.Tensor) or not d.dtype.is_floating_point:
-                raise InputError(f"inputs: '{name}' must be a float tensor [B, H] = {list(shape)} or a number, "
-                                 f"not {type(d).__name__}{'' if not isinstance(d, torch.Tensor) else ' ' + str(d.dtype)}")
-            if d.device != device:
-                raise InputError(f"inputs: '{name}' is on {d.device}, q on {device}")
-            if d.dim() == 0:
-                d = d.expand(shape)
-            if tuple(d.shape) != shape:
-                raise InputError(f"inputs: '{name}' has shape {list(d.shape)}; this call's is [B, H] = {list(shape)}")
-            out.append(d.to(torch.float32).contiguous().view(-1))
-        return tuple(out)
+        return tuple(F.descale(name, d, (bound.batch, heads), device, self._unit_descales).view(-1)
+                     for name, d, heads in zip(FP8_INPUTS, descales, (p.heads_q, p.heads_kv, p.heads_kv)))
 
     def _check_scores(self, lse, k=None, plan: dict | None = None):
         """The non-finite-score policy (compiler.numerics.check_rows): the kernels mark a row whose
@@ -398,7 +373,6 @@ class Kernel:
 
     def _fp8_prepare(self, q, k, v, tensors: dict, plan, options: dict):
         """``prepare`` of an FP8 call: its launch bound once (the dequantizing path: the call)."""
-        from attnc import fp8 as F
         descales = [tensors.pop(n, None) for n in FP8_INPUTS]
         _, bound, engine = self._fp8_route(q, k, v, tensors, descales, plan, options, cache=False)
         if not engine:
@@ -424,8 +398,7 @@ class Kernel:
             key, bound, engine = self._fp8_route(q, k, v, tensors, descales, None, {})
             if not engine:
                 return self.config_for(*(x.to(self._dtype) for x in (q, k, v)), **tensors)
-            from attnc import fp8 as F
-            return self._cached_launch(bound, key, q, k, F.v_transposed(v), tensors, fp8=True).config
+                return self._cached_launch(bound, key, q, k, F.v_transposed(v), tensors, fp8=True).config
         self(q, k, v, **tensors)  # binds
         key = self._key(q, k, v, tensors)
         bound = self._bound[key]
