@@ -179,6 +179,8 @@ class _Builder:
             del values[len(values) - n:], depths[len(depths) - n:]
             if node.data in _CHAINS:
                 built, depth = self._chain(node.data, args, kid_depths)
+            elif node.data == "paren":  # parentheses only group: no level of their own, and a chain
+                built, depth = args[0], kid_depths[0]  # stops at them (``_operands``)
             else:
                 built = getattr(self, node.data)(node.meta, args)
                 depth = 1 + max(kid_depths, default=0) if isinstance(built, _EXPR_NODES) else 0
@@ -194,7 +196,8 @@ class _Builder:
     @staticmethod
     def _operands(node: Tree) -> list:
         """The children to build first: a chain ``a & b & c`` (left-nested in the parse tree)
-        gives its operands, flat."""
+        gives its operands, flat; a parenthesized run, ``(a & b) & c``, is one operand (so the
+        printed IR, ``ir.format_expr``, parses back to its own tree)."""
         if node.data not in _CHAINS:
             return list(node.children)
         op, out = node.data, []

@@ -419,6 +419,7 @@ def verify(program: Program) -> Program:
 _PRECEDENCE = {"or": 1, "bitor": 1, "bitxor": 2, "and": 3, "bitand": 3, "not": 4, "cmp": 5, "shl": 6, "shr": 6,
                "add": 7, "sub": 7, "mul": 8, "div": 8, "floordiv": 8, "mod": 8, "neg": 9}
 _NEG = _PRECEDENCE["neg"]
+_CHAIN_OPS = ("or", "bitor", "bitxor", "and", "bitand")  # the parser builds their runs as balanced trees
 _SURFACE_OF = {v: k for table in (SURFACE_BINARY, SURFACE_BITWISE, SURFACE_COMPARE) for k, v in table.items()}
 
 
@@ -449,8 +450,10 @@ def _fmt(e: Expr, outer: int) -> str:
     else:
         key = "cmp" if isinstance(e, Compare) else e.op
         prec = _PRECEDENCE[key]
-        # left-associative: the right operand needs parentheses at equal precedence
-        left_prec = prec + 1 if isinstance(e, Compare) else prec  # comparisons do not chain
+        # left-associative: the right operand needs parentheses at equal precedence; comparisons do not
+        # chain, and a run of '&', '|' or '^' parses as a balanced tree (frontend._chain), so a left
+        # operand of the same run is parenthesized too: the printed text parses back to this tree
+        left_prec = prec + 1 if isinstance(e, Compare) or e.op in _CHAIN_OPS else prec
         text = f"{_fmt(e.left, left_prec)} {_SURFACE_OF[e.op]} {_fmt(e.right, prec + 1)}"
     return f"({text})" if prec < outer else text
 

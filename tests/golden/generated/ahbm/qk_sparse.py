@@ -3,7 +3,7 @@
 Spec digest c42818c54d258b07e0cec077dde66a316df7348f1a691312d1b0634743a22d63.
   heads 8 / 2 (GQA group 4), head_dim 64 / 64, storage bf16
   scale 0.125, tiles 16 query rows x 16 keys, K/V prefetch depth 2
-  mask  = k <= q & (!(q >= 16 & q < 24 & (k >= 16 & k < 24)) & !(q >= 36 & q < 62 & (k >= 36 & k < 62)))
+  mask  = k <= q & (!((q >= 16 & q < 24) & (k >= 16 & k < 24)) & !((q >= 36 & q < 62) & (k >= 36 & k < 62)))
 
 Kernels for the AHBM mesh simulator (backends/ahbm/sim): one greenlet per PE, `tl` passed by
 keyword.  backends/ahbm/runtime.py is the driver (ADR-0060 §2.2): it lays Q, K/V, the mask's

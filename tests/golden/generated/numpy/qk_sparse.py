@@ -3,7 +3,7 @@
 Spec digest c42818c54d258b07e0cec077dde66a316df7348f1a691312d1b0634743a22d63.  Self-contained: needs only numpy.
   heads 8 / 2 (GQA group 4), head_dim 64 / 64, storage bf16
   layout bhsd, scale 0.125
-  mask  = k <= q & (!(q >= 16 & q < 24 & (k >= 16 & k < 24)) & !(q >= 36 & q < 62 & (k >= 36 & k < 62)))
+  mask  = k <= q & (!((q >= 16 & q < 24) & (k >= 16 & k < 24)) & !((q >= 36 & q < 62) & (k >= 36 & k < 62)))
 
 The loop nest is the FlashAttention forward schedule (M4.5 §0x05C/D): for each
 (request, query head, query tile) an online-softmax state (m, l, acc) in

@@ -2,7 +2,7 @@
 
 Spec digest c42818c54d258b07e0cec077dde66a316df7348f1a691312d1b0634743a22d63.
   heads 8 / 2 (GQA group 4), head_dim 64 / 64, storage bf16
-  mask  = k <= q & (!(q >= 16 & q < 24 & (k >= 16 & k < 24)) & !(q >= 36 & q < 62 & (k >= 36 & k < 62)))
+  mask  = k <= q & (!((q >= 16 & q < 24) & (k >= 16 & k < 24)) & !((q >= 36 & q < 62) & (k >= 36 & k < 62)))
 
 The kernels (attnc.backends.triton: prefill, gluon_engine, split) take ``visible``,
 ``score_program`` (``score_program_fast`` on calls whose positions lie below 2**23: the
