@@ -360,6 +360,12 @@ def cmd_bench(args) -> int:
         cases = [tuple(int(x) for x in c.split(":")) for c in args.cases.split(",")] if args.cases else None
         rows = harness.run_decode(cases=cases, out=args.out, command=command, graph=not args.no_graph,
                                   configs=() if args.no_configs else harness.DECODE_CONFIGS)
+    elif args.what == "append":
+        from bench.append import run_append
+        cases = [tuple(int(x) for x in c.split(":")) for c in args.cases.split(",")] if args.cases else None
+        if cases and any(len(c) != 4 for c in cases):
+            raise AttncError("attnc bench append --cases: B:T:C:page_size,... (e.g. 4:8192:2048:16)")
+        rows = run_append(cases=cases, out=args.out, command=command, flex=bool(args.flex_modes))
     elif args.what == "backward":
         from bench.backward import run_backward
         rows = run_backward(**_bench_shape(args), masks=args.masks.split(",") if args.masks else None, out=args.out,
@@ -610,7 +616,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="GPU: our Triton kernels against FlexAttention and SDPA in one "
                                      "process; JSON lines with correctness and raw samples")
-    p.add_argument("what", choices=["prefill", "decode", "backward"])
+    p.add_argument("what", choices=["prefill", "decode", "backward", "append"])
     p.add_argument("--out", required=True, metavar="FILE.jsonl")
     p.add_argument("--masks", default=None, help="prefill: comma-separated subset of "
                                                  "causal,sliding_window_1024,causal_document,prefix_lm_2048,full")
@@ -627,7 +633,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cases", default=None, help="prefill: 'all' or a comma list of issue 21's cases "
                    "(causal, sliding_window_1024, causal_document, prefix_lm_2048, full, causal_s8000, "
                    "causal_d64_h32, alibi, softcap30_gqa, mla_192_128, causal_d256, fp8_causal; each at its own "
-                   "shape), ending with issue 21's summary; decode: B:T,... (default 8:8192,32:8192,1:131072,64:2048)")
+                   "shape), ending with issue 21's summary; decode: B:T,... (default 8:8192,32:8192,1:131072,64:2048); "
+                   "append: B:T:C:page,... (default 4:8192:2048:16,4:8192:2048:128,8:2048:1024:16,1:2048:2048:16)")
     p.add_argument("--no-graph", action="store_true", help="decode: no CUDA-graph rows")
     p.add_argument("--no-configs", action="store_true", help="decode: no fixed-config rows")
     p.set_defaults(fn=cmd_bench)

@@ -36,7 +36,7 @@ KV_KEYS = ("k", "v", "k_cache", "v_cache")
 
 def decode_plan(program, arrays: dict, *, block_n: int | None = None, splits: int | None = None,
                 num_sms: int | None = None, tensors: dict | None = None, block_q: int | None = None,
-                total_q: int | None = None) -> dict:
+                total_q: int | None = None, engine: str | None = None) -> dict:
     """The split-K/V plan for a call given by DESIGN §5's cache keys (numpy or torch
     metadata; K/V arrays are only measured), with optional ``q_lens`` / ``qo_indptr`` (default:
     one query row per request, decode), ``total_q`` (q's packed rows, when known) and the spec's
@@ -46,7 +46,12 @@ def decode_plan(program, arrays: dict, *, block_n: int | None = None, splits: in
     ``block_q`` rows, then lists every (tile, split)'s blocks (``compiler.plan.split_blocks``, the
     checked half of ``decode_blocks``).
     Options left out come from `attnc tune`'s winner for the call, else
-    :func:`default_decode_config`; the plan records the launch's ``num_warps`` / ``num_stages``."""
+    :func:`default_decode_config`; the plan records the launch's ``num_warps`` / ``num_stages``.
+    ``engine``: "split" (the split producer and combine), "gluon" (the Gluon engine over the
+    cache, one launch; refused with the reason where it cannot run) or None: the engine where an
+    untuned, unconstrained call's rows fill its tiles (``launch.split_engine``), else the split."""
+    if engine not in (None, "split", "gluon"):
+        raise ValueError(f"engine must be None, 'split' or 'gluon', not {engine!r}")
     p = program
     arrays, tensors = _split_tensors(p, arrays, tensors) if (p.tensors or tensors) else (arrays, {})
     meta = {n: (a if n in KV_KEYS else _to_numpy(a)) for n, a in arrays.items()}
@@ -80,6 +85,23 @@ def decode_plan(program, arrays: dict, *, block_n: int | None = None, splits: in
             block_n = tuned.get("BLOCK_N", block_n)
             block_q = block_q if block_q is not None else tuned.get("BLOCK_Q")
             launch = {n: tuned[n] for n in ("num_warps", "num_stages") if n in tuned}
+    k_key = "k_cache" if lay.kind == "paged" else "k"
+    v_key = "v_cache" if lay.kind == "paged" else "v"
+    if engine == "gluon":
+        from . import launch as L
+        refusal = L.cache_engine_refusal(p, lay.kind, int(lay.page_size or 0), arrays[k_key], arrays[v_key])
+        if refusal is None and policy is not None:
+            refusal = "the spec's split policy cuts the keys into slots, which the engine does not split"
+        if refusal:
+            raise ValueError(f"engine='gluon': {refusal}")
+    elif engine is None and not (one_row or launch or policy is not None or block_n is not None
+                                 or splits is not None or block_q is not None):
+        from . import launch as L  # untuned, unconstrained: the Gluon engine where the rows fill its tiles
+        engine = L.split_engine(p, lay.kind, int(lay.page_size or 0), arrays[k_key], arrays[v_key], q_lens)
+    engine = None if engine == "split" else engine
+    if engine:
+        block_q, block_n = L.cache_engine_tiles(p.d_qk, p.d_v)
+        splits = 1
     default = _default_config(p, batch, one_row, q_lens, longest, num_sms, block_n, block_q)
     block_n = default["block_n"] if block_n is None else block_n
     block_q = default["block_q"] if block_q is None else block_q
@@ -91,8 +113,6 @@ def decode_plan(program, arrays: dict, *, block_n: int | None = None, splits: in
     bounds = None if policy is None else policy.bounds(kv_lens, occupancy_for(p, q_lens, num_sms or DEFAULT_SMS))
     blocks = split_blocks(p, kv_lens, tensors, block_n, splits, None if one_row else q_lens, block_q,
                           longest=longest, nonempty=one_row and not empty, bounds=bounds)
-    k_key = "k_cache" if lay.kind == "paged" else "k"
-    v_key = "v_cache" if lay.kind == "paged" else "v"
     k_str, v_str = cache_strides(lay.kind, lay.order, arrays[k_key], arrays[v_key])
     rows = (np.asarray(lay.cache_batch_idx, np.int64) if lay.cache_batch_idx is not None
             else constant("arange", batch))  # the cache row of each request
@@ -122,7 +142,23 @@ def decode_plan(program, arrays: dict, *, block_n: int | None = None, splits: in
             "split_bounds": blocks.split_bounds if bounds is not None else constant("zeros32", 2),
             "num_warps": launch.get("num_warps", default["num_warps"]),
             "num_stages": launch.get("num_stages", default["num_stages"]),
-            "abi": p.state.value, "skipped_blocks": blocks.skipped}
+            "abi": p.state.value, "skipped_blocks": blocks.skipped, "engine": engine or "split",
+            "kind": lay.kind, "order": lay.order, "position_end": longest,
+            "jobs": engine_jobs(blocks.tile_req, np.diff(blocks.entry_ptr), p.heads_q, p.group) if engine
+            else constant("zeros32", 1)}
+
+
+def engine_jobs(tile_req: np.ndarray, counts: np.ndarray, heads_q: int, group: int) -> np.ndarray:
+    """The Gluon engine's jobs over a cache, tile * H_q + h, in launch order: request by
+    request, K/V head by K/V head, the tiles longest first, each tile's GQA group of query heads
+    together.  The jobs running at once then read one K/V head's blocks (L2 keeps them: a
+    request-major order of all heads per tile measured 513 against 571 TFLOP/s contiguous,
+    its working set several times L2), and the longest tiles of each head start first."""
+    tiles = np.arange(len(counts))
+    tile = np.repeat(tiles, heads_q)
+    h = np.tile(np.arange(heads_q), len(counts))
+    order = np.lexsort((h, -counts[tile], h // group, tile_req[tile]))
+    return (tile[order] * heads_q + h[order]).astype(np.int32)
 
 
 def _is_auto(split) -> bool:

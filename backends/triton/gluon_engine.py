@@ -12,9 +12,9 @@ as documents), else the spec's ``VISIBLE`` predicate; the spec's ``SCORE`` progr
 in the Triton kernel.  The spec arrives as constexpr arguments, as in ``prefill.py``.
 
 Any S_q and S_k: the K/V block across S_k takes the mask path with its keys past S_k hidden (its
-TMA load reads the next head's first rows there, finite values times P = 0, so a non-finite
-value in those rows of V -- the caller's garbage -- would show as NaN in this head's last rows;
-K's are masked); the Q tile across S_q computes the next head's rows and drops them, storing
+TMA load reads the next head's first rows there: K's are masked, and ZERO_TAIL zeroes V's in
+shared memory before P.V, so that a non-finite value there -- the caller's garbage -- cannot
+reach this head's rows as 0 * inf); the Q tile across S_q computes the next head's rows and drops them, storing
 its own rows and LSE under a mask instead of a TMA store (EVEN_Q / EVEN_K: neither crosses).
 
 OVERLAP (the launch layer's choice, ``launch.gluon_overlap``): each consumer issues block i+1's
@@ -91,21 +91,50 @@ def _ws_softmax(s, part, kb, ks, ke, m_i, l_i, b, h, q_pos, S_K, K_OFF, qk_scale
 
 
 @gluon.jit
+def _ws_zero_v_tail(v_stage, keep, BLOCK_N: tl.constexpr, D: tl.constexpr):
+    """Zero rows [keep, BLOCK_N) of a V block in shared memory, 16 rows at a time: the keys past
+    S_k, whose rows hold another head's or request's values, or a cache's stale ones, which
+    P = 0 would still turn into NaN where they are not finite.  Both consumers write the same
+    values; the fence orders the writes before the warpgroup's P.V reads them."""
+    CH: tl.constexpr = 16
+    layout: tl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    for g in gl.static_range(BLOCK_N // CH):
+        if g * CH + CH > keep:
+            rows = v_stage.slice(g * CH, CH, dim=0)
+            vals = rows.load(layout)
+            r = g * CH + gl.arange(0, CH, gl.SliceLayout(1, layout))
+            rows.store(gl.where((r < keep)[:, None], vals, gl.zeros_like(vals)))
+    fence_async_shared()
+
+
+@gluon.jit
+def _ws_v_operand(v_stage, kb, S_K, BLOCK_N: tl.constexpr, D: tl.constexpr, FP8: tl.constexpr,
+                  ZERO_TAIL: tl.constexpr):
+    """V's block as P.V's operand, once in shared memory: ZERO_TAIL, the block across S_k has its
+    rows past S_k zeroed first (``_ws_zero_v_tail``); FP8, V^T's block [D, BLOCK_N] read as
+    [BLOCK_N, D], K-major (its columns past S_k were zero-filled by TMA)."""
+    if FP8:
+        return v_stage.permute((1, 0))
+    if ZERO_TAIL:
+        if kb * BLOCK_N + BLOCK_N > S_K:
+            _ws_zero_v_tail(v_stage, S_K - kb * BLOCK_N, BLOCK_N, D)
+    return v_stage
+
+
+@gluon.jit
 def _ws_pv(s, acc, m_i, l_i, part, kb, ks, ke, b, h, q_pos, S_K, K_OFF, job_scale, TS, s_descale, v_stage, v_bar,
            phase, op_dtype: tl.constexpr, MASK_FROM_ROWS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
            col_l: tl.constexpr, orow_l: tl.constexpr, p_layout: tl.constexpr, VISIBLE: tl.constexpr,
-           SCORE: tl.constexpr, HAS_SCORE: tl.constexpr, SCALE: tl.constexpr, FP8: tl.constexpr):
+           SCORE: tl.constexpr, HAS_SCORE: tl.constexpr, SCALE: tl.constexpr, FP8: tl.constexpr,
+           D: tl.constexpr, ZERO_TAIL: tl.constexpr):
     """Block kb's softmax on its scores s, the accumulator's rescale, and its P.V issued on the
-    tensor cores once V is in (OVERLAP): returns (P.V's pending accumulator, m, l)."""
+    tensor cores once V is in: returns (P.V's pending accumulator, m, l)."""
     p, alpha, m_i, l_i = _ws_softmax(s, part, kb, ks, ke, m_i, l_i, b, h, q_pos, S_K, K_OFF, job_scale, TS,
                                      MASK_FROM_ROWS, EVEN_K, BLOCK_N, col_l, VISIBLE, SCORE, HAS_SCORE, SCALE,
                                      s_descale, FP8)
     acc = acc * gl.convert_layout(alpha, orow_l)[:, None]
     mbarrier.wait(v_bar, phase)
-    if FP8:
-        v_op = v_stage.permute((1, 0))
-    else:
-        v_op = v_stage
+    v_op = _ws_v_operand(v_stage, kb, S_K, BLOCK_N, D, FP8, ZERO_TAIL)
     acc = warpgroup_mma(gl.convert_layout(p.to(op_dtype), p_layout), v_op, acc, is_async=True)
     return acc, m_i, l_i
 
@@ -138,13 +167,92 @@ def _ws_get(smem, j: tl.constexpr, N: tl.constexpr):
 
 
 @gluon.jit
+def _ws_blocks(q, k_smem, v_smem, blk_smem, bars, lo, hi, c, ks, ke, b, h, q_pos, S_K, K_OFF, job_scale, TS, s_descale,
+               MASK_FROM_ROWS: tl.constexpr, EVEN_K: tl.constexpr, ROWS_: tl.constexpr, BLOCK_N: tl.constexpr,
+               D: tl.constexpr, STAGES: tl.constexpr, VISIBLE: tl.constexpr, SCORE: tl.constexpr,
+               HAS_SCORE: tl.constexpr, SCALE: tl.constexpr, FP8: tl.constexpr, OVERLAP: tl.constexpr,
+               ZERO_TAIL: tl.constexpr):
+    """One consumer's rows of a job over blocks [lo, hi) of its list, as the producer hands them
+    over (``c``: the blocks this program consumed before, the K/V ring's stage and phase):
+    returns (the unnormalized O accumulator, m, l, c).  OVERLAP: block i+1's Q.K^T runs on the
+    tensor cores under block i's softmax (the loop is peeled); ZERO_TAIL: the block across S_K
+    has V's rows past S_K zeroed before P.V (``_ws_v_operand``)."""
+    q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = bars
+    MMA_K: tl.constexpr = 32 if FP8 else 16  # the wgmma instruction's depth: 32 bytes of operands
+    s_layout: tl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, MMA_K])
+    o_layout: tl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, D, MMA_K])
+    p_layout: tl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4 if FP8 else 2)
+    row_l: tl.constexpr = gl.SliceLayout(1, s_layout)
+    col_l: tl.constexpr = gl.SliceLayout(0, s_layout)
+    orow_l: tl.constexpr = gl.SliceLayout(1, o_layout)
+    s0 = gl.zeros([ROWS_, BLOCK_N], gl.float32, s_layout)
+    m_i = gl.full([ROWS_], float("-inf"), gl.float32, row_l)
+    l_i = gl.full([ROWS_], 0.0, gl.float32, row_l)
+    acc = gl.zeros([ROWS_, D], gl.float32, o_layout)
+    if OVERLAP:  # block i+1's Q.K^T runs on the tensor cores under block i's softmax
+        if hi > lo:
+            stage = c % STAGES
+            mbarrier.wait(k_ready.index(stage), (c // STAGES) & 1)
+            s = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), s0, use_acc=False, is_async=True)
+            s = warpgroup_mma_wait(0, deps=(s, ))
+            for i in range(lo, hi - 1):
+                stage = c % STAGES
+                phase = (c // STAGES) & 1
+                kb = _ws_get(blk_smem.index(stage), 0, 2)
+                part = _ws_get(blk_smem.index(stage), 1, 2)
+                mbarrier.arrive(k_empty.index(stage), count=1)
+                nstage = (c + 1) % STAGES
+                mbarrier.wait(k_ready.index(nstage), ((c + 1) // STAGES) & 1)
+                s_next = warpgroup_mma(q, k_smem.index(nstage).permute((1, 0)), s0, use_acc=False, is_async=True)
+                acc, m_i, l_i = _ws_pv(s, acc, m_i, l_i, part, kb, ks, ke, b, h, q_pos, S_K, K_OFF, job_scale, TS,
+                                       s_descale, v_smem.index(stage), v_ready.index(stage), phase, q.dtype,
+                                       MASK_FROM_ROWS, EVEN_K, BLOCK_N, col_l, orow_l, p_layout, VISIBLE, SCORE,
+                                       HAS_SCORE, SCALE, FP8, D, ZERO_TAIL)
+                acc, s = warpgroup_mma_wait(0, deps=(acc, s_next))
+                mbarrier.arrive(v_empty.index(stage), count=1)
+                c += 1
+            stage = c % STAGES
+            phase = (c // STAGES) & 1
+            kb = _ws_get(blk_smem.index(stage), 0, 2)
+            part = _ws_get(blk_smem.index(stage), 1, 2)
+            mbarrier.arrive(k_empty.index(stage), count=1)
+            acc, m_i, l_i = _ws_pv(s, acc, m_i, l_i, part, kb, ks, ke, b, h, q_pos, S_K, K_OFF, job_scale, TS,
+                                   s_descale, v_smem.index(stage), v_ready.index(stage), phase, q.dtype,
+                                   MASK_FROM_ROWS, EVEN_K, BLOCK_N, col_l, orow_l, p_layout, VISIBLE, SCORE,
+                                   HAS_SCORE, SCALE, FP8, D, ZERO_TAIL)
+            acc = warpgroup_mma_wait(0, deps=(acc, ))
+            mbarrier.arrive(v_empty.index(stage), count=1)
+            c += 1
+    else:
+        for i in range(lo, hi):
+            stage = c % STAGES
+            phase = (c // STAGES) & 1
+            mbarrier.wait(k_ready.index(stage), phase)
+            s = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), s0, use_acc=False, is_async=True)
+            kb = _ws_get(blk_smem.index(stage), 0, 2)
+            part = _ws_get(blk_smem.index(stage), 1, 2)
+            s = warpgroup_mma_wait(0, deps=(s, ))
+            mbarrier.arrive(k_empty.index(stage), count=1)
+            acc, m_i, l_i = _ws_pv(s, acc, m_i, l_i, part, kb, ks, ke, b, h, q_pos, S_K, K_OFF, job_scale, TS,
+                                   s_descale, v_smem.index(stage), v_ready.index(stage), phase, q.dtype,
+                                   MASK_FROM_ROWS, EVEN_K, BLOCK_N, col_l, orow_l, p_layout, VISIBLE, SCORE,
+                                   HAS_SCORE, SCALE, FP8, D, ZERO_TAIL)
+            acc = warpgroup_mma_wait(0, deps=(acc, ))
+            mbarrier.arrive(v_empty.index(stage), count=1)
+            c += 1
+    return acc, m_i, l_i, c
+
+
+@gluon.jit
 def _ws_consumer(half, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars, o_desc, O, LSE, KS, KE, DQ, DK, DV,
                  S_Q, S_K, Q_OFF, K_OFF, PLAN_B, PLAN_H, Q_TILES, BH, qk_scale, TS, MASK_FROM_ROWS: tl.constexpr,
                  EVEN_Q: tl.constexpr, EVEN_K: tl.constexpr, ROWS_: tl.constexpr,
                  BLOCK_N: tl.constexpr, D: tl.constexpr, STAGES: tl.constexpr, HEAD_GROUP: tl.constexpr,
                  VISIBLE: tl.constexpr, SCORE: tl.constexpr, HAS_SCORE: tl.constexpr, SCALE: tl.constexpr,
                  H_Q: tl.constexpr, H_KV: tl.constexpr, GROUP: tl.constexpr, FP8: tl.constexpr,
-                 OVERLAP: tl.constexpr):
+                 OVERLAP: tl.constexpr, ZERO_TAIL: tl.constexpr):
     """Rows [half * ROWS_, + ROWS_) of each tile the producer hands over: every block of the
     tile's list, then O (through shared memory and a TMA store) and LSE.  The producer hands
     each job (t, query tile, block range) over with its Q, and each block's index and PARTIAL
@@ -156,18 +264,15 @@ def _ws_consumer(half, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars,
     [B * H_q], DK and DV [B * H_kv]); V arrives transposed ([D, BLOCK_N] blocks, K-major as FP8
     wgmma needs it), P is rounded to e4m3 for P.V, and O is written in O's dtype."""
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = bars
-    MMA_K: tl.constexpr = 32 if FP8 else 16  # the wgmma instruction's depth: 32 bytes of operands
+    MMA_K: tl.constexpr = 32 if FP8 else 16
     s_layout: tl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, MMA_K])
     o_layout: tl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, D, MMA_K])
-    p_layout: tl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4 if FP8 else 2)
     row_l: tl.constexpr = gl.SliceLayout(1, s_layout)
-    col_l: tl.constexpr = gl.SliceLayout(0, s_layout)
     orow_l: tl.constexpr = gl.SliceLayout(1, o_layout)
     q = q_smem.index(half)
     o = o_smem.index(half)
-    s0 = gl.zeros([ROWS_, BLOCK_N], gl.float32, s_layout)
     n_jobs = Q_TILES * BH
     c = 0
     jc = 0
@@ -203,66 +308,9 @@ def _ws_consumer(half, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars,
             s_descale = 1.0
             job_scale = qk_scale
             v_descale = 1.0
-        m_i = gl.full([ROWS_], float("-inf"), gl.float32, row_l)
-        l_i = gl.full([ROWS_], 0.0, gl.float32, row_l)
-        acc = gl.zeros([ROWS_, D], gl.float32, o_layout)
-        if OVERLAP:  # block i+1's Q.K^T runs on the tensor cores under block i's softmax
-            if hi > lo:
-                stage = c % STAGES
-                mbarrier.wait(k_ready.index(stage), (c // STAGES) & 1)
-                s = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), s0, use_acc=False, is_async=True)
-                s = warpgroup_mma_wait(0, deps=(s, ))
-                for i in range(lo, hi - 1):
-                    stage = c % STAGES
-                    phase = (c // STAGES) & 1
-                    kb = _ws_get(blk_smem.index(stage), 0, 2)
-                    part = _ws_get(blk_smem.index(stage), 1, 2)
-                    mbarrier.arrive(k_empty.index(stage), count=1)
-                    nstage = (c + 1) % STAGES
-                    mbarrier.wait(k_ready.index(nstage), ((c + 1) // STAGES) & 1)
-                    s_next = warpgroup_mma(q, k_smem.index(nstage).permute((1, 0)), s0, use_acc=False, is_async=True)
-                    acc, m_i, l_i = _ws_pv(s, acc, m_i, l_i, part, kb, ks, ke, b, h, q_pos, S_K, K_OFF, job_scale, TS,
-                                           s_descale, v_smem.index(stage), v_ready.index(stage), phase, q_smem.dtype,
-                                           MASK_FROM_ROWS, EVEN_K, BLOCK_N, col_l, orow_l, p_layout, VISIBLE, SCORE,
-                                           HAS_SCORE, SCALE, FP8)
-                    acc, s = warpgroup_mma_wait(0, deps=(acc, s_next))
-                    mbarrier.arrive(v_empty.index(stage), count=1)
-                    c += 1
-                stage = c % STAGES
-                phase = (c // STAGES) & 1
-                kb = _ws_get(blk_smem.index(stage), 0, 2)
-                part = _ws_get(blk_smem.index(stage), 1, 2)
-                mbarrier.arrive(k_empty.index(stage), count=1)
-                acc, m_i, l_i = _ws_pv(s, acc, m_i, l_i, part, kb, ks, ke, b, h, q_pos, S_K, K_OFF, job_scale, TS,
-                                       s_descale, v_smem.index(stage), v_ready.index(stage), phase, q_smem.dtype,
-                                       MASK_FROM_ROWS, EVEN_K, BLOCK_N, col_l, orow_l, p_layout, VISIBLE, SCORE,
-                                       HAS_SCORE, SCALE, FP8)
-                acc = warpgroup_mma_wait(0, deps=(acc, ))
-                mbarrier.arrive(v_empty.index(stage), count=1)
-                c += 1
-        else:
-            for i in range(lo, hi):
-                stage = c % STAGES
-                phase = (c // STAGES) & 1
-                mbarrier.wait(k_ready.index(stage), phase)
-                s = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), s0, use_acc=False, is_async=True)
-                kb = _ws_get(blk_smem.index(stage), 0, 2)
-                part = _ws_get(blk_smem.index(stage), 1, 2)
-                s = warpgroup_mma_wait(0, deps=(s, ))
-                mbarrier.arrive(k_empty.index(stage), count=1)
-                p, alpha, m_i, l_i = _ws_softmax(s, part, kb, ks, ke, m_i, l_i, b, h, q_pos, S_K, K_OFF, job_scale, TS,
-                                                 MASK_FROM_ROWS, EVEN_K, BLOCK_N, col_l, VISIBLE, SCORE, HAS_SCORE,
-                                                 SCALE, s_descale, FP8)
-                acc = acc * gl.convert_layout(alpha, orow_l)[:, None]
-                mbarrier.wait(v_ready.index(stage), phase)
-                if FP8:  # V^T's block [D, BLOCK_N] read as [BLOCK_N, D], K-major
-                    v_op = v_smem.index(stage).permute((1, 0))
-                else:
-                    v_op = v_smem.index(stage)
-                acc = warpgroup_mma(gl.convert_layout(p.to(q_smem.dtype), p_layout), v_op, acc, is_async=True)
-                acc = warpgroup_mma_wait(0, deps=(acc, ))
-                mbarrier.arrive(v_empty.index(stage), count=1)
-                c += 1
+        acc, m_i, l_i, c = _ws_blocks(q, k_smem, v_smem, blk_smem, bars, lo, hi, c, ks, ke, b, h, q_pos, S_K, K_OFF,
+                                      job_scale, TS, s_descale, MASK_FROM_ROWS, EVEN_K, ROWS_, BLOCK_N, D, STAGES,
+                                      VISIBLE, SCORE, HAS_SCORE, SCALE, FP8, OVERLAP, ZERO_TAIL)
         mbarrier.arrive(q_empty, count=1)  # this half's Q.K^T are done: the next tile's Q may load
         seen = (l_i > 0) | (l_i != l_i)  # NaN: a visible score was NaN or +inf; LSE NaN marks the row
         l_safe = gl.where(seen, l_i, 1.0)
@@ -358,7 +406,7 @@ def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, O, LSE, COUNTER_PTR, ORDER, M_C
                  PRODUCER_REGS: tl.constexpr, SCHEDULE: tl.constexpr,
                  VISIBLE: tl.constexpr, SCORE: tl.constexpr, HAS_SCORE: tl.constexpr, SCALE: tl.constexpr,
                  H_Q: tl.constexpr, H_KV: tl.constexpr, GROUP: tl.constexpr, FP8: tl.constexpr,
-                 OVERLAP: tl.constexpr):
+                 OVERLAP: tl.constexpr, ZERO_TAIL: tl.constexpr):
     """Jobs (query tile of 2 * ROWS_ rows, request * query head) in ``_job``'s order: one per
     program (SCHEDULE == ONE_TILE), or one program per SM looping over jobs drawn from the
     counter at COUNTER_PTR (SCHEDULE == COUNTER) with O staged in its own buffers, so that the
@@ -394,11 +442,11 @@ def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, O, LSE, COUNTER_PTR, ORDER, M_C
         (_ws_consumer, (0, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars, o_desc, O, LSE, KS, KE, DQ, DK,
                         DV, S_Q, S_K, Q_OFF, K_OFF, PLAN_B, PLAN_H, Q_TILES, BH, qk_scale, TS, MASK_FROM_ROWS, EVEN_Q,
                         EVEN_K, ROWS_, BLOCK_N, D, STAGES, HEAD_GROUP, VISIBLE, SCORE, HAS_SCORE, SCALE, H_Q, H_KV,
-                        GROUP, FP8, OVERLAP)),
+                        GROUP, FP8, OVERLAP, ZERO_TAIL)),
         (_ws_consumer, (1, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars, o_desc, O, LSE, KS, KE, DQ, DK,
                         DV, S_Q, S_K, Q_OFF, K_OFF, PLAN_B, PLAN_H, Q_TILES, BH, qk_scale, TS, MASK_FROM_ROWS, EVEN_Q,
                         EVEN_K, ROWS_, BLOCK_N, D, STAGES, HEAD_GROUP, VISIBLE, SCORE, HAS_SCORE, SCALE, H_Q, H_KV,
-                        GROUP, FP8, OVERLAP)),
+                        GROUP, FP8, OVERLAP, ZERO_TAIL)),
         (_ws_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, job_smem, blk_smem, bars, COUNTER_PTR, ORDER,
                         M_CSR, M_IDX, M_FLAG, S_Q, S_K, PLAN_B, PLAN_H, Q_TILES, BH, ROWS_, BLOCK_N, STAGES,
                         HEAD_GROUP, SCHEDULE, H_Q, H_KV, GROUP, D, FP8)),

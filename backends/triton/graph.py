@@ -90,7 +90,7 @@ class DecodeGraph:
         self.kv = {n: arrays[n] for n in self._kv_keys}
         # the plan reads the cache tensors themselves: strides and contiguous bases are theirs
         options = {n: x for n, x in (("block_n", block_n), ("splits", splits), ("block_q", block_q)) if x is not None}
-        plan = kernel.decode_plan(arrays, tensors=tensors, total_q=int(q.shape[0]), **options)
+        plan = kernel.decode_plan(arrays, tensors=tensors, total_q=int(q.shape[0]), engine="split", **options)
         self._call = {**{n: a for n, a in arrays.items() if n not in self._kv_keys}, **tensors}
         self._options = {"block_n": plan["block_n"], "splits": plan["splits"], "block_q": plan["block_q"]}
         if plan["bounded"]:  # the spec's split policy cuts every step's slots (its slot count must hold)

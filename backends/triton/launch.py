@@ -438,7 +438,32 @@ def _counter(device):
     return c
 
 
-class PrefillLaunch:
+class _GluonDescriptors:
+    """TMA descriptors for the Gluon programs, made once per tensor (address, shape, strides)."""
+
+    def _cached(self, t, role, make):
+        """``make()``'s descriptor of ``t`` for ``role``, reused while the tensor (address, shape,
+        strides) is the one it was made for: a descriptor holds nothing else of the tensor."""
+        key = (t.data_ptr(), t.shape, t.stride())
+        hit = self._descs.get(role)
+        if hit is not None and hit[0] == key:
+            return hit[1]
+        desc = make()
+        self._descs[role] = (key, desc)
+        return desc
+
+    def _gluon_layout(self, block: list, dtype):
+        key = (*block, str(dtype))
+        layout = self._layouts.get(key)
+        if layout is None:
+            gl = gluon_engine.gl
+            gl_dtype = {"torch.float16": gl.float16, "torch.bfloat16": gl.bfloat16,
+                        "torch.float8_e4m3fn": gl.float8e4nv}[str(dtype)]
+            layout = self._layouts[key] = gl.NVMMASharedLayout.get_default_for(block, gl_dtype)
+        return layout
+
+
+class PrefillLaunch(_GluonDescriptors):
     """A prefill launch bound to a spec, a config, a plan's device arrays and one call shape
     (B, H_q, S_q, S_k, strides, dtypes, alignments): ``__call__(q, k, v, ts, out, lse)``."""
 
@@ -477,7 +502,8 @@ class PrefillLaunch:
                 MASK_FROM_ROWS=from_rows, EVEN_Q=self.s_q % (2 * gluon_engine.ROWS) == 0, EVEN_K=self.s_k % bn == 0,
                 ROWS_=gluon_engine.ROWS, BLOCK_N=bn, D=d_v, SAME_D=same, STAGES=stages,
                 HEAD_GROUP=c.head_group, CONSUMER_REGS=consumer, PRODUCER_REGS=producer, SCHEDULE=self.schedule,
-                FP8=fp8, OVERLAP=gluon_overlap(d_qk, d_v, fp8), **keep), num_warps=4, maxnreg=maxnreg)
+                FP8=fp8, OVERLAP=gluon_overlap(d_qk, d_v, fp8), ZERO_TAIL=not fp8 and self.s_k % bn != 0, **keep),
+                num_warps=4, maxnreg=maxnreg)
             unused = arrays["merged_partial"]
             rows = (arrays["KS"], arrays["KE"]) if from_rows else (unused, unused)
             self._layouts = {}
@@ -520,32 +546,11 @@ class PrefillLaunch:
                     *self.plan_args, ts, *self.ints)
         self.launcher.launch(self.grid, args, key)
 
-    def _cached(self, t, role, make):
-        """``make()``'s descriptor of ``t`` for ``role``, reused while the tensor (address, shape,
-        strides) is the one it was made for: a descriptor holds nothing else of the tensor."""
-        key = (t.data_ptr(), t.shape, t.stride())
-        hit = self._descs.get(role)
-        if hit is not None and hit[0] == key:
-            return hit[1]
-        desc = make()
-        self._descs[role] = (key, desc)
-        return desc
-
     def _tma_descriptor(self, t, role):
         """The Triton kernel's K or V descriptor over a [-1, d] view in BLOCK_N-row blocks."""
         from triton.tools.tensor_descriptor import TensorDescriptor
         d = t.shape[-1]
         return self._cached(t, role, lambda: TensorDescriptor.from_tensor(t.reshape(-1, d), [self.config.block_n, d]))
-
-    def _gluon_layout(self, block: list, dtype):
-        key = (*block, str(dtype))
-        layout = self._layouts.get(key)
-        if layout is None:
-            gl = gluon_engine.gl
-            gl_dtype = {"torch.float16": gl.float16, "torch.bfloat16": gl.bfloat16,
-                        "torch.float8_e4m3fn": gl.float8e4nv}[str(dtype)]
-            layout = self._layouts[key] = gl.NVMMASharedLayout.get_default_for(block, gl_dtype)
-        return layout
 
     def _gluon_descriptor(self, t, rows, role):
         """The Gluon engine's descriptor of ``t`` viewed as [-1, d] in ``rows``-row blocks (d: q and
@@ -659,3 +664,128 @@ def check_device(named: dict, device: str) -> None:
         if isinstance(t, torch.Tensor) and t.device.type != device:
             raise InputError(f"inputs: '{n}' is a torch tensor on {t.device}; this Triton kernel runs on "
                              f"{device}: move the torch inputs there (numpy inputs are copied for you)")
+
+
+# ---------------------------------------------------------------- split calls on the Gluon engine
+# A split call whose query rows fill at least this share of the engine's 128-row tiles runs on the
+# Gluon engine over the cache (``gluon_paged``), without splits; decode rows (one per request) and
+# batches of mostly short appends keep the split producer, whose tiles pack a GQA group's rows.
+CACHE_ENGINE_FILL = 0.5
+CACHE_ENGINE_DIMS = (64, 128, 256)  # q.k and v head dims (the packed views' columns: a power of two)
+CACHE_ENGINE_MIN_PAGE = 8  # a page's rows per copy: TMA boxes land on 8-row swizzle atoms
+
+
+def cache_engine_tiles(d_qk: int, d_v: int) -> tuple[int, int]:
+    """(query rows, keys) of the engine's tiles over a cache, as over contiguous tensors."""
+    return GLUON_WIDE_TILES if max(d_qk, d_v) > 128 else GLUON_TILES
+
+
+def cache_engine_refusal(program: ir.Program, kind: str, page_size: int, k, v) -> str | None:
+    """Why the Gluon engine cannot run this spec's split calls over this cache (a sentence), or
+    None: sm_90, f16 / bf16, head dims 64 / 128 / 256, pages of at least 8 rows that divide or
+    are a multiple of the key block, contiguous 16-byte aligned K/V storage in the spec's dtype."""
+    if not hasattr(k, "is_cuda") or not k.is_cuda:
+        return "the cache is not on a GPU"
+    if interpreted():
+        return "Gluon kernels do not run in Triton's interpreter"
+    if capability(k.device) != 90:
+        return "the Gluon engine needs an sm_90 GPU (Hopper: wgmma and TMA)"
+    if not gluon_engine.HAS_GLUON:
+        return "this Triton has no Gluon (triton.experimental.gluon)"
+    if program.dtype not in ("f16", "bf16"):
+        return f"the Gluon engine takes f16 / bf16, not {program.dtype}"
+    if program.d_qk not in CACHE_ENGINE_DIMS or program.d_v not in CACHE_ENGINE_DIMS:
+        return (f"the Gluon engine over a cache takes head dims {', '.join(map(str, CACHE_ENGINE_DIMS))}, "
+                f"not {program.d_qk} / {program.d_v}")
+    block_n = cache_engine_tiles(program.d_qk, program.d_v)[1]
+    if kind == "paged" and (page_size < CACHE_ENGINE_MIN_PAGE or (page_size % block_n and block_n % page_size)):
+        return (f"the Gluon engine copies pages of at least {CACHE_ENGINE_MIN_PAGE} rows that divide or are a "
+                f"multiple of its {block_n}-key blocks, not {page_size}")
+    want = {"f16": "torch.float16", "bf16": "torch.bfloat16"}[program.dtype]
+    if str(k.dtype) != want or str(v.dtype) != want:
+        return f"the cache holds {k.dtype} / {v.dtype}, not the spec's {program.dtype}"
+    if not tma_ready(k, v):
+        return "the Gluon engine reads contiguous K/V storage at 16-byte aligned addresses (TMA)"
+    return None
+
+
+def split_engine(program: ir.Program, kind: str, page_size: int, k, v, q_lens: np.ndarray) -> str | None:
+    """"gluon" when a split call's rows fill the engine's tiles (CACHE_ENGINE_FILL) and the engine
+    takes the spec and cache (``cache_engine_refusal``), else None: the split producer."""
+    rows = int(q_lens.sum())
+    tiles = int((-(-q_lens // (2 * gluon_engine.ROWS))).sum())
+    if rows == 0 or rows < CACHE_ENGINE_FILL * tiles * 2 * gluon_engine.ROWS:
+        return None
+    return "gluon" if cache_engine_refusal(program, kind, page_size, k, v) is None else None
+
+
+class CacheLaunch(_GluonDescriptors):
+    """The Gluon engine over a cache (``gluon_paged._paged_fwd_ws``) for one spec and one cache
+    shape (page size, layout): ``__call__(q, k_cache, v_cache, plan, arrays, ts, out, lse,
+    workspace)`` as ``SplitLaunch``'s (the workspace is unused: no split)."""
+
+    def __init__(self, module, block_n: int, paged: bool, page_size: int, device):
+        self.module, self.device = module, device
+        spec = module.SPEC
+        d_qk, d_v = spec["D_QK"], spec["D_V"]
+        self.block_n = block_n
+        page = page_size if paged else block_n
+        maxnreg, consumer, producer = gluon_regs(d_qk, d_v)
+        fixed = gluon_smem(d_qk, d_v, block_n, 0)  # K/V stages as the engine over contiguous tensors takes them
+        stages = max(1, min(GLUON_STAGES, (gluon_engine.SMEM - fixed) // (block_n * (d_qk + d_v) * 2)))
+        keep = {n: spec[n] for n in ("HAS_SCORE", "SCALE", "H_Q", "GROUP")}
+        self.sms = sm_count(device)
+        self._descs, self._layouts = {}, {}
+        self._constexprs = dict(
+            ROWS_=gluon_engine.ROWS, BLOCK_N=block_n, D=d_v, STAGES=stages, CONSUMER_REGS=consumer,
+            PRODUCER_REGS=producer, D_QK=d_qk, PAGED=paged, PAGE=page, CHUNK=min(page, block_n),
+            OVERLAP=gluon_overlap(d_qk, d_v, False), **keep)
+        self._maxnreg = maxnreg
+        self._launchers: dict = {}
+
+    def _launcher(self, end: int) -> Launcher:
+        """The launch for calls whose positions lie below ``end`` (the fast score forms or not)."""
+        fast = fast_scores(end)
+        lz = self._launchers.get(fast)
+        if lz is None:
+            from . import gluon_paged
+            score, _ = score_functions(self.module, end)
+            lz = self._launchers[fast] = Launcher(gluon_paged._paged_fwd_ws, dict(
+                self._constexprs, VISIBLE=self.module.visible, SCORE=score), num_warps=4, maxnreg=self._maxnreg)
+        return lz
+
+    def __call__(self, q, k_cache, v_cache, plan: dict, arrays: dict, ts: tuple, out, lse, workspace):
+        spec = self.module.SPEC
+        h_q, h_kv, d_qk, d_v = spec["H_Q"], spec["H_KV"], spec["D_QK"], spec["D_V"]
+        jobs = plan["tiles"] * h_q
+        if jobs == 0:
+            return out, lse
+        if not tma_ready(q):
+            q = q.contiguous()
+        rows = gluon_engine.ROWS
+        token_major = plan["kind"] == "ragged" or plan["order"] in ("nhd", "bshd")
+        if token_major:  # [rows, H_kv * d]: a head's keys in its columns
+            k2, v2 = k_cache.view(-1, h_kv * d_qk), v_cache.view(-1, h_kv * d_v)
+            page_rows, head_rows, k_col, v_col = plan["page_size"], 0, d_qk, d_v
+        else:  # [rows, d]: a head's keys in its rows (hnd pages: H_kv * page rows; bhsd: T rows per head)
+            k2, v2 = k_cache.view(-1, d_qk), v_cache.view(-1, d_v)
+            per_head = plan["page_size"] if plan["kind"] == "paged" else k_cache.shape[2]
+            page_rows, head_rows, k_col, v_col = h_kv * per_head, per_head, 0, 0
+        bn = self.block_n
+        chunk = self._constexprs["CHUNK"]
+        desc = gluon_engine.TensorDescriptor.from_tensor
+
+        def make(t, block):
+            return lambda: desc(t, block, self._gluon_layout(block, t.dtype))
+        q_desc = self._cached(q, "q", make(q.view(-1, h_q * d_qk), [rows, d_qk]))
+        o_desc = self._cached(out, "o", make(out.view(-1, h_q * d_v), [rows, d_v]))
+        k_desc = self._cached(k_cache, "k", make(k2, [chunk, d_qk]))
+        v_desc = self._cached(v_cache, "v", make(v2, [chunk, d_v]))
+        ints = (plan["table_stride"], page_rows, head_rows, k_col, v_col)
+        args = (q_desc, k_desc, v_desc, o_desc, out, lse, _counter(self.device), arrays["jobs"],
+                arrays["entry_ptr"], arrays["blocks"], arrays["partial"], arrays["kv_lens"], arrays["qo_indptr"],
+                arrays["tile_req"], arrays["tile_row0"], arrays["base"], arrays["table"], *ints, ts, jobs,
+                qk_scale(self.module))
+        key = (spec_key(ints + (jobs,)), spec_key(ts))
+        self._launcher(plan["position_end"]).launch((min(jobs, self.sms),), args, key)
+        return out, lse

@@ -501,6 +501,14 @@ class Kernel:
                 self._splits[key] = L.SplitLaunch(self.module, num_warps, num_stages)
         return self._splits[key]
 
+    def cache_launch(self, plan: dict, device) -> L.CacheLaunch:
+        """The Gluon engine's launch over this plan's cache shape (block, pages), made once."""
+        key = ("cache", plan["block_n"], plan["cache"] != 0, plan["page_size"], str(device))
+        if key not in self._splits:
+            self._splits[key] = L.CacheLaunch(self.module, plan["block_n"], plan["cache"] != 0, plan["page_size"],
+                                              device)
+        return self._splits[key]
+
     def workspace(self, total_q: int, splits: int, device):
         """The split workspace (partial O, m, l, valid flags) in one allocation."""
         n = L.workspace_bytes(self.module, total_q, splits, self.program.state.value)
@@ -570,11 +578,16 @@ class Kernel:
         plan["k_strides"], plan["v_strides"] = cache_strides(kind, order, k_cache, v_cache)
         if kind == "contiguous":
             plan["base"] = np.asarray(_to_numpy(plan["cache_rows"]), np.int64) * _rows_per_batch(order, k_cache)
-        launch = self.split_launch(num_warps or plan.get("num_warps", 4), num_stages or plan.get("num_stages", 2))
         arrays = self.decode_args(plan, device)
+        if plan.get("engine") == "gluon":  # the Gluon engine over the cache: one launch, no workspace
+            launch = self.cache_launch(plan, device)
+            arrays["jobs"] = self._torch.as_tensor(plan["jobs"]).to(device)
+            ws = 0
+        else:
+            launch = self.split_launch(num_warps or plan.get("num_warps", 4), num_stages or plan.get("num_stages", 2))
+            ws = L.workspace_bytes(self.module, plan["total_q"], plan["splits"], p.state.value)
         ts = L.tensor_args(self.module, {n: device_tensor(t, device) for n, t in tensors.items()},
                            (arrays["kv_lens"], arrays["qo_indptr"]))
-        ws = L.workspace_bytes(self.module, plan["total_q"], plan["splits"], p.state.value)
         return _Split(plan, arrays, ts, launch, ws)
 
     def _launch_split(self, bound: "_Split", q, k_cache, v_cache):
@@ -612,13 +625,15 @@ class Kernel:
 
     def decode(self, q, *, plan: dict | None = None, return_lse=False, block_n: int | None = None,
                splits: int | None = None, block_q: int | None = None, num_warps: int | None = None,
-               num_stages: int | None = None, **arrays):
+               num_stages: int | None = None, engine: str | None = None, **arrays):
         """One split call: packed q [total_q, H_q, d_qk] (decode: [B, H_q, d_qk], the new token of
         every request), the cache by DESIGN §5's keys (k/v, k_cache/v_cache, block_table + kv_lens,
         kv_indptr + kv_indices + kv_last_page_len, kv_indptr for ragged, cache_batch_idx),
         optional ``q_lens`` / ``qo_indptr`` (request b's rows are q[qo_indptr[b]:qo_indptr[b+1]],
         at positions kv_lens[b] - q_lens[b] + i) and declared tensors by name.  Returns O
-        [total_q, H_q, d_v] (and LSE [total_q, H_q])."""
+        [total_q, H_q, d_v] (and LSE [total_q, H_q]).  Appends whose rows fill 128-row tiles run
+        on the Gluon engine over the cache on an H100/H200 (``decode.decode_plan``'s ``engine``:
+        "split" or "gluon" forces one)."""
         torch = self._torch
         p = self.program
         from_numpy = isinstance(q, np.ndarray)
@@ -626,6 +641,7 @@ class Kernel:
         if plan is None and block_n is None and splits is None and block_q is None and num_warps is None \
                 and num_stages is None and not from_numpy:
             cache_key, cache_objects = self._split_key(q, arrays)
+            cache_key = cache_key if cache_key is None or engine is None else (*cache_key, engine)
             bound = P.PLANS.get(cache_key, cache_objects) if cache_key is not None else None
             if bound is not None:  # the plan for this metadata, made and uploaded by an earlier call
                 o, lse = self._launch_split(bound, q, arrays.get("k_cache", arrays.get("k")),
@@ -639,8 +655,8 @@ class Kernel:
             raise InputError(f"inputs: 'q' has shape {list(q.shape)}; a split call packs its query rows "
                              f"as [total_q, H_q={p.heads_q}, d_qk={p.d_qk}]")
         if plan is None:
-            options = {n: x for n, x in (("block_n", block_n), ("splits", splits), ("block_q", block_q))
-                       if x is not None}
+            options = {n: x for n, x in (("block_n", block_n), ("splits", splits), ("block_q", block_q),
+                                         ("engine", engine)) if x is not None}
             plan = self.decode_plan(arrays, tensors=tensors, total_q=int(q.shape[0]), **options)
         elif int(q.shape[0]) != plan["total_q"]:
             raise InputError(f"inputs: 'q' has {int(q.shape[0])} packed rows; the plan was made for "

@@ -1,0 +1,225 @@
+"""The Gluon engine over a K/V cache (Hopper, sm_90): append and mixed-batch calls with many query
+rows per request, paged or not, without a split.
+
+A split call (``Kernel.decode``: packed query rows, ``q_lens`` / ``qo_indptr``, over any cache)
+whose rows fill the engine's 128-row tiles takes this program instead of the split-K/V
+producer and combine (``launch.split_engine`` decides; ``decode.decode_plan`` cuts the rows
+into 128-row tiles of one request, one split).  Its jobs are (tile, query head) in
+``JOBS``'s order (``decode.engine_jobs``): request by request, K/V head by K/V head, the
+head's tiles longest first with the GQA group's query heads next to each other -- the jobs
+running at once read one K/V head's blocks, which stay in L2 -- drawn from a counter by one program per
+SM as in ``gluon_engine``.  The consumers are the engine's (``_ws_blocks``: the same online
+softmax, score program, PARTIAL blocks by the predicate, intra-warpgroup overlap at d 128); what
+differs is where the rows live:
+
+* Q and O are the packed [total_q, H_q, d] tensors, viewed [total_q, H_q * d]: a tile's rows
+  start at ``qo_indptr[b] + row0`` in head h's columns.  The rows of a tile past its request's
+  ``q_len`` are the next request's (or past total_q, zero-filled by TMA): computed and dropped,
+  O and LSE stored under a mask.
+* K and V are read through the request's page table: a block of BLOCK_N keys is BLOCK_N / CHUNK
+  TMA copies of CHUNK = min(page_size, BLOCK_N) rows, each from its page, into its rows of the
+  stage (``_pg_kv_row``).  The cache is viewed as 2-D rows: token-major layouts (paged nhd,
+  contiguous bshd, ragged) as [rows, H_kv * d] with the head's columns at kv_h * d; head-major
+  ones (paged hnd, contiguous bhsd) as [rows, d] with the head's rows at kv_h * HEAD_ROWS.  A
+  copy past the request's last key reads its last chunk again, never another page id.
+* Request b's keys are [0, kv_len): the block across kv_len takes the mask path with the keys
+  past it hidden, and its V rows past kv_len (a page's unwritten tail: stale values, possibly
+  not finite) are zeroed in shared memory before P.V (``gluon_engine._ws_zero_v_tail``).  Query
+  row i of request b sits at position kv_len - q_len + i (bottom-right), as in the split kernel.
+"""
+import triton.language as tl
+
+from .gluon_engine import _tma_load, _tma_store, _ws_blocks, _ws_get, _ws_put, gluon, gl, mbarrier, tma, \
+    fence_async_shared  # noqa: F401 (gluon is the decorator; gl the language)
+
+
+@gluon.jit
+def _pg_job(t, H_Q: tl.constexpr, JOBS, ENTRY_PTR):
+    """Job t: (tile, query head, the tile's block list [lo, hi)); JOBS[t] = tile * H_Q + h."""
+    job = gl.load(JOBS + t)
+    tile = job // H_Q
+    return tile, job % H_Q, gl.load(ENTRY_PTR + tile), gl.load(ENTRY_PTR + tile + 1)
+
+
+@gluon.jit
+def _pg_kv_row(t, b, kvh, kv_len, base, TABLE, s_tb, PAGE_ROWS, HEAD_ROWS, PAGED: tl.constexpr,
+               PAGE: tl.constexpr, CHUNK: tl.constexpr):
+    """The cache row (of its 2-D view) where request b's CHUNK keys from key t start, for K/V head
+    kvh: past the request's last key, its last chunk again (a page it owns)."""
+    t = gl.minimum(t, gl.maximum(kv_len - 1, 0) // CHUNK * CHUNK)
+    if PAGED:  # dense table: row b of TABLE (base 0); CSR: the request's pages start at base
+        page = gl.load(TABLE + b * s_tb + base + t // PAGE)
+        return page * PAGE_ROWS + kvh * HEAD_ROWS + t % PAGE
+    return base + kvh * HEAD_ROWS + t
+
+
+@gluon.jit
+def _pg_consumer(half, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars, o_desc, O, LSE, KV_LENS, QO_INDPTR,
+                 TILE_REQ, TILE_ROW0, n_jobs, qk_scale, TS, ROWS_: tl.constexpr, BLOCK_N: tl.constexpr,
+                 D: tl.constexpr, STAGES: tl.constexpr, VISIBLE: tl.constexpr, SCORE: tl.constexpr,
+                 HAS_SCORE: tl.constexpr, SCALE: tl.constexpr, H_Q: tl.constexpr, OVERLAP: tl.constexpr):
+    """Rows [half * ROWS_, + ROWS_) of each tile the producer hands over (``gluon_engine.
+    _ws_consumer``'s protocol): the blocks of its list through ``_ws_blocks``, then O and LSE at
+    the request's packed rows, under a mask where the tile crosses the request's end."""
+    q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = bars
+    s_layout: tl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: tl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, D, 16])
+    row_l: tl.constexpr = gl.SliceLayout(1, s_layout)
+    orow_l: tl.constexpr = gl.SliceLayout(1, o_layout)
+    q = q_smem.index(half)
+    o = o_smem.index(half)
+    c = 0
+    jc = 0
+    mbarrier.wait(q_ready, 0)
+    t = _ws_get(job_smem, 0, 4)
+    while t < n_jobs:
+        job = _ws_get(job_smem, 1, 4)  # tile * H_Q + h
+        lo = _ws_get(job_smem, 2, 4)
+        hi = _ws_get(job_smem, 3, 4)
+        tile = job // H_Q
+        h = job % H_Q
+        b = gl.load(TILE_REQ + tile)
+        row0 = gl.load(TILE_ROW0 + tile) + half * ROWS_  # this half's first row within the request
+        first = gl.load(QO_INDPTR + b)
+        q_len = gl.load(QO_INDPTR + b + 1) - first
+        kv_len = gl.load(KV_LENS + b)
+        rows = row0 + gl.arange(0, ROWS_, row_l)
+        q_pos = (kv_len - q_len + rows)[:, None]  # bottom-right
+        acc, m_i, l_i, c = _ws_blocks(q, k_smem, v_smem, blk_smem, bars, lo, hi, c, 0, 0, b, h, q_pos, kv_len, 0,
+                                      qk_scale, TS, 1.0, False, False, ROWS_, BLOCK_N, D, STAGES, VISIBLE, SCORE,
+                                      HAS_SCORE, SCALE, False, OVERLAP, True)
+        mbarrier.arrive(q_empty, count=1)  # this half's Q.K^T are done: the next tile's Q may load
+        seen = (l_i > 0) | (l_i != l_i)  # NaN: a visible score was NaN or +inf; LSE NaN marks the row
+        l_safe = gl.where(seen, l_i, 1.0)
+        out = acc / gl.convert_layout(l_safe, orow_l)[:, None]  # rows that saw nothing: acc = 0, O = 0
+        if row0 + ROWS_ <= q_len:
+            tma.store_wait(0)  # the last tile's O has left shared memory
+            o.store(out.to(o_smem.dtype))
+            fence_async_shared()
+            _tma_store(o_desc, [first + row0, h * D], o)
+        else:
+            o_rows = row0 + gl.arange(0, ROWS_, orow_l)
+            o_cols = gl.arange(0, D, gl.SliceLayout(0, o_layout))
+            gl.store(O + ((first + o_rows) * H_Q + h)[:, None] * D + o_cols[None, :], out.to(O.dtype.element_ty),
+                     mask=(o_rows < q_len)[:, None])
+        lse_out = gl.where(seen, (m_i + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+        gl.store(LSE + (first + rows) * H_Q + h, lse_out, mask=rows < q_len)
+        jc += 1
+        mbarrier.wait(q_ready, jc & 1)
+        t = _ws_get(job_smem, 0, 4)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _pg_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, job_smem, blk_smem, bars, COUNTER_PTR, JOBS,
+                 ENTRY_PTR, BLOCKS, PARTIAL, KV_LENS, QO_INDPTR, TILE_REQ, TILE_ROW0, BASE, TABLE, s_tb, PAGE_ROWS,
+                 HEAD_ROWS, K_COL, V_COL, n_jobs, ROWS_: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
+                 H_Q: tl.constexpr, GROUP: tl.constexpr, D_QK: tl.constexpr, PAGED: tl.constexpr,
+                 PAGE: tl.constexpr, CHUNK: tl.constexpr):
+    """``gluon_engine._ws_producer`` over a cache: each job's Q halves from the request's packed
+    rows, then every block of the tile's list as BLOCK_N / CHUNK copies per K and V
+    (``_pg_kv_row``).  K_COL / V_COL: the columns of one K / V head in the cache's view (d on
+    token-major layouts; 0 on head-major ones, whose HEAD_ROWS place the head)."""
+    q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = bars
+    c = 0
+    jc = 0
+    t = gl.program_id(0)  # the grid never exceeds the jobs
+    tile, h, lo, hi = _pg_job(t, H_Q, JOBS, ENTRY_PTR)
+    while t < n_jobs:
+        drawn = gl.atomic_add(COUNTER_PTR, 1)
+        if drawn == n_jobs - 1:  # every program's draws add up to n_jobs: this one is the last
+            gl.atomic_add(COUNTER_PTR, -n_jobs)  # (the counter holds n_jobs: back to zero)
+        nxt = gl.num_programs(0) + drawn
+        mbarrier.wait(q_empty, (jc & 1) ^ 1)
+        _ws_put(job_smem, (t, tile * H_Q + h, lo, hi), 4)
+        b = gl.load(TILE_REQ + tile)
+        q_row0 = gl.load(QO_INDPTR + b) + gl.load(TILE_ROW0 + tile)
+        mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
+        _tma_load(q_desc, [q_row0, h * D_QK], q_ready, q_smem.index(0))
+        _tma_load(q_desc, [q_row0 + ROWS_, h * D_QK], q_ready, q_smem.index(1))
+        kvh = h // GROUP
+        kv_len = gl.load(KV_LENS + b)
+        base = gl.load(BASE + b).to(gl.int32)
+        layout: tl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+        chunks = gl.arange(0, BLOCK_N // CHUNK, layout)
+        for i in range(lo, hi):
+            stage = c % STAGES
+            phase = (c // STAGES) & 1
+            kb = gl.load(BLOCKS + i)
+            part = gl.load(PARTIAL + i).to(gl.int32)
+            # the block's rows in the cache (page table reads issued before the wait for a free stage)
+            rows = _pg_kv_row(kb * BLOCK_N + chunks * CHUNK, b, kvh, kv_len, base, TABLE, s_tb, PAGE_ROWS,
+                              HEAD_ROWS, PAGED, PAGE, CHUNK)
+            mbarrier.wait(k_empty.index(stage), phase ^ 1)
+            _ws_put(blk_smem.index(stage), (kb, part), 2)
+            mbarrier.expect(k_ready.index(stage), (BLOCK_N // CHUNK) * k_desc.block_type.nbytes)
+            for j in gl.static_range(BLOCK_N // CHUNK):
+                row = gl.sum(gl.where(chunks == j, rows, 0), 0)
+                if CHUNK == BLOCK_N:
+                    _tma_load(k_desc, [row, kvh * K_COL], k_ready.index(stage), k_smem.index(stage))
+                else:
+                    _tma_load(k_desc, [row, kvh * K_COL], k_ready.index(stage),
+                              k_smem.index(stage).slice(j * CHUNK, CHUNK, dim=0))
+            mbarrier.wait(v_empty.index(stage), phase ^ 1)
+            mbarrier.expect(v_ready.index(stage), (BLOCK_N // CHUNK) * v_desc.block_type.nbytes)
+            for j in gl.static_range(BLOCK_N // CHUNK):
+                row = gl.sum(gl.where(chunks == j, rows, 0), 0)
+                if CHUNK == BLOCK_N:
+                    _tma_load(v_desc, [row, kvh * V_COL], v_ready.index(stage), v_smem.index(stage))
+                else:
+                    _tma_load(v_desc, [row, kvh * V_COL], v_ready.index(stage),
+                              v_smem.index(stage).slice(j * CHUNK, CHUNK, dim=0))
+            c += 1
+        jc += 1
+        t = nxt
+        tile, h, lo, hi = _pg_job(gl.minimum(t, n_jobs - 1), H_Q, JOBS, ENTRY_PTR)
+    mbarrier.wait(q_empty, (jc & 1) ^ 1)  # "none left", once the consumers are done with the last Q
+    _ws_put(job_smem, (t, 0, 0, 0), 4)
+    mbarrier.arrive(q_ready, count=1)
+
+
+@gluon.jit
+def _paged_fwd_ws(q_desc, k_desc, v_desc, o_desc, O, LSE, COUNTER_PTR, JOBS, ENTRY_PTR, BLOCKS, PARTIAL,
+                  KV_LENS, QO_INDPTR, TILE_REQ, TILE_ROW0, BASE, TABLE, s_tb, PAGE_ROWS, HEAD_ROWS, K_COL, V_COL,
+                  TS, n_jobs, qk_scale, ROWS_: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
+                  STAGES: tl.constexpr, CONSUMER_REGS: tl.constexpr, PRODUCER_REGS: tl.constexpr,
+                  VISIBLE: tl.constexpr, SCORE: tl.constexpr, HAS_SCORE: tl.constexpr, SCALE: tl.constexpr,
+                  H_Q: tl.constexpr, GROUP: tl.constexpr, D_QK: tl.constexpr, PAGED: tl.constexpr,
+                  PAGE: tl.constexpr, CHUNK: tl.constexpr, OVERLAP: tl.constexpr):
+    """Jobs (128-row tile of one request, query head) of a split call over a cache (module
+    docstring), one program per SM drawing them from the counter at COUNTER_PTR.  D is V's (and
+    O's) head dim, D_QK Q and K's; K and V blocks of BLOCK_N rows land as BLOCK_N / CHUNK copies."""
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+    o_smem = gl.allocate_shared_memory(o_desc.dtype, [2] + o_desc.block_type.shape, o_desc.layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, D_QK], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, D], v_desc.layout)
+    job_smem = gl.allocate_shared_memory(gl.int32, [4], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    blk_smem = gl.allocate_shared_memory(gl.int32, [STAGES, 2], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_ready, count=1)
+    mbarrier.init(q_empty, count=2)  # both consumers release Q
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)  # both consumers release a stage
+        mbarrier.init(v_empty.index(i), count=2)
+    bars = (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty)
+    gl.warp_specialize([
+        (_pg_consumer, (0, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars, o_desc, O, LSE, KV_LENS,
+                        QO_INDPTR, TILE_REQ, TILE_ROW0, n_jobs, qk_scale, TS, ROWS_, BLOCK_N, D, STAGES, VISIBLE,
+                        SCORE, HAS_SCORE, SCALE, H_Q, OVERLAP)),
+        (_pg_consumer, (1, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars, o_desc, O, LSE, KV_LENS,
+                        QO_INDPTR, TILE_REQ, TILE_ROW0, n_jobs, qk_scale, TS, ROWS_, BLOCK_N, D, STAGES, VISIBLE,
+                        SCORE, HAS_SCORE, SCALE, H_Q, OVERLAP)),
+        (_pg_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, job_smem, blk_smem, bars, COUNTER_PTR,
+                        JOBS, ENTRY_PTR, BLOCKS, PARTIAL, KV_LENS, QO_INDPTR, TILE_REQ, TILE_ROW0, BASE, TABLE,
+                        s_tb, PAGE_ROWS, HEAD_ROWS, K_COL, V_COL, n_jobs, ROWS_, BLOCK_N, STAGES, H_Q, GROUP, D_QK,
+                        PAGED, PAGE, CHUNK)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])

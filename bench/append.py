@@ -1,0 +1,120 @@
+"""Append (chunked prefill) over a paged cache: ``attnc bench append``.
+
+Each case is B requests with T committed tokens each and C new query rows (their K/V already
+in the cache: the post-commit view, kv_lens = T + C), GQA 32/8, d 128, bf16, a paged nhd cache
+with shuffled page ids; query row i of a request sees keys [0, T + i] (bottom-right causal).
+Implementations, each checked against a float32 reference on the GPU before it is timed:
+
+  attnc_call        ``attn.decode(q, k_cache=, v_cache=, block_table=, kv_lens=, q_lens=)`` as a
+                    user makes it (metadata on the host, as serving engines keep it; the plan
+                    comes from the plan cache after the first call): the untuned default, which
+                    takes the Gluon engine over the cache where the rows fill its tiles;
+  attnc_split       the same call with ``engine="split"``: the split-K/V producer and combine;
+  attnc_contiguous  ``attnc.compile(spec)(q, k, v)`` on the same rows with K/V contiguous (bhsd):
+                    the engine without the page table (its ceiling here);
+  flex_default      FlexAttention (torch.compile) on contiguous K/V, a bottom-right causal
+                    BlockMask made once, enable_gqa;
+  sdpa_lower_right  SDPA with ``causal_lower_right`` (flash / efficient kernels) on contiguous
+                    K/V with the heads repeated (SDPA's bias does not take enable_gqa).
+
+TFLOP/s count visible cells, 4 * d FLOPs each: C * T + C * (C + 1) / 2 per (request, head).
+"""
+from __future__ import annotations
+
+import math
+
+from .harness import Rows, call_key, environment, prefill_flops, timed
+
+APPEND_CASES = ((4, 8192, 2048, 16), (4, 8192, 2048, 128), (8, 2048, 1024, 16), (1, 2048, 2048, 16))
+HEADS_Q, HEADS_KV, HEAD_DIM = 32, 8, 128
+
+
+def append_case(batch, t_len, c_len, page_size, generator):
+    """Packed q [B * C, H_q, d]; contiguous k/v [B, H_kv, T + C, d]; the same K/V in a paged nhd
+    cache with shuffled page ids; block_table, kv_lens and q_lens on the host."""
+    import torch
+    g = generator
+    n = t_len + c_len
+    q = torch.randn(batch * c_len, HEADS_Q, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=g)
+    k = torch.randn(batch, HEADS_KV, n, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=g)
+    v = torch.randn(batch, HEADS_KV, n, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=g)
+    per = -(-n // page_size)
+    pages = batch * per
+    perm = torch.randperm(pages, device="cuda", generator=g)
+    table = perm.view(batch, per).to(torch.int32)
+    k_cache = torch.zeros(pages, page_size, HEADS_KV, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    v_cache = torch.zeros_like(k_cache)
+    pad = per * page_size - n
+    for src, dst in ((k, k_cache), (v, v_cache)):
+        rows = torch.nn.functional.pad(src.permute(0, 2, 1, 3), (0, 0, 0, 0, 0, pad))  # [B, per * P, H_kv, d]
+        dst[perm] = rows.reshape(pages, page_size, HEADS_KV, HEAD_DIM)
+    kv_lens = torch.full((batch,), n, dtype=torch.int32)
+    q_lens = torch.full((batch,), c_len, dtype=torch.int32)
+    return q, k, v, {"k_cache": k_cache, "v_cache": v_cache, "block_table": table.cpu(), "kv_lens": kv_lens,
+                     "q_lens": q_lens}
+
+
+def run_append(cases=None, out=None, seed=0, command="", flex: bool = True):
+    import torch
+    import attnc
+    from torch.nn.attention.bias import causal_lower_right
+
+    rows = Rows(out, command)
+    env = environment()
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    contiguous = attnc.compile("attention append_contiguous { dtype = bf16 mask = causal }")
+    for batch, t_len, c_len, page in cases or APPEND_CASES:
+        attn = attnc.compile(f"attention append_bench {{ dtype = bf16 mask = causal "
+                             f"cache = paged(page_size = {page}, layout = nhd) }}")
+        program = attn.specialize(HEADS_Q, HEADS_KV, HEAD_DIM, HEAD_DIM, "bf16")
+        q, k, v, cache = append_case(batch, t_len, c_len, page, g)
+        n = t_len + c_len
+        cells = batch * (c_len * t_len + c_len * (c_len + 1) / 2)
+        flops = prefill_flops(cells, HEADS_Q, HEAD_DIM, HEAD_DIM)
+        q4 = q.view(batch, c_len, HEADS_Q, HEAD_DIM).transpose(1, 2)  # [B, H_q, C, d] view
+        bias = causal_lower_right(c_len, n)
+        group = HEADS_Q // HEADS_KV
+        ref = torch.empty(batch, HEADS_Q, c_len, HEAD_DIM, device="cuda", dtype=torch.float32)
+        for b in range(batch):  # float32 reference, one request at a time
+            kf = k[b:b + 1].float().repeat_interleave(group, 1)
+            vf = v[b:b + 1].float().repeat_interleave(group, 1)
+            s = (q4[b:b + 1].float() @ kf.transpose(-1, -2)) / math.sqrt(HEAD_DIM)
+            keep = torch.arange(n, device="cuda")[None, :] <= (t_len + torch.arange(c_len, device="cuda"))[:, None]
+            ref[b:b + 1] = torch.softmax(s.masked_fill(~keep, float("-inf")), -1) @ vf
+            del kf, vf, s
+
+        def check(o, layout="packed"):
+            o = o[0] if isinstance(o, tuple) else o
+            if layout == "packed":
+                o = o.view(batch, c_len, HEADS_Q, HEAD_DIM).transpose(1, 2)
+            return float((o.float() - ref).norm() / ref.norm())
+
+        record = {"_key": call_key(program, batch, c_len, [n] * batch), "bench": "append", "B": batch, "T": t_len,
+                  "C": c_len, "H_q": HEADS_Q, "H_kv": HEADS_KV, "D": HEAD_DIM, "dtype": "bf16", "page_size": page,
+                  "visible_cells": cells, "env": env, "reference": "float32 softmax on GPU, per request",
+                  "tolerance_rel_l2": 1e-2}
+        label = f"append B={batch} T={t_len} C={c_len} page={page}"
+        kernel = attn.kernel("triton", program)
+        engine = kernel.decode_plan(dict(cache), total_q=int(q.shape[0]))["engine"]
+        timed(lambda: attn.decode(q, **cache), check, {**record, "impl": "attnc_call", "engine": engine}, rows,
+              f"{label} attnc_call ({engine})", flops, "TFLOPs")
+        timed(lambda: attn.decode(q, engine="split", **cache), check, {**record, "impl": "attnc_split"}, rows,
+              f"{label} attnc_split", flops, "TFLOPs")
+        qc = q4.contiguous()
+        timed(lambda: contiguous(qc, k, v), lambda o: check(o, "bhsd"), {**record, "impl": "attnc_contiguous"},
+              rows, f"{label} attnc_contiguous", flops, "TFLOPs")
+        if flex:
+            from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+            torch._dynamo.reset()
+            compiled = torch.compile(flex_attention)
+            offset = t_len
+            mask = create_block_mask(lambda b, h, qi, ki: ki <= qi + offset, None, None, c_len, n, device="cuda")
+            timed(lambda: compiled(qc, k, v, block_mask=mask, enable_gqa=True), lambda o: check(o, "bhsd"),
+                  {**record, "impl": "flex_default"}, rows, f"{label} flex_default", flops, "TFLOPs")
+        kr, vr = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        timed(lambda: torch.nn.functional.scaled_dot_product_attention(qc, kr, vr, attn_mask=bias),
+              lambda o: check(o, "bhsd"), {**record, "impl": "sdpa_lower_right", "note": "K/V heads repeated"},
+              rows, f"{label} sdpa_lower_right", flops, "TFLOPs")
+        del q, k, v, cache, kr, vr, ref, qc
+        torch.cuda.empty_cache()
+    return list(rows)
