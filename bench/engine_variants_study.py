@@ -1,11 +1,14 @@
-"""Study: variants of the Gluon engine's consumer on causal and full, B4 H16 S8192 d128, bf16
-and FP8 (kernel alone, ``Kernel.prepare``, each variant a fresh launch):
+"""Study: variants of the Gluon engine's consumer on causal and full, B4 H16 S8192 d128 (``--heads``,
+``--head-dim``, ``--seq`` change the shape), bf16 and FP8 (kernel alone, ``Kernel.prepare``, each
+variant a fresh launch):
 
   base        the engine as shipped;
   overlap / no_overlap   block i+1's Q.K^T issued before block i's softmax (FlashAttention-3's
               intra-warpgroup overlap: ``launch.GLUON_OVERLAP``; FP8 launches never overlap);
   regs232 / regs240      the consumer warpgroups' registers (``launch.GLUON_REGS_D128``);
   stages3     three K/V stages (``launch.GLUON_STAGES``; FP8 blocks are half the bytes);
+  pingpong    FlashAttention-3's ping-pong: the consumers take turns issuing block i's Q.K^T with
+              block i-1's P.V, each softmax under the other's MMAs (``launch.GLUON_PINGPONG_DIMS``: the head dims that take it);
   one_tile, head_group<n>   the call options ``schedule="one_tile"`` (one job per program) and
               ``head_group=n`` (heads whose tiles interleave; default 4).
 
@@ -26,7 +29,9 @@ VARIANTS = {"base": {}, "overlap": {"OVERLAP": True}, "no_overlap": {"OVERLAP": 
             "overlap_regs240": {"OVERLAP": True, "REGS": (168, 240, 24)}, "stages3": {"STAGES": 3},
             "overlap_stages3": {"OVERLAP": True, "STAGES": 3},
             "one_tile": {"options": {"schedule": "one_tile"}}, "head_group8": {"options": {"head_group": 8}},
-            "head_group16": {"options": {"head_group": 16}}, "head_group2": {"options": {"head_group": 2}}}
+            "head_group16": {"options": {"head_group": 16}}, "head_group2": {"options": {"head_group": 2}},
+            "pingpong": {"PINGPONG": (64, 128, 256)}, "no_pingpong": {"PINGPONG": ()},
+            "pingpong_regs232": {"PINGPONG": (64, 128, 256), "REGS": (168, 232, 24)}}
 
 
 PTX_OPS = ("wgmma.mma_async", "ex2.approx", "shfl.sync", "prmt.b32", "st.shared", "ld.shared", "stmatrix", "ldmatrix",
@@ -46,13 +51,16 @@ def main(argv=None) -> int:
     ap.add_argument("--masks", default="causal,full")
     ap.add_argument("--dtypes", default="bf16,fp8")
     ap.add_argument("--seq", type=int, default=8192)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--head-dim", type=int, default=128)
     args = ap.parse_args(argv)
     import torch
     import triton.testing
     import attnc
     from attnc.backends.triton import launch
-    b, h, s, d = 4, 16, args.seq, 128
-    defaults = {"OVERLAP": launch.GLUON_OVERLAP, "REGS": launch.GLUON_REGS_D128, "STAGES": launch.GLUON_STAGES}
+    b, h, s, d = 4, args.heads, args.seq, args.head_dim
+    defaults = {"OVERLAP": launch.GLUON_OVERLAP, "REGS": launch.GLUON_REGS_D128, "STAGES": launch.GLUON_STAGES,
+                "PINGPONG": launch.GLUON_PINGPONG_DIMS}
     for mask in args.masks.split(","):
         attn = attnc.compile(f"attention c {{ heads = {h} head_dim = {d} dtype = bf16 "
                              f"mask = {'causal' if mask == 'causal' else 'true'} }}")
@@ -69,6 +77,7 @@ def main(argv=None) -> int:
                 knobs = {**defaults, **{n: x for n, x in VARIANTS[name].items() if n != "options"}}
                 launch.GLUON_OVERLAP, launch.GLUON_REGS_D128, launch.GLUON_STAGES = (knobs["OVERLAP"], knobs["REGS"],
                                                                                  knobs["STAGES"])
+                launch.GLUON_PINGPONG_DIMS = knobs["PINGPONG"]
                 row = {"study": "engine_variants", "variant": name, "mask": mask, "dtype": dtype, "B": b, "H": h,
                        "S": s, "D": d}
                 try:
@@ -89,6 +98,7 @@ def main(argv=None) -> int:
                                   "config": run.config.describe()}), flush=True)
         launch.GLUON_OVERLAP, launch.GLUON_REGS_D128, launch.GLUON_STAGES = (defaults["OVERLAP"], defaults["REGS"],
                                                                          defaults["STAGES"])
+        launch.GLUON_PINGPONG_DIMS = defaults["PINGPONG"]
         del q, k, v, q8, k8, v8
         torch.cuda.empty_cache()
     return 0

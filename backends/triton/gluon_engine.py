@@ -114,11 +114,13 @@ def _ws_v_operand(v_stage, kb, S_K, BLOCK_N: tl.constexpr, D: tl.constexpr, FP8:
     rows past S_k zeroed first (``_ws_zero_v_tail``); FP8, V^T's block [D, BLOCK_N] read as
     [BLOCK_N, D], K-major (its columns past S_k were zero-filled by TMA)."""
     if FP8:
-        return v_stage.permute((1, 0))
-    if ZERO_TAIL:
-        if kb * BLOCK_N + BLOCK_N > S_K:
-            _ws_zero_v_tail(v_stage, S_K - kb * BLOCK_N, BLOCK_N, D)
-    return v_stage
+        v_op = v_stage.permute((1, 0))
+    else:
+        if ZERO_TAIL:
+            if kb * BLOCK_N + BLOCK_N > S_K:
+                _ws_zero_v_tail(v_stage, S_K - kb * BLOCK_N, BLOCK_N, D)
+        v_op = v_stage
+    return v_op
 
 
 @gluon.jit
@@ -171,13 +173,13 @@ def _ws_blocks(q, k_smem, v_smem, blk_smem, bars, lo, hi, c, ks, ke, b, h, q_pos
                MASK_FROM_ROWS: tl.constexpr, EVEN_K: tl.constexpr, ROWS_: tl.constexpr, BLOCK_N: tl.constexpr,
                D: tl.constexpr, STAGES: tl.constexpr, VISIBLE: tl.constexpr, SCORE: tl.constexpr,
                HAS_SCORE: tl.constexpr, SCALE: tl.constexpr, FP8: tl.constexpr, OVERLAP: tl.constexpr,
-               ZERO_TAIL: tl.constexpr):
+               ZERO_TAIL: tl.constexpr, PINGPONG: tl.constexpr = False, half=0, tc=0):
     """One consumer's rows of a job over blocks [lo, hi) of its list, as the producer hands them
     over (``c``: the blocks this program consumed before, the K/V ring's stage and phase):
     returns (the unnormalized O accumulator, m, l, c).  OVERLAP: block i+1's Q.K^T runs on the
     tensor cores under block i's softmax (the loop is peeled); ZERO_TAIL: the block across S_K
     has V's rows past S_K zeroed before P.V (``_ws_v_operand``)."""
-    q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = bars
+    q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turns = bars
     MMA_K: tl.constexpr = 32 if FP8 else 16  # the wgmma instruction's depth: 32 bytes of operands
     s_layout: tl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, MMA_K])
@@ -191,7 +193,60 @@ def _ws_blocks(q, k_smem, v_smem, blk_smem, bars, lo, hi, c, ks, ke, b, h, q_pos
     m_i = gl.full([ROWS_], float("-inf"), gl.float32, row_l)
     l_i = gl.full([ROWS_], 0.0, gl.float32, row_l)
     acc = gl.zeros([ROWS_, D], gl.float32, o_layout)
-    if OVERLAP:  # block i+1's Q.K^T runs on the tensor cores under block i's softmax
+    if PINGPONG:  # FlashAttention-3's schedule: block i's Q.K^T and block i-1's P.V issued back to back,
+        # in turns with the other warpgroup (``turns``), then block i's softmax under both
+        mine = turns.index(half)
+        other = turns.index(1 - half)
+        if hi > lo:
+            stage = c % STAGES
+            mbarrier.wait(k_ready.index(stage), (c // STAGES) & 1)
+            mbarrier.wait(mine, tc & 1)
+            s = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), s0, use_acc=False, is_async=True)
+            mbarrier.arrive(other, count=1)
+            tc += 1
+            s = warpgroup_mma_wait(0, deps=(s, ))
+            kb = _ws_get(blk_smem.index(stage), 0, 2)
+            part = _ws_get(blk_smem.index(stage), 1, 2)
+            mbarrier.arrive(k_empty.index(stage), count=1)
+            p, alpha, m_i, l_i = _ws_softmax(s, part, kb, ks, ke, m_i, l_i, b, h, q_pos, S_K, K_OFF, job_scale, TS,
+                                             MASK_FROM_ROWS, EVEN_K, BLOCK_N, col_l, VISIBLE, SCORE, HAS_SCORE,
+                                             SCALE, s_descale, FP8)
+            p_op = gl.convert_layout(p.to(q.dtype), p_layout)
+            pkb = kb
+            pstage = stage
+            c += 1
+            for i in range(lo + 1, hi):
+                stage = c % STAGES
+                mbarrier.wait(k_ready.index(stage), (c // STAGES) & 1)
+                mbarrier.wait(v_ready.index(pstage), ((c - 1) // STAGES) & 1)
+                v_op = _ws_v_operand(v_smem.index(pstage), pkb, S_K, BLOCK_N, D, FP8, ZERO_TAIL)
+                mbarrier.wait(mine, tc & 1)
+                s = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), s0, use_acc=False, is_async=True)
+                acc = warpgroup_mma(p_op, v_op, acc * gl.convert_layout(alpha, orow_l)[:, None], is_async=True)
+                mbarrier.arrive(other, count=1)
+                tc += 1
+                s = warpgroup_mma_wait(1, deps=(s, ))
+                kb = _ws_get(blk_smem.index(stage), 0, 2)
+                part = _ws_get(blk_smem.index(stage), 1, 2)
+                mbarrier.arrive(k_empty.index(stage), count=1)
+                p, alpha, m_i, l_i = _ws_softmax(s, part, kb, ks, ke, m_i, l_i, b, h, q_pos, S_K, K_OFF, job_scale,
+                                                 TS, MASK_FROM_ROWS, EVEN_K, BLOCK_N, col_l, VISIBLE, SCORE,
+                                                 HAS_SCORE, SCALE, s_descale, FP8)
+                acc = warpgroup_mma_wait(0, deps=(acc, ))
+                mbarrier.arrive(v_empty.index(pstage), count=1)
+                p_op = gl.convert_layout(p.to(q.dtype), p_layout)
+                pkb = kb
+                pstage = stage
+                c += 1
+            mbarrier.wait(v_ready.index(pstage), ((c - 1) // STAGES) & 1)
+            v_op = _ws_v_operand(v_smem.index(pstage), pkb, S_K, BLOCK_N, D, FP8, ZERO_TAIL)
+            mbarrier.wait(mine, tc & 1)
+            acc = warpgroup_mma(p_op, v_op, acc * gl.convert_layout(alpha, orow_l)[:, None], is_async=True)
+            mbarrier.arrive(other, count=1)
+            tc += 1
+            acc = warpgroup_mma_wait(0, deps=(acc, ))
+            mbarrier.arrive(v_empty.index(pstage), count=1)
+    elif OVERLAP:  # block i+1's Q.K^T runs on the tensor cores under block i's softmax
         if hi > lo:
             stage = c % STAGES
             mbarrier.wait(k_ready.index(stage), (c // STAGES) & 1)
@@ -242,7 +297,7 @@ def _ws_blocks(q, k_smem, v_smem, blk_smem, bars, lo, hi, c, ks, ke, b, h, q_pos
             acc = warpgroup_mma_wait(0, deps=(acc, ))
             mbarrier.arrive(v_empty.index(stage), count=1)
             c += 1
-    return acc, m_i, l_i, c
+    return acc, m_i, l_i, c, tc
 
 
 @gluon.jit
@@ -252,7 +307,7 @@ def _ws_consumer(half, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars,
                  BLOCK_N: tl.constexpr, D: tl.constexpr, STAGES: tl.constexpr, HEAD_GROUP: tl.constexpr,
                  VISIBLE: tl.constexpr, SCORE: tl.constexpr, HAS_SCORE: tl.constexpr, SCALE: tl.constexpr,
                  H_Q: tl.constexpr, H_KV: tl.constexpr, GROUP: tl.constexpr, FP8: tl.constexpr,
-                 OVERLAP: tl.constexpr, ZERO_TAIL: tl.constexpr):
+                 OVERLAP: tl.constexpr, ZERO_TAIL: tl.constexpr, PINGPONG: tl.constexpr):
     """Rows [half * ROWS_, + ROWS_) of each tile the producer hands over: every block of the
     tile's list, then O (through shared memory and a TMA store) and LSE.  The producer hands
     each job (t, query tile, block range) over with its Q, and each block's index and PARTIAL
@@ -263,7 +318,7 @@ def _ws_consumer(half, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars,
     computed and dropped.  FP8: Q, K and V hold float8 e4m3 values with per-head descales (DQ
     [B * H_q], DK and DV [B * H_kv]); V arrives transposed ([D, BLOCK_N] blocks, K-major as FP8
     wgmma needs it), P is rounded to e4m3 for P.V, and O is written in O's dtype."""
-    q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = bars
+    q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turns = bars
     MMA_K: tl.constexpr = 32 if FP8 else 16
     s_layout: tl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, MMA_K])
@@ -276,6 +331,7 @@ def _ws_consumer(half, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars,
     n_jobs = Q_TILES * BH
     c = 0
     jc = 0
+    tc = 0
     mbarrier.wait(q_ready, 0)
     t = _ws_get(job_smem, 0, 4)
     while t < n_jobs:
@@ -308,9 +364,10 @@ def _ws_consumer(half, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars,
             s_descale = 1.0
             job_scale = qk_scale
             v_descale = 1.0
-        acc, m_i, l_i, c = _ws_blocks(q, k_smem, v_smem, blk_smem, bars, lo, hi, c, ks, ke, b, h, q_pos, S_K, K_OFF,
-                                      job_scale, TS, s_descale, MASK_FROM_ROWS, EVEN_K, ROWS_, BLOCK_N, D, STAGES,
-                                      VISIBLE, SCORE, HAS_SCORE, SCALE, FP8, OVERLAP, ZERO_TAIL)
+        acc, m_i, l_i, c, tc = _ws_blocks(q, k_smem, v_smem, blk_smem, bars, lo, hi, c, ks, ke, b, h, q_pos, S_K,
+                                          K_OFF, job_scale, TS, s_descale, MASK_FROM_ROWS, EVEN_K, ROWS_, BLOCK_N, D,
+                                          STAGES, VISIBLE, SCORE, HAS_SCORE, SCALE, FP8, OVERLAP, ZERO_TAIL,
+                                          PINGPONG, half, tc)
         mbarrier.arrive(q_empty, count=1)  # this half's Q.K^T are done: the next tile's Q may load
         seen = (l_i > 0) | (l_i != l_i)  # NaN: a visible score was NaN or +inf; LSE NaN marks the row
         l_safe = gl.where(seen, l_i, 1.0)
@@ -350,7 +407,7 @@ def _ws_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, job_smem, blk_s
     have released, with the block's index and PARTIAL flag.  The next job (SCHEDULE) and its
     plan lookups are fetched while this one's K/V load; a job past the last tells the consumers
     to stop.  The launch's last draw from the counter resets it to zero (module docstring)."""
-    q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = bars
+    q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turns = bars
     n_jobs = Q_TILES * BH
     c = 0
     jc = 0
@@ -406,7 +463,7 @@ def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, O, LSE, COUNTER_PTR, ORDER, M_C
                  PRODUCER_REGS: tl.constexpr, SCHEDULE: tl.constexpr,
                  VISIBLE: tl.constexpr, SCORE: tl.constexpr, HAS_SCORE: tl.constexpr, SCALE: tl.constexpr,
                  H_Q: tl.constexpr, H_KV: tl.constexpr, GROUP: tl.constexpr, FP8: tl.constexpr,
-                 OVERLAP: tl.constexpr, ZERO_TAIL: tl.constexpr):
+                 OVERLAP: tl.constexpr, ZERO_TAIL: tl.constexpr, PINGPONG: tl.constexpr):
     """Jobs (query tile of 2 * ROWS_ rows, request * query head) in ``_job``'s order: one per
     program (SCHEDULE == ONE_TILE), or one program per SM looping over jobs drawn from the
     counter at COUNTER_PTR (SCHEDULE == COUNTER) with O staged in its own buffers, so that the
@@ -437,16 +494,20 @@ def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, O, LSE, COUNTER_PTR, ORDER, M_C
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(k_empty.index(i), count=2)  # both consumers release a stage
         mbarrier.init(v_empty.index(i), count=2)
-    bars = (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty)
+    turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(turns.index(0), count=1)
+    mbarrier.init(turns.index(1), count=1)
+    mbarrier.arrive(turns.index(0), count=1)  # the consumers' turns (PINGPONG): the first warpgroup's open
+    bars = (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turns)
     gl.warp_specialize([
         (_ws_consumer, (0, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars, o_desc, O, LSE, KS, KE, DQ, DK,
                         DV, S_Q, S_K, Q_OFF, K_OFF, PLAN_B, PLAN_H, Q_TILES, BH, qk_scale, TS, MASK_FROM_ROWS, EVEN_Q,
                         EVEN_K, ROWS_, BLOCK_N, D, STAGES, HEAD_GROUP, VISIBLE, SCORE, HAS_SCORE, SCALE, H_Q, H_KV,
-                        GROUP, FP8, OVERLAP, ZERO_TAIL)),
+                        GROUP, FP8, OVERLAP, ZERO_TAIL, PINGPONG)),
         (_ws_consumer, (1, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars, o_desc, O, LSE, KS, KE, DQ, DK,
                         DV, S_Q, S_K, Q_OFF, K_OFF, PLAN_B, PLAN_H, Q_TILES, BH, qk_scale, TS, MASK_FROM_ROWS, EVEN_Q,
                         EVEN_K, ROWS_, BLOCK_N, D, STAGES, HEAD_GROUP, VISIBLE, SCORE, HAS_SCORE, SCALE, H_Q, H_KV,
-                        GROUP, FP8, OVERLAP, ZERO_TAIL)),
+                        GROUP, FP8, OVERLAP, ZERO_TAIL, PINGPONG)),
         (_ws_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, job_smem, blk_smem, bars, COUNTER_PTR, ORDER,
                         M_CSR, M_IDX, M_FLAG, S_Q, S_K, PLAN_B, PLAN_H, Q_TILES, BH, ROWS_, BLOCK_N, STAGES,
                         HEAD_GROUP, SCHEDULE, H_Q, H_KV, GROUP, D, FP8)),

@@ -57,11 +57,12 @@ def _pg_kv_row(t, b, kvh, kv_len, base, TABLE, s_tb, PAGE_ROWS, HEAD_ROWS, PAGED
 def _pg_consumer(half, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars, o_desc, O, LSE, KV_LENS, QO_INDPTR,
                  TILE_REQ, TILE_ROW0, n_jobs, qk_scale, TS, ROWS_: tl.constexpr, BLOCK_N: tl.constexpr,
                  D: tl.constexpr, STAGES: tl.constexpr, VISIBLE: tl.constexpr, SCORE: tl.constexpr,
-                 HAS_SCORE: tl.constexpr, SCALE: tl.constexpr, H_Q: tl.constexpr, OVERLAP: tl.constexpr):
+                 HAS_SCORE: tl.constexpr, SCALE: tl.constexpr, H_Q: tl.constexpr, OVERLAP: tl.constexpr,
+                 PINGPONG: tl.constexpr):
     """Rows [half * ROWS_, + ROWS_) of each tile the producer hands over (``gluon_engine.
     _ws_consumer``'s protocol): the blocks of its list through ``_ws_blocks``, then O and LSE at
     the request's packed rows, under a mask where the tile crosses the request's end."""
-    q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = bars
+    q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turns = bars
     s_layout: tl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: tl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -72,6 +73,7 @@ def _pg_consumer(half, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars,
     o = o_smem.index(half)
     c = 0
     jc = 0
+    tc = 0
     mbarrier.wait(q_ready, 0)
     t = _ws_get(job_smem, 0, 4)
     while t < n_jobs:
@@ -87,9 +89,9 @@ def _pg_consumer(half, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars,
         kv_len = gl.load(KV_LENS + b)
         rows = row0 + gl.arange(0, ROWS_, row_l)
         q_pos = (kv_len - q_len + rows)[:, None]  # bottom-right
-        acc, m_i, l_i, c = _ws_blocks(q, k_smem, v_smem, blk_smem, bars, lo, hi, c, 0, 0, b, h, q_pos, kv_len, 0,
-                                      qk_scale, TS, 1.0, False, False, ROWS_, BLOCK_N, D, STAGES, VISIBLE, SCORE,
-                                      HAS_SCORE, SCALE, False, OVERLAP, True)
+        acc, m_i, l_i, c, tc = _ws_blocks(q, k_smem, v_smem, blk_smem, bars, lo, hi, c, 0, 0, b, h, q_pos, kv_len, 0,
+                                          qk_scale, TS, 1.0, False, False, ROWS_, BLOCK_N, D, STAGES, VISIBLE, SCORE,
+                                          HAS_SCORE, SCALE, False, OVERLAP, True, PINGPONG, half, tc)
         mbarrier.arrive(q_empty, count=1)  # this half's Q.K^T are done: the next tile's Q may load
         seen = (l_i > 0) | (l_i != l_i)  # NaN: a visible score was NaN or +inf; LSE NaN marks the row
         l_safe = gl.where(seen, l_i, 1.0)
@@ -122,7 +124,7 @@ def _pg_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, job_smem, blk_s
     rows, then every block of the tile's list as BLOCK_N / CHUNK copies per K and V
     (``_pg_kv_row``).  K_COL / V_COL: the columns of one K / V head in the cache's view (d on
     token-major layouts; 0 on head-major ones, whose HEAD_ROWS place the head)."""
-    q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = bars
+    q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turns = bars
     c = 0
     jc = 0
     t = gl.program_id(0)  # the grid never exceeds the jobs
@@ -187,7 +189,7 @@ def _paged_fwd_ws(q_desc, k_desc, v_desc, o_desc, O, LSE, COUNTER_PTR, JOBS, ENT
                   STAGES: tl.constexpr, CONSUMER_REGS: tl.constexpr, PRODUCER_REGS: tl.constexpr,
                   VISIBLE: tl.constexpr, SCORE: tl.constexpr, HAS_SCORE: tl.constexpr, SCALE: tl.constexpr,
                   H_Q: tl.constexpr, GROUP: tl.constexpr, D_QK: tl.constexpr, PAGED: tl.constexpr,
-                  PAGE: tl.constexpr, CHUNK: tl.constexpr, OVERLAP: tl.constexpr):
+                  PAGE: tl.constexpr, CHUNK: tl.constexpr, OVERLAP: tl.constexpr, PINGPONG: tl.constexpr):
     """Jobs (128-row tile of one request, query head) of a split call over a cache (module
     docstring), one program per SM drawing them from the counter at COUNTER_PTR.  D is V's (and
     O's) head dim, D_QK Q and K's; K and V blocks of BLOCK_N rows land as BLOCK_N / CHUNK copies."""
@@ -210,14 +212,18 @@ def _paged_fwd_ws(q_desc, k_desc, v_desc, o_desc, O, LSE, COUNTER_PTR, JOBS, ENT
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(k_empty.index(i), count=2)  # both consumers release a stage
         mbarrier.init(v_empty.index(i), count=2)
-    bars = (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty)
+    turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(turns.index(0), count=1)
+    mbarrier.init(turns.index(1), count=1)
+    mbarrier.arrive(turns.index(0), count=1)  # the consumers' turns (PINGPONG): the first warpgroup's open
+    bars = (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turns)
     gl.warp_specialize([
         (_pg_consumer, (0, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars, o_desc, O, LSE, KV_LENS,
                         QO_INDPTR, TILE_REQ, TILE_ROW0, n_jobs, qk_scale, TS, ROWS_, BLOCK_N, D, STAGES, VISIBLE,
-                        SCORE, HAS_SCORE, SCALE, H_Q, OVERLAP)),
+                        SCORE, HAS_SCORE, SCALE, H_Q, OVERLAP, PINGPONG)),
         (_pg_consumer, (1, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars, o_desc, O, LSE, KV_LENS,
                         QO_INDPTR, TILE_REQ, TILE_ROW0, n_jobs, qk_scale, TS, ROWS_, BLOCK_N, D, STAGES, VISIBLE,
-                        SCORE, HAS_SCORE, SCALE, H_Q, OVERLAP)),
+                        SCORE, HAS_SCORE, SCALE, H_Q, OVERLAP, PINGPONG)),
         (_pg_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, job_smem, blk_smem, bars, COUNTER_PTR,
                         JOBS, ENTRY_PTR, BLOCKS, PARTIAL, KV_LENS, QO_INDPTR, TILE_REQ, TILE_ROW0, BASE, TABLE,
                         s_tb, PAGE_ROWS, HEAD_ROWS, K_COL, V_COL, n_jobs, ROWS_, BLOCK_N, STAGES, H_Q, GROUP, D_QK,

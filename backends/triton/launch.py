@@ -62,6 +62,18 @@ def gluon_overlap(d_qk: int, d_v: int, fp8: bool) -> bool:
     return GLUON_OVERLAP and not fp8 and d_qk == d_v == 128
 
 
+# FlashAttention-3's ping-pong (the consumers take turns issuing their MMAs, block i's Q.K^T with
+# block i-1's P.V, each one's softmax under the other's MMAs; ``gluon_engine._ws_blocks``), on
+# f16 / bf16 at these head dims: d 128, kernel alone, B4 H16 S8K on the H200 (r45
+# bench/engine_variants_study.py): causal 550.1 -> 578.3, full 592.9 -> 626.2; FP8 loses (762.4 -> 681.2)
+GLUON_PINGPONG_DIMS = (128,)
+
+
+def gluon_pingpong(d_qk: int, d_v: int, fp8: bool) -> bool:
+    """Whether the Gluon engine's consumers take turns on the tensor cores (PINGPONG)."""
+    return not fp8 and d_qk == d_v and d_qk in GLUON_PINGPONG_DIMS
+
+
 def gluon_regs(d_qk: int, d_v: int) -> tuple:
     """(maxnreg, consumer warpgroups' registers, producer warp's registers) of a Gluon launch."""
     return GLUON_REGS_D128 if d_qk == d_v == 128 else gluon_engine.REGS
@@ -502,7 +514,8 @@ class PrefillLaunch(_GluonDescriptors):
                 MASK_FROM_ROWS=from_rows, EVEN_Q=self.s_q % (2 * gluon_engine.ROWS) == 0, EVEN_K=self.s_k % bn == 0,
                 ROWS_=gluon_engine.ROWS, BLOCK_N=bn, D=d_v, SAME_D=same, STAGES=stages,
                 HEAD_GROUP=c.head_group, CONSUMER_REGS=consumer, PRODUCER_REGS=producer, SCHEDULE=self.schedule,
-                FP8=fp8, OVERLAP=gluon_overlap(d_qk, d_v, fp8), ZERO_TAIL=not fp8 and self.s_k % bn != 0, **keep),
+                FP8=fp8, OVERLAP=gluon_overlap(d_qk, d_v, fp8), ZERO_TAIL=not fp8 and self.s_k % bn != 0,
+                PINGPONG=gluon_pingpong(d_qk, d_v, fp8), **keep),
                 num_warps=4, maxnreg=maxnreg)
             unused = arrays["merged_partial"]
             rows = (arrays["KS"], arrays["KE"]) if from_rows else (unused, unused)
@@ -739,7 +752,7 @@ class CacheLaunch(_GluonDescriptors):
         self._constexprs = dict(
             ROWS_=gluon_engine.ROWS, BLOCK_N=block_n, D=d_v, STAGES=stages, CONSUMER_REGS=consumer,
             PRODUCER_REGS=producer, D_QK=d_qk, PAGED=paged, PAGE=page, CHUNK=min(page, block_n),
-            OVERLAP=gluon_overlap(d_qk, d_v, False), **keep)
+            OVERLAP=gluon_overlap(d_qk, d_v, False), PINGPONG=gluon_pingpong(d_qk, d_v, False), **keep)
         self._maxnreg = maxnreg
         self._launchers: dict = {}
 
