@@ -773,8 +773,13 @@ class CacheLaunch(_GluonDescriptors):
         jobs = plan["tiles"] * h_q
         if jobs == 0:
             return out, lse
-        if not tma_ready(q):
-            q = q.contiguous()
+        if not tma_ready(q):  # (a fresh copy: a contiguous view at an odd address stays one under .contiguous())
+            import torch
+            q = torch.empty_like(q, memory_format=torch.contiguous_format).copy_(q)
+        if not tma_ready(k_cache, v_cache):
+            raise PlanError("the plan runs on the Gluon engine, which reads contiguous K/V storage at 16-byte "
+                            "aligned addresses (TMA); this cache is not: make the plan for it (decode_plan) or pass "
+                            "engine='split'")
         rows = gluon_engine.ROWS
         token_major = plan["kind"] == "ragged" or plan["order"] in ("nhd", "bshd")
         if token_major:  # [rows, H_kv * d]: a head's keys in its columns

@@ -147,3 +147,24 @@ def test_jobs_keep_a_kv_heads_tiles_together_longest_first():
     assert sorted(jobs.tolist()) == list(range(16))
     assert tile.tolist() == [1, 1, 2, 2, 0, 0] * 2 + [3] * 4
     assert h.tolist() == [0, 1] * 3 + [2, 3] * 3 + [0, 1, 2, 3]
+
+
+@hopper
+def test_odd_inputs_the_engine_copies_or_refuses():
+    """q at an odd address is copied for TMA; a plan made for the engine refuses a cache it cannot read."""
+    from attnc.compiler.errors import PlanError
+    p = _program(LAYOUTS["paged16_dense_nhd"])
+    arrays = inputs.sample_cache(p, KV_LENS, Q_LENS, 2, poison=False)
+    dev = _on_gpu(arrays, torch.bfloat16)
+    q = dev.pop("q")
+    kernel = runtime.load(p)
+    plan = kernel.decode_plan(dict(dev), total_q=int(q.shape[0]))
+    assert plan["engine"] == "gluon"
+    ref = kernel.decode(q, engine="split", **dev)
+    odd = torch.empty(q.numel() + 1, device="cuda", dtype=q.dtype)[1:].view(q.shape)
+    odd.copy_(q)
+    assert odd.data_ptr() % 16 and torch.allclose(kernel.decode(odd, plan=plan, **dev).float(), ref.float(),
+                                                  atol=2e-2, rtol=0)
+    strided = dict(dev, k_cache=dev["k_cache"].transpose(1, 2).contiguous().transpose(1, 2))
+    with pytest.raises(PlanError, match="16-byte"):
+        kernel.decode(q, plan=plan, **strided)
