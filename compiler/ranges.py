@@ -253,7 +253,11 @@ def _float(e: ir.Expr, f, ints: IntRanges, score: _F) -> _F:
         if e.fn in ("log", "sqrt"):
             fn = math.log if e.fn == "log" else math.sqrt
             lo = -math.inf if x.lo <= 0 else fn(x.lo)
-            return _F(lo, math.inf if x.hi == math.inf else fn(max(x.hi, 0.0)), nan or x.lo < 0)
+            if x.hi == math.inf or (x.hi <= 0 and e.fn == "log"):  # log of values <= 0: -inf (at 0) or NaN
+                hi = math.inf if x.hi == math.inf else -math.inf
+            else:
+                hi = fn(max(x.hi, 0.0))
+            return _F(lo, hi, nan or x.lo < 0)
         if e.fn in ("tanh", "erf"):
             return _F(-1.0, 1.0, nan)
         return _F(-1.0, 1.0, nan or math.isinf(x.lo) or math.isinf(x.hi))  # sin, cos: NaN at ±inf
