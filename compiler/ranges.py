@@ -203,6 +203,25 @@ def may_be_nonfinite(program: ir.Program) -> bool:
     return False
 
 
+def float_range(e: ir.Expr, ints: IntRanges) -> tuple[float, float, bool]:
+    """(lo, hi, may be NaN): the values an f32 expression that reads no score may take, its
+    integers ranging as ``ints`` has them (compiler/separable.py bounds a score program's parts
+    with it)."""
+    memo: dict[int, tuple[ir.Expr, _F]] = {}
+    anything = _F(-math.inf, math.inf, True)
+
+    def f(x: ir.Expr) -> _F:
+        hit = memo.get(id(x))
+        if hit is not None and hit[0] is x:
+            return hit[1]
+        r = _float(x, f, ints, anything)
+        memo[id(x)] = (x, r)
+        return r
+
+    r = f(e)
+    return r.lo, r.hi, r.nan
+
+
 def _float(e: ir.Expr, f, ints: IntRanges, score: _F) -> _F:
     if isinstance(e, ir.Const):
         return _F(float(e.value), float(e.value), math.isnan(e.value))
