@@ -203,6 +203,25 @@ def may_be_nonfinite(program: ir.Program) -> bool:
     return False
 
 
+def float_range(e: ir.Expr, ints: IntRanges) -> tuple[float, float, bool]:
+    """(lo, hi, may be NaN): the values an f32 expression that reads no score may take, its
+    integers ranging as ``ints`` has them (compiler/separable.py bounds a score program's parts
+    with it)."""
+    memo: dict[int, tuple[ir.Expr, _F]] = {}
+    anything = _F(-math.inf, math.inf, True)
+
+    def f(x: ir.Expr) -> _F:
+        hit = memo.get(id(x))
+        if hit is not None and hit[0] is x:
+            return hit[1]
+        r = _float(x, f, ints, anything)
+        memo[id(x)] = (x, r)
+        return r
+
+    r = f(e)
+    return r.lo, r.hi, r.nan
+
+
 def _float(e: ir.Expr, f, ints: IntRanges, score: _F) -> _F:
     if isinstance(e, ir.Const):
         return _F(float(e.value), float(e.value), math.isnan(e.value))
@@ -253,7 +272,11 @@ def _float(e: ir.Expr, f, ints: IntRanges, score: _F) -> _F:
         if e.fn in ("log", "sqrt"):
             fn = math.log if e.fn == "log" else math.sqrt
             lo = -math.inf if x.lo <= 0 else fn(x.lo)
-            return _F(lo, math.inf if x.hi == math.inf else fn(max(x.hi, 0.0)), nan or x.lo < 0)
+            if x.hi == math.inf or (x.hi <= 0 and e.fn == "log"):  # log of values <= 0: -inf (at 0) or NaN
+                hi = math.inf if x.hi == math.inf else -math.inf
+            else:
+                hi = fn(max(x.hi, 0.0))
+            return _F(lo, hi, nan or x.lo < 0)
         if e.fn in ("tanh", "erf"):
             return _F(-1.0, 1.0, nan)
         return _F(-1.0, 1.0, nan or math.isinf(x.lo) or math.isinf(x.hi))  # sin, cos: NaN at ±inf

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from attnc.compiler import __version__, fast_score, ir
+from attnc.compiler import __version__, fast_score, ir, separable
 from attnc.compiler.ranges import IntRanges
 from attnc.backends.common import render
 
@@ -109,6 +109,21 @@ def _grad_code(p: ir.Program, names: dict, fast: bool) -> list[tuple[str, str]]:
             for d, s in zip(g.dscore, g.forward)]
 
 
+def _separable_code(p: ir.Program, names: dict) -> dict | None:
+    """The separable form's parts, printed, and the positions below which the Gluon engine takes
+    it, with its column part per key and per block (compiler/separable.py), for a spec that has
+    one the engine can take on some call; else None (the module then has none of it)."""
+    form = separable.separable(p)
+    positions = separable.usable_positions(p, form) if form is not None else 0
+    if not positions:
+        return None
+    functions = calls(p.dtype)
+    parts = ("scale", "row", "column")
+    return {"positions": positions, "block_positions": separable.usable_positions(p, form, per_block=True),
+            **{f"{n}_source": ir.format_expr(getattr(form, n)) for n in parts},
+            **{f"{n}_code": triton_expr(getattr(form, n), names, functions) for n in parts}}
+
+
 @dataclass(frozen=True)
 class Source:
     text: str
@@ -137,5 +152,6 @@ def emit(program: ir.Program) -> Source:
         mask_code=triton_expr(p.mask, names), score_code=score, fast_code=fast if fast != score else None,
         grad_code=grad, fast_grad_code=fast_grad if fast_grad != grad else None,
         lengths=uses_lengths(p), fast_positions=f"2**{fast_score.FAST_POSITIONS.bit_length() - 1}",
+        separable=_separable_code(p, names),
     )
     return Source(text, f"{p.name}_triton", entry="visible")

@@ -54,24 +54,43 @@ REGS = (168, 232, 24)  # maxnreg, then the consumer warpgroups' and the producer
 SMEM = 232448  # bytes of shared memory a program may take on sm_90
 ONE_TILE, COUNTER = tl.constexpr(0), tl.constexpr(1)
 SCHEDULES = {"one_tile": 0, "counter": 1}
+# SEPARABLE: the score program per cell (0), or its separable form (compiler/separable.py) with the
+# column part evaluated per key, or (an affine one) per block
+COLUMN_PER_KEY, COLUMN_PER_BLOCK = tl.constexpr(1), tl.constexpr(2)
+
+
 
 
 @gluon.jit
 def _ws_softmax(s, part, kb, ks, ke, m_i, l_i, b, h, q_pos, S_K, K_OFF, qk_scale, TS, MASK_FROM_ROWS: tl.constexpr,
                 EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, col_l: tl.constexpr, VISIBLE: tl.constexpr,
                 SCORE: tl.constexpr, HAS_SCORE: tl.constexpr, SCALE: tl.constexpr, s_descale,
-                FP8: tl.constexpr):
+                FP8: tl.constexpr, sep_scale=1.0, origin=0, col_step=0.0, SEPARABLE: tl.constexpr = 0,
+                SCORE_COLUMN: tl.constexpr = None):
     """K/V block kb of the row's list on the scores s: the score program, the mask where the
     block is PARTIAL (part != 0): the predicate, or MASK_FROM_ROWS the rows' runs of keys
     [ks, ke); then the online-softmax update.  Unless EVEN_K (S_K a multiple of BLOCK_N), the
     block across S_K takes the mask path and hides its keys past S_K (the TMA load read the next
-    head's first rows there).  Returns P, alpha (the accumulator's rescale), m and l."""
+    head's first rows there).  Returns P, alpha (the accumulator's rescale), m and l.
+    SEPARABLE (the score program's separable form, compiler/separable.py): the scores become the
+    base-2 logits less the row part (the epilogue adds it to LSE): s * sep_scale + the column part
+    times qk_scale, one FMA per cell.  COLUMN_PER_KEY: SCORE_COLUMN once per key of the block;
+    COLUMN_PER_BLOCK: its steps from the block's middle key (col_step, once per job), its value
+    there (shift) once per block, kept out of the cells: m is the max of s + shift."""
     if not EVEN_K:
         part = gl.where(kb * BLOCK_N + BLOCK_N > S_K, 1, part)
+    if SEPARABLE == COLUMN_PER_BLOCK:
+        shift = SCORE_COLUMN(b, h, K_OFF + kb * BLOCK_N + BLOCK_N // 2, origin, TS) * qk_scale
+    else:
+        shift = 0.0
     if HAS_SCORE or part != 0:
         k_idx = (kb * BLOCK_N + gl.arange(0, BLOCK_N, col_l))[None, :]
         k_pos = K_OFF + k_idx
-        if HAS_SCORE:
+        if SEPARABLE == COLUMN_PER_BLOCK:  # sep_scale: the form's factor, SCALE (and descales) and qk_scale
+            s = s * sep_scale + col_step
+        elif SEPARABLE:
+            s = s * sep_scale + SCORE_COLUMN(b, h, k_pos, origin, TS) * qk_scale
+        elif HAS_SCORE:
             if FP8:  # q.k of FP8 values: their descales first, so the score program sees q.k
                 s = SCORE(s * (SCALE * s_descale), b, h, q_pos, k_pos, TS)
             else:
@@ -83,9 +102,15 @@ def _ws_softmax(s, part, kb, ks, ke, m_i, l_i, b, h, q_pos, S_K, K_OFF, qk_scale
                 s = gl.where(VISIBLE(b, h, q_pos, k_pos, TS), s, float("-inf"))
             else:
                 s = gl.where(VISIBLE(b, h, q_pos, k_pos, TS) & (k_idx < S_K), s, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+    if SEPARABLE:  # (s is in base 2 already, less shift)
+        m_new = gl.maximum(m_i, gl.max(s, 1) + shift)
+    else:
+        m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
     m_new = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
-    p = gl.exp2(s * qk_scale - m_new[:, None])
+    if SEPARABLE:
+        p = gl.exp2(s - (m_new - shift)[:, None])
+    else:
+        p = gl.exp2(s * qk_scale - m_new[:, None])
     alpha = gl.exp2(m_i - m_new)
     return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
 
@@ -128,12 +153,13 @@ def _ws_pv(s, acc, m_i, l_i, part, kb, ks, ke, b, h, q_pos, S_K, K_OFF, job_scal
            phase, op_dtype: tl.constexpr, MASK_FROM_ROWS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
            col_l: tl.constexpr, orow_l: tl.constexpr, p_layout: tl.constexpr, VISIBLE: tl.constexpr,
            SCORE: tl.constexpr, HAS_SCORE: tl.constexpr, SCALE: tl.constexpr, FP8: tl.constexpr,
-           D: tl.constexpr, ZERO_TAIL: tl.constexpr):
+           D: tl.constexpr, ZERO_TAIL: tl.constexpr, sep_scale=1.0, origin=0, col_step=0.0,
+           SEPARABLE: tl.constexpr = 0, SCORE_COLUMN: tl.constexpr = None):
     """Block kb's softmax on its scores s, the accumulator's rescale, and its P.V issued on the
     tensor cores once V is in: returns (P.V's pending accumulator, m, l)."""
     p, alpha, m_i, l_i = _ws_softmax(s, part, kb, ks, ke, m_i, l_i, b, h, q_pos, S_K, K_OFF, job_scale, TS,
                                      MASK_FROM_ROWS, EVEN_K, BLOCK_N, col_l, VISIBLE, SCORE, HAS_SCORE, SCALE,
-                                     s_descale, FP8)
+                                     s_descale, FP8, sep_scale, origin, col_step, SEPARABLE, SCORE_COLUMN)
     acc = acc * gl.convert_layout(alpha, orow_l)[:, None]
     mbarrier.wait(v_bar, phase)
     v_op = _ws_v_operand(v_stage, kb, S_K, BLOCK_N, D, FP8, ZERO_TAIL)
@@ -173,7 +199,8 @@ def _ws_blocks(q, k_smem, v_smem, blk_smem, bars, lo, hi, c, ks, ke, b, h, q_pos
                MASK_FROM_ROWS: tl.constexpr, EVEN_K: tl.constexpr, ROWS_: tl.constexpr, BLOCK_N: tl.constexpr,
                D: tl.constexpr, STAGES: tl.constexpr, VISIBLE: tl.constexpr, SCORE: tl.constexpr,
                HAS_SCORE: tl.constexpr, SCALE: tl.constexpr, FP8: tl.constexpr, OVERLAP: tl.constexpr,
-               ZERO_TAIL: tl.constexpr, PINGPONG: tl.constexpr = False, half=0, tc=0):
+               ZERO_TAIL: tl.constexpr, PINGPONG: tl.constexpr = False, half=0, tc=0, sep_scale=1.0, origin=0,
+               col_step=0.0, SEPARABLE: tl.constexpr = 0, SCORE_COLUMN: tl.constexpr = None):
     """One consumer's rows of a job over blocks [lo, hi) of its list, as the producer hands them
     over (``c``: the blocks this program consumed before, the K/V ring's stage and phase):
     returns (the unnormalized O accumulator, m, l, c).  OVERLAP: block i+1's Q.K^T runs on the
@@ -210,7 +237,8 @@ def _ws_blocks(q, k_smem, v_smem, blk_smem, bars, lo, hi, c, ks, ke, b, h, q_pos
             mbarrier.arrive(k_empty.index(stage), count=1)
             p, alpha, m_i, l_i = _ws_softmax(s, part, kb, ks, ke, m_i, l_i, b, h, q_pos, S_K, K_OFF, job_scale, TS,
                                              MASK_FROM_ROWS, EVEN_K, BLOCK_N, col_l, VISIBLE, SCORE, HAS_SCORE,
-                                             SCALE, s_descale, FP8)
+                                             SCALE, s_descale, FP8, sep_scale, origin, col_step, SEPARABLE,
+                                             SCORE_COLUMN)
             p_op = gl.convert_layout(p.to(q.dtype), p_layout)
             pkb = kb
             pstage = stage
@@ -231,7 +259,8 @@ def _ws_blocks(q, k_smem, v_smem, blk_smem, bars, lo, hi, c, ks, ke, b, h, q_pos
                 mbarrier.arrive(k_empty.index(stage), count=1)
                 p, alpha, m_i, l_i = _ws_softmax(s, part, kb, ks, ke, m_i, l_i, b, h, q_pos, S_K, K_OFF, job_scale,
                                                  TS, MASK_FROM_ROWS, EVEN_K, BLOCK_N, col_l, VISIBLE, SCORE,
-                                                 HAS_SCORE, SCALE, s_descale, FP8)
+                                                 HAS_SCORE, SCALE, s_descale, FP8, sep_scale, origin, col_step,
+                                                 SEPARABLE, SCORE_COLUMN)
                 acc = warpgroup_mma_wait(0, deps=(acc, ))
                 mbarrier.arrive(v_empty.index(pstage), count=1)
                 p_op = gl.convert_layout(p.to(q.dtype), p_layout)
@@ -264,7 +293,8 @@ def _ws_blocks(q, k_smem, v_smem, blk_smem, bars, lo, hi, c, ks, ke, b, h, q_pos
                 acc, m_i, l_i = _ws_pv(s, acc, m_i, l_i, part, kb, ks, ke, b, h, q_pos, S_K, K_OFF, job_scale, TS,
                                        s_descale, v_smem.index(stage), v_ready.index(stage), phase, q.dtype,
                                        MASK_FROM_ROWS, EVEN_K, BLOCK_N, col_l, orow_l, p_layout, VISIBLE, SCORE,
-                                       HAS_SCORE, SCALE, FP8, D, ZERO_TAIL)
+                                       HAS_SCORE, SCALE, FP8, D, ZERO_TAIL, sep_scale, origin, col_step,
+                                       SEPARABLE, SCORE_COLUMN)
                 acc, s = warpgroup_mma_wait(0, deps=(acc, s_next))
                 mbarrier.arrive(v_empty.index(stage), count=1)
                 c += 1
@@ -276,7 +306,8 @@ def _ws_blocks(q, k_smem, v_smem, blk_smem, bars, lo, hi, c, ks, ke, b, h, q_pos
             acc, m_i, l_i = _ws_pv(s, acc, m_i, l_i, part, kb, ks, ke, b, h, q_pos, S_K, K_OFF, job_scale, TS,
                                    s_descale, v_smem.index(stage), v_ready.index(stage), phase, q.dtype,
                                    MASK_FROM_ROWS, EVEN_K, BLOCK_N, col_l, orow_l, p_layout, VISIBLE, SCORE,
-                                   HAS_SCORE, SCALE, FP8, D, ZERO_TAIL)
+                                   HAS_SCORE, SCALE, FP8, D, ZERO_TAIL, sep_scale, origin, col_step,
+                                   SEPARABLE, SCORE_COLUMN)
             acc = warpgroup_mma_wait(0, deps=(acc, ))
             mbarrier.arrive(v_empty.index(stage), count=1)
             c += 1
@@ -293,7 +324,8 @@ def _ws_blocks(q, k_smem, v_smem, blk_smem, bars, lo, hi, c, ks, ke, b, h, q_pos
             acc, m_i, l_i = _ws_pv(s, acc, m_i, l_i, part, kb, ks, ke, b, h, q_pos, S_K, K_OFF, job_scale, TS,
                                    s_descale, v_smem.index(stage), v_ready.index(stage), phase, q.dtype,
                                    MASK_FROM_ROWS, EVEN_K, BLOCK_N, col_l, orow_l, p_layout, VISIBLE, SCORE,
-                                   HAS_SCORE, SCALE, FP8, D, ZERO_TAIL)
+                                   HAS_SCORE, SCALE, FP8, D, ZERO_TAIL, sep_scale, origin, col_step,
+                                   SEPARABLE, SCORE_COLUMN)
             acc = warpgroup_mma_wait(0, deps=(acc, ))
             mbarrier.arrive(v_empty.index(stage), count=1)
             c += 1
@@ -307,7 +339,9 @@ def _ws_consumer(half, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars,
                  BLOCK_N: tl.constexpr, D: tl.constexpr, STAGES: tl.constexpr, HEAD_GROUP: tl.constexpr,
                  VISIBLE: tl.constexpr, SCORE: tl.constexpr, HAS_SCORE: tl.constexpr, SCALE: tl.constexpr,
                  H_Q: tl.constexpr, H_KV: tl.constexpr, GROUP: tl.constexpr, FP8: tl.constexpr,
-                 OVERLAP: tl.constexpr, ZERO_TAIL: tl.constexpr, PINGPONG: tl.constexpr):
+                 OVERLAP: tl.constexpr, ZERO_TAIL: tl.constexpr, PINGPONG: tl.constexpr,
+                 SEPARABLE: tl.constexpr = 0, SCORE_SCALE: tl.constexpr = None, SCORE_ROW: tl.constexpr = None,
+                 SCORE_COLUMN: tl.constexpr = None):
     """Rows [half * ROWS_, + ROWS_) of each tile the producer hands over: every block of the
     tile's list, then O (through shared memory and a TMA store) and LSE.  The producer hands
     each job (t, query tile, block range) over with its Q, and each block's index and PARTIAL
@@ -317,7 +351,10 @@ def _ws_consumer(half, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars,
     store would write the next head's first rows); its Q rows past S_Q are the next head's,
     computed and dropped.  FP8: Q, K and V hold float8 e4m3 values with per-head descales (DQ
     [B * H_q], DK and DV [B * H_kv]); V arrives transposed ([D, BLOCK_N] blocks, K-major as FP8
-    wgmma needs it), P is rounded to e4m3 for P.V, and O is written in O's dtype."""
+    wgmma needs it), P is rounded to e4m3 for P.V, and O is written in O's dtype.  SEPARABLE: the
+    score program's separable form (``_ws_softmax``), its parts reading positions from an origin
+    in the middle of this half's rows (compiler/separable.py: ORIGIN_ROWS), the row part added to
+    LSE."""
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turns = bars
     MMA_K: tl.constexpr = 32 if FP8 else 16
     s_layout: tl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -325,6 +362,7 @@ def _ws_consumer(half, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars,
     o_layout: tl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, D, MMA_K])
     row_l: tl.constexpr = gl.SliceLayout(1, s_layout)
+    col_l: tl.constexpr = gl.SliceLayout(0, s_layout)
     orow_l: tl.constexpr = gl.SliceLayout(1, o_layout)
     q = q_smem.index(half)
     o = o_smem.index(half)
@@ -364,10 +402,23 @@ def _ws_consumer(half, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars,
             s_descale = 1.0
             job_scale = qk_scale
             v_descale = 1.0
+        if SEPARABLE:  # the form's factor on q.k in base 2 (FP8: with q.k's descales), and the origin
+            sep_scale = SCORE_SCALE(b, h, TS) * (SCALE * s_descale) * job_scale
+            origin = Q_OFF + q_tile0 + half * ROWS_ + ROWS_ // 2
+            if SEPARABLE == COLUMN_PER_BLOCK:  # the column part's steps from a block's middle key
+                steps = origin - BLOCK_N // 2 + gl.arange(0, BLOCK_N, col_l)[None, :]
+                col_step = SCORE_COLUMN(b, h, steps, origin, TS) * job_scale
+            else:
+                col_step = 0.0
+        else:
+            sep_scale = 1.0
+            origin = 0
+            col_step = 0.0
         acc, m_i, l_i, c, tc = _ws_blocks(q, k_smem, v_smem, blk_smem, bars, lo, hi, c, ks, ke, b, h, q_pos, S_K,
                                           K_OFF, job_scale, TS, s_descale, MASK_FROM_ROWS, EVEN_K, ROWS_, BLOCK_N, D,
                                           STAGES, VISIBLE, SCORE, HAS_SCORE, SCALE, FP8, OVERLAP, ZERO_TAIL,
-                                          PINGPONG, half, tc)
+                                          PINGPONG, half, tc, sep_scale, origin, col_step, SEPARABLE,
+                                          SCORE_COLUMN)
         mbarrier.arrive(q_empty, count=1)  # this half's Q.K^T are done: the next tile's Q may load
         seen = (l_i > 0) | (l_i != l_i)  # NaN: a visible score was NaN or +inf; LSE NaN marks the row
         l_safe = gl.where(seen, l_i, 1.0)
@@ -386,7 +437,10 @@ def _ws_consumer(half, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars,
             o_cols = gl.arange(0, D, gl.SliceLayout(0, o_layout))
             gl.store(O + (bh * S_Q + o_rows)[:, None] * D + o_cols[None, :], out.to(O.dtype.element_ty),
                      mask=(o_rows < S_Q)[:, None])
-        lse_out = gl.where(seen, (m_i + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+        lse_out = (m_i + gl.log2(l_safe)) * 0.6931471805599453
+        if SEPARABLE:  # the row part, which the softmax left out
+            lse_out = lse_out + SCORE_ROW(b, h, Q_OFF + rows, origin, TS)
+        lse_out = gl.where(seen, lse_out, float("-inf"))
         if EVEN_Q:
             gl.store(LSE + bh * S_Q + rows, lse_out)
         else:
@@ -463,7 +517,9 @@ def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, O, LSE, COUNTER_PTR, ORDER, M_C
                  PRODUCER_REGS: tl.constexpr, SCHEDULE: tl.constexpr,
                  VISIBLE: tl.constexpr, SCORE: tl.constexpr, HAS_SCORE: tl.constexpr, SCALE: tl.constexpr,
                  H_Q: tl.constexpr, H_KV: tl.constexpr, GROUP: tl.constexpr, FP8: tl.constexpr,
-                 OVERLAP: tl.constexpr, ZERO_TAIL: tl.constexpr, PINGPONG: tl.constexpr):
+                 OVERLAP: tl.constexpr, ZERO_TAIL: tl.constexpr, PINGPONG: tl.constexpr,
+                 SEPARABLE: tl.constexpr = 0, SCORE_SCALE: tl.constexpr = None, SCORE_ROW: tl.constexpr = None,
+                 SCORE_COLUMN: tl.constexpr = None):
     """Jobs (query tile of 2 * ROWS_ rows, request * query head) in ``_job``'s order: one per
     program (SCHEDULE == ONE_TILE), or one program per SM looping over jobs drawn from the
     counter at COUNTER_PTR (SCHEDULE == COUNTER) with O staged in its own buffers, so that the
@@ -471,7 +527,8 @@ def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, O, LSE, COUNTER_PTR, ORDER, M_C
     query row's run of keys (MASK_FROM_ROWS), [PLAN_B, PLAN_H, S_Q].  D is V's (and O's) head
     dim; Q and K's may differ (SAME_D false: d_qk != d_v, O has its own buffers).  FP8: float8
     e4m3 Q, K and V^T (v_desc over [B * H_kv * D, S_k]) with descales DQ, DK, DV (``_ws_consumer``);
-    O has its own buffers in O's dtype."""
+    O has its own buffers in O's dtype.  SEPARABLE: the score program's separable form, SCORE_SCALE,
+    SCORE_ROW and SCORE_COLUMN its parts (``_ws_softmax``; the launch layer decides per call)."""
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
     if SCHEDULE == ONE_TILE and SAME_D and not FP8:
         o_smem = q_smem  # one tile per program: O goes out through Q's stages
@@ -503,11 +560,13 @@ def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, O, LSE, COUNTER_PTR, ORDER, M_C
         (_ws_consumer, (0, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars, o_desc, O, LSE, KS, KE, DQ, DK,
                         DV, S_Q, S_K, Q_OFF, K_OFF, PLAN_B, PLAN_H, Q_TILES, BH, qk_scale, TS, MASK_FROM_ROWS, EVEN_Q,
                         EVEN_K, ROWS_, BLOCK_N, D, STAGES, HEAD_GROUP, VISIBLE, SCORE, HAS_SCORE, SCALE, H_Q, H_KV,
-                        GROUP, FP8, OVERLAP, ZERO_TAIL, PINGPONG)),
+                        GROUP, FP8, OVERLAP, ZERO_TAIL, PINGPONG, SEPARABLE, SCORE_SCALE, SCORE_ROW,
+                        SCORE_COLUMN)),
         (_ws_consumer, (1, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars, o_desc, O, LSE, KS, KE, DQ, DK,
                         DV, S_Q, S_K, Q_OFF, K_OFF, PLAN_B, PLAN_H, Q_TILES, BH, qk_scale, TS, MASK_FROM_ROWS, EVEN_Q,
                         EVEN_K, ROWS_, BLOCK_N, D, STAGES, HEAD_GROUP, VISIBLE, SCORE, HAS_SCORE, SCALE, H_Q, H_KV,
-                        GROUP, FP8, OVERLAP, ZERO_TAIL, PINGPONG)),
+                        GROUP, FP8, OVERLAP, ZERO_TAIL, PINGPONG, SEPARABLE, SCORE_SCALE, SCORE_ROW,
+                        SCORE_COLUMN)),
         (_ws_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, job_smem, blk_smem, bars, COUNTER_PTR, ORDER,
                         M_CSR, M_IDX, M_FLAG, S_Q, S_K, PLAN_B, PLAN_H, Q_TILES, BH, ROWS_, BLOCK_N, STAGES,
                         HEAD_GROUP, SCHEDULE, H_Q, H_KV, GROUP, D, FP8)),

@@ -391,6 +391,32 @@ def score_functions(module, end: int | None) -> tuple:
     return module.score_program, getattr(module, "score_grad", module.score_program)
 
 
+def separable_mode(module, end: int | None) -> int:
+    """How a call whose positions all lie below ``end`` takes the spec's separable form on the
+    Gluon engine (compiler/separable.py; the module's ``score_scale``, ``score_row`` and
+    ``score_column``): with its column part per block (gluon_engine.COLUMN_PER_BLOCK) below the
+    module's SEPARABLE_BLOCK_POSITIONS, per key (COLUMN_PER_KEY) below its SEPARABLE_POSITIONS
+    (the precision rule's bounds), else not at all (0).  A module without them (f32 specs, specs
+    with no separable form or none precise enough on any call) never does; nor a call whose
+    positions are unknown (``end`` None)."""
+    if end is None:
+        return 0
+    if end <= getattr(module, "SEPARABLE_BLOCK_POSITIONS", 0):
+        return int(gluon_engine.COLUMN_PER_BLOCK)
+    if end <= getattr(module, "SEPARABLE_POSITIONS", 0):
+        return int(gluon_engine.COLUMN_PER_KEY)
+    return 0
+
+
+def separable_constexprs(module, end: int | None) -> dict:
+    """The Gluon engine's SEPARABLE (``separable_mode``) and the form's functions for a call whose
+    positions all lie below ``end`` (None in their place where it does not take the form)."""
+    mode = separable_mode(module, end)
+    return {"SEPARABLE": mode, **{n: getattr(module, f) if mode else None for n, f in
+                                  (("SCORE_SCALE", "score_scale"), ("SCORE_ROW", "score_row"),
+                                   ("SCORE_COLUMN", "score_column"))}}
+
+
 def position_end(s_q: int, s_k: int, offsets: tuple[int, int] | None) -> int:
     """One past the largest position of a call (rows at Q_OFF.., keys at K_OFF..; ``offsets``
     None: a whole call, bottom-right)."""
@@ -490,7 +516,8 @@ class PrefillLaunch(_GluonDescriptors):
         self.offsets = offsets
         self.fp8 = fp8
         self.device = device
-        spec = spec_constexprs(module, position_end(self.s_q, self.s_k, offsets))
+        end = position_end(self.s_q, self.s_k, offsets)
+        spec = spec_constexprs(module, end)
         self.bh = self.batch * module.SPEC["H_Q"]
         self.jobs = arrays["q_tiles"] * self.bh
         c = config
@@ -515,7 +542,7 @@ class PrefillLaunch(_GluonDescriptors):
                 ROWS_=gluon_engine.ROWS, BLOCK_N=bn, D=d_v, SAME_D=same, STAGES=stages,
                 HEAD_GROUP=c.head_group, CONSUMER_REGS=consumer, PRODUCER_REGS=producer, SCHEDULE=self.schedule,
                 FP8=fp8, OVERLAP=gluon_overlap(d_qk, d_v, fp8), ZERO_TAIL=not fp8 and self.s_k % bn != 0,
-                PINGPONG=gluon_pingpong(d_qk, d_v, fp8), **keep),
+                PINGPONG=gluon_pingpong(d_qk, d_v, fp8), **keep, **separable_constexprs(module, end)),
                 num_warps=4, maxnreg=maxnreg)
             unused = arrays["merged_partial"]
             rows = (arrays["KS"], arrays["KE"]) if from_rows else (unused, unused)

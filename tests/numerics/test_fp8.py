@@ -141,6 +141,11 @@ FP8_SPECS = {
                   "mask = causal & doc[b, q] == doc[b, k] }", 256, 384),
     "softcap_window": ("attention w { heads = 4 / 4 head_dim = 128 dtype = bf16 mask = causal & q - k < 100 "
                        "score = softcap(score, 30.0) }", 256, 256),
+    # the separable form (compiler/separable.py): q.k's descales join its per-job factor on q.k
+    "alibi_separable": ("attention a { heads = 4 / 2 head_dim = 128 dtype = bf16 mask = causal "
+                        "score = score - exp(-(h + 1) * log(2.0)) * (q - k) }", 200, 333),
+    "key_bias_separable": ("attention k { heads = 4 head_dim = 64 dtype = f16 tensor kb: f32[b, s] ~ uniform(-4, 4) "
+                           "mask = causal score = 2.0 * score + kb[b, k] }", 256, 384),
 }
 
 

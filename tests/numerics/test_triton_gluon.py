@@ -28,12 +28,23 @@ SPECS = {
     "softcap_f16": "attention s { heads = 4 / 2 head_dim = 64 dtype = f16 mask = causal score = softcap(score, 30.0) }",
     "alibi_bf16": "attention a { heads = 8 / 2 head_dim = 128 dtype = bf16 mask = causal "
                   "score = score - exp(-(h + 1) * log(2.0)) * (q - k) }",
+    "alibi_f16": "attention a { heads = 4 head_dim = 64 dtype = f16 mask = causal "
+                 "score = score - exp(-(h + 1) * log(2.0) * 8.0 / 16.0) * (q - k) }",
+    "key_bias_bf16": "attention k { heads = 4 / 2 head_dim = 128 dtype = bf16 tensor kb: f32[b, s] ~ uniform(-4, 4) "
+                     "mask = causal & q - k < 300 score = score + kb[b, k] }",
+    "alibi_key_bias_f16": "attention k { heads = 4 / 2 head_dim = 128 dtype = f16 "
+                          "tensor kb: f32[b, s] ~ uniform(-4, 4) mask = causal "
+                          "score = score * 0.5 - exp(-(h + 1) * log(2.0)) * (q - k) + kb[b, k] }",
     "all_masked_rows": "attention e { heads = 2 head_dim = 64 dtype = bf16 mask = q >= 200 & causal }",
     "mla_192_128": "attention m { heads = 4 head_dim = 192 / 128 dtype = bf16 mask = causal }",
     "d256_window": "attention w { heads = 2 head_dim = 256 dtype = f16 mask = causal & q - k < 150 }",
 }
 PHASES = {"prefill": (256, 256), "append": (128, 384),  # S_q and S_k multiples of the 128-row tile
           "tails": (200, 200), "append_tails": (77, 333)}  # tiles across S_q and S_k: masked
+# how the engine takes each separable spec's score program (launch.separable_mode): ALiBi's column part
+# per block, a key tensor's per key
+SEPARABLE = {"alibi_bf16": gluon_engine.COLUMN_PER_BLOCK, "alibi_f16": gluon_engine.COLUMN_PER_BLOCK,
+             "key_bias_bf16": gluon_engine.COLUMN_PER_KEY, "alibi_key_bias_f16": gluon_engine.COLUMN_PER_KEY}
 
 
 def _check(program, s_q, s_k, seed, schedule=None, monkeypatch=None, mask_source=None, engine="gluon", scale=1):
@@ -75,6 +86,53 @@ def test_score_programs_on_both_engines_with_scores_of_a_few_units(name, engine)
     Gluon engine and the Triton kernel, q and k doubled (scores of std about 4), against the
     oracle; tiles across S_q and S_k."""
     _check(compile_spec(SPECS[name]), 200, 333, seed=6, engine=engine, scale=2)
+
+
+def _launches(monkeypatch) -> list:
+    """The prefill launches made from here on (a call with options makes its own)."""
+    made = []
+    init = launch.PrefillLaunch.__init__
+
+    def spy(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        made.append(self)
+    monkeypatch.setattr(launch.PrefillLaunch, "__init__", spy)
+    return made
+
+
+@hopper
+@pytest.mark.parametrize("phase", ["prefill", "append_tails"])
+@pytest.mark.parametrize("name", SEPARABLE)
+def test_separable_score_programs_on_the_engine(name, phase, monkeypatch):
+    """The score program's separable form (compiler/separable.py): per cell one FMA on q.k and the
+    column part, the row part added to LSE; O and LSE against the oracle, q and k doubled (scores
+    of a few units), tiles across S_q and S_k in append_tails."""
+    made = _launches(monkeypatch)
+    _check(compile_spec(SPECS[name]), *PHASES[phase], seed=8, scale=2)
+    assert made and {x.launcher.constexprs["SEPARABLE"] for x in made} == {SEPARABLE[name]}
+
+
+@hopper
+@pytest.mark.parametrize("mode", [0, 1, 2], ids=["per_cell", "column_per_key", "column_per_block"])
+@pytest.mark.parametrize("schedule", ["one_tile", "counter"])
+def test_alibi_each_way_the_engine_takes_it(mode, schedule, monkeypatch):
+    """ALiBi per cell (the score program), and in the separable form with its column part per key
+    and per block: each against the oracle."""
+    monkeypatch.setattr(launch, "separable_mode", lambda module, end: mode)
+    made = _launches(monkeypatch)
+    _check(compile_spec(SPECS["alibi_bf16"]), 200, 333, seed=9, schedule=schedule, scale=2)
+    assert made and {x.launcher.constexprs["SEPARABLE"] for x in made} == {mode}
+
+
+@hopper
+def test_separable_alibi_far_from_position_zero(monkeypatch):
+    """128 query rows at the end of 32K keys: the parts read positions from each run of rows'
+    origin, so they stay of the order of the cells' own values (read from position 0, they would
+    cancel by slope * 32K: LSE off by about 3e-3, over its tolerance)."""
+    monkeypatch.setenv("ATTNC_MEMORY_LIMIT", "16GiB")
+    made = _launches(monkeypatch)
+    _check(compile_spec(SPECS["alibi_f16"]), 128, 32768, seed=10)
+    assert made and {x.launcher.constexprs["SEPARABLE"] for x in made} == {gluon_engine.COLUMN_PER_BLOCK}
 
 
 @hopper

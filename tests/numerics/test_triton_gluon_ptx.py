@@ -1,0 +1,157 @@
+"""The Gluon engine compiled for sm_90 on any machine (Triton's compiler and ptxas, no GPU: a
+stand-in driver names the target): every way it takes a score program -- per cell, and the
+separable form with its column part per key or per block, FP8 too -- compiles, and the
+instructions it emits per cell are those the separable form promises (compiler/separable.py):
+ALiBi per block costs plain causal's FMA and one subtraction per cell, with no conversion of
+positions per key.  The engine's numerics need an sm_90 GPU (tests/numerics/test_triton_gluon.py)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("torch", reason="the Triton backend's tests need torch (pip install -e '.[test]')")
+pytest.importorskip("triton", reason="the Triton backend's tests need triton (pip install -e '.[test]')")
+
+from tests.conftest import ROOT  # noqa: E402
+
+# Runs without TRITON_INTERPRET (the tests' conftest sets it): Gluon kernels do not interpret.
+SCRIPT = r'''
+import collections, json, re, sys
+import torch
+from triton.backends.compiler import GPUTarget
+from triton.runtime import driver
+
+
+class SM90:
+    """A driver that names an sm_90 target: enough for the JIT to compile (warmup launches nothing)."""
+    def get_current_device(self): return 0
+    def get_current_stream(self, device=None): return 0
+    def get_current_target(self): return GPUTarget("cuda", 90, 32)
+
+
+from attnc.backends.triton import gluon_engine as G, launch as L
+from attnc.backends.common import load_module
+from attnc.backends.triton.emit import emit
+from attnc.compiler.lower import compile_spec
+if not G.HAS_GLUON:
+    print(json.dumps({"skip": "this Triton has no Gluon"})); sys.exit(0)
+driver.set_active(SM90())
+
+
+def compile_engine(text, mode, fp8=False, d=128):
+    source = emit(compile_spec(text))
+    module = load_module(source.text, source.module_stem)
+    spec = L.spec_constexprs(module, 4096)
+    keep = {n: spec[n] for n in ("VISIBLE", "SCORE", "HAS_SCORE", "SCALE", "H_Q", "H_KV", "GROUP")}
+    sep = L.separable_constexprs(module, 4096 if mode else None)
+    if mode:
+        assert sep["SEPARABLE"] >= mode, sep
+        sep["SEPARABLE"] = mode
+    gl = G.gl
+    dt, gdt = (torch.float8_e4m3fn, gl.float8e4nv) if fp8 else (torch.bfloat16, gl.bfloat16)
+    def desc(rows, cols, block, dtype=dt, gdtype=gdt):
+        layout = gl.NVMMASharedLayout.get_default_for(block, gdtype)
+        return G.TensorDescriptor.from_tensor(torch.empty(rows, cols, dtype=dtype), block, layout)
+    bn = 128 if d <= 128 else 64
+    o = torch.empty(4096, d, dtype=torch.bfloat16)
+    i32, f32 = torch.empty(16, dtype=torch.int32), torch.empty(16, dtype=torch.float32)
+    tensors = {n: torch.zeros((2, 4096) if len(a) == 2 else (8,), dtype=torch.float32)
+               for n, (_, a) in module.TENSORS.items()}
+    ts = L.tensor_args(module, tensors)
+    v = desc(d * 32, 4096, [d, bn]) if fp8 else desc(4096, d, [bn, d])
+    args = (desc(4096, d, [64, d]), desc(4096, d, [bn, d]), v, desc(4096, d, [64, d], torch.bfloat16, gl.bfloat16),
+            o, f32, i32, i32, i32, i32, i32, i32, i32, f32, f32, f32, ts, 256, 384, 128, 0, 1, 1, 2,
+            1.4426950408889634, 8)
+    kernel = G._attn_fwd_ws.warmup(*args, grid=(1,), num_warps=4, maxnreg=168, MASK_FROM_ROWS=False, EVEN_Q=True,
+                                   EVEN_K=True, ROWS_=64, BLOCK_N=bn, D=d, SAME_D=True, STAGES=2, HEAD_GROUP=4,
+                                   CONSUMER_REGS=240, PRODUCER_REGS=24, SCHEDULE=1, FP8=fp8,
+                                   OVERLAP=L.gluon_overlap(d, d, fp8), ZERO_TAIL=False,
+                                   PINGPONG=L.gluon_pingpong(d, d, fp8), **keep, **sep)
+    ops = collections.Counter()
+    for line in kernel.asm["ptx"].splitlines():
+        m = re.match(r"\s+(?:@%p\d+\s+)?([a-z][\w.]*)", line)
+        if m:
+            ops[m.group(1)] += 1
+    return ops
+
+
+def compile_cache_engine(page, d=128):
+    """The engine over a paged cache (gluon_paged), pages of ``page`` rows."""
+    from attnc.backends.triton import gluon_paged
+    module = load_module(*(lambda s: (s.text, s.module_stem))(emit(compile_spec(
+        "attention p { heads = 8 / 2 head_dim = %d dtype = bf16 mask = causal }" % d))))
+    spec = L.spec_constexprs(module, 4096)
+    gl = G.gl
+    def desc(rows, cols, block):
+        layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
+        return G.TensorDescriptor.from_tensor(torch.empty(rows, cols, dtype=torch.bfloat16), block, layout)
+    bn, chunk = 128, min(page, 128)
+    i32, i8, i64 = (torch.empty(16, dtype=t) for t in (torch.int32, torch.int8, torch.int64))
+    args = (desc(4096, 8 * d, [64, d]), desc(4096, 2 * d, [chunk, d]), desc(4096, 2 * d, [chunk, d]),
+            desc(4096, 8 * d, [64, d]), torch.empty(4096, 8, d, dtype=torch.bfloat16),
+            torch.empty(4096, 8, dtype=torch.float32), i32, i32, i32, i32, i8, i32, i32, i32, i32, i64, i32,
+            16, page, 0, d, d, (), 256, 1.4426950408889634 / 8)
+    kernel = gluon_paged._paged_fwd_ws.warmup(
+        *args, grid=(1,), num_warps=4, maxnreg=168, ROWS_=64, BLOCK_N=bn, D=d, STAGES=2, CONSUMER_REGS=240,
+        PRODUCER_REGS=24, VISIBLE=spec["VISIBLE"], SCORE=spec["SCORE"], HAS_SCORE=False, SCALE=spec["SCALE"],
+        H_Q=8, GROUP=4, D_QK=d, PAGED=True, PAGE=page, CHUNK=chunk, OVERLAP=L.gluon_overlap(d, d, False),
+        PINGPONG=L.gluon_pingpong(d, d, False))
+    return collections.Counter(re.findall(r"cp\.async\.bulk\.tensor", kernel.asm["ptx"]))
+
+
+heads = "heads = 8 / 2 head_dim = {d} dtype = bf16 mask = causal"
+causal = "attention c {{ %s }}" % heads
+alibi = "attention a {{ %s score = score - exp(-(h + 1) * log(2.0)) * (q - k) }}" % heads
+keys = "attention k {{ %s tensor kb: f32[b, s] ~ uniform(-1, 1) score = score + kb[b, k] }}" % heads
+cases = {"causal": (causal, 0, False, 128), "alibi": (alibi, 0, False, 128), "alibi_key": (alibi, 1, False, 128),
+         "alibi_block": (alibi, 2, False, 128), "alibi_block_fp8": (alibi, 2, True, 128),
+         "alibi_block_d64": (alibi, 2, False, 64), "key_bias_d256": (keys, 1, False, 256)}
+out = {n: compile_engine(t.format(d=d), mode, fp8, d) for n, (t, mode, fp8, d) in cases.items()}
+out.update({f"paged{page}": compile_cache_engine(page) for page in (16, 256)})
+print(json.dumps(out))
+'''
+
+
+@pytest.fixture(scope="module")
+def ptx_ops():
+    env = {n: v for n, v in os.environ.items() if n != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # (3.9's default, said aloud: FMAs)
+    run = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-4000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    if "skip" in out:
+        pytest.skip(out["skip"])
+    return out
+
+
+def test_every_way_of_taking_a_score_program_compiles_for_sm_90(ptx_ops):
+    scores = {n: ops for n, ops in ptx_ops.items() if not n.startswith("paged")}
+    assert len(scores) == 7
+    for name, ops in scores.items():  # (the fixture compiled them: each has its MMAs and exponentials)
+        assert any(op.startswith("wgmma.mma_async") for op in ops) and ops["ex2.approx.ftz.f32"] > 0, name
+
+
+def test_alibi_per_block_costs_causals_cell_arithmetic_and_one_subtraction(ptx_ops):
+    causal, block, per_key, per_cell = (ptx_ops[n] for n in ("causal", "alibi_block", "alibi_key", "alibi"))
+    cells = causal["ex2.approx.ftz.f32"]  # one exponential per cell (and a few per row)
+    assert block["ex2.approx.ftz.f32"] == cells
+    assert abs(block["fma.rn.f32"] - causal["fma.rn.f32"]) <= 8  # the FMA replaces causal's s * qk_scale - m
+    assert block["sub.f32"] - causal["sub.f32"] == cells  # y - (m - shift)
+    assert block.get("neg.f32", 0) <= causal.get("neg.f32", 0)
+    # positions are converted per job and per block, not per key (per key: every key, every block)
+    assert block["cvt.rn.f32.s32"] - causal["cvt.rn.f32.s32"] < cells // 4 < per_key["cvt.rn.f32.s32"]
+    # the score program per cell: a multiply, a subtraction, an FMA and a negation more per cell
+    assert per_cell["fma.rn.f32"] - causal["fma.rn.f32"] >= cells - 8
+
+
+def test_the_engine_over_a_cache_compiles_for_sm_90(ptx_ops):
+    """gluon_paged's program compiles with pages smaller than a K/V block (several TMA copies into
+    slices of a stage) and larger; each K and V block is copied by TMA."""
+    small, large = ptx_ops["paged16"], ptx_ops["paged256"]
+    assert small and large
+    assert sum(small.values()) > sum(large.values())  # 8 copies per K and V block against 1
