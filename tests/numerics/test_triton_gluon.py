@@ -43,8 +43,8 @@ PHASES = {"prefill": (256, 256), "append": (128, 384),  # S_q and S_k multiples 
           "tails": (200, 200), "append_tails": (77, 333)}  # tiles across S_q and S_k: masked
 # how the engine takes each separable spec's score program (launch.separable_mode): ALiBi's column part
 # per block, a key tensor's per key
-SEPARABLE = {"alibi_bf16": gluon_engine.COLUMN_PER_BLOCK, "alibi_f16": gluon_engine.COLUMN_PER_BLOCK,
-             "key_bias_bf16": gluon_engine.COLUMN_PER_KEY, "alibi_key_bias_f16": gluon_engine.COLUMN_PER_KEY}
+SEPARABLE = {"alibi_bf16": int(gluon_engine.COLUMN_PER_BLOCK), "alibi_f16": int(gluon_engine.COLUMN_PER_BLOCK),
+             "key_bias_bf16": int(gluon_engine.COLUMN_PER_KEY), "alibi_key_bias_f16": int(gluon_engine.COLUMN_PER_KEY)}
 
 
 def _check(program, s_q, s_k, seed, schedule=None, monkeypatch=None, mask_source=None, engine="gluon", scale=1):
@@ -132,7 +132,7 @@ def test_separable_alibi_far_from_position_zero(monkeypatch):
     monkeypatch.setenv("ATTNC_MEMORY_LIMIT", "16GiB")
     made = _launches(monkeypatch)
     _check(compile_spec(SPECS["alibi_f16"]), 128, 32768, seed=10)
-    assert made and {x.launcher.constexprs["SEPARABLE"] for x in made} == {gluon_engine.COLUMN_PER_BLOCK}
+    assert made and {x.launcher.constexprs["SEPARABLE"] for x in made} == {int(gluon_engine.COLUMN_PER_BLOCK)}
 
 
 @hopper
