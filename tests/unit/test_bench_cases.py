@@ -179,6 +179,20 @@ def test_summary_passes_only_with_every_case_met():
     assert _verdicts(no_cudnn)[1]["full"] == "incomplete"
 
 
+def test_runs_combine_flex_modes_but_judge_the_first_runs_call(tmp_path):
+    """``bench.issue21_combine``: a later run (Flex max-autotune) adds its Flex rows; its own attnc
+    rows never replace the main run's call."""
+    import json
+    from bench.issue21_combine import combine
+    main, extra = tmp_path / "main.jsonl", tmp_path / "autotune.jsonl"
+    main.write_text("".join(json.dumps(r) + "\n" for r in _rows("causal", 540.0, {"default": 400.0}, cudnn=530.0)))
+    extra.write_text("".join(json.dumps(r) + "\n" for r in _rows("causal", 900.0, {BOTH: 410.0})))
+    s = combine(str(main), str(extra))
+    c = s["cases"][0]
+    assert c["attnc_call_TFLOPs"] == 540.0 and c["flex_best_mode"] == BOTH and c["x_flex"] == pytest.approx(540 / 410)
+    assert c["verdict"] == "pass" and s["runs"] == [str(main), str(extra)] and BOTH in s["flex_modes"]
+
+
 # ---------------------------------------------------------------- the command line
 def test_cases_option_selects_and_scales():
     assert [c.name for c in H.select_cases("all")] == ISSUE21
