@@ -290,7 +290,7 @@ class Kernel:
             if c.origin != "default" or c.num_stages <= 1 or type(e).__name__ != "OutOfResources":
                 raise
             launch.__init__(launch.module, L.replace(c, num_stages=c.num_stages - 1), launch.arrays,
-                            (launch.batch, launch.s_q, launch.s_k), launch.device, launch.offsets)
+                            (launch.batch, launch.s_q, launch.s_k), launch.device, launch.offsets, fp8=launch.fp8)
             self._run_launch(launch, qb, kb, vb, ts, ob, lse, key)
 
     def _plan_key(self, *key, tensors: dict) -> tuple[list, tuple]:
