@@ -168,3 +168,16 @@ def test_odd_inputs_the_engine_copies_or_refuses():
     strided = dict(dev, k_cache=dev["k_cache"].transpose(1, 2).contiguous().transpose(1, 2))
     with pytest.raises(PlanError, match="16-byte"):
         kernel.decode(q, plan=plan, **strided)
+
+
+def test_engine_option_is_checked_before_planning():
+    p = _program(LAYOUTS["paged16_dense_nhd"], dtype="f16" if runtime.interpreted() else "bf16")
+    arrays = inputs.sample_cache(p, KV_LENS, Q_LENS, 4)
+    kernel = runtime.load(p)
+    plan_arrays = {n: a for n, a in arrays.items() if n != "q"}
+    with pytest.raises(ValueError, match="engine must be None, 'split' or 'gluon'"):
+        kernel.decode_plan(dict(plan_arrays), engine="cuda")
+    if not HOPPER:  # host arrays (or no sm_90): the engine refuses, with the reason; the split producer plans
+        with pytest.raises(ValueError, match="engine='gluon': "):
+            kernel.decode_plan(dict(plan_arrays), engine="gluon")
+        assert kernel.decode_plan(dict(plan_arrays))["engine"] == "split"
