@@ -52,6 +52,9 @@ def decode_plan(program, arrays: dict, *, block_n: int | None = None, splits: in
     untuned, unconstrained call's rows fill its tiles (``launch.split_engine``), else the split."""
     if engine not in (None, "split", "gluon"):
         raise ValueError(f"engine must be None, 'split' or 'gluon', not {engine!r}")
+    if engine == "gluon" and (block_n is not None or splits is not None or block_q is not None):
+        raise ValueError("engine='gluon': block_n, splits and block_q are the split producer's options (the "
+                         "engine takes 128-row tiles of one request, unsplit)")
     p = program
     arrays, tensors = _split_tensors(p, arrays, tensors) if (p.tensors or tensors) else (arrays, {})
     meta = {n: (a if n in KV_KEYS else _to_numpy(a)) for n, a in arrays.items()}

@@ -580,6 +580,9 @@ class Kernel:
             plan["base"] = np.asarray(_to_numpy(plan["cache_rows"]), np.int64) * _rows_per_batch(order, k_cache)
         arrays = self.decode_args(plan, device)
         if plan.get("engine") == "gluon":  # the Gluon engine over the cache: one launch, no workspace
+            if num_warps is not None or num_stages is not None:
+                raise ValueError("num_warps and num_stages are the split producer's options; this plan runs on "
+                                 "the Gluon engine (make it with engine='split' to set them)")
             launch = self.cache_launch(plan, device)
             arrays["jobs"] = self._torch.as_tensor(plan["jobs"]).to(device)
             ws = 0

@@ -165,6 +165,8 @@ def test_odd_inputs_the_engine_copies_or_refuses():
     odd.copy_(q)
     assert odd.data_ptr() % 16 and torch.allclose(kernel.decode(odd, plan=plan, **dev).float(), ref.float(),
                                                   atol=2e-2, rtol=0)
+    with pytest.raises(ValueError, match="split producer's options"):
+        kernel.decode(q, plan=plan, num_warps=8, **dev)
     strided = dict(dev, k_cache=dev["k_cache"].transpose(1, 2).contiguous().transpose(1, 2))
     with pytest.raises(PlanError, match="16-byte"):
         kernel.decode(q, plan=plan, **strided)
@@ -177,6 +179,8 @@ def test_engine_option_is_checked_before_planning():
     plan_arrays = {n: a for n, a in arrays.items() if n != "q"}
     with pytest.raises(ValueError, match="engine must be None, 'split' or 'gluon'"):
         kernel.decode_plan(dict(plan_arrays), engine="cuda")
+    with pytest.raises(ValueError, match="the split producer's options"):
+        kernel.decode_plan(dict(plan_arrays), engine="gluon", block_n=64)
     if not HOPPER:  # host arrays (or no sm_90): the engine refuses, with the reason; the split producer plans
         with pytest.raises(ValueError, match="engine='gluon': "):
             kernel.decode_plan(dict(plan_arrays), engine="gluon")
