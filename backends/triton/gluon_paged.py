@@ -6,11 +6,11 @@ whose rows fill the engine's 128-row tiles takes this program instead of the spl
 producer and combine (``launch.split_engine`` decides; ``decode.decode_plan`` cuts the rows
 into 128-row tiles of one request, one split).  Its jobs are (tile, query head) in
 ``JOBS``'s order (``decode.engine_jobs``): request by request, K/V head by K/V head, the
-head's tiles longest first with the GQA group's query heads next to each other -- the jobs
-running at once read one K/V head's blocks, which stay in L2 -- drawn from a counter by one program per
-SM as in ``gluon_engine``.  The consumers are the engine's (``_ws_blocks``: the same online
-softmax, score program, PARTIAL blocks by the predicate, intra-warpgroup overlap at d 128); what
-differs is where the rows live:
+head's tiles longest first with the GQA group's query heads next to each other (the jobs
+running at once read one K/V head's blocks, which stay in L2), drawn from a counter by one
+program per SM as in ``gluon_engine``.  The consumers are the engine's (``_ws_blocks``: the same
+online softmax, score program per cell, PARTIAL blocks by the predicate, the ping-pong at d 128);
+what differs is where the rows live:
 
 * Q and O are the packed [total_q, H_q, d] tensors, viewed [total_q, H_q * d]: a tile's rows
   start at ``qo_indptr[b] + row0`` in head h's columns.  The rows of a tile past its request's
