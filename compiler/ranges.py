@@ -184,20 +184,9 @@ def may_be_nonfinite(program: ir.Program) -> bool:
     if not program.score:
         return False
     ints = IntRanges(program.heads_q)
-    memo: dict[int, tuple[ir.Expr, _F]] = {}
     score = _F(-FLT_MAX, FLT_MAX)
-
-    def f(e: ir.Expr) -> _F:
-        hit = memo.get(id(e))
-        if hit is not None and hit[0] is e:
-            return hit[1]
-        r = _float(e, f, ints, score)
-        memo[id(e)] = (e, r)
-        return r
-
-    for stmt in program.score:
-        score = f(stmt)
-        memo.clear()
+    for stmt in program.score:  # (each statement reads the score the one before it made)
+        score = _evaluator(ints, score)(stmt)
         if score.nan or score.hi == math.inf:
             return True
     return False
@@ -207,19 +196,22 @@ def float_range(e: ir.Expr, ints: IntRanges) -> tuple[float, float, bool]:
     """(lo, hi, may be NaN): the values an f32 expression that reads no score may take, its
     integers ranging as ``ints`` has them (compiler/separable.py bounds a score program's parts
     with it)."""
-    memo: dict[int, tuple[ir.Expr, _F]] = {}
-    anything = _F(-math.inf, math.inf, True)
-
-    def f(x: ir.Expr) -> _F:
-        hit = memo.get(id(x))
-        if hit is not None and hit[0] is x:
-            return hit[1]
-        r = _float(x, f, ints, anything)
-        memo[id(x)] = (x, r)
-        return r
-
-    r = f(e)
+    r = _evaluator(ints, _F(-math.inf, math.inf, True))(e)
     return r.lo, r.hi, r.nan
+
+
+def _evaluator(ints: IntRanges, score: _F):
+    """``_float`` over a tree, each shared node evaluated once, ``score`` the range of the score."""
+    memo: dict[int, tuple[ir.Expr, _F]] = {}
+
+    def f(e: ir.Expr) -> _F:
+        hit = memo.get(id(e))
+        if hit is not None and hit[0] is e:
+            return hit[1]
+        r = _float(e, f, ints, score)
+        memo[id(e)] = (e, r)
+        return r
+    return f
 
 
 def _float(e: ir.Expr, f, ints: IntRanges, score: _F) -> _F:

@@ -195,6 +195,29 @@ def _ws_get(smem, j: tl.constexpr, N: tl.constexpr):
 
 
 @gluon.jit
+def _ws_finish(s, acc, m_i, l_i, c, ks, ke, b, h, q_pos, S_K, K_OFF, job_scale, TS, s_descale, v_smem, blk_smem, bars,
+               op_dtype: tl.constexpr, MASK_FROM_ROWS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
+               D: tl.constexpr, STAGES: tl.constexpr, col_l: tl.constexpr, orow_l: tl.constexpr,
+               p_layout: tl.constexpr, VISIBLE: tl.constexpr, SCORE: tl.constexpr, HAS_SCORE: tl.constexpr,
+               SCALE: tl.constexpr, FP8: tl.constexpr, ZERO_TAIL: tl.constexpr, sep_scale, origin, col_step,
+               SEPARABLE: tl.constexpr, SCORE_COLUMN: tl.constexpr):
+    """The c-th block, its scores s done: its index and flag, K's stage released, the softmax
+    and P.V (``_ws_pv``) waited for, V's stage released.  Returns (acc, m, l)."""
+    q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turns = bars
+    stage = c % STAGES
+    kb = _ws_get(blk_smem.index(stage), 0, 2)
+    part = _ws_get(blk_smem.index(stage), 1, 2)
+    mbarrier.arrive(k_empty.index(stage), count=1)
+    acc, m_i, l_i = _ws_pv(s, acc, m_i, l_i, part, kb, ks, ke, b, h, q_pos, S_K, K_OFF, job_scale, TS, s_descale,
+                           v_smem.index(stage), v_ready.index(stage), (c // STAGES) & 1, op_dtype, MASK_FROM_ROWS,
+                           EVEN_K, BLOCK_N, col_l, orow_l, p_layout, VISIBLE, SCORE, HAS_SCORE, SCALE, FP8, D,
+                           ZERO_TAIL, sep_scale, origin, col_step, SEPARABLE, SCORE_COLUMN)
+    acc = warpgroup_mma_wait(0, deps=(acc, ))
+    mbarrier.arrive(v_empty.index(stage), count=1)
+    return acc, m_i, l_i
+
+
+@gluon.jit
 def _ws_blocks(q, k_smem, v_smem, blk_smem, bars, lo, hi, c, ks, ke, b, h, q_pos, S_K, K_OFF, job_scale, TS, s_descale,
                MASK_FROM_ROWS: tl.constexpr, EVEN_K: tl.constexpr, ROWS_: tl.constexpr, BLOCK_N: tl.constexpr,
                D: tl.constexpr, STAGES: tl.constexpr, VISIBLE: tl.constexpr, SCORE: tl.constexpr,
@@ -298,36 +321,21 @@ def _ws_blocks(q, k_smem, v_smem, blk_smem, bars, lo, hi, c, ks, ke, b, h, q_pos
                 acc, s = warpgroup_mma_wait(0, deps=(acc, s_next))
                 mbarrier.arrive(v_empty.index(stage), count=1)
                 c += 1
-            stage = c % STAGES
-            phase = (c // STAGES) & 1
-            kb = _ws_get(blk_smem.index(stage), 0, 2)
-            part = _ws_get(blk_smem.index(stage), 1, 2)
-            mbarrier.arrive(k_empty.index(stage), count=1)
-            acc, m_i, l_i = _ws_pv(s, acc, m_i, l_i, part, kb, ks, ke, b, h, q_pos, S_K, K_OFF, job_scale, TS,
-                                   s_descale, v_smem.index(stage), v_ready.index(stage), phase, q.dtype,
-                                   MASK_FROM_ROWS, EVEN_K, BLOCK_N, col_l, orow_l, p_layout, VISIBLE, SCORE,
-                                   HAS_SCORE, SCALE, FP8, D, ZERO_TAIL, sep_scale, origin, col_step,
-                                   SEPARABLE, SCORE_COLUMN)
-            acc = warpgroup_mma_wait(0, deps=(acc, ))
-            mbarrier.arrive(v_empty.index(stage), count=1)
+            acc, m_i, l_i = _ws_finish(s, acc, m_i, l_i, c, ks, ke, b, h, q_pos, S_K, K_OFF, job_scale, TS, s_descale,
+                                       v_smem, blk_smem, bars, q.dtype, MASK_FROM_ROWS, EVEN_K, BLOCK_N, D, STAGES,
+                                       col_l, orow_l, p_layout, VISIBLE, SCORE, HAS_SCORE, SCALE, FP8, ZERO_TAIL,
+                                       sep_scale, origin, col_step, SEPARABLE, SCORE_COLUMN)
             c += 1
     else:
         for i in range(lo, hi):
             stage = c % STAGES
-            phase = (c // STAGES) & 1
-            mbarrier.wait(k_ready.index(stage), phase)
+            mbarrier.wait(k_ready.index(stage), (c // STAGES) & 1)
             s = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), s0, use_acc=False, is_async=True)
-            kb = _ws_get(blk_smem.index(stage), 0, 2)
-            part = _ws_get(blk_smem.index(stage), 1, 2)
             s = warpgroup_mma_wait(0, deps=(s, ))
-            mbarrier.arrive(k_empty.index(stage), count=1)
-            acc, m_i, l_i = _ws_pv(s, acc, m_i, l_i, part, kb, ks, ke, b, h, q_pos, S_K, K_OFF, job_scale, TS,
-                                   s_descale, v_smem.index(stage), v_ready.index(stage), phase, q.dtype,
-                                   MASK_FROM_ROWS, EVEN_K, BLOCK_N, col_l, orow_l, p_layout, VISIBLE, SCORE,
-                                   HAS_SCORE, SCALE, FP8, D, ZERO_TAIL, sep_scale, origin, col_step,
-                                   SEPARABLE, SCORE_COLUMN)
-            acc = warpgroup_mma_wait(0, deps=(acc, ))
-            mbarrier.arrive(v_empty.index(stage), count=1)
+            acc, m_i, l_i = _ws_finish(s, acc, m_i, l_i, c, ks, ke, b, h, q_pos, S_K, K_OFF, job_scale, TS, s_descale,
+                                       v_smem, blk_smem, bars, q.dtype, MASK_FROM_ROWS, EVEN_K, BLOCK_N, D, STAGES,
+                                       col_l, orow_l, p_layout, VISIBLE, SCORE, HAS_SCORE, SCALE, FP8, ZERO_TAIL,
+                                       sep_scale, origin, col_step, SEPARABLE, SCORE_COLUMN)
             c += 1
     return acc, m_i, l_i, c, tc
 
@@ -509,6 +517,35 @@ def _ws_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, job_smem, blk_s
 
 
 @gluon.jit
+def _ws_handover(STAGES: tl.constexpr):
+    """What the producer and the consumers share besides the data: the job's and each stage's
+    scalars in shared memory, and the barriers (q_ready, q_empty, k_ready, k_empty, v_ready,
+    v_empty, turns), initialized: a stage is released by both consumers, and of the consumers'
+    turns on the tensor cores (PINGPONG) the first warpgroup's is open."""
+    job_smem = gl.allocate_shared_memory(gl.int32, [4], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    blk_smem = gl.allocate_shared_memory(gl.int32, [STAGES, 2], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_ready, count=1)
+    mbarrier.init(q_empty, count=2)  # both consumers release Q
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)  # both consumers release a stage
+        mbarrier.init(v_empty.index(i), count=2)
+    turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(turns.index(0), count=1)
+    mbarrier.init(turns.index(1), count=1)
+    mbarrier.arrive(turns.index(0), count=1)  # the consumers' turns (PINGPONG): the first warpgroup's open
+    bars = (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turns)
+    return job_smem, blk_smem, bars
+
+
+@gluon.jit
 def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, O, LSE, COUNTER_PTR, ORDER, M_CSR, M_IDX, M_FLAG, KS, KE, DQ, DK, DV, TS,
                  S_Q, S_K, Q_OFF, K_OFF, PLAN_B, PLAN_H, Q_TILES, qk_scale, BH,
                  MASK_FROM_ROWS: tl.constexpr, EVEN_Q: tl.constexpr, EVEN_K: tl.constexpr, ROWS_: tl.constexpr,
@@ -536,26 +573,7 @@ def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, O, LSE, COUNTER_PTR, ORDER, M_C
         o_smem = gl.allocate_shared_memory(o_desc.dtype, [2] + o_desc.block_type.shape, o_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
-    job_smem = gl.allocate_shared_memory(gl.int32, [4], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    blk_smem = gl.allocate_shared_memory(gl.int32, [STAGES, 2], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_ready, count=1)
-    mbarrier.init(q_empty, count=2)  # both consumers release Q
-    for i in gl.static_range(STAGES):
-        mbarrier.init(k_ready.index(i), count=1)
-        mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=2)  # both consumers release a stage
-        mbarrier.init(v_empty.index(i), count=2)
-    turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(turns.index(0), count=1)
-    mbarrier.init(turns.index(1), count=1)
-    mbarrier.arrive(turns.index(0), count=1)  # the consumers' turns (PINGPONG): the first warpgroup's open
-    bars = (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turns)
+    job_smem, blk_smem, bars = _ws_handover(STAGES)
     gl.warp_specialize([
         (_ws_consumer, (0, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars, o_desc, O, LSE, KS, KE, DQ, DK,
                         DV, S_Q, S_K, Q_OFF, K_OFF, PLAN_B, PLAN_H, Q_TILES, BH, qk_scale, TS, MASK_FROM_ROWS, EVEN_Q,

@@ -29,7 +29,7 @@ what differs is where the rows live:
 """
 import triton.language as tl
 
-from .gluon_engine import _tma_load, _tma_store, _ws_blocks, _ws_get, _ws_put, gluon, gl, mbarrier, tma, \
+from .gluon_engine import _tma_load, _tma_store, _ws_blocks, _ws_get, _ws_handover, _ws_put, gluon, gl, mbarrier, tma, \
     fence_async_shared  # noqa: F401 (gluon is the decorator; gl the language)
 
 
@@ -51,6 +51,19 @@ def _pg_kv_row(t, b, kvh, kv_len, base, TABLE, s_tb, PAGE_ROWS, HEAD_ROWS, PAGED
         page = gl.load(TABLE + b * s_tb + base + t // PAGE)
         return page * PAGE_ROWS + kvh * HEAD_ROWS + t % PAGE
     return base + kvh * HEAD_ROWS + t
+
+
+@gluon.jit
+def _pg_copy(desc, rows, chunks, col, bar, dst, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr):
+    """One K or V block into its stage ``dst``: BLOCK_N / CHUNK TMA copies, chunk j from cache row
+    rows[j] (column ``col``) into dst's rows [j * CHUNK, + CHUNK), all completing on ``bar``."""
+    mbarrier.expect(bar, (BLOCK_N // CHUNK) * desc.block_type.nbytes)
+    for j in gl.static_range(BLOCK_N // CHUNK):
+        row = gl.sum(gl.where(chunks == j, rows, 0), 0)
+        if CHUNK == BLOCK_N:
+            _tma_load(desc, [row, col], bar, dst)
+        else:
+            _tma_load(desc, [row, col], bar, dst.slice(j * CHUNK, CHUNK, dim=0))
 
 
 @gluon.jit
@@ -156,23 +169,9 @@ def _pg_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, job_smem, blk_s
                               HEAD_ROWS, PAGED, PAGE, CHUNK)
             mbarrier.wait(k_empty.index(stage), phase ^ 1)
             _ws_put(blk_smem.index(stage), (kb, part), 2)
-            mbarrier.expect(k_ready.index(stage), (BLOCK_N // CHUNK) * k_desc.block_type.nbytes)
-            for j in gl.static_range(BLOCK_N // CHUNK):
-                row = gl.sum(gl.where(chunks == j, rows, 0), 0)
-                if CHUNK == BLOCK_N:
-                    _tma_load(k_desc, [row, kvh * K_COL], k_ready.index(stage), k_smem.index(stage))
-                else:
-                    _tma_load(k_desc, [row, kvh * K_COL], k_ready.index(stage),
-                              k_smem.index(stage).slice(j * CHUNK, CHUNK, dim=0))
+            _pg_copy(k_desc, rows, chunks, kvh * K_COL, k_ready.index(stage), k_smem.index(stage), BLOCK_N, CHUNK)
             mbarrier.wait(v_empty.index(stage), phase ^ 1)
-            mbarrier.expect(v_ready.index(stage), (BLOCK_N // CHUNK) * v_desc.block_type.nbytes)
-            for j in gl.static_range(BLOCK_N // CHUNK):
-                row = gl.sum(gl.where(chunks == j, rows, 0), 0)
-                if CHUNK == BLOCK_N:
-                    _tma_load(v_desc, [row, kvh * V_COL], v_ready.index(stage), v_smem.index(stage))
-                else:
-                    _tma_load(v_desc, [row, kvh * V_COL], v_ready.index(stage),
-                              v_smem.index(stage).slice(j * CHUNK, CHUNK, dim=0))
+            _pg_copy(v_desc, rows, chunks, kvh * V_COL, v_ready.index(stage), v_smem.index(stage), BLOCK_N, CHUNK)
             c += 1
         jc += 1
         t = nxt
@@ -197,26 +196,7 @@ def _paged_fwd_ws(q_desc, k_desc, v_desc, o_desc, O, LSE, COUNTER_PTR, JOBS, ENT
     o_smem = gl.allocate_shared_memory(o_desc.dtype, [2] + o_desc.block_type.shape, o_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, D_QK], k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, D], v_desc.layout)
-    job_smem = gl.allocate_shared_memory(gl.int32, [4], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    blk_smem = gl.allocate_shared_memory(gl.int32, [STAGES, 2], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_ready, count=1)
-    mbarrier.init(q_empty, count=2)  # both consumers release Q
-    for i in gl.static_range(STAGES):
-        mbarrier.init(k_ready.index(i), count=1)
-        mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=2)  # both consumers release a stage
-        mbarrier.init(v_empty.index(i), count=2)
-    turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(turns.index(0), count=1)
-    mbarrier.init(turns.index(1), count=1)
-    mbarrier.arrive(turns.index(0), count=1)  # the consumers' turns (PINGPONG): the first warpgroup's open
-    bars = (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turns)
+    job_smem, blk_smem, bars = _ws_handover(STAGES)
     gl.warp_specialize([
         (_pg_consumer, (0, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars, o_desc, O, LSE, KV_LENS,
                         QO_INDPTR, TILE_REQ, TILE_ROW0, n_jobs, qk_scale, TS, ROWS_, BLOCK_N, D, STAGES, VISIBLE,

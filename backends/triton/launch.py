@@ -225,6 +225,14 @@ def gluon_smem(d_qk: int, d_v: int, block_n: int, stages: int, schedule: int = 1
     return elem * (rows * d_qk + stages * block_n * (d_qk + d_v)) + o + 1024
 
 
+def gluon_stages(d_qk: int, d_v: int, block_n: int, asked: int, schedule: int = 1, fp8: bool = False) -> int:
+    """K/V stages of a Gluon launch: ``asked``, or as many as fit the shared memory beside the fixed
+    buffers (``gluon_smem``), at least one."""
+    fixed = gluon_smem(d_qk, d_v, block_n, 0, schedule, fp8)
+    per_stage = block_n * (gluon_box(d_qk) + gluon_box(d_v)) * (1 if fp8 else 2)
+    return max(1, min(asked, (gluon_engine.SMEM - fixed) // per_stage))
+
+
 def check_options(asked: dict) -> None:
     """Refuse option values no engine knows (before any planning)."""
     if asked.get("engine") not in ENGINES:
@@ -529,11 +537,8 @@ class PrefillLaunch(_GluonDescriptors):
             self.schedule = gluon_engine.SCHEDULES[c.schedule]
             self.grid = (self.jobs,) if self.schedule == 0 else (min(self.jobs, sm_count(device)),)
             d_qk, d_v, bn = module.SPEC["D_QK"], module.SPEC["D_V"], c.block_n
-            elem = 1 if fp8 else 2
             same = d_qk == d_v
-            fixed = gluon_smem(d_qk, d_v, bn, 0, self.schedule, fp8)
-            per_stage = bn * (gluon_box(d_qk) + gluon_box(d_v)) * elem
-            stages = max(1, min(c.num_stages, (gluon_engine.SMEM - fixed) // per_stage))
+            stages = gluon_stages(d_qk, d_v, bn, c.num_stages, self.schedule, fp8)
             maxnreg, consumer, producer = gluon_regs(d_qk, d_v)
             keep = {n: spec[n] for n in ("VISIBLE", "SCORE", "HAS_SCORE", "SCALE", "H_Q", "H_KV", "GROUP")}
             from_rows = c.mask_source == "rows"
@@ -771,8 +776,7 @@ class CacheLaunch(_GluonDescriptors):
         self.block_n = block_n
         page = page_size if paged else block_n
         maxnreg, consumer, producer = gluon_regs(d_qk, d_v)
-        fixed = gluon_smem(d_qk, d_v, block_n, 0)  # K/V stages as the engine over contiguous tensors takes them
-        stages = max(1, min(GLUON_STAGES, (gluon_engine.SMEM - fixed) // (block_n * (d_qk + d_v) * 2)))
+        stages = gluon_stages(d_qk, d_v, block_n, GLUON_STAGES)
         keep = {n: spec[n] for n in ("HAS_SCORE", "SCALE", "H_Q", "GROUP")}
         self.sms = sm_count(device)
         self._descs, self._layouts = {}, {}
