@@ -31,7 +31,11 @@ VARIANTS = {"base": {}, "overlap": {"OVERLAP": True}, "no_overlap": {"OVERLAP": 
             "one_tile": {"options": {"schedule": "one_tile"}}, "head_group8": {"options": {"head_group": 8}},
             "head_group16": {"options": {"head_group": 16}}, "head_group2": {"options": {"head_group": 2}},
             "pingpong": {"PINGPONG": (64, 128, 256)}, "no_pingpong": {"PINGPONG": ()},
-            "pingpong_regs232": {"PINGPONG": (64, 128, 256), "REGS": (168, 232, 24)}}
+            "pingpong_regs232": {"PINGPONG": (64, 128, 256), "REGS": (168, 232, 24)},
+            "poly1": {"EXP_POLY": 1}, "poly2": {"EXP_POLY": 2}, "bn256": {"options": {"block_n": 256}},
+            "bn256_poly1": {"EXP_POLY": 1, "options": {"block_n": 256}},
+            "pingpong_poly1": {"PINGPONG": (64, 128, 256), "EXP_POLY": 1},
+            "bn256_poly2": {"EXP_POLY": 2, "options": {"block_n": 256}}}
 
 
 PTX_OPS = ("wgmma.mma_async", "ex2.approx", "shfl.sync", "prmt.b32", "st.shared", "ld.shared", "stmatrix", "ldmatrix",
@@ -59,8 +63,9 @@ def main(argv=None) -> int:
     import attnc
     from attnc.backends.triton import launch
     b, h, s, d = 4, args.heads, args.seq, args.head_dim
+    exp_poly = dict(launch.GLUON_EXP_POLY)
     defaults = {"OVERLAP": launch.GLUON_OVERLAP, "REGS": launch.GLUON_REGS_D128, "STAGES": launch.GLUON_STAGES,
-                "PINGPONG": launch.GLUON_PINGPONG_DIMS}
+                "PINGPONG": launch.GLUON_PINGPONG_DIMS, "EXP_POLY": None}
     for mask in args.masks.split(","):
         attn = attnc.compile(f"attention c {{ heads = {h} head_dim = {d} dtype = bf16 "
                              f"mask = {'causal' if mask == 'causal' else 'true'} }}")
@@ -78,6 +83,8 @@ def main(argv=None) -> int:
                 launch.GLUON_OVERLAP, launch.GLUON_REGS_D128, launch.GLUON_STAGES = (knobs["OVERLAP"], knobs["REGS"],
                                                                                  knobs["STAGES"])
                 launch.GLUON_PINGPONG_DIMS = knobs["PINGPONG"]
+                launch.GLUON_EXP_POLY = exp_poly if knobs["EXP_POLY"] is None else \
+                    {(d, fp8): knobs["EXP_POLY"] for fp8 in (False, True)}
                 row = {"study": "engine_variants", "variant": name, "mask": mask, "dtype": dtype, "B": b, "H": h,
                        "S": s, "D": d}
                 try:
@@ -99,6 +106,7 @@ def main(argv=None) -> int:
         launch.GLUON_OVERLAP, launch.GLUON_REGS_D128, launch.GLUON_STAGES = (defaults["OVERLAP"], defaults["REGS"],
                                                                          defaults["STAGES"])
         launch.GLUON_PINGPONG_DIMS = defaults["PINGPONG"]
+        launch.GLUON_EXP_POLY = exp_poly
         del q, k, v, q8, k8, v8
         torch.cuda.empty_cache()
     return 0

@@ -74,6 +74,16 @@ def gluon_pingpong(d_qk: int, d_v: int, fp8: bool) -> bool:
     return not fp8 and d_qk == d_v and d_qk in GLUON_PINGPONG_DIMS
 
 
+# Of each 4 softmax exponentials, how many the Gluon engine computes by a polynomial on the FMA pipe
+# instead of the MUFU (``gluon_engine._exp2``), by (head dim, FP8): none measured a gain yet
+GLUON_EXP_POLY: dict = {}
+
+
+def gluon_exp_poly(d_qk: int, d_v: int, fp8: bool) -> int:
+    """Of each 4 of the softmax's exponentials, how many go to the FMA pipe (``gluon_engine._exp2``)."""
+    return GLUON_EXP_POLY.get((d_qk, fp8), 0) if d_qk == d_v else 0
+
+
 def gluon_regs(d_qk: int, d_v: int) -> tuple:
     """(maxnreg, consumer warpgroups' registers, producer warp's registers) of a Gluon launch."""
     return GLUON_REGS_D128 if d_qk == d_v == 128 else gluon_engine.REGS
@@ -191,8 +201,8 @@ def gluon_call_refusal(program: ir.Program, s_q: int, s_k: int, contiguous: bool
     reason = gluon_spec_refusal(program)
     if reason:
         return reason
-    if tiles not in ((2 * gluon_engine.ROWS, 64), (2 * gluon_engine.ROWS, 128)):
-        return f"the Gluon engine walks 128 x 64 or 128 x 128 tiles, not {tiles[0]} x {tiles[1]}"
+    if tiles not in ((2 * gluon_engine.ROWS, 64), (2 * gluon_engine.ROWS, 128), (2 * gluon_engine.ROWS, 256)):
+        return f"the Gluon engine walks 128 x 64, 128 x 128 or 128 x 256 tiles, not {tiles[0]} x {tiles[1]}"
     need = gluon_smem(program.d_qk, program.d_v, tiles[1], stages=1)
     if need > gluon_engine.SMEM:
         return (f"the Gluon engine's buffers for head dims {program.d_qk} / {program.d_v} on {tiles[0]} x {tiles[1]} "
@@ -547,7 +557,8 @@ class PrefillLaunch(_GluonDescriptors):
                 ROWS_=gluon_engine.ROWS, BLOCK_N=bn, D=d_v, SAME_D=same, STAGES=stages,
                 HEAD_GROUP=c.head_group, CONSUMER_REGS=consumer, PRODUCER_REGS=producer, SCHEDULE=self.schedule,
                 FP8=fp8, OVERLAP=gluon_overlap(d_qk, d_v, fp8), ZERO_TAIL=not fp8 and self.s_k % bn != 0,
-                PINGPONG=gluon_pingpong(d_qk, d_v, fp8), **keep, **separable_constexprs(module, end)),
+                PINGPONG=gluon_pingpong(d_qk, d_v, fp8), EXP_POLY=gluon_exp_poly(d_qk, d_v, fp8), **keep,
+                **separable_constexprs(module, end)),
                 num_warps=4, maxnreg=maxnreg)
             unused = arrays["merged_partial"]
             rows = (arrays["KS"], arrays["KE"]) if from_rows else (unused, unused)
