@@ -35,7 +35,10 @@ VARIANTS = {"base": {}, "overlap": {"OVERLAP": True}, "no_overlap": {"OVERLAP": 
             "poly1": {"EXP_POLY": 1}, "poly2": {"EXP_POLY": 2}, "bn256": {"options": {"block_n": 256}},
             "bn256_poly1": {"EXP_POLY": 1, "options": {"block_n": 256}},
             "pingpong_poly1": {"PINGPONG": (64, 128, 256), "EXP_POLY": 1},
-            "bn256_poly2": {"EXP_POLY": 2, "options": {"block_n": 256}}}
+            "bn256_poly2": {"EXP_POLY": 2, "options": {"block_n": 256}},
+            "wg3": {"options": {"block_m": 192, "block_n": 128}}, "wg3_bn64": {"options": {"block_m": 192, "block_n": 64}},
+            "wg3_stages3": {"STAGES": 3, "options": {"block_m": 192, "block_n": 128}},
+            "bn128": {"options": {"block_m": 128, "block_n": 128}}}
 
 
 PTX_OPS = ("wgmma.mma_async", "ex2.approx", "shfl.sync", "prmt.b32", "st.shared", "ld.shared", "stmatrix", "ldmatrix",

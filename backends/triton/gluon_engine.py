@@ -49,7 +49,7 @@ except (ImportError, AttributeError):  # a Triton without Gluon: the engine is u
     class gluon:  # noqa: N801 - keeps the definitions below importable; the launch layer refuses the engine
         jit = staticmethod(lambda fn: fn)
 
-ROWS = 64  # query rows per consumer warpgroup; the engine's query tile is 2 * ROWS
+ROWS = 64  # query rows per consumer warpgroup; the engine's query tile is CONSUMERS * ROWS (2, or 3 at d <= 64)
 REGS = (168, 232, 24)  # maxnreg, then the consumer warpgroups' and the producer warp's registers (launch.gluon_regs)
 SMEM = 232448  # bytes of shared memory a program may take on sm_90
 ONE_TILE, COUNTER = tl.constexpr(0), tl.constexpr(1)
@@ -399,7 +399,7 @@ def _ws_consumer(half, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars,
                  H_Q: tl.constexpr, H_KV: tl.constexpr, GROUP: tl.constexpr, FP8: tl.constexpr,
                  OVERLAP: tl.constexpr, ZERO_TAIL: tl.constexpr, PINGPONG: tl.constexpr,
                  SEPARABLE: tl.constexpr = 0, SCORE_SCALE: tl.constexpr = None, SCORE_ROW: tl.constexpr = None,
-                 SCORE_COLUMN: tl.constexpr = None, EXP_POLY: tl.constexpr = 0):
+                 SCORE_COLUMN: tl.constexpr = None, EXP_POLY: tl.constexpr = 0, CONSUMERS: tl.constexpr = 2):
     """Rows [half * ROWS_, + ROWS_) of each tile the producer hands over: every block of the
     tile's list, then O (through shared memory and a TMA store) and LSE.  The producer hands
     each job (t, query tile, block range) over with its Q, and each block's index and PARTIAL
@@ -437,7 +437,7 @@ def _ws_consumer(half, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars,
         bh = _job(t, BH, Q_TILES, HEAD_GROUP)[1]
         b = bh // H_Q
         h = bh % H_Q
-        q_tile0 = pid_m * (2 * ROWS_)
+        q_tile0 = pid_m * (CONSUMERS * ROWS_)
         rows = q_tile0 + half * ROWS_ + gl.arange(0, ROWS_, row_l)
         q_pos = (Q_OFF + rows)[:, None]
         if MASK_FROM_ROWS:  # the rows' runs of keys, for the tile's PARTIAL blocks
@@ -513,7 +513,8 @@ def _ws_consumer(half, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars,
 def _ws_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, job_smem, blk_smem, bars, COUNTER_PTR, ORDER,
                  M_CSR, M_IDX, M_FLAG, S_Q, S_K, PLAN_B, PLAN_H, Q_TILES, BH, ROWS_: tl.constexpr,
                  BLOCK_N: tl.constexpr, STAGES: tl.constexpr, HEAD_GROUP: tl.constexpr, SCHEDULE: tl.constexpr,
-                 H_Q: tl.constexpr, H_KV: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, FP8: tl.constexpr):
+                 H_Q: tl.constexpr, H_KV: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, FP8: tl.constexpr,
+                 CONSUMERS: tl.constexpr = 2):
     """For each of the program's jobs: once both consumers are done with the last Q, the job
     and its Q, then K and V of every block of the tile's list, each into a stage both consumers
     have released, with the block's index and PARTIAL flag.  The next job (SCHEDULE) and its
@@ -535,10 +536,10 @@ def _ws_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, job_smem, blk_s
             nxt = n_jobs
         mbarrier.wait(q_empty, (jc & 1) ^ 1)
         _ws_put(job_smem, (t, pid_m, lo, hi), 4)
-        q_row0 = bh * S_Q + pid_m * (2 * ROWS_)
-        mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
-        _tma_load(q_desc, [q_row0, 0], q_ready, q_smem.index(0))
-        _tma_load(q_desc, [q_row0 + ROWS_, 0], q_ready, q_smem.index(1))
+        q_row0 = bh * S_Q + pid_m * (CONSUMERS * ROWS_)
+        mbarrier.expect(q_ready, CONSUMERS * q_desc.block_type.nbytes)
+        for w in gl.static_range(CONSUMERS):
+            _tma_load(q_desc, [q_row0 + w * ROWS_, 0], q_ready, q_smem.index(w))
         kvh = (bh // H_Q) * H_KV + (bh % H_Q) // GROUP
         kv_row0 = kvh * S_K
         for i in range(lo, hi):
@@ -567,7 +568,7 @@ def _ws_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, job_smem, blk_s
 
 
 @gluon.jit
-def _ws_handover(STAGES: tl.constexpr):
+def _ws_handover(STAGES: tl.constexpr, CONSUMERS: tl.constexpr = 2):
     """What the producer and the consumers share besides the data: the job's and each stage's
     scalars in shared memory, and the barriers (q_ready, q_empty, k_ready, k_empty, v_ready,
     v_empty, turns), initialized: a stage is released by both consumers, and of the consumers'
@@ -581,12 +582,12 @@ def _ws_handover(STAGES: tl.constexpr):
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_ready, count=1)
-    mbarrier.init(q_empty, count=2)  # both consumers release Q
+    mbarrier.init(q_empty, count=CONSUMERS)  # every consumer releases Q
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=2)  # both consumers release a stage
-        mbarrier.init(v_empty.index(i), count=2)
+        mbarrier.init(k_empty.index(i), count=CONSUMERS)  # every consumer releases a stage
+        mbarrier.init(v_empty.index(i), count=CONSUMERS)
     turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     mbarrier.init(turns.index(0), count=1)
     mbarrier.init(turns.index(1), count=1)
@@ -606,8 +607,8 @@ def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, O, LSE, COUNTER_PTR, ORDER, M_C
                  H_Q: tl.constexpr, H_KV: tl.constexpr, GROUP: tl.constexpr, FP8: tl.constexpr,
                  OVERLAP: tl.constexpr, ZERO_TAIL: tl.constexpr, PINGPONG: tl.constexpr,
                  SEPARABLE: tl.constexpr = 0, SCORE_SCALE: tl.constexpr = None, SCORE_ROW: tl.constexpr = None,
-                 SCORE_COLUMN: tl.constexpr = None, EXP_POLY: tl.constexpr = 0):
-    """Jobs (query tile of 2 * ROWS_ rows, request * query head) in ``_job``'s order: one per
+                 SCORE_COLUMN: tl.constexpr = None, EXP_POLY: tl.constexpr = 0, CONSUMERS: tl.constexpr = 2):
+    """Jobs (query tile of CONSUMERS * ROWS_ rows, request * query head) in ``_job``'s order: one per
     program (SCHEDULE == ONE_TILE), or one program per SM looping over jobs drawn from the
     counter at COUNTER_PTR (SCHEDULE == COUNTER) with O staged in its own buffers, so that the
     next tile's Q and K/V loads run under this tile's last blocks and epilogue.  KS, KE: each
@@ -616,26 +617,49 @@ def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, O, LSE, COUNTER_PTR, ORDER, M_C
     e4m3 Q, K and V^T (v_desc over [B * H_kv * D, S_k]) with descales DQ, DK, DV (``_ws_consumer``);
     O has its own buffers in O's dtype.  SEPARABLE: the score program's separable form, SCORE_SCALE,
     SCORE_ROW and SCORE_COLUMN its parts (``_ws_softmax``; the launch layer decides per call)."""
-    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [CONSUMERS] + q_desc.block_type.shape, q_desc.layout)
     if SCHEDULE == ONE_TILE and SAME_D and not FP8:
         o_smem = q_smem  # one tile per program: O goes out through Q's stages
     else:
-        o_smem = gl.allocate_shared_memory(o_desc.dtype, [2] + o_desc.block_type.shape, o_desc.layout)
+        o_smem = gl.allocate_shared_memory(o_desc.dtype, [CONSUMERS] + o_desc.block_type.shape, o_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
-    job_smem, blk_smem, bars = _ws_handover(STAGES)
-    gl.warp_specialize([
-        (_ws_consumer, (0, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars, o_desc, O, LSE, KS, KE, DQ, DK,
-                        DV, S_Q, S_K, Q_OFF, K_OFF, PLAN_B, PLAN_H, Q_TILES, BH, qk_scale, TS, MASK_FROM_ROWS, EVEN_Q,
-                        EVEN_K, ROWS_, BLOCK_N, D, STAGES, HEAD_GROUP, VISIBLE, SCORE, HAS_SCORE, SCALE, H_Q, H_KV,
-                        GROUP, FP8, OVERLAP, ZERO_TAIL, PINGPONG, SEPARABLE, SCORE_SCALE, SCORE_ROW,
-                        SCORE_COLUMN, EXP_POLY)),
-        (_ws_consumer, (1, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars, o_desc, O, LSE, KS, KE, DQ, DK,
-                        DV, S_Q, S_K, Q_OFF, K_OFF, PLAN_B, PLAN_H, Q_TILES, BH, qk_scale, TS, MASK_FROM_ROWS, EVEN_Q,
-                        EVEN_K, ROWS_, BLOCK_N, D, STAGES, HEAD_GROUP, VISIBLE, SCORE, HAS_SCORE, SCALE, H_Q, H_KV,
-                        GROUP, FP8, OVERLAP, ZERO_TAIL, PINGPONG, SEPARABLE, SCORE_SCALE, SCORE_ROW,
-                        SCORE_COLUMN, EXP_POLY)),
-        (_ws_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, job_smem, blk_smem, bars, COUNTER_PTR, ORDER,
-                        M_CSR, M_IDX, M_FLAG, S_Q, S_K, PLAN_B, PLAN_H, Q_TILES, BH, ROWS_, BLOCK_N, STAGES,
-                        HEAD_GROUP, SCHEDULE, H_Q, H_KV, GROUP, D, FP8)),
-    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    job_smem, blk_smem, bars = _ws_handover(STAGES, CONSUMERS)
+    # (the argument lists are written out: a JIT function cannot build a tuple holding the spec's functions)
+    if CONSUMERS == 3:  # (d <= 64: three 64-row warpgroups, FlashAttention-3's 192-row tiles)
+        gl.warp_specialize([
+            (_ws_consumer, (0, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars, o_desc, O, LSE, KS, KE, DQ, DK,
+                            DV, S_Q, S_K, Q_OFF, K_OFF, PLAN_B, PLAN_H, Q_TILES, BH, qk_scale, TS, MASK_FROM_ROWS,
+                            EVEN_Q, EVEN_K, ROWS_, BLOCK_N, D, STAGES, HEAD_GROUP, VISIBLE, SCORE, HAS_SCORE, SCALE,
+                            H_Q, H_KV, GROUP, FP8, OVERLAP, ZERO_TAIL, PINGPONG, SEPARABLE, SCORE_SCALE, SCORE_ROW,
+                            SCORE_COLUMN, EXP_POLY, CONSUMERS)),
+            (_ws_consumer, (1, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars, o_desc, O, LSE, KS, KE, DQ, DK,
+                            DV, S_Q, S_K, Q_OFF, K_OFF, PLAN_B, PLAN_H, Q_TILES, BH, qk_scale, TS, MASK_FROM_ROWS,
+                            EVEN_Q, EVEN_K, ROWS_, BLOCK_N, D, STAGES, HEAD_GROUP, VISIBLE, SCORE, HAS_SCORE, SCALE,
+                            H_Q, H_KV, GROUP, FP8, OVERLAP, ZERO_TAIL, PINGPONG, SEPARABLE, SCORE_SCALE, SCORE_ROW,
+                            SCORE_COLUMN, EXP_POLY, CONSUMERS)),
+            (_ws_consumer, (2, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars, o_desc, O, LSE, KS, KE, DQ, DK,
+                            DV, S_Q, S_K, Q_OFF, K_OFF, PLAN_B, PLAN_H, Q_TILES, BH, qk_scale, TS, MASK_FROM_ROWS,
+                            EVEN_Q, EVEN_K, ROWS_, BLOCK_N, D, STAGES, HEAD_GROUP, VISIBLE, SCORE, HAS_SCORE, SCALE,
+                            H_Q, H_KV, GROUP, FP8, OVERLAP, ZERO_TAIL, PINGPONG, SEPARABLE, SCORE_SCALE, SCORE_ROW,
+                            SCORE_COLUMN, EXP_POLY, CONSUMERS)),
+            (_ws_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, job_smem, blk_smem, bars, COUNTER_PTR,
+                            ORDER, M_CSR, M_IDX, M_FLAG, S_Q, S_K, PLAN_B, PLAN_H, Q_TILES, BH, ROWS_, BLOCK_N, STAGES,
+                            HEAD_GROUP, SCHEDULE, H_Q, H_KV, GROUP, D, FP8, CONSUMERS)),
+        ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
+    else:
+        gl.warp_specialize([
+            (_ws_consumer, (0, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars, o_desc, O, LSE, KS, KE, DQ, DK,
+                            DV, S_Q, S_K, Q_OFF, K_OFF, PLAN_B, PLAN_H, Q_TILES, BH, qk_scale, TS, MASK_FROM_ROWS,
+                            EVEN_Q, EVEN_K, ROWS_, BLOCK_N, D, STAGES, HEAD_GROUP, VISIBLE, SCORE, HAS_SCORE, SCALE,
+                            H_Q, H_KV, GROUP, FP8, OVERLAP, ZERO_TAIL, PINGPONG, SEPARABLE, SCORE_SCALE, SCORE_ROW,
+                            SCORE_COLUMN, EXP_POLY, CONSUMERS)),
+            (_ws_consumer, (1, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars, o_desc, O, LSE, KS, KE, DQ, DK,
+                            DV, S_Q, S_K, Q_OFF, K_OFF, PLAN_B, PLAN_H, Q_TILES, BH, qk_scale, TS, MASK_FROM_ROWS,
+                            EVEN_Q, EVEN_K, ROWS_, BLOCK_N, D, STAGES, HEAD_GROUP, VISIBLE, SCORE, HAS_SCORE, SCALE,
+                            H_Q, H_KV, GROUP, FP8, OVERLAP, ZERO_TAIL, PINGPONG, SEPARABLE, SCORE_SCALE, SCORE_ROW,
+                            SCORE_COLUMN, EXP_POLY, CONSUMERS)),
+            (_ws_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, job_smem, blk_smem, bars, COUNTER_PTR,
+                            ORDER, M_CSR, M_IDX, M_FLAG, S_Q, S_K, PLAN_B, PLAN_H, Q_TILES, BH, ROWS_, BLOCK_N, STAGES,
+                            HEAD_GROUP, SCHEDULE, H_Q, H_KV, GROUP, D, FP8, CONSUMERS)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])

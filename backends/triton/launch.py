@@ -48,6 +48,9 @@ GLUON_WIDE_TILES = (128, 64)  # head dims above 128: two K/V stages fit shared m
 GLUON_HEAD_DIMS = (64, 128, 192, 256)  # q.k's (192: loaded as 256 columns, zero-filled)
 GLUON_V_DIMS = (64, 128, 256)  # v's and O's (the register tile and the masked tail store need a power of two)
 GLUON_STAGES = 2
+# the tiles the engine walks: 128 query rows (two consumer warpgroups) by 64, 128 or 256 keys, or 192
+# (three; head dims <= 64, FlashAttention-3's tile there) by 64 or 128
+GLUON_TILE_SHAPES = ((128, 64), (128, 128), (128, 256), (192, 64), (192, 128))
 # Block i+1's Q.K^T issued before block i's softmax (FlashAttention-3's intra-warpgroup overlap), on
 # f16 / bf16 at d 128: +3.6% causal, +4.5% full at S = 8K on the H200, no spills at 240 registers
 # (study r44 bench/engine_variants_study.py); FP8 calls, whose MMAs take half the time, lose ~1%;
@@ -84,8 +87,21 @@ def gluon_exp_poly(d_qk: int, d_v: int, fp8: bool) -> int:
     return GLUON_EXP_POLY.get((d_qk, fp8), 0) if d_qk == d_v else 0
 
 
-def gluon_regs(d_qk: int, d_v: int) -> tuple:
+# Three consumer warpgroups (192-row tiles; head dims <= 64): 16 warps with the producer's padded
+# warpgroup, so at most 128 registers each at launch; Triton's setmaxnreg then gives the two worker
+# consumers 168 and the first (the default partition) the rest, 152 (no spills at d 64)
+GLUON_REGS_3WG = (128, 168, 24)
+
+
+def gluon_consumers(block_m: int) -> int:
+    """The consumer warpgroups of a Gluon tile of ``block_m`` query rows (64 rows each)."""
+    return block_m // gluon_engine.ROWS
+
+
+def gluon_regs(d_qk: int, d_v: int, consumers: int = 2) -> tuple:
     """(maxnreg, consumer warpgroups' registers, producer warp's registers) of a Gluon launch."""
+    if consumers == 3:
+        return GLUON_REGS_3WG
     return GLUON_REGS_D128 if d_qk == d_v == 128 else gluon_engine.REGS
 SHORT_ROW_BLOCKS = 16  # computed K/V blocks per 128-row tile under which rows count as short
 SHORT_ROW_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 64, "num_stages": 3}  # warps follow the tile: 4
@@ -201,9 +217,12 @@ def gluon_call_refusal(program: ir.Program, s_q: int, s_k: int, contiguous: bool
     reason = gluon_spec_refusal(program)
     if reason:
         return reason
-    if tiles not in ((2 * gluon_engine.ROWS, 64), (2 * gluon_engine.ROWS, 128), (2 * gluon_engine.ROWS, 256)):
-        return f"the Gluon engine walks 128 x 64, 128 x 128 or 128 x 256 tiles, not {tiles[0]} x {tiles[1]}"
-    need = gluon_smem(program.d_qk, program.d_v, tiles[1], stages=1)
+    if tiles not in GLUON_TILE_SHAPES:
+        return (f"the Gluon engine walks {', '.join(f'{m} x {n}' for m, n in GLUON_TILE_SHAPES)} tiles, "
+                f"not {tiles[0]} x {tiles[1]}")
+    if tiles[0] == 192 and max(program.d_qk, program.d_v) > 64:
+        return f"the Gluon engine's 192-row tiles (three warpgroups) take head dims up to 64, not {program.d_qk}"
+    need = gluon_smem(program.d_qk, program.d_v, tiles[1], stages=1, rows=tiles[0])
     if need > gluon_engine.SMEM:
         return (f"the Gluon engine's buffers for head dims {program.d_qk} / {program.d_v} on {tiles[0]} x {tiles[1]} "
                 f"tiles take {need:,} bytes of shared memory, over the {gluon_engine.SMEM:,} a program has")
@@ -224,21 +243,22 @@ def gluon_box(d: int) -> int:
     return 1 << (d - 1).bit_length()
 
 
-def gluon_smem(d_qk: int, d_v: int, block_n: int, stages: int, schedule: int = 1, fp8: bool = False) -> int:
+def gluon_smem(d_qk: int, d_v: int, block_n: int, stages: int, schedule: int = 1, fp8: bool = False,
+               rows: int = 128) -> int:
     """Shared memory bytes of the Gluon engine's buffers: Q's two halves, O's (unless one tile
     per program with d_qk = d_v in one dtype: O goes out through Q's), ``stages`` K/V blocks,
     1 KiB of barriers and job slots.  Q, K and V take 2 bytes (f16 / bf16) or 1 (``fp8``); O 2."""
     d_qk, d_v = gluon_box(d_qk), gluon_box(d_v)
-    rows = 2 * gluon_engine.ROWS
     elem = 1 if fp8 else 2
     o = 0 if schedule == 0 and d_qk == d_v and not fp8 else 2 * rows * d_v
     return elem * (rows * d_qk + stages * block_n * (d_qk + d_v)) + o + 1024
 
 
-def gluon_stages(d_qk: int, d_v: int, block_n: int, asked: int, schedule: int = 1, fp8: bool = False) -> int:
+def gluon_stages(d_qk: int, d_v: int, block_n: int, asked: int, schedule: int = 1, fp8: bool = False,
+                 rows: int = 128) -> int:
     """K/V stages of a Gluon launch: ``asked``, or as many as fit the shared memory beside the fixed
     buffers (``gluon_smem``), at least one."""
-    fixed = gluon_smem(d_qk, d_v, block_n, 0, schedule, fp8)
+    fixed = gluon_smem(d_qk, d_v, block_n, 0, schedule, fp8, rows)
     per_stage = block_n * (gluon_box(d_qk) + gluon_box(d_v)) * (1 if fp8 else 2)
     return max(1, min(asked, (gluon_engine.SMEM - fixed) // per_stage))
 
@@ -548,16 +568,18 @@ class PrefillLaunch(_GluonDescriptors):
             self.grid = (self.jobs,) if self.schedule == 0 else (min(self.jobs, sm_count(device)),)
             d_qk, d_v, bn = module.SPEC["D_QK"], module.SPEC["D_V"], c.block_n
             same = d_qk == d_v
-            stages = gluon_stages(d_qk, d_v, bn, c.num_stages, self.schedule, fp8)
-            maxnreg, consumer, producer = gluon_regs(d_qk, d_v)
+            stages = gluon_stages(d_qk, d_v, bn, c.num_stages, self.schedule, fp8, c.block_m)
+            consumers = gluon_consumers(c.block_m)
+            maxnreg, consumer, producer = gluon_regs(d_qk, d_v, consumers)
             keep = {n: spec[n] for n in ("VISIBLE", "SCORE", "HAS_SCORE", "SCALE", "H_Q", "H_KV", "GROUP")}
             from_rows = c.mask_source == "rows"
             self.launcher = Launcher(gluon_engine._attn_fwd_ws, dict(
-                MASK_FROM_ROWS=from_rows, EVEN_Q=self.s_q % (2 * gluon_engine.ROWS) == 0, EVEN_K=self.s_k % bn == 0,
+                MASK_FROM_ROWS=from_rows, EVEN_Q=self.s_q % c.block_m == 0, EVEN_K=self.s_k % bn == 0,
                 ROWS_=gluon_engine.ROWS, BLOCK_N=bn, D=d_v, SAME_D=same, STAGES=stages,
                 HEAD_GROUP=c.head_group, CONSUMER_REGS=consumer, PRODUCER_REGS=producer, SCHEDULE=self.schedule,
                 FP8=fp8, OVERLAP=gluon_overlap(d_qk, d_v, fp8), ZERO_TAIL=not fp8 and self.s_k % bn != 0,
-                PINGPONG=gluon_pingpong(d_qk, d_v, fp8), EXP_POLY=gluon_exp_poly(d_qk, d_v, fp8), **keep,
+                PINGPONG=consumers == 2 and gluon_pingpong(d_qk, d_v, fp8), EXP_POLY=gluon_exp_poly(d_qk, d_v, fp8),
+                CONSUMERS=consumers, **keep,
                 **separable_constexprs(module, end)),
                 num_warps=4, maxnreg=maxnreg)
             unused = arrays["merged_partial"]
