@@ -57,6 +57,9 @@ SCHEDULES = {"one_tile": 0, "counter": 1}
 # SEPARABLE: the score program per cell (0), or its separable form (compiler/separable.py) with the
 # column part evaluated per key, or (an affine one) per block
 COLUMN_PER_KEY, COLUMN_PER_BLOCK = tl.constexpr(1), tl.constexpr(2)
+# PINGPONG: FlashAttention-3's schedule of a consumer's MMAs (``_ws_blocks``), in turns with the other
+# consumer (TURNS: two consumers) or on its own (ALONE)
+TURNS, ALONE = tl.constexpr(1), tl.constexpr(2)
 
 
 # 2^x on the FMA pipe (Cody-Waite: x = j + f, j = round(x), f in [-1/2, 1/2]; 2^f by a degree-4
@@ -294,15 +297,18 @@ def _ws_blocks(q, k_smem, v_smem, blk_smem, bars, lo, hi, c, ks, ke, b, h, q_pos
     l_i = gl.full([ROWS_], 0.0, gl.float32, row_l)
     acc = gl.zeros([ROWS_, D], gl.float32, o_layout)
     if PINGPONG:  # FlashAttention-3's schedule: block i's Q.K^T and block i-1's P.V issued back to back,
-        # in turns with the other warpgroup (``turns``), then block i's softmax under both
-        mine = turns.index(half)
-        other = turns.index(1 - half)
+        # then block i's softmax under P.V (its intra-warpgroup overlap); PINGPONG == TURNS: issued in turns
+        # with the other warpgroup (``turns``), each softmax under the other's MMAs too
+        mine = turns.index(half % 2)
+        other = turns.index(1 - half % 2)
         if hi > lo:
             stage = c % STAGES
             mbarrier.wait(k_ready.index(stage), (c // STAGES) & 1)
-            mbarrier.wait(mine, tc & 1)
+            if PINGPONG == TURNS:
+                mbarrier.wait(mine, tc & 1)
             s = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), s0, use_acc=False, is_async=True)
-            mbarrier.arrive(other, count=1)
+            if PINGPONG == TURNS:
+                mbarrier.arrive(other, count=1)
             tc += 1
             s = warpgroup_mma_wait(0, deps=(s, ))
             kb = _ws_get(blk_smem.index(stage), 0, 2)
@@ -321,10 +327,12 @@ def _ws_blocks(q, k_smem, v_smem, blk_smem, bars, lo, hi, c, ks, ke, b, h, q_pos
                 mbarrier.wait(k_ready.index(stage), (c // STAGES) & 1)
                 mbarrier.wait(v_ready.index(pstage), ((c - 1) // STAGES) & 1)
                 v_op = _ws_v_operand(v_smem.index(pstage), pkb, S_K, BLOCK_N, D, FP8, ZERO_TAIL)
-                mbarrier.wait(mine, tc & 1)
+                if PINGPONG == TURNS:
+                    mbarrier.wait(mine, tc & 1)
                 s = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), s0, use_acc=False, is_async=True)
                 acc = warpgroup_mma(p_op, v_op, acc * gl.convert_layout(alpha, orow_l)[:, None], is_async=True)
-                mbarrier.arrive(other, count=1)
+                if PINGPONG == TURNS:
+                    mbarrier.arrive(other, count=1)
                 tc += 1
                 s = warpgroup_mma_wait(1, deps=(s, ))
                 kb = _ws_get(blk_smem.index(stage), 0, 2)
@@ -342,9 +350,11 @@ def _ws_blocks(q, k_smem, v_smem, blk_smem, bars, lo, hi, c, ks, ke, b, h, q_pos
                 c += 1
             mbarrier.wait(v_ready.index(pstage), ((c - 1) // STAGES) & 1)
             v_op = _ws_v_operand(v_smem.index(pstage), pkb, S_K, BLOCK_N, D, FP8, ZERO_TAIL)
-            mbarrier.wait(mine, tc & 1)
+            if PINGPONG == TURNS:
+                mbarrier.wait(mine, tc & 1)
             acc = warpgroup_mma(p_op, v_op, acc * gl.convert_layout(alpha, orow_l)[:, None], is_async=True)
-            mbarrier.arrive(other, count=1)
+            if PINGPONG == TURNS:
+                mbarrier.arrive(other, count=1)
             tc += 1
             acc = warpgroup_mma_wait(0, deps=(acc, ))
             mbarrier.arrive(v_empty.index(pstage), count=1)

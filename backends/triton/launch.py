@@ -77,6 +77,20 @@ def gluon_pingpong(d_qk: int, d_v: int, fp8: bool) -> bool:
     return not fp8 and d_qk == d_v and d_qk in GLUON_PINGPONG_DIMS
 
 
+# FlashAttention-3's schedule without the turns (each consumer's block i softmax under its own block
+# i-1 P.V), by (consumer warpgroups, head dim, FP8, BLOCK_N): none measured yet
+GLUON_ALONE: tuple = ()
+
+
+def gluon_schedule(d_qk: int, d_v: int, fp8: bool, consumers: int, block_n: int) -> int:
+    """The Gluon engine's PINGPONG constexpr: 0, TURNS (``gluon_pingpong``, two consumers) or ALONE."""
+    if consumers == 2 and gluon_pingpong(d_qk, d_v, fp8):
+        return int(gluon_engine.TURNS)
+    if d_qk == d_v and (consumers, d_qk, fp8, block_n) in GLUON_ALONE:
+        return int(gluon_engine.ALONE)
+    return 0
+
+
 # Of each 4 softmax exponentials, how many the Gluon engine computes by a polynomial on the FMA pipe
 # instead of the MUFU (``gluon_engine._exp2``), by (head dim, FP8): none measured a gain yet
 GLUON_EXP_POLY: dict = {}
@@ -578,7 +592,7 @@ class PrefillLaunch(_GluonDescriptors):
                 ROWS_=gluon_engine.ROWS, BLOCK_N=bn, D=d_v, SAME_D=same, STAGES=stages,
                 HEAD_GROUP=c.head_group, CONSUMER_REGS=consumer, PRODUCER_REGS=producer, SCHEDULE=self.schedule,
                 FP8=fp8, OVERLAP=gluon_overlap(d_qk, d_v, fp8), ZERO_TAIL=not fp8 and self.s_k % bn != 0,
-                PINGPONG=consumers == 2 and gluon_pingpong(d_qk, d_v, fp8), EXP_POLY=gluon_exp_poly(d_qk, d_v, fp8),
+                PINGPONG=gluon_schedule(d_qk, d_v, fp8, consumers, bn), EXP_POLY=gluon_exp_poly(d_qk, d_v, fp8),
                 CONSUMERS=consumers, **keep,
                 **separable_constexprs(module, end)),
                 num_warps=4, maxnreg=maxnreg)
@@ -816,7 +830,7 @@ class CacheLaunch(_GluonDescriptors):
         self._constexprs = dict(
             ROWS_=gluon_engine.ROWS, BLOCK_N=block_n, D=d_v, STAGES=stages, CONSUMER_REGS=consumer,
             PRODUCER_REGS=producer, D_QK=d_qk, PAGED=paged, PAGE=page, CHUNK=min(page, block_n),
-            OVERLAP=gluon_overlap(d_qk, d_v, False), PINGPONG=gluon_pingpong(d_qk, d_v, False), **keep)
+            OVERLAP=gluon_overlap(d_qk, d_v, False), PINGPONG=gluon_schedule(d_qk, d_v, False, 2, block_n), **keep)
         self._maxnreg = maxnreg
         self._launchers: dict = {}
 
