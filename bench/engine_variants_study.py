@@ -40,9 +40,7 @@ VARIANTS = {"base": {}, "overlap": {"OVERLAP": True}, "no_overlap": {"OVERLAP": 
             "wg3_stages3": {"STAGES": 3, "options": {"block_m": 192, "block_n": 128}},
             "bn128": {"options": {"block_m": 128, "block_n": 128}},
             "alone": {"ALONE": True}, "wg3_alone": {"ALONE": True, "options": {"block_m": 192, "block_n": 128}},
-            "bn256_alone": {"ALONE": True, "options": {"block_n": 256}},
-            "qregs": {"QREGS": True}, "bn256_qregs": {"QREGS": True, "options": {"block_n": 256}},
-            "wg3_qregs": {"QREGS": True, "options": {"block_m": 192, "block_n": 128}}}
+            "bn256_alone": {"ALONE": True, "options": {"block_n": 256}}}
 
 
 PTX_OPS = ("wgmma.mma_async", "ex2.approx", "shfl.sync", "prmt.b32", "st.shared", "ld.shared", "stmatrix", "ldmatrix",
@@ -72,9 +70,8 @@ def main(argv=None) -> int:
     b, h, s, d = 4, args.heads, args.seq, args.head_dim
     exp_poly = dict(launch.GLUON_EXP_POLY)
     alone = launch.GLUON_ALONE
-    q_in_regs = launch.GLUON_Q_IN_REGS
     defaults = {"OVERLAP": launch.GLUON_OVERLAP, "REGS": launch.GLUON_REGS_D128, "STAGES": launch.GLUON_STAGES,
-                "PINGPONG": launch.GLUON_PINGPONG_DIMS, "EXP_POLY": None, "ALONE": None, "QREGS": None}
+                "PINGPONG": launch.GLUON_PINGPONG_DIMS, "EXP_POLY": None, "ALONE": None}
     for mask in args.masks.split(","):
         attn = attnc.compile(f"attention c {{ heads = {h} head_dim = {d} dtype = bf16 "
                              f"mask = {'causal' if mask == 'causal' else 'true'} }}")
@@ -94,9 +91,8 @@ def main(argv=None) -> int:
                 launch.GLUON_PINGPONG_DIMS = knobs["PINGPONG"]
                 launch.GLUON_EXP_POLY = exp_poly if knobs["EXP_POLY"] is None else \
                     {(d, fp8): knobs["EXP_POLY"] for fp8 in (False, True)}
-                every = tuple((wg, d, fp8, bn) for wg in (2, 3) for fp8 in (False, True) for bn in (64, 128, 256))
-                launch.GLUON_ALONE = alone if knobs["ALONE"] is None else every
-                launch.GLUON_Q_IN_REGS = q_in_regs if knobs["QREGS"] is None else every
+                launch.GLUON_ALONE = alone if knobs["ALONE"] is None else tuple(
+                    (wg, d, fp8, bn) for wg in (2, 3) for fp8 in (False, True) for bn in (64, 128, 256))
                 row = {"study": "engine_variants", "variant": name, "mask": mask, "dtype": dtype, "B": b, "H": h,
                        "S": s, "D": d}
                 try:
@@ -120,7 +116,6 @@ def main(argv=None) -> int:
         launch.GLUON_PINGPONG_DIMS = defaults["PINGPONG"]
         launch.GLUON_EXP_POLY = exp_poly
         launch.GLUON_ALONE = alone
-        launch.GLUON_Q_IN_REGS = q_in_regs
         del q, k, v, q8, k8, v8
         torch.cuda.empty_cache()
     return 0

@@ -82,16 +82,6 @@ def gluon_pingpong(d_qk: int, d_v: int, fp8: bool) -> bool:
 GLUON_ALONE: tuple = ()
 
 
-# Q.K^T's A operand (Q) held in registers rather than read from shared memory, by (consumer
-# warpgroups, head dim, FP8, BLOCK_N): none measured yet
-GLUON_Q_IN_REGS: tuple = ()
-
-
-def gluon_q_in_regs(d_qk: int, d_v: int, fp8: bool, consumers: int, block_n: int) -> bool:
-    """Whether the Gluon engine's consumers hold Q in registers (``Q_IN_REGS``)."""
-    return d_qk == d_v and (consumers, d_qk, fp8, block_n) in GLUON_Q_IN_REGS
-
-
 def gluon_schedule(d_qk: int, d_v: int, fp8: bool, consumers: int, block_n: int) -> int:
     """The Gluon engine's PINGPONG constexpr: 0, TURNS (``gluon_pingpong``, two consumers) or ALONE."""
     if consumers == 2 and gluon_pingpong(d_qk, d_v, fp8):
@@ -603,7 +593,7 @@ class PrefillLaunch(_GluonDescriptors):
                 HEAD_GROUP=c.head_group, CONSUMER_REGS=consumer, PRODUCER_REGS=producer, SCHEDULE=self.schedule,
                 FP8=fp8, OVERLAP=gluon_overlap(d_qk, d_v, fp8), ZERO_TAIL=not fp8 and self.s_k % bn != 0,
                 PINGPONG=gluon_schedule(d_qk, d_v, fp8, consumers, bn), EXP_POLY=gluon_exp_poly(d_qk, d_v, fp8),
-                CONSUMERS=consumers, Q_IN_REGS=gluon_q_in_regs(d_qk, d_v, fp8, consumers, bn), **keep,
+                CONSUMERS=consumers, **keep,
                 **separable_constexprs(module, end)),
                 num_warps=4, maxnreg=maxnreg)
             unused = arrays["merged_partial"]
