@@ -60,6 +60,8 @@ COLUMN_PER_KEY, COLUMN_PER_BLOCK = tl.constexpr(1), tl.constexpr(2)
 # PINGPONG: FlashAttention-3's schedule of a consumer's MMAs (``_ws_blocks``), in turns with the other
 # consumer (TURNS: two consumers) or on its own (ALONE)
 TURNS, ALONE = tl.constexpr(1), tl.constexpr(2)
+import os as _os
+P_PERM_ON = tl.constexpr(_os.environ.get("ATTNC_P_PERM") == "1")
 
 
 # 2^x on the FMA pipe (Cody-Waite: x = j + f, j = round(x), f in [-1/2, 1/2]; 2^f by a degree-4
@@ -202,6 +204,19 @@ def _ws_v_operand(v_stage, kb, S_K, BLOCK_N: tl.constexpr, D: tl.constexpr, FP8:
 
 
 @gluon.jit
+def _p_operand(p, op_dtype: tl.constexpr, p_layout: tl.constexpr, ROWS_: tl.constexpr, BLOCK_N: tl.constexpr,
+               P_PERM: tl.constexpr):
+    """P rounded to P.V's operand type in its operand layout.  P_PERM (FP8): within each 32 keys, the
+    columns relabelled so that every thread keeps the values it holds (its accumulator columns
+    2q, 2q + 1, 8 + 2q, ... become the operand's 4q .. 4q + 3, 16 + 4q ..): no shuffles, V^T's
+    columns carry the same relabelling (``attnc.fp8``)."""
+    x = p.to(op_dtype)
+    if P_PERM:
+        x = x.reshape([ROWS_, BLOCK_N // 32, 2, 2, 4, 2]).permute((0, 1, 2, 4, 3, 5)).reshape([ROWS_, BLOCK_N])
+    return gl.convert_layout(x, p_layout)
+
+
+@gluon.jit
 def _ws_pv(s, acc, m_i, l_i, part, kb, ks, ke, b, h, q_pos, S_K, K_OFF, job_scale, TS, s_descale, v_stage, v_bar,
            phase, op_dtype: tl.constexpr, MASK_FROM_ROWS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
            col_l: tl.constexpr, orow_l: tl.constexpr, p_layout: tl.constexpr, VISIBLE: tl.constexpr,
@@ -216,7 +231,7 @@ def _ws_pv(s, acc, m_i, l_i, part, kb, ks, ke, b, h, q_pos, S_K, K_OFF, job_scal
     acc = acc * gl.convert_layout(alpha, orow_l)[:, None]
     mbarrier.wait(v_bar, phase)
     v_op = _ws_v_operand(v_stage, kb, S_K, BLOCK_N, D, FP8, ZERO_TAIL)
-    acc = warpgroup_mma(gl.convert_layout(p.to(op_dtype), p_layout), v_op, acc, is_async=True)
+    acc = warpgroup_mma(_p_operand(p, op_dtype, p_layout, p.shape[0], BLOCK_N, FP8 and P_PERM_ON), v_op, acc, is_async=True)
     return acc, m_i, l_i
 
 
