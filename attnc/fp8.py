@@ -108,15 +108,6 @@ def is_v_transposed(v) -> bool:
 def v_transposed(v):
     """V^T for the FP8 engine: ``v`` itself where it already is such storage (``is_v_transposed``),
     else a copy [B, H, d, S_pad] (S rounded up to 16, the padding zero) viewed as [B, H, S, d]."""
-    import os
-    if os.environ.get("ATTNC_P_PERM") == "1":
-        torch = _torch()
-        b, h, s, d = v.shape
-        pad = -s % 32
-        out = torch.zeros((b, h, d, s + pad), dtype=torch.uint8, device=v.device).view(v.dtype)
-        out[..., :s].copy_(v.transpose(2, 3))
-        out = out.view(b, h, d, (s + pad) // 32, 2, 2, 4, 2).permute(0, 1, 2, 3, 4, 6, 5, 7).contiguous()
-        return out.view(b, h, d, s + pad)[..., :s].transpose(2, 3)
     if is_v_transposed(v):
         return v
     torch = _torch()

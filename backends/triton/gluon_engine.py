@@ -60,8 +60,6 @@ COLUMN_PER_KEY, COLUMN_PER_BLOCK = tl.constexpr(1), tl.constexpr(2)
 # PINGPONG: FlashAttention-3's schedule of a consumer's MMAs (``_ws_blocks``), in turns with the other
 # consumer (TURNS: two consumers) or on its own (ALONE)
 TURNS, ALONE = tl.constexpr(1), tl.constexpr(2)
-import os as _os
-P_PERM_ON = tl.constexpr(_os.environ.get("ATTNC_P_PERM") == "1")
 
 
 # 2^x on the FMA pipe (Cody-Waite: x = j + f, j = round(x), f in [-1/2, 1/2]; 2^f by a degree-4
@@ -117,11 +115,34 @@ def _exp2(x, EXP_POLY: tl.constexpr):
 
 
 @gluon.jit
+def _key_cols(BLOCK_N: tl.constexpr, col_l: tl.constexpr, P_PERM: tl.constexpr):
+    """The key (within its block) of each score column: c, or P_PERM sigma(c) -- within each 32
+    keys, c = 16 a1 + 8 a0 + 2 q + b holds key 16 a1 + 4 q + 2 a0 + b (K's rows were loaded so,
+    ``_ws_producer``), the order in which P's FP8 operand takes its columns without shuffles
+    (``_p_operand``)."""
+    c = gl.arange(0, BLOCK_N, col_l)
+    if P_PERM:
+        c = (c & ~31) | (c & 16) | (((c >> 1) & 3) << 2) | (((c >> 3) & 1) << 1) | (c & 1)
+    return c
+
+
+@gluon.jit
+def _k_block(k_smem, stage, BLOCK_N: tl.constexpr, P_PERM: tl.constexpr):
+    """K's block in stage ``stage`` as [BLOCK_N, d] (P_PERM: the 5-d block TMA wrote, its rows in
+    ``_key_cols``' order)."""
+    k = k_smem.index(stage)
+    if P_PERM:
+        k = k.reshape([BLOCK_N, k.shape[4]])
+    return k
+
+
+@gluon.jit
 def _ws_softmax(s, part, kb, ks, ke, m_i, l_i, b, h, q_pos, S_K, K_OFF, qk_scale, TS, MASK_FROM_ROWS: tl.constexpr,
                 EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, col_l: tl.constexpr, VISIBLE: tl.constexpr,
                 SCORE: tl.constexpr, HAS_SCORE: tl.constexpr, SCALE: tl.constexpr, s_descale,
                 FP8: tl.constexpr, sep_scale=1.0, origin=0, col_step=0.0, SEPARABLE: tl.constexpr = 0,
-                SCORE_COLUMN: tl.constexpr = None, EXP_POLY: tl.constexpr = 0):
+                SCORE_COLUMN: tl.constexpr = None, EXP_POLY: tl.constexpr = 0,
+                P_PERM: tl.constexpr = False):
     """K/V block kb of the row's list on the scores s: the score program, the mask where the
     block is PARTIAL (part != 0): the predicate, or MASK_FROM_ROWS the rows' runs of keys
     [ks, ke); then the online-softmax update.  Unless EVEN_K (S_K a multiple of BLOCK_N), the
@@ -139,7 +160,7 @@ def _ws_softmax(s, part, kb, ks, ke, m_i, l_i, b, h, q_pos, S_K, K_OFF, qk_scale
     else:
         shift = 0.0
     if HAS_SCORE or part != 0:
-        k_idx = (kb * BLOCK_N + gl.arange(0, BLOCK_N, col_l))[None, :]
+        k_idx = (kb * BLOCK_N + _key_cols(BLOCK_N, col_l, P_PERM))[None, :]
         k_pos = K_OFF + k_idx
         if SEPARABLE == COLUMN_PER_BLOCK:  # sep_scale: the form's factor, SCALE (and descales) and qk_scale
             s = s * sep_scale + col_step
@@ -222,16 +243,17 @@ def _ws_pv(s, acc, m_i, l_i, part, kb, ks, ke, b, h, q_pos, S_K, K_OFF, job_scal
            col_l: tl.constexpr, orow_l: tl.constexpr, p_layout: tl.constexpr, VISIBLE: tl.constexpr,
            SCORE: tl.constexpr, HAS_SCORE: tl.constexpr, SCALE: tl.constexpr, FP8: tl.constexpr,
            D: tl.constexpr, ZERO_TAIL: tl.constexpr, sep_scale=1.0, origin=0, col_step=0.0,
-           SEPARABLE: tl.constexpr = 0, SCORE_COLUMN: tl.constexpr = None, EXP_POLY: tl.constexpr = 0):
+           SEPARABLE: tl.constexpr = 0, SCORE_COLUMN: tl.constexpr = None, EXP_POLY: tl.constexpr = 0,
+                P_PERM: tl.constexpr = False):
     """Block kb's softmax on its scores s, the accumulator's rescale, and its P.V issued on the
     tensor cores once V is in: returns (P.V's pending accumulator, m, l)."""
     p, alpha, m_i, l_i = _ws_softmax(s, part, kb, ks, ke, m_i, l_i, b, h, q_pos, S_K, K_OFF, job_scale, TS,
                                      MASK_FROM_ROWS, EVEN_K, BLOCK_N, col_l, VISIBLE, SCORE, HAS_SCORE, SCALE,
-                                     s_descale, FP8, sep_scale, origin, col_step, SEPARABLE, SCORE_COLUMN, EXP_POLY)
+                                     s_descale, FP8, sep_scale, origin, col_step, SEPARABLE, SCORE_COLUMN, EXP_POLY, P_PERM)
     acc = acc * gl.convert_layout(alpha, orow_l)[:, None]
     mbarrier.wait(v_bar, phase)
     v_op = _ws_v_operand(v_stage, kb, S_K, BLOCK_N, D, FP8, ZERO_TAIL)
-    acc = warpgroup_mma(_p_operand(p, op_dtype, p_layout, p.shape[0], BLOCK_N, FP8 and P_PERM_ON), v_op, acc, is_async=True)
+    acc = warpgroup_mma(_p_operand(p, op_dtype, p_layout, p.shape[0], BLOCK_N, P_PERM), v_op, acc, is_async=True)
     return acc, m_i, l_i
 
 
@@ -268,7 +290,8 @@ def _ws_finish(s, acc, m_i, l_i, c, ks, ke, b, h, q_pos, S_K, K_OFF, job_scale, 
                D: tl.constexpr, STAGES: tl.constexpr, col_l: tl.constexpr, orow_l: tl.constexpr,
                p_layout: tl.constexpr, VISIBLE: tl.constexpr, SCORE: tl.constexpr, HAS_SCORE: tl.constexpr,
                SCALE: tl.constexpr, FP8: tl.constexpr, ZERO_TAIL: tl.constexpr, sep_scale, origin, col_step,
-               SEPARABLE: tl.constexpr, SCORE_COLUMN: tl.constexpr, EXP_POLY: tl.constexpr = 0):
+               SEPARABLE: tl.constexpr, SCORE_COLUMN: tl.constexpr, EXP_POLY: tl.constexpr = 0,
+               P_PERM: tl.constexpr = False):
     """The c-th block, its scores s done: its index and flag, K's stage released, the softmax
     and P.V (``_ws_pv``) waited for, V's stage released.  Returns (acc, m, l)."""
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turns = bars
@@ -279,7 +302,7 @@ def _ws_finish(s, acc, m_i, l_i, c, ks, ke, b, h, q_pos, S_K, K_OFF, job_scale, 
     acc, m_i, l_i = _ws_pv(s, acc, m_i, l_i, part, kb, ks, ke, b, h, q_pos, S_K, K_OFF, job_scale, TS, s_descale,
                            v_smem.index(stage), v_ready.index(stage), (c // STAGES) & 1, op_dtype, MASK_FROM_ROWS,
                            EVEN_K, BLOCK_N, col_l, orow_l, p_layout, VISIBLE, SCORE, HAS_SCORE, SCALE, FP8, D,
-                           ZERO_TAIL, sep_scale, origin, col_step, SEPARABLE, SCORE_COLUMN, EXP_POLY)
+                           ZERO_TAIL, sep_scale, origin, col_step, SEPARABLE, SCORE_COLUMN, EXP_POLY, P_PERM)
     acc = warpgroup_mma_wait(0, deps=(acc, ))
     mbarrier.arrive(v_empty.index(stage), count=1)
     return acc, m_i, l_i
@@ -291,7 +314,8 @@ def _ws_blocks(q, k_smem, v_smem, blk_smem, bars, lo, hi, c, ks, ke, b, h, q_pos
                D: tl.constexpr, STAGES: tl.constexpr, VISIBLE: tl.constexpr, SCORE: tl.constexpr,
                HAS_SCORE: tl.constexpr, SCALE: tl.constexpr, FP8: tl.constexpr, OVERLAP: tl.constexpr,
                ZERO_TAIL: tl.constexpr, PINGPONG: tl.constexpr = False, half=0, tc=0, sep_scale=1.0, origin=0,
-               col_step=0.0, SEPARABLE: tl.constexpr = 0, SCORE_COLUMN: tl.constexpr = None, EXP_POLY: tl.constexpr = 0):
+               col_step=0.0, SEPARABLE: tl.constexpr = 0, SCORE_COLUMN: tl.constexpr = None, EXP_POLY: tl.constexpr = 0,
+                P_PERM: tl.constexpr = False):
     """One consumer's rows of a job over blocks [lo, hi) of its list, as the producer hands them
     over (``c``: the blocks this program consumed before, the K/V ring's stage and phase):
     returns (the unnormalized O accumulator, m, l, c).  OVERLAP: block i+1's Q.K^T runs on the
@@ -321,7 +345,7 @@ def _ws_blocks(q, k_smem, v_smem, blk_smem, bars, lo, hi, c, ks, ke, b, h, q_pos
             mbarrier.wait(k_ready.index(stage), (c // STAGES) & 1)
             if PINGPONG == TURNS:
                 mbarrier.wait(mine, tc & 1)
-            s = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), s0, use_acc=False, is_async=True)
+            s = warpgroup_mma(q, _k_block(k_smem, stage, BLOCK_N, P_PERM).permute((1, 0)), s0, use_acc=False, is_async=True)
             if PINGPONG == TURNS:
                 mbarrier.arrive(other, count=1)
             tc += 1
@@ -332,8 +356,8 @@ def _ws_blocks(q, k_smem, v_smem, blk_smem, bars, lo, hi, c, ks, ke, b, h, q_pos
             p, alpha, m_i, l_i = _ws_softmax(s, part, kb, ks, ke, m_i, l_i, b, h, q_pos, S_K, K_OFF, job_scale, TS,
                                              MASK_FROM_ROWS, EVEN_K, BLOCK_N, col_l, VISIBLE, SCORE, HAS_SCORE,
                                              SCALE, s_descale, FP8, sep_scale, origin, col_step, SEPARABLE,
-                                             SCORE_COLUMN, EXP_POLY)
-            p_op = gl.convert_layout(p.to(q.dtype), p_layout)
+                                             SCORE_COLUMN, EXP_POLY, P_PERM)
+            p_op = _p_operand(p, q.dtype, p_layout, ROWS_, BLOCK_N, P_PERM)
             pkb = kb
             pstage = stage
             c += 1
@@ -344,7 +368,7 @@ def _ws_blocks(q, k_smem, v_smem, blk_smem, bars, lo, hi, c, ks, ke, b, h, q_pos
                 v_op = _ws_v_operand(v_smem.index(pstage), pkb, S_K, BLOCK_N, D, FP8, ZERO_TAIL)
                 if PINGPONG == TURNS:
                     mbarrier.wait(mine, tc & 1)
-                s = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), s0, use_acc=False, is_async=True)
+                s = warpgroup_mma(q, _k_block(k_smem, stage, BLOCK_N, P_PERM).permute((1, 0)), s0, use_acc=False, is_async=True)
                 acc = warpgroup_mma(p_op, v_op, acc * gl.convert_layout(alpha, orow_l)[:, None], is_async=True)
                 if PINGPONG == TURNS:
                     mbarrier.arrive(other, count=1)
@@ -356,10 +380,10 @@ def _ws_blocks(q, k_smem, v_smem, blk_smem, bars, lo, hi, c, ks, ke, b, h, q_pos
                 p, alpha, m_i, l_i = _ws_softmax(s, part, kb, ks, ke, m_i, l_i, b, h, q_pos, S_K, K_OFF, job_scale,
                                                  TS, MASK_FROM_ROWS, EVEN_K, BLOCK_N, col_l, VISIBLE, SCORE,
                                                  HAS_SCORE, SCALE, s_descale, FP8, sep_scale, origin, col_step,
-                                                 SEPARABLE, SCORE_COLUMN, EXP_POLY)
+                                                 SEPARABLE, SCORE_COLUMN, EXP_POLY, P_PERM)
                 acc = warpgroup_mma_wait(0, deps=(acc, ))
                 mbarrier.arrive(v_empty.index(pstage), count=1)
-                p_op = gl.convert_layout(p.to(q.dtype), p_layout)
+                p_op = _p_operand(p, q.dtype, p_layout, ROWS_, BLOCK_N, P_PERM)
                 pkb = kb
                 pstage = stage
                 c += 1
@@ -377,7 +401,7 @@ def _ws_blocks(q, k_smem, v_smem, blk_smem, bars, lo, hi, c, ks, ke, b, h, q_pos
         if hi > lo:
             stage = c % STAGES
             mbarrier.wait(k_ready.index(stage), (c // STAGES) & 1)
-            s = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), s0, use_acc=False, is_async=True)
+            s = warpgroup_mma(q, _k_block(k_smem, stage, BLOCK_N, P_PERM).permute((1, 0)), s0, use_acc=False, is_async=True)
             s = warpgroup_mma_wait(0, deps=(s, ))
             for i in range(lo, hi - 1):
                 stage = c % STAGES
@@ -387,30 +411,30 @@ def _ws_blocks(q, k_smem, v_smem, blk_smem, bars, lo, hi, c, ks, ke, b, h, q_pos
                 mbarrier.arrive(k_empty.index(stage), count=1)
                 nstage = (c + 1) % STAGES
                 mbarrier.wait(k_ready.index(nstage), ((c + 1) // STAGES) & 1)
-                s_next = warpgroup_mma(q, k_smem.index(nstage).permute((1, 0)), s0, use_acc=False, is_async=True)
+                s_next = warpgroup_mma(q, _k_block(k_smem, nstage, BLOCK_N, P_PERM).permute((1, 0)), s0, use_acc=False, is_async=True)
                 acc, m_i, l_i = _ws_pv(s, acc, m_i, l_i, part, kb, ks, ke, b, h, q_pos, S_K, K_OFF, job_scale, TS,
                                        s_descale, v_smem.index(stage), v_ready.index(stage), phase, q.dtype,
                                        MASK_FROM_ROWS, EVEN_K, BLOCK_N, col_l, orow_l, p_layout, VISIBLE, SCORE,
                                        HAS_SCORE, SCALE, FP8, D, ZERO_TAIL, sep_scale, origin, col_step,
-                                       SEPARABLE, SCORE_COLUMN, EXP_POLY)
+                                       SEPARABLE, SCORE_COLUMN, EXP_POLY, P_PERM)
                 acc, s = warpgroup_mma_wait(0, deps=(acc, s_next))
                 mbarrier.arrive(v_empty.index(stage), count=1)
                 c += 1
             acc, m_i, l_i = _ws_finish(s, acc, m_i, l_i, c, ks, ke, b, h, q_pos, S_K, K_OFF, job_scale, TS, s_descale,
                                        v_smem, blk_smem, bars, q.dtype, MASK_FROM_ROWS, EVEN_K, BLOCK_N, D, STAGES,
                                        col_l, orow_l, p_layout, VISIBLE, SCORE, HAS_SCORE, SCALE, FP8, ZERO_TAIL,
-                                       sep_scale, origin, col_step, SEPARABLE, SCORE_COLUMN, EXP_POLY)
+                                       sep_scale, origin, col_step, SEPARABLE, SCORE_COLUMN, EXP_POLY, P_PERM)
             c += 1
     else:
         for i in range(lo, hi):
             stage = c % STAGES
             mbarrier.wait(k_ready.index(stage), (c // STAGES) & 1)
-            s = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), s0, use_acc=False, is_async=True)
+            s = warpgroup_mma(q, _k_block(k_smem, stage, BLOCK_N, P_PERM).permute((1, 0)), s0, use_acc=False, is_async=True)
             s = warpgroup_mma_wait(0, deps=(s, ))
             acc, m_i, l_i = _ws_finish(s, acc, m_i, l_i, c, ks, ke, b, h, q_pos, S_K, K_OFF, job_scale, TS, s_descale,
                                        v_smem, blk_smem, bars, q.dtype, MASK_FROM_ROWS, EVEN_K, BLOCK_N, D, STAGES,
                                        col_l, orow_l, p_layout, VISIBLE, SCORE, HAS_SCORE, SCALE, FP8, ZERO_TAIL,
-                                       sep_scale, origin, col_step, SEPARABLE, SCORE_COLUMN, EXP_POLY)
+                                       sep_scale, origin, col_step, SEPARABLE, SCORE_COLUMN, EXP_POLY, P_PERM)
             c += 1
     return acc, m_i, l_i, c, tc
 
@@ -424,7 +448,8 @@ def _ws_consumer(half, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars,
                  H_Q: tl.constexpr, H_KV: tl.constexpr, GROUP: tl.constexpr, FP8: tl.constexpr,
                  OVERLAP: tl.constexpr, ZERO_TAIL: tl.constexpr, PINGPONG: tl.constexpr,
                  SEPARABLE: tl.constexpr = 0, SCORE_SCALE: tl.constexpr = None, SCORE_ROW: tl.constexpr = None,
-                 SCORE_COLUMN: tl.constexpr = None, EXP_POLY: tl.constexpr = 0, CONSUMERS: tl.constexpr = 2):
+                 SCORE_COLUMN: tl.constexpr = None, EXP_POLY: tl.constexpr = 0, CONSUMERS: tl.constexpr = 2,
+                 P_PERM: tl.constexpr = False):
     """Rows [half * ROWS_, + ROWS_) of each tile the producer hands over: every block of the
     tile's list, then O (through shared memory and a TMA store) and LSE.  The producer hands
     each job (t, query tile, block range) over with its Q, and each block's index and PARTIAL
@@ -489,7 +514,7 @@ def _ws_consumer(half, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars,
             sep_scale = SCORE_SCALE(b, h, TS) * (SCALE * s_descale) * job_scale
             origin = Q_OFF + q_tile0 + half * ROWS_ + ROWS_ // 2
             if SEPARABLE == COLUMN_PER_BLOCK:  # the column part's steps from a block's middle key
-                steps = origin - BLOCK_N // 2 + gl.arange(0, BLOCK_N, col_l)[None, :]
+                steps = origin - BLOCK_N // 2 + _key_cols(BLOCK_N, col_l, P_PERM)[None, :]
                 col_step = SCORE_COLUMN(b, h, steps, origin, TS) * job_scale
             else:
                 col_step = 0.0
@@ -501,7 +526,7 @@ def _ws_consumer(half, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars,
                                           K_OFF, job_scale, TS, s_descale, MASK_FROM_ROWS, EVEN_K, ROWS_, BLOCK_N, D,
                                           STAGES, VISIBLE, SCORE, HAS_SCORE, SCALE, FP8, OVERLAP, ZERO_TAIL,
                                           PINGPONG, half, tc, sep_scale, origin, col_step, SEPARABLE,
-                                          SCORE_COLUMN, EXP_POLY)
+                                          SCORE_COLUMN, EXP_POLY, P_PERM)
         mbarrier.arrive(q_empty, count=1)  # this half's Q.K^T are done: the next tile's Q may load
         seen = (l_i > 0) | (l_i != l_i)  # NaN: a visible score was NaN or +inf; LSE NaN marks the row
         l_safe = gl.where(seen, l_i, 1.0)
@@ -539,7 +564,7 @@ def _ws_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, job_smem, blk_s
                  M_CSR, M_IDX, M_FLAG, S_Q, S_K, PLAN_B, PLAN_H, Q_TILES, BH, ROWS_: tl.constexpr,
                  BLOCK_N: tl.constexpr, STAGES: tl.constexpr, HEAD_GROUP: tl.constexpr, SCHEDULE: tl.constexpr,
                  H_Q: tl.constexpr, H_KV: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, FP8: tl.constexpr,
-                 CONSUMERS: tl.constexpr = 2):
+                 CONSUMERS: tl.constexpr = 2, P_PERM: tl.constexpr = False):
     """For each of the program's jobs: once both consumers are done with the last Q, the job
     and its Q, then K and V of every block of the tile's list, each into a stage both consumers
     have released, with the block's index and PARTIAL flag.  The next job (SCHEDULE) and its
@@ -575,7 +600,11 @@ def _ws_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, job_smem, blk_s
             mbarrier.wait(k_empty.index(stage), phase ^ 1)
             _ws_put(blk_smem.index(stage), (kb, part), 2)
             mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
-            _tma_load(k_desc, [kv_row0 + kb * BLOCK_N, 0], k_ready.index(stage), k_smem.index(stage))
+            if P_PERM:  # (K's rows 16 at a time in _key_cols' order: a 5-d box, [BLOCK_N / 16, 2, 4, 2, d])
+                _tma_load(k_desc, [(kv_row0 + kb * BLOCK_N) // 16, 0, 0, 0, 0], k_ready.index(stage),
+                          k_smem.index(stage))
+            else:
+                _tma_load(k_desc, [kv_row0 + kb * BLOCK_N, 0], k_ready.index(stage), k_smem.index(stage))
             mbarrier.wait(v_empty.index(stage), phase ^ 1)
             mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
             if FP8:  # V^T: the head's D rows, the block's BLOCK_N columns (past S_K: zero-filled)
@@ -632,7 +661,8 @@ def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, O, LSE, COUNTER_PTR, ORDER, M_C
                  H_Q: tl.constexpr, H_KV: tl.constexpr, GROUP: tl.constexpr, FP8: tl.constexpr,
                  OVERLAP: tl.constexpr, ZERO_TAIL: tl.constexpr, PINGPONG: tl.constexpr,
                  SEPARABLE: tl.constexpr = 0, SCORE_SCALE: tl.constexpr = None, SCORE_ROW: tl.constexpr = None,
-                 SCORE_COLUMN: tl.constexpr = None, EXP_POLY: tl.constexpr = 0, CONSUMERS: tl.constexpr = 2):
+                 SCORE_COLUMN: tl.constexpr = None, EXP_POLY: tl.constexpr = 0, CONSUMERS: tl.constexpr = 2,
+                 P_PERM: tl.constexpr = False):
     """Jobs (query tile of CONSUMERS * ROWS_ rows, request * query head) in ``_job``'s order: one per
     program (SCHEDULE == ONE_TILE), or one program per SM looping over jobs drawn from the
     counter at COUNTER_PTR (SCHEDULE == COUNTER) with O staged in its own buffers, so that the
@@ -657,20 +687,20 @@ def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, O, LSE, COUNTER_PTR, ORDER, M_C
                             DV, S_Q, S_K, Q_OFF, K_OFF, PLAN_B, PLAN_H, Q_TILES, BH, qk_scale, TS, MASK_FROM_ROWS,
                             EVEN_Q, EVEN_K, ROWS_, BLOCK_N, D, STAGES, HEAD_GROUP, VISIBLE, SCORE, HAS_SCORE, SCALE,
                             H_Q, H_KV, GROUP, FP8, OVERLAP, ZERO_TAIL, PINGPONG, SEPARABLE, SCORE_SCALE, SCORE_ROW,
-                            SCORE_COLUMN, EXP_POLY, CONSUMERS)),
+                            SCORE_COLUMN, EXP_POLY, CONSUMERS, P_PERM)),
             (_ws_consumer, (1, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars, o_desc, O, LSE, KS, KE, DQ, DK,
                             DV, S_Q, S_K, Q_OFF, K_OFF, PLAN_B, PLAN_H, Q_TILES, BH, qk_scale, TS, MASK_FROM_ROWS,
                             EVEN_Q, EVEN_K, ROWS_, BLOCK_N, D, STAGES, HEAD_GROUP, VISIBLE, SCORE, HAS_SCORE, SCALE,
                             H_Q, H_KV, GROUP, FP8, OVERLAP, ZERO_TAIL, PINGPONG, SEPARABLE, SCORE_SCALE, SCORE_ROW,
-                            SCORE_COLUMN, EXP_POLY, CONSUMERS)),
+                            SCORE_COLUMN, EXP_POLY, CONSUMERS, P_PERM)),
             (_ws_consumer, (2, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars, o_desc, O, LSE, KS, KE, DQ, DK,
                             DV, S_Q, S_K, Q_OFF, K_OFF, PLAN_B, PLAN_H, Q_TILES, BH, qk_scale, TS, MASK_FROM_ROWS,
                             EVEN_Q, EVEN_K, ROWS_, BLOCK_N, D, STAGES, HEAD_GROUP, VISIBLE, SCORE, HAS_SCORE, SCALE,
                             H_Q, H_KV, GROUP, FP8, OVERLAP, ZERO_TAIL, PINGPONG, SEPARABLE, SCORE_SCALE, SCORE_ROW,
-                            SCORE_COLUMN, EXP_POLY, CONSUMERS)),
+                            SCORE_COLUMN, EXP_POLY, CONSUMERS, P_PERM)),
             (_ws_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, job_smem, blk_smem, bars, COUNTER_PTR,
                             ORDER, M_CSR, M_IDX, M_FLAG, S_Q, S_K, PLAN_B, PLAN_H, Q_TILES, BH, ROWS_, BLOCK_N, STAGES,
-                            HEAD_GROUP, SCHEDULE, H_Q, H_KV, GROUP, D, FP8, CONSUMERS)),
+                            HEAD_GROUP, SCHEDULE, H_Q, H_KV, GROUP, D, FP8, CONSUMERS, P_PERM)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
@@ -678,13 +708,13 @@ def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, O, LSE, COUNTER_PTR, ORDER, M_C
                             DV, S_Q, S_K, Q_OFF, K_OFF, PLAN_B, PLAN_H, Q_TILES, BH, qk_scale, TS, MASK_FROM_ROWS,
                             EVEN_Q, EVEN_K, ROWS_, BLOCK_N, D, STAGES, HEAD_GROUP, VISIBLE, SCORE, HAS_SCORE, SCALE,
                             H_Q, H_KV, GROUP, FP8, OVERLAP, ZERO_TAIL, PINGPONG, SEPARABLE, SCORE_SCALE, SCORE_ROW,
-                            SCORE_COLUMN, EXP_POLY, CONSUMERS)),
+                            SCORE_COLUMN, EXP_POLY, CONSUMERS, P_PERM)),
             (_ws_consumer, (1, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars, o_desc, O, LSE, KS, KE, DQ, DK,
                             DV, S_Q, S_K, Q_OFF, K_OFF, PLAN_B, PLAN_H, Q_TILES, BH, qk_scale, TS, MASK_FROM_ROWS,
                             EVEN_Q, EVEN_K, ROWS_, BLOCK_N, D, STAGES, HEAD_GROUP, VISIBLE, SCORE, HAS_SCORE, SCALE,
                             H_Q, H_KV, GROUP, FP8, OVERLAP, ZERO_TAIL, PINGPONG, SEPARABLE, SCORE_SCALE, SCORE_ROW,
-                            SCORE_COLUMN, EXP_POLY, CONSUMERS)),
+                            SCORE_COLUMN, EXP_POLY, CONSUMERS, P_PERM)),
             (_ws_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, job_smem, blk_smem, bars, COUNTER_PTR,
                             ORDER, M_CSR, M_IDX, M_FLAG, S_Q, S_K, PLAN_B, PLAN_H, Q_TILES, BH, ROWS_, BLOCK_N, STAGES,
-                            HEAD_GROUP, SCHEDULE, H_Q, H_KV, GROUP, D, FP8, CONSUMERS)),
+                            HEAD_GROUP, SCHEDULE, H_Q, H_KV, GROUP, D, FP8, CONSUMERS, P_PERM)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])

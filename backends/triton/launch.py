@@ -37,6 +37,7 @@ import numpy as np
 from attnc.compiler import ir
 from attnc.compiler.analysis.ledger import vector_dtype
 from attnc.compiler.fast_score import FAST_POSITIONS
+from attnc.compiler.separable import COLUMN_BLOCK
 from attnc.compiler.errors import InputError, PlanError
 
 from . import gluon_engine, prefill, split
@@ -105,6 +106,30 @@ def gluon_exp_poly(d_qk: int, d_v: int, fp8: bool) -> int:
 # warpgroup, so at most 128 registers each at launch; Triton's setmaxnreg then gives the two worker
 # consumers 168 and the first (the default partition) the rest, 152 (no spills at d 64)
 GLUON_REGS_3WG = (128, 168, 24)
+
+
+def gluon_default_tiles(d_qk: int, d_v: int, fp8: bool = False) -> tuple[int, int]:
+    """The Gluon engine's untuned tiles (measured on the H200, kernel alone, B4 S8K causal / full;
+    bench/results/studies/engine_variants_h200_r46.jsonl): head dims above 128, 128 x 64 (two K/V
+    stages fit); FP8 at d 128, 128 x 256 (802.9 / 876.2 TFLOP/s against 767.5 / 757.1 on 128 x 128,
+    the softmax's per-block work halved); f16 / bf16 at d <= 64, 192 x 128 on three consumer
+    warpgroups (FlashAttention-3's tile there; H32: 459.6-463.3 / 496.1 against 419.8-425.6 /
+    432.4); else 128 x 128."""
+    if max(d_qk, d_v) > 128:
+        return GLUON_WIDE_TILES
+    if fp8 and d_qk == d_v == 128:
+        return (128, 256)
+    if not fp8 and max(d_qk, d_v) <= 64:
+        return (192, 128)
+    return GLUON_TILES
+
+
+def fp8_key_order(s_k: int) -> bool:
+    """Whether an FP8 launch loads K's rows in the order that lets P's FP8 operand skip its
+    shuffles (``gluon_engine._key_cols``, P_PERM): where every K block starts on a 16-row boundary
+    of the [B * H_kv * S_k, d] view (the 5-d TMA box's).  Kernel alone, B4 H16 S8K d128 on the H200:
+    causal 801.9 -> 851.0 TFLOP/s, full 876.2 -> 910.9 (128 x 256 tiles; bench/results/studies)."""
+    return s_k % 16 == 0
 
 
 def gluon_consumers(block_m: int) -> int:
@@ -294,7 +319,7 @@ def check_options(asked: dict) -> None:
 
 
 def choose_prefill(program: ir.Program, s_q: int, s_k: int, plan_for, *, asked: dict, tuned: dict | None,
-                   contiguous: bool, device_capability: int, given_plan=None):
+                   contiguous: bool, device_capability: int, given_plan=None, fp8: bool = False):
     """The config and plan of a prefill call (module docstring).  ``plan_for(block_m, block_n)``
     makes (or finds) the plan at those tiles; ``given_plan`` is the caller's.  Returns
     (PrefillConfig, Plan)."""
@@ -318,7 +343,7 @@ def choose_prefill(program: ir.Program, s_q: int, s_k: int, plan_for, *, asked: 
     else:
         tiles = None
     # the engine: Gluon where asked, or untuned where this machine, spec and call allow it
-    gluon_tiles = GLUON_WIDE_TILES if max(program.d_qk, program.d_v) > 128 else GLUON_TILES
+    gluon_tiles = gluon_default_tiles(program.d_qk, program.d_v, fp8)
     refusal = gluon_call_refusal(program, s_q, s_k, contiguous, device_capability, tiles or gluon_tiles)
     if engine == "gluon" and refusal:
         raise ValueError(f"engine='gluon': {refusal}")
@@ -443,27 +468,28 @@ def score_functions(module, end: int | None) -> tuple:
     return module.score_program, getattr(module, "score_grad", module.score_program)
 
 
-def separable_mode(module, end: int | None) -> int:
+def separable_mode(module, end: int | None, block_n: int = 128) -> int:
     """How a call whose positions all lie below ``end`` takes the spec's separable form on the
     Gluon engine (compiler/separable.py; the module's ``score_scale``, ``score_row`` and
     ``score_column``): with its column part per block (gluon_engine.COLUMN_PER_BLOCK) below the
     module's SEPARABLE_BLOCK_POSITIONS, per key (COLUMN_PER_KEY) below its SEPARABLE_POSITIONS
-    (the precision rule's bounds), else not at all (0).  A module without them (f32 specs, specs
+    (the precision rule's bounds; per block only on blocks of at most separable.COLUMN_BLOCK keys,
+    the offsets the rule allows for), else not at all (0).  A module without them (f32 specs, specs
     with no separable form or none precise enough on any call) never does; nor a call whose
     positions are unknown (``end`` None)."""
     if end is None:
         return 0
-    if end <= getattr(module, "SEPARABLE_BLOCK_POSITIONS", 0):
+    if end <= getattr(module, "SEPARABLE_BLOCK_POSITIONS", 0) and block_n <= COLUMN_BLOCK:
         return int(gluon_engine.COLUMN_PER_BLOCK)
     if end <= getattr(module, "SEPARABLE_POSITIONS", 0):
         return int(gluon_engine.COLUMN_PER_KEY)
     return 0
 
 
-def separable_constexprs(module, end: int | None) -> dict:
+def separable_constexprs(module, end: int | None, block_n: int = 128) -> dict:
     """The Gluon engine's SEPARABLE (``separable_mode``) and the form's functions for a call whose
     positions all lie below ``end`` (None in their place where it does not take the form)."""
-    mode = separable_mode(module, end)
+    mode = separable_mode(module, end, block_n)
     return {"SEPARABLE": mode, **{n: getattr(module, f) if mode else None for n, f in
                                   (("SCORE_SCALE", "score_scale"), ("SCORE_ROW", "score_row"),
                                    ("SCORE_COLUMN", "score_column"))}}
@@ -567,6 +593,7 @@ class PrefillLaunch(_GluonDescriptors):
         self.batch, self.s_q, self.s_k = shape
         self.offsets = offsets
         self.fp8 = fp8
+        self.p_perm = False
         self.device = device
         end = position_end(self.s_q, self.s_k, offsets)
         spec = spec_constexprs(module, end)
@@ -584,6 +611,7 @@ class PrefillLaunch(_GluonDescriptors):
             same = d_qk == d_v
             stages = gluon_stages(d_qk, d_v, bn, c.num_stages, self.schedule, fp8, c.block_m)
             consumers = gluon_consumers(c.block_m)
+            self.p_perm = fp8 and fp8_key_order(self.s_k)
             maxnreg, consumer, producer = gluon_regs(d_qk, d_v, consumers)
             keep = {n: spec[n] for n in ("VISIBLE", "SCORE", "HAS_SCORE", "SCALE", "H_Q", "H_KV", "GROUP")}
             from_rows = c.mask_source == "rows"
@@ -593,8 +621,8 @@ class PrefillLaunch(_GluonDescriptors):
                 HEAD_GROUP=c.head_group, CONSUMER_REGS=consumer, PRODUCER_REGS=producer, SCHEDULE=self.schedule,
                 FP8=fp8, OVERLAP=gluon_overlap(d_qk, d_v, fp8), ZERO_TAIL=not fp8 and self.s_k % bn != 0,
                 PINGPONG=gluon_schedule(d_qk, d_v, fp8, consumers, bn), EXP_POLY=gluon_exp_poly(d_qk, d_v, fp8),
-                CONSUMERS=consumers, **keep,
-                **separable_constexprs(module, end)),
+                CONSUMERS=consumers, P_PERM=self.p_perm, **keep,
+                **separable_constexprs(module, end, bn)),
                 num_warps=4, maxnreg=maxnreg)
             unused = arrays["merged_partial"]
             rows = (arrays["KS"], arrays["KE"]) if from_rows else (unused, unused)
@@ -628,7 +656,8 @@ class PrefillLaunch(_GluonDescriptors):
             counter = _counter(self.device) if self.schedule == 1 else self.arrays["merged_partial"]
             rows, bn = gluon_engine.ROWS, self.config.block_n
             v_desc = self._fp8_v_descriptor(v) if self.fp8 else desc(v, bn, "v")
-            args = (desc(q, rows, "q"), desc(k, bn, "k"), v_desc, desc(out, rows, "o"), out, lse, counter,
+            k_desc = self._fp8_k_descriptor(k) if self.p_perm else desc(k, bn, "k")
+            args = (desc(q, rows, "q"), k_desc, v_desc, desc(out, rows, "o"), out, lse, counter,
                     *self.fixed_tail, *(descales if self.fp8 else self.no_descales), ts, *self.ints)
         else:
             desc_k = desc_v = k
@@ -652,6 +681,18 @@ class PrefillLaunch(_GluonDescriptors):
         layout = self._gluon_layout([rows, box], t.dtype)
         return self._cached(t, role, lambda: gluon_engine.TensorDescriptor.from_tensor(t.view(-1, d), [rows, box],
                                                                                       layout))
+
+    def _fp8_k_descriptor(self, k):
+        """K's descriptor for an FP8 launch with P_PERM: the [B * H_kv * S_k, d] view as 5-d
+        [rows / 16, 2, 4, 2, d] with strides [16, 2, 4, 1, -] rows, in [BLOCK_N / 16, 2, 4, 2, d]
+        boxes: within each 32 rows, TMA writes key 16 a1 + 4 q + 2 a0 + b to row 16 a1 + 8 a0 + 2 q + b
+        of the block (``gluon_engine._key_cols``)."""
+        d, bn = self.module.SPEC["D_QK"], self.config.block_n
+        block = [bn // 16, 2, 4, 2, d]
+        layout = self._gluon_layout(block, k.dtype)
+        rows = k.numel() // d
+        return self._cached(k, "k16", lambda: gluon_engine.TensorDescriptor(
+            k, [rows // 16, 2, 4, 2, d], [16 * d, 2 * d, 4 * d, d, 1], block, layout))
 
     def _fp8_v_descriptor(self, vt):
         """V^T's descriptor for an FP8 launch: [B * H_kv * d_v, S_k] in [d_v, BLOCK_N] blocks; its row

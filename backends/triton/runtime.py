@@ -186,7 +186,7 @@ class Kernel:
         refusal = None if p.d_qk == p.d_v and p.d_qk in (64, 128, 256) else \
             f"FP8 runs on the Gluon engine with equal q.k and v head dims of 64, 128 or 256, not {p.d_qk} / {p.d_v}"
         refusal = refusal or L.gluon_call_refusal(p, bound.s_q, bound.s_k, contiguous, L.capability(q.device),
-                                                  L.GLUON_WIDE_TILES if p.d_qk > 128 else L.GLUON_TILES)
+                                                  L.gluon_default_tiles(p.d_qk, p.d_v, fp8=True))
         asked = options.get("engine")
         if asked == "gluon" and refusal:
             raise ValueError(f"engine='gluon': {refusal}")
@@ -342,7 +342,7 @@ class Kernel:
         contiguous = L.tma_ready(qb, kb, vb if not fp8 else qb) and not bound.bshd
         config, plan = L.choose_prefill(p, bound.s_q, bound.s_k, plan_for, asked=asked, tuned=tuned,
                                         contiguous=contiguous, device_capability=L.capability(qb.device),
-                                        given_plan=plan)
+                                        given_plan=plan, fp8=fp8)
         arrays = self.device_plan(plan, qb.device)
         return L.PrefillLaunch(self.module, config, arrays, (bound.batch, bound.s_q, bound.s_k), qb.device, fp8=fp8)
 

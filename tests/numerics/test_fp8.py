@@ -191,3 +191,36 @@ def test_fp8_calls_the_engine_refuses_are_dequantized():
 def test_fp8_smem_budget_counts_one_byte_operands():
     assert launch.gluon_smem(128, 128, 128, 2, fp8=True) == 128 * 128 + 2 * 128 * 256 + 2 * 128 * 128 + 1024
     assert launch.gluon_smem(128, 128, 128, 2) == 2 * (128 * 128 + 128 * 128 + 2 * 128 * 256) + 1024
+
+
+@hopper
+@pytest.mark.parametrize("s_k", [1008, 1000])
+def test_fp8_key_order_is_the_shuffle_free_operand_and_changes_nothing(s_k, monkeypatch):
+    """Where S_k is a multiple of 16 (1008: also across the 256-key tile), the FP8 engine loads K's
+    rows in P_PERM's order (a 5-d TMA box; masks and positions read sigma(c)), so that P's FP8
+    operand is its accumulator's registers; elsewhere (1000) the plain order.  Both against the
+    oracle, and the same O as the plain order."""
+    program = compile_spec("attention c { heads = 4 / 2 head_dim = 128 dtype = bf16 mask = causal & q - k < 700 }")
+    kernel = runtime.load(program)
+    q, k, v = (x.cuda() for x in _qkv(2, 4, 2, s_k, s_k, 128, seed=11))
+    (q8, k8, v8), d = _quantized(q, k, v)
+    made = []
+    init = launch.PrefillLaunch.__init__
+
+    def spy(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        made.append(self)
+    monkeypatch.setattr(launch.PrefillLaunch, "__init__", spy)
+    o, lse = kernel(q8, k8, v8, return_lse=True, **d)
+    assert made[-1].config.block_n == 256 and made[-1].p_perm == (s_k % 16 == 0)
+    deq = [fp8.dequantize(x, d[n], torch.float64).cpu().numpy() for x, n in
+           ((q8, "q_descale"), (k8, "k_descale"), (v8, "v_descale"))]
+    ref_o, ref_lse = oracle.reference(program, *deq, {})
+    co, cl = numerics.compare_fp8_outputs(o.float().cpu().numpy(), lse.cpu().numpy(), ref_o, ref_lse)
+    assert co.ok, str(co)
+    assert cl.ok, str(cl)
+    monkeypatch.setattr(launch, "fp8_key_order", lambda s: False)
+    plain, plain_lse = kernel(q8, k8, v8, return_lse=True, block_n=256, **d)  # (options: a launch of its own)
+    assert not made[-1].p_perm
+    assert torch.allclose(o.float(), plain.float(), atol=2e-2, rtol=2e-2)
+    assert torch.allclose(lse, plain_lse, atol=1e-4, rtol=1e-5)

@@ -118,7 +118,7 @@ def test_separable_score_programs_on_the_engine(name, phase, monkeypatch):
 def test_alibi_each_way_the_engine_takes_it(mode, schedule, monkeypatch):
     """ALiBi per cell (the score program), and in the separable form with its column part per key
     and per block: each against the oracle."""
-    monkeypatch.setattr(launch, "separable_mode", lambda module, end: mode)
+    monkeypatch.setattr(launch, "separable_mode", lambda module, end, block_n=128: mode)
     made = _launches(monkeypatch)
     _check(compile_spec(SPECS["alibi_bf16"]), 200, 333, seed=9, schedule=schedule, scale=2)
     assert made and {x.launcher.constexprs["SEPARABLE"] for x in made} == {mode}
@@ -260,3 +260,24 @@ def test_tma_takes_contiguous_tensors_at_aligned_addresses():
     program = compile_spec(SPECS["gqa_d128_causal"])
     refusal = launch.gluon_call_refusal(program, 256, 256, launch.tma_ready(x.view(-1)[1:]), 90)
     assert refusal is not None and (runtime.interpreted() or "16-byte aligned" in refusal)
+
+
+@hopper
+@pytest.mark.parametrize("name", ["causal_gqa_d64", "documents_d64"])
+def test_head_dim_64_runs_three_warpgroups_on_192_row_tiles(name, monkeypatch):
+    """Head dims up to 64 take 192-row tiles, three consumer warpgroups (``launch.gluon_default_tiles``);
+    against the oracle with tiles across S_q and S_k, and the same O as two warpgroups on 128 rows."""
+    text = {"causal_gqa_d64": "attention c { heads = 8 / 2 head_dim = 64 dtype = bf16 mask = causal }",
+            "documents_d64": SPECS["f16_documents"].replace("head_dim = 128", "head_dim = 64")}[name]
+    program = compile_spec(text)
+    made = _launches(monkeypatch)
+    _check(program, 333, 500, seed=12)
+    assert made and all(x.config.block_m == 192 and x.launcher.constexprs["CONSUMERS"] == 3 for x in made)
+    kernel = runtime.load(program)
+    arrays = inputs.sample(program, 2, 333, 500, seed=12)
+    qkv = [arrays[n] for n in "qkv"]
+    tensors = {t.name: arrays[t.name] for t in program.tensors}
+    three = np.asarray(kernel(*qkv, **tensors), dtype=np.float32)
+    two = np.asarray(kernel(*qkv, block_m=128, block_n=128, engine="gluon", **tensors), dtype=np.float32)
+    assert made[-1].launcher.constexprs["CONSUMERS"] == 2
+    np.testing.assert_allclose(three, two, atol=1e-2, rtol=1e-2)

@@ -300,3 +300,9 @@ def test_the_launch_layer_takes_the_form_below_the_modules_bounds():
 def test_the_engine_places_origins_and_blocks_as_the_rule_assumes():
     assert gluon_engine.ROWS == separable.ORIGIN_ROWS  # one origin per consumer's rows, in their middle
     assert max(launch.GLUON_TILES[1], launch.GLUON_WIDE_TILES[1]) <= separable.COLUMN_BLOCK
+    # wider blocks (FP8's 256 keys) take the column part per key: per block, the offsets pass the rule's
+    class M:
+        SEPARABLE_BLOCK_POSITIONS = SEPARABLE_POSITIONS = 1 << 20
+    assert launch.separable_mode(M, 4096, 256) == gluon_engine.COLUMN_PER_KEY
+    assert launch.separable_mode(M, 4096, separable.COLUMN_BLOCK) == gluon_engine.COLUMN_PER_BLOCK
+    assert launch.gluon_default_tiles(128, 128, fp8=True)[1] > separable.COLUMN_BLOCK  # (why the rule is needed)
