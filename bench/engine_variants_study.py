@@ -10,7 +10,9 @@ variant a fresh launch):
   pingpong    FlashAttention-3's ping-pong: the consumers take turns issuing block i's Q.K^T with
               block i-1's P.V, each softmax under the other's MMAs (``launch.GLUON_PINGPONG_DIMS``: the head dims that take it);
   one_tile, head_group<n>   the call options ``schedule="one_tile"`` (one job per program) and
-              ``head_group=n`` (heads whose tiles interleave; default 4).
+              ``head_group=n`` (heads whose tiles interleave; default 4);
+  bn128, bn256, wg3, wg3_bn64, wg3_stages3   tiles asked for: 128 x 128, 128 x 256, 192 x 128 (three
+              consumer warpgroups, head dims <= 64), 192 x 64, 192 x 128 with three K/V stages.
 
 Each row records the compiled kernel's registers and spills (``n_regs``, ``n_spills``): the
 overlap keeps two score tiles live, and the question is whether it spills.  Outputs are checked
@@ -32,15 +34,10 @@ VARIANTS = {"base": {}, "overlap": {"OVERLAP": True}, "no_overlap": {"OVERLAP": 
             "head_group16": {"options": {"head_group": 16}}, "head_group2": {"options": {"head_group": 2}},
             "pingpong": {"PINGPONG": (64, 128, 256)}, "no_pingpong": {"PINGPONG": ()},
             "pingpong_regs232": {"PINGPONG": (64, 128, 256), "REGS": (168, 232, 24)},
-            "poly1": {"EXP_POLY": 1}, "poly2": {"EXP_POLY": 2}, "bn256": {"options": {"block_n": 256}},
-            "bn256_poly1": {"EXP_POLY": 1, "options": {"block_n": 256}},
-            "pingpong_poly1": {"PINGPONG": (64, 128, 256), "EXP_POLY": 1},
-            "bn256_poly2": {"EXP_POLY": 2, "options": {"block_n": 256}},
+            "bn256": {"options": {"block_n": 256}},
             "wg3": {"options": {"block_m": 192, "block_n": 128}}, "wg3_bn64": {"options": {"block_m": 192, "block_n": 64}},
             "wg3_stages3": {"STAGES": 3, "options": {"block_m": 192, "block_n": 128}},
-            "bn128": {"options": {"block_m": 128, "block_n": 128}},
-            "alone": {"ALONE": True}, "wg3_alone": {"ALONE": True, "options": {"block_m": 192, "block_n": 128}},
-            "bn256_alone": {"ALONE": True, "options": {"block_n": 256}}}
+            "bn128": {"options": {"block_m": 128, "block_n": 128}}}
 
 
 PTX_OPS = ("wgmma.mma_async", "ex2.approx", "shfl.sync", "prmt.b32", "st.shared", "ld.shared", "stmatrix", "ldmatrix",
@@ -68,10 +65,8 @@ def main(argv=None) -> int:
     import attnc
     from attnc.backends.triton import launch
     b, h, s, d = 4, args.heads, args.seq, args.head_dim
-    exp_poly = dict(launch.GLUON_EXP_POLY)
-    alone = launch.GLUON_ALONE
     defaults = {"OVERLAP": launch.GLUON_OVERLAP, "REGS": launch.GLUON_REGS_D128, "STAGES": launch.GLUON_STAGES,
-                "PINGPONG": launch.GLUON_PINGPONG_DIMS, "EXP_POLY": None, "ALONE": None}
+                "PINGPONG": launch.GLUON_PINGPONG_DIMS}
     for mask in args.masks.split(","):
         attn = attnc.compile(f"attention c {{ heads = {h} head_dim = {d} dtype = bf16 "
                              f"mask = {'causal' if mask == 'causal' else 'true'} }}")
@@ -89,10 +84,6 @@ def main(argv=None) -> int:
                 launch.GLUON_OVERLAP, launch.GLUON_REGS_D128, launch.GLUON_STAGES = (knobs["OVERLAP"], knobs["REGS"],
                                                                                  knobs["STAGES"])
                 launch.GLUON_PINGPONG_DIMS = knobs["PINGPONG"]
-                launch.GLUON_EXP_POLY = exp_poly if knobs["EXP_POLY"] is None else \
-                    {(d, fp8): knobs["EXP_POLY"] for fp8 in (False, True)}
-                launch.GLUON_ALONE = alone if knobs["ALONE"] is None else tuple(
-                    (wg, d, fp8, bn) for wg in (2, 3) for fp8 in (False, True) for bn in (64, 128, 256))
                 row = {"study": "engine_variants", "variant": name, "mask": mask, "dtype": dtype, "B": b, "H": h,
                        "S": s, "D": d}
                 try:
@@ -114,8 +105,6 @@ def main(argv=None) -> int:
         launch.GLUON_OVERLAP, launch.GLUON_REGS_D128, launch.GLUON_STAGES = (defaults["OVERLAP"], defaults["REGS"],
                                                                          defaults["STAGES"])
         launch.GLUON_PINGPONG_DIMS = defaults["PINGPONG"]
-        launch.GLUON_EXP_POLY = exp_poly
-        launch.GLUON_ALONE = alone
         del q, k, v, q8, k8, v8
         torch.cuda.empty_cache()
     return 0

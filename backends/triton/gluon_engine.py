@@ -4,9 +4,10 @@ One program per SM draws (query tile, head) jobs from a counter in ``_job``'s lo
 order (SCHEDULE COUNTER; or one job per program, ONE_TILE).  One producer warp hands each job
 over with its Q, and every computed K/V block of the row's merged block list (the Triton
 kernel's ``merged_blocks`` arrays) with the block's index and PARTIAL flag, through STAGES
-shared-memory stages behind mbarriers (TMA loads); two consumer warpgroups, each with 64 of the
-tile's 128 query rows, run Q.K^T and P.V on the tensor cores (wgmma) and the online softmax, and
-take turns on the tensor cores (one's softmax under the other's MMA).  PARTIAL blocks apply each
+shared-memory stages behind mbarriers (TMA loads); CONSUMERS warpgroups (two; three on 192-row
+tiles at head dims <= 64, FlashAttention-3's tile there), each with 64 of the tile's query rows,
+run Q.K^T and P.V on the tensor cores (wgmma) and the online softmax (PINGPONG, two consumers:
+in turns on the tensor cores, one's softmax under the other's MMAs).  PARTIAL blocks apply each
 row's run of keys [KS, KE) where the plan has one (MASK_FROM_ROWS: masks reading tensors, such
 as documents), else the spec's ``VISIBLE`` predicate; the spec's ``SCORE`` program is inlined as
 in the Triton kernel.  The spec arrives as constexpr arguments, as in ``prefill.py``.
@@ -21,7 +22,9 @@ OVERLAP (the launch layer's choice, ``launch.gluon_overlap``): each consumer iss
 Q.K^T before block i's softmax, so that it runs on the tensor cores under it (FlashAttention-3's
 intra-warpgroup overlap; the loop is peeled, so no MMA is wasted).  FP8: e4m3 Q, K and V^T with
 per-head descales, Q.K^T and P.V on FP8 wgmma, P rounded to e4m3, O in the spec's dtype
-(``_ws_consumer``; the V^T blocks past S_k are zero-filled by TMA).
+(``_ws_consumer``; the V^T blocks past S_k are zero-filled by TMA).  P_PERM (FP8): K's rows arrive
+in the order in which P's accumulator registers already are P.V's FP8 operand (``_key_cols``,
+``_p_operand``), so that P changes layout without shuffles or byte permutes.
 
 The counter is an int32 the launch layer keeps per device and stream, zero before a launch: the
 program whose draw is the launch's last (the counter then holds the job count) sets it back to
@@ -57,59 +60,7 @@ SCHEDULES = {"one_tile": 0, "counter": 1}
 # SEPARABLE: the score program per cell (0), or its separable form (compiler/separable.py) with the
 # column part evaluated per key, or (an affine one) per block
 COLUMN_PER_KEY, COLUMN_PER_BLOCK = tl.constexpr(1), tl.constexpr(2)
-# PINGPONG: FlashAttention-3's schedule of a consumer's MMAs (``_ws_blocks``), in turns with the other
-# consumer (TURNS: two consumers) or on its own (ALONE)
-TURNS, ALONE = tl.constexpr(1), tl.constexpr(2)
 
-
-# 2^x on the FMA pipe (Cody-Waite: x = j + f, j = round(x), f in [-1/2, 1/2]; 2^f by a degree-4
-# polynomial, relative error 2.7e-6 against ex2.approx's 2^-22; 2^j into the exponent by an integer
-# multiply-add), for some of a pack of 4 cells, the rest on the MUFU (ex2.approx): the softmax's
-# exponentials take the MUFU's 16 lanes per SM as long as the tensor cores take the block's MMAs
-# at d 64 (and FP8 d 128), so part of them moves to the FMA pipe (FlashAttention-4's trick).  x <= 0
-# here (a logit less its row's max); -inf gives 0 (x clamped to -127: 2^j = 0), NaN stays NaN.
-_POLY_EXP2 = """{
-.reg .f32 t, j, r, f, p;
-.reg .b32 e;
-max.NaN.f32 t, IN, 0fC2FE0000;
-add.rn.f32 j, t, 0f4B400000;
-sub.rn.f32 r, j, 0f4B400000;
-sub.rn.f32 f, t, r;
-fma.rn.f32 p, f, 0f3C1CCBEA, 0f3D650A20;
-fma.rn.f32 p, p, f, 0f3E76036D;
-fma.rn.f32 p, p, f, 0f3F31706E;
-fma.rn.f32 p, p, f, 0f3F7FFFF4;
-mov.b32 e, j;
-mad.lo.s32 e, e, 8388608, 1065353216;
-mov.b32 t, e;
-mul.rn.f32 OUT, p, t;
-}"""
-
-
-def _mixed_exp2_asm(n_poly: int) -> str:
-    """PTX for 4 cells ($4..$7 in, $0..$3 out): the last ``n_poly`` by the polynomial."""
-    lines = []
-    for i in range(4):
-        if i >= 4 - n_poly:
-            lines.append(_POLY_EXP2.replace("IN", f"${4 + i}").replace("OUT", f"${i}"))
-        else:
-            lines.append(f"ex2.approx.ftz.f32 ${i}, ${4 + i};")
-    return "\n".join(lines)
-
-
-EXP2_ASM_1, EXP2_ASM_2 = tl.constexpr(_mixed_exp2_asm(1)), tl.constexpr(_mixed_exp2_asm(2))
-
-
-@gluon.jit
-def _exp2(x, EXP_POLY: tl.constexpr):
-    """2^x of the softmax's cells: on the MUFU, or EXP_POLY of each 4 cells on the FMA pipe."""
-    if EXP_POLY == 1:
-        y = gl.inline_asm_elementwise(EXP2_ASM_1, "=f,=f,=f,=f,f,f,f,f", [x], dtype=gl.float32, is_pure=True, pack=4)
-    elif EXP_POLY == 2:
-        y = gl.inline_asm_elementwise(EXP2_ASM_2, "=f,=f,=f,=f,f,f,f,f", [x], dtype=gl.float32, is_pure=True, pack=4)
-    else:
-        y = gl.exp2(x)
-    return y
 
 
 
@@ -141,7 +92,7 @@ def _ws_softmax(s, part, kb, ks, ke, m_i, l_i, b, h, q_pos, S_K, K_OFF, qk_scale
                 EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, col_l: tl.constexpr, VISIBLE: tl.constexpr,
                 SCORE: tl.constexpr, HAS_SCORE: tl.constexpr, SCALE: tl.constexpr, s_descale,
                 FP8: tl.constexpr, sep_scale=1.0, origin=0, col_step=0.0, SEPARABLE: tl.constexpr = 0,
-                SCORE_COLUMN: tl.constexpr = None, EXP_POLY: tl.constexpr = 0,
+                SCORE_COLUMN: tl.constexpr = None,
                 P_PERM: tl.constexpr = False):
     """K/V block kb of the row's list on the scores s: the score program, the mask where the
     block is PARTIAL (part != 0): the predicate, or MASK_FROM_ROWS the rows' runs of keys
@@ -184,9 +135,9 @@ def _ws_softmax(s, part, kb, ks, ke, m_i, l_i, b, h, q_pos, S_K, K_OFF, qk_scale
         m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
     m_new = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
     if SEPARABLE:
-        p = _exp2(s - (m_new - shift)[:, None], EXP_POLY)
+        p = gl.exp2(s - (m_new - shift)[:, None])
     else:
-        p = _exp2(s * qk_scale - m_new[:, None], EXP_POLY)
+        p = gl.exp2(s * qk_scale - m_new[:, None])
     alpha = gl.exp2(m_i - m_new)
     return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
 
@@ -243,13 +194,13 @@ def _ws_pv(s, acc, m_i, l_i, part, kb, ks, ke, b, h, q_pos, S_K, K_OFF, job_scal
            col_l: tl.constexpr, orow_l: tl.constexpr, p_layout: tl.constexpr, VISIBLE: tl.constexpr,
            SCORE: tl.constexpr, HAS_SCORE: tl.constexpr, SCALE: tl.constexpr, FP8: tl.constexpr,
            D: tl.constexpr, ZERO_TAIL: tl.constexpr, sep_scale=1.0, origin=0, col_step=0.0,
-           SEPARABLE: tl.constexpr = 0, SCORE_COLUMN: tl.constexpr = None, EXP_POLY: tl.constexpr = 0,
+           SEPARABLE: tl.constexpr = 0, SCORE_COLUMN: tl.constexpr = None,
                 P_PERM: tl.constexpr = False):
     """Block kb's softmax on its scores s, the accumulator's rescale, and its P.V issued on the
     tensor cores once V is in: returns (P.V's pending accumulator, m, l)."""
     p, alpha, m_i, l_i = _ws_softmax(s, part, kb, ks, ke, m_i, l_i, b, h, q_pos, S_K, K_OFF, job_scale, TS,
                                      MASK_FROM_ROWS, EVEN_K, BLOCK_N, col_l, VISIBLE, SCORE, HAS_SCORE, SCALE,
-                                     s_descale, FP8, sep_scale, origin, col_step, SEPARABLE, SCORE_COLUMN, EXP_POLY, P_PERM)
+                                     s_descale, FP8, sep_scale, origin, col_step, SEPARABLE, SCORE_COLUMN, P_PERM)
     acc = acc * gl.convert_layout(alpha, orow_l)[:, None]
     mbarrier.wait(v_bar, phase)
     v_op = _ws_v_operand(v_stage, kb, S_K, BLOCK_N, D, FP8, ZERO_TAIL)
@@ -290,7 +241,7 @@ def _ws_finish(s, acc, m_i, l_i, c, ks, ke, b, h, q_pos, S_K, K_OFF, job_scale, 
                D: tl.constexpr, STAGES: tl.constexpr, col_l: tl.constexpr, orow_l: tl.constexpr,
                p_layout: tl.constexpr, VISIBLE: tl.constexpr, SCORE: tl.constexpr, HAS_SCORE: tl.constexpr,
                SCALE: tl.constexpr, FP8: tl.constexpr, ZERO_TAIL: tl.constexpr, sep_scale, origin, col_step,
-               SEPARABLE: tl.constexpr, SCORE_COLUMN: tl.constexpr, EXP_POLY: tl.constexpr = 0,
+               SEPARABLE: tl.constexpr, SCORE_COLUMN: tl.constexpr,
                P_PERM: tl.constexpr = False):
     """The c-th block, its scores s done: its index and flag, K's stage released, the softmax
     and P.V (``_ws_pv``) waited for, V's stage released.  Returns (acc, m, l)."""
@@ -302,7 +253,7 @@ def _ws_finish(s, acc, m_i, l_i, c, ks, ke, b, h, q_pos, S_K, K_OFF, job_scale, 
     acc, m_i, l_i = _ws_pv(s, acc, m_i, l_i, part, kb, ks, ke, b, h, q_pos, S_K, K_OFF, job_scale, TS, s_descale,
                            v_smem.index(stage), v_ready.index(stage), (c // STAGES) & 1, op_dtype, MASK_FROM_ROWS,
                            EVEN_K, BLOCK_N, col_l, orow_l, p_layout, VISIBLE, SCORE, HAS_SCORE, SCALE, FP8, D,
-                           ZERO_TAIL, sep_scale, origin, col_step, SEPARABLE, SCORE_COLUMN, EXP_POLY, P_PERM)
+                           ZERO_TAIL, sep_scale, origin, col_step, SEPARABLE, SCORE_COLUMN, P_PERM)
     acc = warpgroup_mma_wait(0, deps=(acc, ))
     mbarrier.arrive(v_empty.index(stage), count=1)
     return acc, m_i, l_i
@@ -314,7 +265,7 @@ def _ws_blocks(q, k_smem, v_smem, blk_smem, bars, lo, hi, c, ks, ke, b, h, q_pos
                D: tl.constexpr, STAGES: tl.constexpr, VISIBLE: tl.constexpr, SCORE: tl.constexpr,
                HAS_SCORE: tl.constexpr, SCALE: tl.constexpr, FP8: tl.constexpr, OVERLAP: tl.constexpr,
                ZERO_TAIL: tl.constexpr, PINGPONG: tl.constexpr = False, half=0, tc=0, sep_scale=1.0, origin=0,
-               col_step=0.0, SEPARABLE: tl.constexpr = 0, SCORE_COLUMN: tl.constexpr = None, EXP_POLY: tl.constexpr = 0,
+               col_step=0.0, SEPARABLE: tl.constexpr = 0, SCORE_COLUMN: tl.constexpr = None,
                 P_PERM: tl.constexpr = False):
     """One consumer's rows of a job over blocks [lo, hi) of its list, as the producer hands them
     over (``c``: the blocks this program consumed before, the K/V ring's stage and phase):
@@ -336,18 +287,15 @@ def _ws_blocks(q, k_smem, v_smem, blk_smem, bars, lo, hi, c, ks, ke, b, h, q_pos
     l_i = gl.full([ROWS_], 0.0, gl.float32, row_l)
     acc = gl.zeros([ROWS_, D], gl.float32, o_layout)
     if PINGPONG:  # FlashAttention-3's schedule: block i's Q.K^T and block i-1's P.V issued back to back,
-        # then block i's softmax under P.V (its intra-warpgroup overlap); PINGPONG == TURNS: issued in turns
-        # with the other warpgroup (``turns``), each softmax under the other's MMAs too
-        mine = turns.index(half % 2)
-        other = turns.index(1 - half % 2)
+        # in turns with the other warpgroup (``turns``), then block i's softmax under both
+        mine = turns.index(half)
+        other = turns.index(1 - half)
         if hi > lo:
             stage = c % STAGES
             mbarrier.wait(k_ready.index(stage), (c // STAGES) & 1)
-            if PINGPONG == TURNS:
-                mbarrier.wait(mine, tc & 1)
+            mbarrier.wait(mine, tc & 1)
             s = warpgroup_mma(q, _k_block(k_smem, stage, BLOCK_N, P_PERM).permute((1, 0)), s0, use_acc=False, is_async=True)
-            if PINGPONG == TURNS:
-                mbarrier.arrive(other, count=1)
+            mbarrier.arrive(other, count=1)
             tc += 1
             s = warpgroup_mma_wait(0, deps=(s, ))
             kb = _ws_get(blk_smem.index(stage), 0, 2)
@@ -356,7 +304,7 @@ def _ws_blocks(q, k_smem, v_smem, blk_smem, bars, lo, hi, c, ks, ke, b, h, q_pos
             p, alpha, m_i, l_i = _ws_softmax(s, part, kb, ks, ke, m_i, l_i, b, h, q_pos, S_K, K_OFF, job_scale, TS,
                                              MASK_FROM_ROWS, EVEN_K, BLOCK_N, col_l, VISIBLE, SCORE, HAS_SCORE,
                                              SCALE, s_descale, FP8, sep_scale, origin, col_step, SEPARABLE,
-                                             SCORE_COLUMN, EXP_POLY, P_PERM)
+                                             SCORE_COLUMN, P_PERM)
             p_op = _p_operand(p, q.dtype, p_layout, ROWS_, BLOCK_N, P_PERM)
             pkb = kb
             pstage = stage
@@ -366,12 +314,10 @@ def _ws_blocks(q, k_smem, v_smem, blk_smem, bars, lo, hi, c, ks, ke, b, h, q_pos
                 mbarrier.wait(k_ready.index(stage), (c // STAGES) & 1)
                 mbarrier.wait(v_ready.index(pstage), ((c - 1) // STAGES) & 1)
                 v_op = _ws_v_operand(v_smem.index(pstage), pkb, S_K, BLOCK_N, D, FP8, ZERO_TAIL)
-                if PINGPONG == TURNS:
-                    mbarrier.wait(mine, tc & 1)
+                mbarrier.wait(mine, tc & 1)
                 s = warpgroup_mma(q, _k_block(k_smem, stage, BLOCK_N, P_PERM).permute((1, 0)), s0, use_acc=False, is_async=True)
                 acc = warpgroup_mma(p_op, v_op, acc * gl.convert_layout(alpha, orow_l)[:, None], is_async=True)
-                if PINGPONG == TURNS:
-                    mbarrier.arrive(other, count=1)
+                mbarrier.arrive(other, count=1)
                 tc += 1
                 s = warpgroup_mma_wait(1, deps=(s, ))
                 kb = _ws_get(blk_smem.index(stage), 0, 2)
@@ -380,7 +326,7 @@ def _ws_blocks(q, k_smem, v_smem, blk_smem, bars, lo, hi, c, ks, ke, b, h, q_pos
                 p, alpha, m_i, l_i = _ws_softmax(s, part, kb, ks, ke, m_i, l_i, b, h, q_pos, S_K, K_OFF, job_scale,
                                                  TS, MASK_FROM_ROWS, EVEN_K, BLOCK_N, col_l, VISIBLE, SCORE,
                                                  HAS_SCORE, SCALE, s_descale, FP8, sep_scale, origin, col_step,
-                                                 SEPARABLE, SCORE_COLUMN, EXP_POLY, P_PERM)
+                                                 SEPARABLE, SCORE_COLUMN, P_PERM)
                 acc = warpgroup_mma_wait(0, deps=(acc, ))
                 mbarrier.arrive(v_empty.index(pstage), count=1)
                 p_op = _p_operand(p, q.dtype, p_layout, ROWS_, BLOCK_N, P_PERM)
@@ -389,11 +335,9 @@ def _ws_blocks(q, k_smem, v_smem, blk_smem, bars, lo, hi, c, ks, ke, b, h, q_pos
                 c += 1
             mbarrier.wait(v_ready.index(pstage), ((c - 1) // STAGES) & 1)
             v_op = _ws_v_operand(v_smem.index(pstage), pkb, S_K, BLOCK_N, D, FP8, ZERO_TAIL)
-            if PINGPONG == TURNS:
-                mbarrier.wait(mine, tc & 1)
+            mbarrier.wait(mine, tc & 1)
             acc = warpgroup_mma(p_op, v_op, acc * gl.convert_layout(alpha, orow_l)[:, None], is_async=True)
-            if PINGPONG == TURNS:
-                mbarrier.arrive(other, count=1)
+            mbarrier.arrive(other, count=1)
             tc += 1
             acc = warpgroup_mma_wait(0, deps=(acc, ))
             mbarrier.arrive(v_empty.index(pstage), count=1)
@@ -416,14 +360,14 @@ def _ws_blocks(q, k_smem, v_smem, blk_smem, bars, lo, hi, c, ks, ke, b, h, q_pos
                                        s_descale, v_smem.index(stage), v_ready.index(stage), phase, q.dtype,
                                        MASK_FROM_ROWS, EVEN_K, BLOCK_N, col_l, orow_l, p_layout, VISIBLE, SCORE,
                                        HAS_SCORE, SCALE, FP8, D, ZERO_TAIL, sep_scale, origin, col_step,
-                                       SEPARABLE, SCORE_COLUMN, EXP_POLY, P_PERM)
+                                       SEPARABLE, SCORE_COLUMN, P_PERM)
                 acc, s = warpgroup_mma_wait(0, deps=(acc, s_next))
                 mbarrier.arrive(v_empty.index(stage), count=1)
                 c += 1
             acc, m_i, l_i = _ws_finish(s, acc, m_i, l_i, c, ks, ke, b, h, q_pos, S_K, K_OFF, job_scale, TS, s_descale,
                                        v_smem, blk_smem, bars, q.dtype, MASK_FROM_ROWS, EVEN_K, BLOCK_N, D, STAGES,
                                        col_l, orow_l, p_layout, VISIBLE, SCORE, HAS_SCORE, SCALE, FP8, ZERO_TAIL,
-                                       sep_scale, origin, col_step, SEPARABLE, SCORE_COLUMN, EXP_POLY, P_PERM)
+                                       sep_scale, origin, col_step, SEPARABLE, SCORE_COLUMN, P_PERM)
             c += 1
     else:
         for i in range(lo, hi):
@@ -434,7 +378,7 @@ def _ws_blocks(q, k_smem, v_smem, blk_smem, bars, lo, hi, c, ks, ke, b, h, q_pos
             acc, m_i, l_i = _ws_finish(s, acc, m_i, l_i, c, ks, ke, b, h, q_pos, S_K, K_OFF, job_scale, TS, s_descale,
                                        v_smem, blk_smem, bars, q.dtype, MASK_FROM_ROWS, EVEN_K, BLOCK_N, D, STAGES,
                                        col_l, orow_l, p_layout, VISIBLE, SCORE, HAS_SCORE, SCALE, FP8, ZERO_TAIL,
-                                       sep_scale, origin, col_step, SEPARABLE, SCORE_COLUMN, EXP_POLY, P_PERM)
+                                       sep_scale, origin, col_step, SEPARABLE, SCORE_COLUMN, P_PERM)
             c += 1
     return acc, m_i, l_i, c, tc
 
@@ -448,7 +392,7 @@ def _ws_consumer(half, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars,
                  H_Q: tl.constexpr, H_KV: tl.constexpr, GROUP: tl.constexpr, FP8: tl.constexpr,
                  OVERLAP: tl.constexpr, ZERO_TAIL: tl.constexpr, PINGPONG: tl.constexpr,
                  SEPARABLE: tl.constexpr = 0, SCORE_SCALE: tl.constexpr = None, SCORE_ROW: tl.constexpr = None,
-                 SCORE_COLUMN: tl.constexpr = None, EXP_POLY: tl.constexpr = 0, CONSUMERS: tl.constexpr = 2,
+                 SCORE_COLUMN: tl.constexpr = None, CONSUMERS: tl.constexpr = 2,
                  P_PERM: tl.constexpr = False):
     """Rows [half * ROWS_, + ROWS_) of each tile the producer hands over: every block of the
     tile's list, then O (through shared memory and a TMA store) and LSE.  The producer hands
@@ -526,7 +470,7 @@ def _ws_consumer(half, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars,
                                           K_OFF, job_scale, TS, s_descale, MASK_FROM_ROWS, EVEN_K, ROWS_, BLOCK_N, D,
                                           STAGES, VISIBLE, SCORE, HAS_SCORE, SCALE, FP8, OVERLAP, ZERO_TAIL,
                                           PINGPONG, half, tc, sep_scale, origin, col_step, SEPARABLE,
-                                          SCORE_COLUMN, EXP_POLY, P_PERM)
+                                          SCORE_COLUMN, P_PERM)
         mbarrier.arrive(q_empty, count=1)  # this half's Q.K^T are done: the next tile's Q may load
         seen = (l_i > 0) | (l_i != l_i)  # NaN: a visible score was NaN or +inf; LSE NaN marks the row
         l_safe = gl.where(seen, l_i, 1.0)
@@ -661,7 +605,7 @@ def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, O, LSE, COUNTER_PTR, ORDER, M_C
                  H_Q: tl.constexpr, H_KV: tl.constexpr, GROUP: tl.constexpr, FP8: tl.constexpr,
                  OVERLAP: tl.constexpr, ZERO_TAIL: tl.constexpr, PINGPONG: tl.constexpr,
                  SEPARABLE: tl.constexpr = 0, SCORE_SCALE: tl.constexpr = None, SCORE_ROW: tl.constexpr = None,
-                 SCORE_COLUMN: tl.constexpr = None, EXP_POLY: tl.constexpr = 0, CONSUMERS: tl.constexpr = 2,
+                 SCORE_COLUMN: tl.constexpr = None, CONSUMERS: tl.constexpr = 2,
                  P_PERM: tl.constexpr = False):
     """Jobs (query tile of CONSUMERS * ROWS_ rows, request * query head) in ``_job``'s order: one per
     program (SCHEDULE == ONE_TILE), or one program per SM looping over jobs drawn from the
@@ -687,17 +631,17 @@ def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, O, LSE, COUNTER_PTR, ORDER, M_C
                             DV, S_Q, S_K, Q_OFF, K_OFF, PLAN_B, PLAN_H, Q_TILES, BH, qk_scale, TS, MASK_FROM_ROWS,
                             EVEN_Q, EVEN_K, ROWS_, BLOCK_N, D, STAGES, HEAD_GROUP, VISIBLE, SCORE, HAS_SCORE, SCALE,
                             H_Q, H_KV, GROUP, FP8, OVERLAP, ZERO_TAIL, PINGPONG, SEPARABLE, SCORE_SCALE, SCORE_ROW,
-                            SCORE_COLUMN, EXP_POLY, CONSUMERS, P_PERM)),
+                            SCORE_COLUMN, CONSUMERS, P_PERM)),
             (_ws_consumer, (1, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars, o_desc, O, LSE, KS, KE, DQ, DK,
                             DV, S_Q, S_K, Q_OFF, K_OFF, PLAN_B, PLAN_H, Q_TILES, BH, qk_scale, TS, MASK_FROM_ROWS,
                             EVEN_Q, EVEN_K, ROWS_, BLOCK_N, D, STAGES, HEAD_GROUP, VISIBLE, SCORE, HAS_SCORE, SCALE,
                             H_Q, H_KV, GROUP, FP8, OVERLAP, ZERO_TAIL, PINGPONG, SEPARABLE, SCORE_SCALE, SCORE_ROW,
-                            SCORE_COLUMN, EXP_POLY, CONSUMERS, P_PERM)),
+                            SCORE_COLUMN, CONSUMERS, P_PERM)),
             (_ws_consumer, (2, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars, o_desc, O, LSE, KS, KE, DQ, DK,
                             DV, S_Q, S_K, Q_OFF, K_OFF, PLAN_B, PLAN_H, Q_TILES, BH, qk_scale, TS, MASK_FROM_ROWS,
                             EVEN_Q, EVEN_K, ROWS_, BLOCK_N, D, STAGES, HEAD_GROUP, VISIBLE, SCORE, HAS_SCORE, SCALE,
                             H_Q, H_KV, GROUP, FP8, OVERLAP, ZERO_TAIL, PINGPONG, SEPARABLE, SCORE_SCALE, SCORE_ROW,
-                            SCORE_COLUMN, EXP_POLY, CONSUMERS, P_PERM)),
+                            SCORE_COLUMN, CONSUMERS, P_PERM)),
             (_ws_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, job_smem, blk_smem, bars, COUNTER_PTR,
                             ORDER, M_CSR, M_IDX, M_FLAG, S_Q, S_K, PLAN_B, PLAN_H, Q_TILES, BH, ROWS_, BLOCK_N, STAGES,
                             HEAD_GROUP, SCHEDULE, H_Q, H_KV, GROUP, D, FP8, CONSUMERS, P_PERM)),
@@ -708,12 +652,12 @@ def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, O, LSE, COUNTER_PTR, ORDER, M_C
                             DV, S_Q, S_K, Q_OFF, K_OFF, PLAN_B, PLAN_H, Q_TILES, BH, qk_scale, TS, MASK_FROM_ROWS,
                             EVEN_Q, EVEN_K, ROWS_, BLOCK_N, D, STAGES, HEAD_GROUP, VISIBLE, SCORE, HAS_SCORE, SCALE,
                             H_Q, H_KV, GROUP, FP8, OVERLAP, ZERO_TAIL, PINGPONG, SEPARABLE, SCORE_SCALE, SCORE_ROW,
-                            SCORE_COLUMN, EXP_POLY, CONSUMERS, P_PERM)),
+                            SCORE_COLUMN, CONSUMERS, P_PERM)),
             (_ws_consumer, (1, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars, o_desc, O, LSE, KS, KE, DQ, DK,
                             DV, S_Q, S_K, Q_OFF, K_OFF, PLAN_B, PLAN_H, Q_TILES, BH, qk_scale, TS, MASK_FROM_ROWS,
                             EVEN_Q, EVEN_K, ROWS_, BLOCK_N, D, STAGES, HEAD_GROUP, VISIBLE, SCORE, HAS_SCORE, SCALE,
                             H_Q, H_KV, GROUP, FP8, OVERLAP, ZERO_TAIL, PINGPONG, SEPARABLE, SCORE_SCALE, SCORE_ROW,
-                            SCORE_COLUMN, EXP_POLY, CONSUMERS, P_PERM)),
+                            SCORE_COLUMN, CONSUMERS, P_PERM)),
             (_ws_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, job_smem, blk_smem, bars, COUNTER_PTR,
                             ORDER, M_CSR, M_IDX, M_FLAG, S_Q, S_K, PLAN_B, PLAN_H, Q_TILES, BH, ROWS_, BLOCK_N, STAGES,
                             HEAD_GROUP, SCHEDULE, H_Q, H_KV, GROUP, D, FP8, CONSUMERS, P_PERM)),

@@ -7,12 +7,15 @@ the call's dispatch key, else the untuned defaults below (measured on the H200; 
 in bench/results/README.md):
 
 * Hopper (sm_90), f16 / bf16, head dims 64, 128, 192 or 256 (q.k's and v's may differ: 192 /
-  128 as in MLA prefill; above 128, 128 x 64 tiles), any S_q and S_k (the tiles across
-  the ends are masked), contiguous bhsd tensors: the Gluon engine (``gluon_engine.py``) on 128 x 128 tiles, 2 K/V
-  stages, programs drawing jobs from a counter; PARTIAL blocks from each row's run of keys where
-  the plan has them (documents), else the predicate; at head dim 128 the next block's Q.K^T
-  under this block's softmax (``gluon_overlap``) and 240 consumer registers (``gluon_regs``).
-  FP8 (e4m3) calls with equal head dims of 64, 128 or 256 take it too, V read transposed.
+  128 as in MLA prefill), any S_q and S_k (the tiles across the ends are masked), contiguous bhsd
+  tensors: the Gluon engine (``gluon_engine.py``) on ``gluon_default_tiles`` (128 x 128; above
+  128, 128 x 64; at most 64, 192 x 128 on three consumer warpgroups), 2 K/V stages, programs
+  drawing jobs from a counter; PARTIAL blocks from each row's run of keys where the plan has them
+  (documents), else the predicate; at head dim 128 the next block's Q.K^T under this block's
+  softmax (``gluon_overlap``), the consumers' turns (``gluon_pingpong``) and 240 consumer
+  registers (``gluon_regs``).  FP8 (e4m3) calls with equal head dims of 64, 128 or 256 take it
+  too, V read transposed (d 128: 128 x 256 tiles; K's rows in P's operand order where S_k is a
+  multiple of 16, ``fp8_key_order``).
 * Otherwise the Triton kernel (``prefill.py``): 128 x 128 tiles, 8 warps, 3 stages, TMA on
   Hopper; 64 x 64 tiles for masks that read tensors, for head dims above 128, and (once the
   plan shows it) for short rows (< 16 computed blocks per 128-row tile, on average); the walk
@@ -76,30 +79,6 @@ GLUON_PINGPONG_DIMS = (128,)
 def gluon_pingpong(d_qk: int, d_v: int, fp8: bool) -> bool:
     """Whether the Gluon engine's consumers take turns on the tensor cores (PINGPONG)."""
     return not fp8 and d_qk == d_v and d_qk in GLUON_PINGPONG_DIMS
-
-
-# FlashAttention-3's schedule without the turns (each consumer's block i softmax under its own block
-# i-1 P.V), by (consumer warpgroups, head dim, FP8, BLOCK_N): none measured yet
-GLUON_ALONE: tuple = ()
-
-
-def gluon_schedule(d_qk: int, d_v: int, fp8: bool, consumers: int, block_n: int) -> int:
-    """The Gluon engine's PINGPONG constexpr: 0, TURNS (``gluon_pingpong``, two consumers) or ALONE."""
-    if consumers == 2 and gluon_pingpong(d_qk, d_v, fp8):
-        return int(gluon_engine.TURNS)
-    if d_qk == d_v and (consumers, d_qk, fp8, block_n) in GLUON_ALONE:
-        return int(gluon_engine.ALONE)
-    return 0
-
-
-# Of each 4 softmax exponentials, how many the Gluon engine computes by a polynomial on the FMA pipe
-# instead of the MUFU (``gluon_engine._exp2``), by (head dim, FP8): none measured a gain yet
-GLUON_EXP_POLY: dict = {}
-
-
-def gluon_exp_poly(d_qk: int, d_v: int, fp8: bool) -> int:
-    """Of each 4 of the softmax's exponentials, how many go to the FMA pipe (``gluon_engine._exp2``)."""
-    return GLUON_EXP_POLY.get((d_qk, fp8), 0) if d_qk == d_v else 0
 
 
 # Three consumer warpgroups (192-row tiles; head dims <= 64): 16 warps with the producer's padded
@@ -620,7 +599,7 @@ class PrefillLaunch(_GluonDescriptors):
                 ROWS_=gluon_engine.ROWS, BLOCK_N=bn, D=d_v, SAME_D=same, STAGES=stages,
                 HEAD_GROUP=c.head_group, CONSUMER_REGS=consumer, PRODUCER_REGS=producer, SCHEDULE=self.schedule,
                 FP8=fp8, OVERLAP=gluon_overlap(d_qk, d_v, fp8), ZERO_TAIL=not fp8 and self.s_k % bn != 0,
-                PINGPONG=gluon_schedule(d_qk, d_v, fp8, consumers, bn), EXP_POLY=gluon_exp_poly(d_qk, d_v, fp8),
+                PINGPONG=consumers == 2 and gluon_pingpong(d_qk, d_v, fp8),
                 CONSUMERS=consumers, P_PERM=self.p_perm, **keep,
                 **separable_constexprs(module, end, bn)),
                 num_warps=4, maxnreg=maxnreg)
@@ -871,7 +850,7 @@ class CacheLaunch(_GluonDescriptors):
         self._constexprs = dict(
             ROWS_=gluon_engine.ROWS, BLOCK_N=block_n, D=d_v, STAGES=stages, CONSUMER_REGS=consumer,
             PRODUCER_REGS=producer, D_QK=d_qk, PAGED=paged, PAGE=page, CHUNK=min(page, block_n),
-            OVERLAP=gluon_overlap(d_qk, d_v, False), PINGPONG=gluon_schedule(d_qk, d_v, False, 2, block_n), **keep)
+            OVERLAP=gluon_overlap(d_qk, d_v, False), PINGPONG=gluon_pingpong(d_qk, d_v, False), **keep)
         self._maxnreg = maxnreg
         self._launchers: dict = {}
 

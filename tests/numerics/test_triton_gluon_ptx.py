@@ -42,7 +42,7 @@ if not G.HAS_GLUON:
 driver.set_active(SM90())
 
 
-def compile_engine(text, mode, fp8=False, d=128):
+def compile_engine(text, mode, fp8=False, d=128, bn=None, consumers=2, p_perm=False):
     source = emit(compile_spec(text))
     module = load_module(source.text, source.module_stem)
     spec = L.spec_constexprs(module, 4096)
@@ -56,21 +56,28 @@ def compile_engine(text, mode, fp8=False, d=128):
     def desc(rows, cols, block, dtype=dt, gdtype=gdt):
         layout = gl.NVMMASharedLayout.get_default_for(block, gdtype)
         return G.TensorDescriptor.from_tensor(torch.empty(rows, cols, dtype=dtype), block, layout)
-    bn = 128 if d <= 128 else 64
+    bn = bn or (128 if d <= 128 else 64)
     o = torch.empty(4096, d, dtype=torch.bfloat16)
     i32, f32 = torch.empty(16, dtype=torch.int32), torch.empty(16, dtype=torch.float32)
     tensors = {n: torch.zeros((2, 4096) if len(a) == 2 else (8,), dtype=torch.float32)
                for n, (_, a) in module.TENSORS.items()}
     ts = L.tensor_args(module, tensors)
     v = desc(d * 32, 4096, [d, bn]) if fp8 else desc(4096, d, [bn, d])
-    args = (desc(4096, d, [64, d]), desc(4096, d, [bn, d]), v, desc(4096, d, [64, d], torch.bfloat16, gl.bfloat16),
+    k = desc(4096, d, [bn, d])
+    if p_perm:  # K's 5-d view and box (launch.PrefillLaunch._fp8_k_descriptor)
+        box = [bn // 16, 2, 4, 2, d]
+        k = G.TensorDescriptor(torch.empty(4096, d, dtype=dt), [4096 // 16, 2, 4, 2, d], [16 * d, 2 * d, 4 * d, d, 1],
+                               box, gl.NVMMASharedLayout.get_default_for(box, gdt))
+    args = (desc(4096, d, [64, d]), k, v, desc(4096, d, [64, d], torch.bfloat16, gl.bfloat16),
             o, f32, i32, i32, i32, i32, i32, i32, i32, f32, f32, f32, ts, 256, 384, 128, 0, 1, 1, 2,
             1.4426950408889634, 8)
-    kernel = G._attn_fwd_ws.warmup(*args, grid=(1,), num_warps=4, maxnreg=168, MASK_FROM_ROWS=False, EVEN_Q=True,
+    maxnreg, regs, _ = L.gluon_regs(d, d, consumers)
+    kernel = G._attn_fwd_ws.warmup(*args, grid=(1,), num_warps=4, maxnreg=maxnreg, MASK_FROM_ROWS=False, EVEN_Q=True,
                                    EVEN_K=True, ROWS_=64, BLOCK_N=bn, D=d, SAME_D=True, STAGES=2, HEAD_GROUP=4,
-                                   CONSUMER_REGS=240, PRODUCER_REGS=24, SCHEDULE=1, FP8=fp8,
+                                   CONSUMER_REGS=regs, PRODUCER_REGS=24, SCHEDULE=1, FP8=fp8,
                                    OVERLAP=L.gluon_overlap(d, d, fp8), ZERO_TAIL=False,
-                                   PINGPONG=L.gluon_pingpong(d, d, fp8), **keep, **sep)
+                                   PINGPONG=consumers == 2 and L.gluon_pingpong(d, d, fp8), CONSUMERS=consumers,
+                                   P_PERM=p_perm, **keep, **sep)
     ops = collections.Counter()
     for line in kernel.asm["ptx"].splitlines():
         m = re.match(r"\s+(?:@%p\d+\s+)?([a-z][\w.]*)", line)
@@ -111,6 +118,10 @@ cases = {"causal": (causal, 0, False, 128), "alibi": (alibi, 0, False, 128), "al
          "alibi_block": (alibi, 2, False, 128), "alibi_block_fp8": (alibi, 2, True, 128),
          "alibi_block_d64": (alibi, 2, False, 64), "key_bias_d256": (keys, 1, False, 256)}
 out = {n: compile_engine(t.format(d=d), mode, fp8, d) for n, (t, mode, fp8, d) in cases.items()}
+out["d64_two"] = compile_engine(causal.format(d=64), 0, False, 64)
+out["d64_three"] = compile_engine(causal.format(d=64), 0, False, 64, bn=128, consumers=3)
+out["fp8_256"] = compile_engine(causal.format(d=128), 0, True, 128, bn=256)
+out["fp8_256_p_perm"] = compile_engine(causal.format(d=128), 0, True, 128, bn=256, p_perm=True)
 out.update({f"paged{page}": compile_cache_engine(page) for page in (16, 256)})
 print(json.dumps(out))
 '''
@@ -130,7 +141,8 @@ def ptx_ops():
 
 
 def test_every_way_of_taking_a_score_program_compiles_for_sm_90(ptx_ops):
-    scores = {n: ops for n, ops in ptx_ops.items() if not n.startswith("paged")}
+    scores = {n: ops for n, ops in ptx_ops.items() if n in ("causal", "alibi", "alibi_key", "alibi_block",
+                                                            "alibi_block_fp8", "alibi_block_d64", "key_bias_d256")}
     assert len(scores) == 7
     for name, ops in scores.items():  # (the fixture compiled them: each has its MMAs and exponentials)
         assert any(op.startswith("wgmma.mma_async") for op in ops) and ops["ex2.approx.ftz.f32"] > 0, name
@@ -155,3 +167,22 @@ def test_the_engine_over_a_cache_compiles_for_sm_90(ptx_ops):
     small, large = ptx_ops["paged16"], ptx_ops["paged256"]
     assert small and large
     assert sum(small.values()) > sum(large.values())  # 8 copies per K and V block against 1
+
+
+def test_three_consumer_warpgroups_compile_each_with_its_rows(ptx_ops):
+    """192-row tiles (head dims <= 64): a third consumer partition, the same code per consumer."""
+    two, three = ptx_ops["d64_two"], ptx_ops["d64_three"]
+    assert 2 * three["ex2.approx.ftz.f32"] == 3 * two["ex2.approx.ftz.f32"]
+    assert 2 * sum(n for op, n in three.items() if op.startswith("wgmma.mma_async")) == \
+        3 * sum(n for op, n in two.items() if op.startswith("wgmma.mma_async"))
+
+
+def test_fp8_p_operand_in_key_order_needs_no_shuffles(ptx_ops):
+    """P_PERM: K's rows by a 5-d TMA box in the order P's accumulator already is the FP8 operand:
+    the layout change's shuffles and byte permutes are gone (the row reductions' shuffles stay)."""
+    plain, perm = ptx_ops["fp8_256"], ptx_ops["fp8_256_p_perm"]
+    shuffles = lambda ops: sum(n for op, n in ops.items() if op.startswith("shfl.sync"))  # noqa: E731
+    assert plain.get("prmt.b32", 0) > 0 and perm.get("prmt.b32", 0) == 0
+    assert shuffles(perm) < shuffles(plain) // 2
+    assert any(op.startswith("cp.async.bulk.tensor.5d") for op in perm)
+    assert not any(op.startswith("cp.async.bulk.tensor.5d") for op in plain)
