@@ -62,9 +62,6 @@ SCHEDULES = {"one_tile": 0, "counter": 1}
 COLUMN_PER_KEY, COLUMN_PER_BLOCK = tl.constexpr(1), tl.constexpr(2)
 
 
-
-
-
 @gluon.jit
 def _key_cols(BLOCK_N: tl.constexpr, col_l: tl.constexpr, P_PERM: tl.constexpr):
     """The key (within its block) of each score column: c, or P_PERM sigma(c) -- within each 32
@@ -78,13 +75,13 @@ def _key_cols(BLOCK_N: tl.constexpr, col_l: tl.constexpr, P_PERM: tl.constexpr):
 
 
 @gluon.jit
-def _k_block(k_smem, stage, BLOCK_N: tl.constexpr, P_PERM: tl.constexpr):
-    """K's block in stage ``stage`` as [BLOCK_N, d] (P_PERM: the 5-d block TMA wrote, its rows in
-    ``_key_cols``' order)."""
+def _k_operand(k_smem, stage, BLOCK_N: tl.constexpr, P_PERM: tl.constexpr):
+    """K's block in stage ``stage`` as Q.K^T's B operand, K^T [d, BLOCK_N] (P_PERM: the 5-d block
+    TMA wrote, read as [BLOCK_N, d], its rows in ``_key_cols``' order)."""
     k = k_smem.index(stage)
     if P_PERM:
         k = k.reshape([BLOCK_N, k.shape[4]])
-    return k
+    return k.permute((1, 0))
 
 
 @gluon.jit
@@ -92,8 +89,7 @@ def _ws_softmax(s, part, kb, ks, ke, m_i, l_i, b, h, q_pos, S_K, K_OFF, qk_scale
                 EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, col_l: tl.constexpr, VISIBLE: tl.constexpr,
                 SCORE: tl.constexpr, HAS_SCORE: tl.constexpr, SCALE: tl.constexpr, s_descale,
                 FP8: tl.constexpr, sep_scale=1.0, origin=0, col_step=0.0, SEPARABLE: tl.constexpr = 0,
-                SCORE_COLUMN: tl.constexpr = None,
-                P_PERM: tl.constexpr = False):
+                SCORE_COLUMN: tl.constexpr = None, P_PERM: tl.constexpr = False):
     """K/V block kb of the row's list on the scores s: the score program, the mask where the
     block is PARTIAL (part != 0): the predicate, or MASK_FROM_ROWS the rows' runs of keys
     [ks, ke); then the online-softmax update.  Unless EVEN_K (S_K a multiple of BLOCK_N), the
@@ -146,7 +142,7 @@ def _ws_softmax(s, part, kb, ks, ke, m_i, l_i, b, h, q_pos, S_K, K_OFF, qk_scale
 def _ws_zero_v_tail(v_stage, keep, BLOCK_N: tl.constexpr, D: tl.constexpr):
     """Zero rows [keep, BLOCK_N) of a V block in shared memory, 16 rows at a time: the keys past
     S_k, whose rows hold another head's or request's values, or a cache's stale ones, which
-    P = 0 would still turn into NaN where they are not finite.  Both consumers write the same
+    P = 0 would still turn into NaN where they are not finite.  Every consumer writes the same
     values; the fence orders the writes before the warpgroup's P.V reads them."""
     CH: tl.constexpr = 16
     layout: tl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
@@ -194,8 +190,7 @@ def _ws_pv(s, acc, m_i, l_i, part, kb, ks, ke, b, h, q_pos, S_K, K_OFF, job_scal
            col_l: tl.constexpr, orow_l: tl.constexpr, p_layout: tl.constexpr, VISIBLE: tl.constexpr,
            SCORE: tl.constexpr, HAS_SCORE: tl.constexpr, SCALE: tl.constexpr, FP8: tl.constexpr,
            D: tl.constexpr, ZERO_TAIL: tl.constexpr, sep_scale=1.0, origin=0, col_step=0.0,
-           SEPARABLE: tl.constexpr = 0, SCORE_COLUMN: tl.constexpr = None,
-                P_PERM: tl.constexpr = False):
+           SEPARABLE: tl.constexpr = 0, SCORE_COLUMN: tl.constexpr = None, P_PERM: tl.constexpr = False):
     """Block kb's softmax on its scores s, the accumulator's rescale, and its P.V issued on the
     tensor cores once V is in: returns (P.V's pending accumulator, m, l)."""
     p, alpha, m_i, l_i = _ws_softmax(s, part, kb, ks, ke, m_i, l_i, b, h, q_pos, S_K, K_OFF, job_scale, TS,
@@ -204,7 +199,8 @@ def _ws_pv(s, acc, m_i, l_i, part, kb, ks, ke, b, h, q_pos, S_K, K_OFF, job_scal
     acc = acc * gl.convert_layout(alpha, orow_l)[:, None]
     mbarrier.wait(v_bar, phase)
     v_op = _ws_v_operand(v_stage, kb, S_K, BLOCK_N, D, FP8, ZERO_TAIL)
-    acc = warpgroup_mma(_p_operand(p, op_dtype, p_layout, p.shape[0], BLOCK_N, P_PERM), v_op, acc, is_async=True)
+    p_op = _p_operand(p, op_dtype, p_layout, p.shape[0], BLOCK_N, P_PERM)
+    acc = warpgroup_mma(p_op, v_op, acc, is_async=True)
     return acc, m_i, l_i
 
 
@@ -241,8 +237,7 @@ def _ws_finish(s, acc, m_i, l_i, c, ks, ke, b, h, q_pos, S_K, K_OFF, job_scale, 
                D: tl.constexpr, STAGES: tl.constexpr, col_l: tl.constexpr, orow_l: tl.constexpr,
                p_layout: tl.constexpr, VISIBLE: tl.constexpr, SCORE: tl.constexpr, HAS_SCORE: tl.constexpr,
                SCALE: tl.constexpr, FP8: tl.constexpr, ZERO_TAIL: tl.constexpr, sep_scale, origin, col_step,
-               SEPARABLE: tl.constexpr, SCORE_COLUMN: tl.constexpr,
-               P_PERM: tl.constexpr = False):
+               SEPARABLE: tl.constexpr, SCORE_COLUMN: tl.constexpr, P_PERM: tl.constexpr = False):
     """The c-th block, its scores s done: its index and flag, K's stage released, the softmax
     and P.V (``_ws_pv``) waited for, V's stage released.  Returns (acc, m, l)."""
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turns = bars
@@ -266,7 +261,7 @@ def _ws_blocks(q, k_smem, v_smem, blk_smem, bars, lo, hi, c, ks, ke, b, h, q_pos
                HAS_SCORE: tl.constexpr, SCALE: tl.constexpr, FP8: tl.constexpr, OVERLAP: tl.constexpr,
                ZERO_TAIL: tl.constexpr, PINGPONG: tl.constexpr = False, half=0, tc=0, sep_scale=1.0, origin=0,
                col_step=0.0, SEPARABLE: tl.constexpr = 0, SCORE_COLUMN: tl.constexpr = None,
-                P_PERM: tl.constexpr = False):
+               P_PERM: tl.constexpr = False):
     """One consumer's rows of a job over blocks [lo, hi) of its list, as the producer hands them
     over (``c``: the blocks this program consumed before, the K/V ring's stage and phase):
     returns (the unnormalized O accumulator, m, l, c).  OVERLAP: block i+1's Q.K^T runs on the
@@ -294,7 +289,7 @@ def _ws_blocks(q, k_smem, v_smem, blk_smem, bars, lo, hi, c, ks, ke, b, h, q_pos
             stage = c % STAGES
             mbarrier.wait(k_ready.index(stage), (c // STAGES) & 1)
             mbarrier.wait(mine, tc & 1)
-            s = warpgroup_mma(q, _k_block(k_smem, stage, BLOCK_N, P_PERM).permute((1, 0)), s0, use_acc=False, is_async=True)
+            s = warpgroup_mma(q, _k_operand(k_smem, stage, BLOCK_N, P_PERM), s0, use_acc=False, is_async=True)
             mbarrier.arrive(other, count=1)
             tc += 1
             s = warpgroup_mma_wait(0, deps=(s, ))
@@ -315,7 +310,7 @@ def _ws_blocks(q, k_smem, v_smem, blk_smem, bars, lo, hi, c, ks, ke, b, h, q_pos
                 mbarrier.wait(v_ready.index(pstage), ((c - 1) // STAGES) & 1)
                 v_op = _ws_v_operand(v_smem.index(pstage), pkb, S_K, BLOCK_N, D, FP8, ZERO_TAIL)
                 mbarrier.wait(mine, tc & 1)
-                s = warpgroup_mma(q, _k_block(k_smem, stage, BLOCK_N, P_PERM).permute((1, 0)), s0, use_acc=False, is_async=True)
+                s = warpgroup_mma(q, _k_operand(k_smem, stage, BLOCK_N, P_PERM), s0, use_acc=False, is_async=True)
                 acc = warpgroup_mma(p_op, v_op, acc * gl.convert_layout(alpha, orow_l)[:, None], is_async=True)
                 mbarrier.arrive(other, count=1)
                 tc += 1
@@ -345,7 +340,7 @@ def _ws_blocks(q, k_smem, v_smem, blk_smem, bars, lo, hi, c, ks, ke, b, h, q_pos
         if hi > lo:
             stage = c % STAGES
             mbarrier.wait(k_ready.index(stage), (c // STAGES) & 1)
-            s = warpgroup_mma(q, _k_block(k_smem, stage, BLOCK_N, P_PERM).permute((1, 0)), s0, use_acc=False, is_async=True)
+            s = warpgroup_mma(q, _k_operand(k_smem, stage, BLOCK_N, P_PERM), s0, use_acc=False, is_async=True)
             s = warpgroup_mma_wait(0, deps=(s, ))
             for i in range(lo, hi - 1):
                 stage = c % STAGES
@@ -355,7 +350,7 @@ def _ws_blocks(q, k_smem, v_smem, blk_smem, bars, lo, hi, c, ks, ke, b, h, q_pos
                 mbarrier.arrive(k_empty.index(stage), count=1)
                 nstage = (c + 1) % STAGES
                 mbarrier.wait(k_ready.index(nstage), ((c + 1) // STAGES) & 1)
-                s_next = warpgroup_mma(q, _k_block(k_smem, nstage, BLOCK_N, P_PERM).permute((1, 0)), s0, use_acc=False, is_async=True)
+                s_next = warpgroup_mma(q, _k_operand(k_smem, nstage, BLOCK_N, P_PERM), s0, use_acc=False, is_async=True)
                 acc, m_i, l_i = _ws_pv(s, acc, m_i, l_i, part, kb, ks, ke, b, h, q_pos, S_K, K_OFF, job_scale, TS,
                                        s_descale, v_smem.index(stage), v_ready.index(stage), phase, q.dtype,
                                        MASK_FROM_ROWS, EVEN_K, BLOCK_N, col_l, orow_l, p_layout, VISIBLE, SCORE,
@@ -373,7 +368,7 @@ def _ws_blocks(q, k_smem, v_smem, blk_smem, bars, lo, hi, c, ks, ke, b, h, q_pos
         for i in range(lo, hi):
             stage = c % STAGES
             mbarrier.wait(k_ready.index(stage), (c // STAGES) & 1)
-            s = warpgroup_mma(q, _k_block(k_smem, stage, BLOCK_N, P_PERM).permute((1, 0)), s0, use_acc=False, is_async=True)
+            s = warpgroup_mma(q, _k_operand(k_smem, stage, BLOCK_N, P_PERM), s0, use_acc=False, is_async=True)
             s = warpgroup_mma_wait(0, deps=(s, ))
             acc, m_i, l_i = _ws_finish(s, acc, m_i, l_i, c, ks, ke, b, h, q_pos, S_K, K_OFF, job_scale, TS, s_descale,
                                        v_smem, blk_smem, bars, q.dtype, MASK_FROM_ROWS, EVEN_K, BLOCK_N, D, STAGES,
@@ -509,9 +504,9 @@ def _ws_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, job_smem, blk_s
                  BLOCK_N: tl.constexpr, STAGES: tl.constexpr, HEAD_GROUP: tl.constexpr, SCHEDULE: tl.constexpr,
                  H_Q: tl.constexpr, H_KV: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, FP8: tl.constexpr,
                  CONSUMERS: tl.constexpr = 2, P_PERM: tl.constexpr = False):
-    """For each of the program's jobs: once both consumers are done with the last Q, the job
-    and its Q, then K and V of every block of the tile's list, each into a stage both consumers
-    have released, with the block's index and PARTIAL flag.  The next job (SCHEDULE) and its
+    """For each of the program's jobs: once every consumer is done with the last Q, the job
+    and its Q, then K and V of every block of the tile's list, each into a stage every consumer
+    has released, with the block's index and PARTIAL flag.  The next job (SCHEDULE) and its
     plan lookups are fetched while this one's K/V load; a job past the last tells the consumers
     to stop.  The launch's last draw from the counter resets it to zero (module docstring)."""
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turns = bars
@@ -569,7 +564,7 @@ def _ws_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, job_smem, blk_s
 def _ws_handover(STAGES: tl.constexpr, CONSUMERS: tl.constexpr = 2):
     """What the producer and the consumers share besides the data: the job's and each stage's
     scalars in shared memory, and the barriers (q_ready, q_empty, k_ready, k_empty, v_ready,
-    v_empty, turns), initialized: a stage is released by both consumers, and of the consumers'
+    v_empty, turns), initialized: a stage is released by every consumer, and of the consumers'
     turns on the tensor cores (PINGPONG) the first warpgroup's is open."""
     job_smem = gl.allocate_shared_memory(gl.int32, [4], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     blk_smem = gl.allocate_shared_memory(gl.int32, [STAGES, 2], gl.SwizzledSharedLayout(1, 1, 1, [0]))
