@@ -33,6 +33,20 @@ def seed_contracts() -> dict:
     return json.loads(path.read_text())
 
 
+def prefill_launches(monkeypatch) -> list:
+    """The Triton backend's prefill launches (``launch.PrefillLaunch``) made from here on, in order
+    (a call with options makes its own): the tests read the config and constexprs a call ran with."""
+    from attnc.backends.triton import launch
+    made = []
+    init = launch.PrefillLaunch.__init__
+
+    def spy(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        made.append(self)
+    monkeypatch.setattr(launch.PrefillLaunch, "__init__", spy)
+    return made
+
+
 def pytest_addoption(parser):
     parser.addoption("--update-golden", action="store_true", default=False,
                      help="rewrite tests/golden files from the current output")

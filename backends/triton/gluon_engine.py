@@ -205,6 +205,17 @@ def _ws_pv(s, acc, m_i, l_i, part, kb, ks, ke, b, h, q_pos, S_K, K_OFF, job_scal
 
 
 @gluon.jit
+def _ws_row_totals(m_i, l_i):
+    """A row's divisor for O and its LSE (natural log, not yet masked) from its running max m (base 2)
+    and sum l, and whether it saw anything: a row that saw nothing (l = 0) divides by 1 (its O is
+    0) and gets LSE -inf from its caller; l NaN (a visible score was NaN or +inf) stays NaN in
+    LSE, marking the row.  Returns (l_safe, seen, lse)."""
+    seen = (l_i > 0) | (l_i != l_i)
+    l_safe = gl.where(seen, l_i, 1.0)
+    return l_safe, seen, (m_i + gl.log2(l_safe)) * 0.6931471805599453
+
+
+@gluon.jit
 def _ws_job(t, BH, Q_TILES, ORDER, PLAN_B, PLAN_H, M_CSR, HEAD_GROUP: tl.constexpr, H_Q: tl.constexpr):
     """The launch's t-th job (``_job``'s order): its query tile, b * H_q + h, and its range
     [lo, hi) of the plan's merged block list."""
@@ -467,8 +478,7 @@ def _ws_consumer(half, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars,
                                           PINGPONG, half, tc, sep_scale, origin, col_step, SEPARABLE,
                                           SCORE_COLUMN, P_PERM)
         mbarrier.arrive(q_empty, count=1)  # this half's Q.K^T are done: the next tile's Q may load
-        seen = (l_i > 0) | (l_i != l_i)  # NaN: a visible score was NaN or +inf; LSE NaN marks the row
-        l_safe = gl.where(seen, l_i, 1.0)
+        l_safe, seen, lse_out = _ws_row_totals(m_i, l_i)
         if FP8:
             out = acc * gl.convert_layout(v_descale / l_safe, orow_l)[:, None]
         else:
@@ -484,7 +494,6 @@ def _ws_consumer(half, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars,
             o_cols = gl.arange(0, D, gl.SliceLayout(0, o_layout))
             gl.store(O + (bh * S_Q + o_rows)[:, None] * D + o_cols[None, :], out.to(O.dtype.element_ty),
                      mask=(o_rows < S_Q)[:, None])
-        lse_out = (m_i + gl.log2(l_safe)) * 0.6931471805599453
         if SEPARABLE:  # the row part, which the softmax left out
             lse_out = lse_out + SCORE_ROW(b, h, Q_OFF + rows, origin, TS)
         lse_out = gl.where(seen, lse_out, float("-inf"))

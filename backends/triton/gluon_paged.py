@@ -29,8 +29,8 @@ what differs is where the rows live:
 """
 import triton.language as tl
 
-from .gluon_engine import _tma_load, _tma_store, _ws_blocks, _ws_get, _ws_handover, _ws_put, gluon, gl, mbarrier, tma, \
-    fence_async_shared  # noqa: F401 (gluon is the decorator; gl the language)
+from .gluon_engine import _tma_load, _tma_store, _ws_blocks, _ws_get, _ws_handover, _ws_put, _ws_row_totals, \
+    gluon, gl, mbarrier, tma, fence_async_shared  # noqa: F401 (gluon is the decorator; gl the language)
 
 
 @gluon.jit
@@ -106,8 +106,7 @@ def _pg_consumer(half, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars,
                                           qk_scale, TS, 1.0, False, False, ROWS_, BLOCK_N, D, STAGES, VISIBLE, SCORE,
                                           HAS_SCORE, SCALE, False, OVERLAP, True, PINGPONG, half, tc)
         mbarrier.arrive(q_empty, count=1)  # this half's Q.K^T are done: the next tile's Q may load
-        seen = (l_i > 0) | (l_i != l_i)  # NaN: a visible score was NaN or +inf; LSE NaN marks the row
-        l_safe = gl.where(seen, l_i, 1.0)
+        l_safe, seen, lse_out = _ws_row_totals(m_i, l_i)
         out = acc / gl.convert_layout(l_safe, orow_l)[:, None]  # rows that saw nothing: acc = 0, O = 0
         if row0 + ROWS_ <= q_len:
             tma.store_wait(0)  # the last tile's O has left shared memory
@@ -119,7 +118,7 @@ def _pg_consumer(half, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars,
             o_cols = gl.arange(0, D, gl.SliceLayout(0, o_layout))
             gl.store(O + ((first + o_rows) * H_Q + h)[:, None] * D + o_cols[None, :], out.to(O.dtype.element_ty),
                      mask=(o_rows < q_len)[:, None])
-        lse_out = gl.where(seen, (m_i + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+        lse_out = gl.where(seen, lse_out, float("-inf"))
         gl.store(LSE + (first + rows) * H_Q + h, lse_out, mask=rows < q_len)
         jc += 1
         mbarrier.wait(q_ready, jc & 1)

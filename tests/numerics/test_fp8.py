@@ -14,6 +14,7 @@ from attnc.backends.triton import launch, runtime  # noqa: E402
 from attnc.compiler import inputs, numerics, oracle  # noqa: E402
 from attnc.compiler.errors import InputError  # noqa: E402
 from attnc.compiler.lower import compile_spec  # noqa: E402
+from tests.conftest import prefill_launches  # noqa: E402
 
 HOPPER = (not runtime.interpreted() and torch.cuda.is_available()
           and torch.cuda.get_device_capability() == (9, 0))
@@ -204,13 +205,7 @@ def test_fp8_key_order_is_the_shuffle_free_operand_and_changes_nothing(s_k, monk
     kernel = runtime.load(program)
     q, k, v = (x.cuda() for x in _qkv(2, 4, 2, s_k, s_k, 128, seed=11))
     (q8, k8, v8), d = _quantized(q, k, v)
-    made = []
-    init = launch.PrefillLaunch.__init__
-
-    def spy(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        made.append(self)
-    monkeypatch.setattr(launch.PrefillLaunch, "__init__", spy)
+    made = prefill_launches(monkeypatch)
     o, lse = kernel(q8, k8, v8, return_lse=True, **d)
     assert made[-1].config.block_n == 256 and made[-1].p_perm == (s_k % 16 == 0)
     deq = [fp8.dequantize(x, d[n], torch.float64).cpu().numpy() for x, n in

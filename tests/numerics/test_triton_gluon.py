@@ -11,7 +11,7 @@ from attnc.compiler import oracle  # noqa: E402
 from attnc.backends.triton import gluon_engine, launch, runtime  # noqa: E402
 from attnc.compiler import inputs, numerics  # noqa: E402
 from attnc.compiler.lower import compile_file, compile_spec  # noqa: E402
-from tests.conftest import EXAMPLES  # noqa: E402
+from tests.conftest import EXAMPLES, prefill_launches  # noqa: E402
 
 HOPPER = (not runtime.interpreted() and torch.cuda.is_available()
           and torch.cuda.get_device_capability() == (9, 0))
@@ -88,18 +88,6 @@ def test_score_programs_on_both_engines_with_scores_of_a_few_units(name, engine)
     _check(compile_spec(SPECS[name]), 200, 333, seed=6, engine=engine, scale=2)
 
 
-def _launches(monkeypatch) -> list:
-    """The prefill launches made from here on (a call with options makes its own)."""
-    made = []
-    init = launch.PrefillLaunch.__init__
-
-    def spy(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        made.append(self)
-    monkeypatch.setattr(launch.PrefillLaunch, "__init__", spy)
-    return made
-
-
 @hopper
 @pytest.mark.parametrize("phase", ["prefill", "append_tails"])
 @pytest.mark.parametrize("name", SEPARABLE)
@@ -107,7 +95,7 @@ def test_separable_score_programs_on_the_engine(name, phase, monkeypatch):
     """The score program's separable form (compiler/separable.py): per cell one FMA on q.k and the
     column part, the row part added to LSE; O and LSE against the oracle, q and k doubled (scores
     of a few units), tiles across S_q and S_k in append_tails."""
-    made = _launches(monkeypatch)
+    made = prefill_launches(monkeypatch)
     _check(compile_spec(SPECS[name]), *PHASES[phase], seed=8, scale=2)
     assert made and {x.launcher.constexprs["SEPARABLE"] for x in made} == {SEPARABLE[name]}
 
@@ -119,7 +107,7 @@ def test_alibi_each_way_the_engine_takes_it(mode, schedule, monkeypatch):
     """ALiBi per cell (the score program), and in the separable form with its column part per key
     and per block: each against the oracle."""
     monkeypatch.setattr(launch, "separable_mode", lambda module, end, block_n=128: mode)
-    made = _launches(monkeypatch)
+    made = prefill_launches(monkeypatch)
     _check(compile_spec(SPECS["alibi_bf16"]), 200, 333, seed=9, schedule=schedule, scale=2)
     assert made and {x.launcher.constexprs["SEPARABLE"] for x in made} == {mode}
 
@@ -130,7 +118,7 @@ def test_separable_alibi_far_from_position_zero(monkeypatch):
     origin, so they stay of the order of the cells' own values (read from position 0, they would
     cancel by slope * 32K: LSE off by about 3e-3, over its tolerance)."""
     monkeypatch.setenv("ATTNC_MEMORY_LIMIT", "16GiB")
-    made = _launches(monkeypatch)
+    made = prefill_launches(monkeypatch)
     _check(compile_spec(SPECS["alibi_f16"]), 128, 32768, seed=10)
     assert made and {x.launcher.constexprs["SEPARABLE"] for x in made} == {int(gluon_engine.COLUMN_PER_BLOCK)}
 
@@ -270,7 +258,7 @@ def test_head_dim_64_runs_three_warpgroups_on_192_row_tiles(name, monkeypatch):
     text = {"causal_gqa_d64": "attention c { heads = 8 / 2 head_dim = 64 dtype = bf16 mask = causal }",
             "documents_d64": SPECS["f16_documents"].replace("head_dim = 128", "head_dim = 64")}[name]
     program = compile_spec(text)
-    made = _launches(monkeypatch)
+    made = prefill_launches(monkeypatch)
     _check(program, 333, 500, seed=12)
     assert made and all(x.config.block_m == 192 and x.launcher.constexprs["CONSUMERS"] == 3 for x in made)
     kernel = runtime.load(program)
