@@ -17,13 +17,17 @@ Implementations, each checked against a float32 reference on the GPU before it i
   sdpa_lower_right  SDPA with ``causal_lower_right`` (flash / efficient kernels) on contiguous
                     K/V with the heads repeated (SDPA's bias does not take enable_gqa).
 
+With ``scores`` naming a score program (``harness.SCORES``: ``alibi``, ``softcap30``), the spec, the
+reference and FlexAttention's score_mod apply it (the query row at position T + i); SDPA, which has
+no score program, is timed on the plain causal rows only.
+
 TFLOP/s count visible cells, 4 * d FLOPs each: C * T + C * (C + 1) / 2 per (request, head).
 """
 from __future__ import annotations
 
 import math
 
-from .harness import Rows, call_key, environment, prefill_flops, timed
+from .harness import SCORES, Rows, call_key, environment, prefill_flops, timed
 
 APPEND_CASES = ((4, 8192, 2048, 16), (4, 8192, 2048, 128), (8, 2048, 1024, 16), (1, 2048, 2048, 16))
 HEADS_Q, HEADS_KV, HEAD_DIM = 32, 8, 128
@@ -54,7 +58,7 @@ def append_case(batch, t_len, c_len, page_size, generator):
                      "q_lens": q_lens}
 
 
-def run_append(cases=None, out=None, seed=0, command="", flex: bool = True):
+def run_append(cases=None, out=None, seed=0, command="", flex: bool = True, scores=("",)):
     import torch
     import attnc
     from torch.nn.attention.bias import causal_lower_right
@@ -62,9 +66,13 @@ def run_append(cases=None, out=None, seed=0, command="", flex: bool = True):
     rows = Rows(out, command)
     env = environment()
     g = torch.Generator(device="cuda").manual_seed(seed)
-    contiguous = attnc.compile("attention append_contiguous { dtype = bf16 mask = causal }")
-    for batch, t_len, c_len, page in cases or APPEND_CASES:
-        attn = attnc.compile(f"attention append_bench {{ dtype = bf16 mask = causal "
+    unknown = [n for n in scores if n and n not in SCORES]
+    if unknown:
+        raise ValueError(f"append --scores: unknown score program '{unknown[0]}' (known: {', '.join(SCORES)})")
+    for (batch, t_len, c_len, page), score in ((c, n) for c in cases or APPEND_CASES for n in scores):
+        statement, score_ref, score_flex = SCORES[score] if score else ("", None, None)
+        contiguous = attnc.compile(f"attention append_contiguous {{ dtype = bf16 {statement} mask = causal }}")
+        attn = attnc.compile(f"attention append_bench {{ dtype = bf16 {statement} mask = causal "
                              f"cache = paged(page_size = {page}, layout = nhd) }}")
         program = attn.specialize(HEADS_Q, HEADS_KV, HEAD_DIM, HEAD_DIM, "bf16")
         q, k, v, cache = append_case(batch, t_len, c_len, page, g)
@@ -79,8 +87,12 @@ def run_append(cases=None, out=None, seed=0, command="", flex: bool = True):
             kf = k[b:b + 1].float().repeat_interleave(group, 1)
             vf = v[b:b + 1].float().repeat_interleave(group, 1)
             s = (q4[b:b + 1].float() @ kf.transpose(-1, -2)) / math.sqrt(HEAD_DIM)
-            keep = torch.arange(n, device="cuda")[None, :] <= (t_len + torch.arange(c_len, device="cuda"))[:, None]
-            ref[b:b + 1] = torch.softmax(s.masked_fill(~keep, float("-inf")), -1) @ vf
+            qi = (t_len + torch.arange(c_len, device="cuda"))[:, None]
+            ki = torch.arange(n, device="cuda")[None, :]
+            if score_ref is not None:
+                for h in range(HEADS_Q):
+                    s[0, h] = score_ref(s[0, h], h, qi, ki)
+            ref[b:b + 1] = torch.softmax(s.masked_fill(~(ki <= qi), float("-inf")), -1) @ vf
             del kf, vf, s
 
         def check(o, layout="packed"):
@@ -91,9 +103,10 @@ def run_append(cases=None, out=None, seed=0, command="", flex: bool = True):
 
         record = {"_key": call_key(program, batch, c_len, [n] * batch), "bench": "append", "B": batch, "T": t_len,
                   "C": c_len, "H_q": HEADS_Q, "H_kv": HEADS_KV, "D": HEAD_DIM, "dtype": "bf16", "page_size": page,
+                  "score": score or "none",
                   "visible_cells": cells, "env": env, "reference": "float32 softmax on GPU, per request",
                   "tolerance_rel_l2": 1e-2}
-        label = f"append B={batch} T={t_len} C={c_len} page={page}"
+        label = f"append B={batch} T={t_len} C={c_len} page={page}" + (f" {score}" if score else "")
         kernel = attn.kernel("triton", program)
         engine = kernel.decode_plan(dict(cache), total_q=int(q.shape[0]))["engine"]
         timed(lambda: attn.decode(q, **cache), check, {**record, "impl": "attnc_call", "engine": engine}, rows,
@@ -109,12 +122,21 @@ def run_append(cases=None, out=None, seed=0, command="", flex: bool = True):
             compiled = torch.compile(flex_attention)
             offset = t_len
             mask = create_block_mask(lambda b, h, qi, ki: ki <= qi + offset, None, None, c_len, n, device="cuda")
-            timed(lambda: compiled(qc, k, v, block_mask=mask, enable_gqa=True), lambda o: check(o, "bhsd"),
+            mod = None
+            if score_flex is not None:
+                inner = score_flex()
+
+                def mod(s, b, h, qi, ki):
+                    return inner(s, b, h, qi + offset, ki)
+            timed(lambda: compiled(qc, k, v, block_mask=mask, score_mod=mod, enable_gqa=True),
+                  lambda o: check(o, "bhsd"),
                   {**record, "impl": "flex_default"}, rows, f"{label} flex_default", flops, "TFLOPs")
-        kr, vr = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-        timed(lambda: torch.nn.functional.scaled_dot_product_attention(qc, kr, vr, attn_mask=bias),
-              lambda o: check(o, "bhsd"), {**record, "impl": "sdpa_lower_right", "note": "K/V heads repeated"},
-              rows, f"{label} sdpa_lower_right", flops, "TFLOPs")
-        del q, k, v, cache, kr, vr, ref, qc
+        if not score:
+            kr, vr = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+            timed(lambda: torch.nn.functional.scaled_dot_product_attention(qc, kr, vr, attn_mask=bias),
+                  lambda o: check(o, "bhsd"), {**record, "impl": "sdpa_lower_right", "note": "K/V heads repeated"},
+                  rows, f"{label} sdpa_lower_right", flops, "TFLOPs")
+            del kr, vr
+        del q, k, v, cache, ref, qc
         torch.cuda.empty_cache()
     return list(rows)

@@ -365,7 +365,11 @@ def cmd_bench(args) -> int:
         cases = [tuple(int(x) for x in c.split(":")) for c in args.cases.split(",")] if args.cases else None
         if cases and any(len(c) != 4 for c in cases):
             raise AttncError("attnc bench append --cases: B:T:C:page_size,... (e.g. 4:8192:2048:16)")
-        rows = run_append(cases=cases, out=args.out, command=command, flex=bool(args.flex_modes))
+        scores = tuple("" if n == "none" else n for n in (args.scores or "none").split(","))
+        if any(n and n not in harness.SCORES for n in scores):
+            raise AttncError(f"attnc bench append --scores: none or {', '.join(harness.SCORES)}, comma-separated "
+                             f"(got {args.scores!r})")
+        rows = run_append(cases=cases, out=args.out, command=command, flex=bool(args.flex_modes), scores=scores)
     elif args.what == "backward":
         from bench.backward import run_backward
         rows = run_backward(**_bench_shape(args), masks=args.masks.split(",") if args.masks else None, out=args.out,
@@ -635,6 +639,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "causal_d64_h32, alibi, softcap30_gqa, mla_192_128, causal_d256, fp8_causal; each at its own "
                    "shape), ending with issue 21's summary; decode: B:T,... (default 8:8192,32:8192,1:131072,64:2048); "
                    "append: B:T:C:page,... (default 4:8192:2048:16,4:8192:2048:128,8:2048:1024:16,1:2048:2048:16)")
+    p.add_argument("--scores", default=None, help="append: comma-separated score programs, each case timed "
+                   "with each: none, alibi, softcap30 (default none)")
     p.add_argument("--no-graph", action="store_true", help="decode: no CUDA-graph rows")
     p.add_argument("--no-configs", action="store_true", help="decode: no fixed-config rows")
     p.set_defaults(fn=cmd_bench)

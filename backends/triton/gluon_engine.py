@@ -139,6 +139,27 @@ def _ws_softmax(s, part, kb, ks, ke, m_i, l_i, b, h, q_pos, S_K, K_OFF, qk_scale
 
 
 @gluon.jit
+def _ws_separable(b, h, origin, TS, q_factor, job_scale, BLOCK_N: tl.constexpr, col_l: tl.constexpr,
+                  SEPARABLE: tl.constexpr, SCORE_SCALE: tl.constexpr, SCORE_COLUMN: tl.constexpr,
+                  P_PERM: tl.constexpr = False):
+    """A job's constants of the score program's separable form (``_ws_softmax``) for the rows around
+    ``origin``: (sep_scale, the form's factor on q.k in base 2 -- ``q_factor`` is SCALE, times q.k's
+    descales on FP8 calls --, and col_step, COLUMN_PER_BLOCK's column part at its steps from a
+    block's middle key); (1.0, 0.0) where the call does not take the form."""
+    if SEPARABLE:
+        sep_scale = SCORE_SCALE(b, h, TS) * q_factor * job_scale
+        if SEPARABLE == COLUMN_PER_BLOCK:
+            steps = origin - BLOCK_N // 2 + _key_cols(BLOCK_N, col_l, P_PERM)[None, :]
+            col_step = SCORE_COLUMN(b, h, steps, origin, TS) * job_scale
+        else:
+            col_step = 0.0
+    else:
+        sep_scale = 1.0
+        col_step = 0.0
+    return sep_scale, col_step
+
+
+@gluon.jit
 def _ws_zero_v_tail(v_stage, keep, BLOCK_N: tl.constexpr, D: tl.constexpr):
     """Zero rows [keep, BLOCK_N) of a V block in shared memory, 16 rows at a time: the keys past
     S_k, whose rows hold another head's or request's values, or a cache's stale ones, which
@@ -460,18 +481,9 @@ def _ws_consumer(half, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars,
             s_descale = 1.0
             job_scale = qk_scale
             v_descale = 1.0
-        if SEPARABLE:  # the form's factor on q.k in base 2 (FP8: with q.k's descales), and the origin
-            sep_scale = SCORE_SCALE(b, h, TS) * (SCALE * s_descale) * job_scale
-            origin = Q_OFF + q_tile0 + half * ROWS_ + ROWS_ // 2
-            if SEPARABLE == COLUMN_PER_BLOCK:  # the column part's steps from a block's middle key
-                steps = origin - BLOCK_N // 2 + _key_cols(BLOCK_N, col_l, P_PERM)[None, :]
-                col_step = SCORE_COLUMN(b, h, steps, origin, TS) * job_scale
-            else:
-                col_step = 0.0
-        else:
-            sep_scale = 1.0
-            origin = 0
-            col_step = 0.0
+        origin = Q_OFF + q_tile0 + half * ROWS_ + ROWS_ // 2
+        sep_scale, col_step = _ws_separable(b, h, origin, TS, SCALE * s_descale, job_scale, BLOCK_N, col_l,
+                                            SEPARABLE, SCORE_SCALE, SCORE_COLUMN, P_PERM)
         acc, m_i, l_i, c, tc = _ws_blocks(q, k_smem, v_smem, blk_smem, bars, lo, hi, c, ks, ke, b, h, q_pos, S_K,
                                           K_OFF, job_scale, TS, s_descale, MASK_FROM_ROWS, EVEN_K, ROWS_, BLOCK_N, D,
                                           STAGES, VISIBLE, SCORE, HAS_SCORE, SCALE, FP8, OVERLAP, ZERO_TAIL,

@@ -9,7 +9,8 @@ into 128-row tiles of one request, one split).  Its jobs are (tile, query head) 
 head's tiles longest first with the GQA group's query heads next to each other (the jobs
 running at once read one K/V head's blocks, which stay in L2), drawn from a counter by one
 program per SM as in ``gluon_engine``.  The consumers are the engine's (``_ws_blocks``: the same
-online softmax, score program per cell, PARTIAL blocks by the predicate, the ping-pong at d 128);
+online softmax, the score program per cell or in its separable form where the call's positions allow
+it (``launch.separable_mode``), PARTIAL blocks by the predicate, the ping-pong at d 128);
 what differs is where the rows live:
 
 * Q and O are the packed [total_q, H_q, d] tensors, viewed [total_q, H_q * d]: a tile's rows
@@ -30,7 +31,7 @@ what differs is where the rows live:
 import triton.language as tl
 
 from .gluon_engine import _tma_load, _tma_store, _ws_blocks, _ws_get, _ws_handover, _ws_put, _ws_row_totals, \
-    gluon, gl, mbarrier, tma, fence_async_shared  # noqa: F401 (gluon is the decorator; gl the language)
+    _ws_separable, gluon, gl, mbarrier, tma, fence_async_shared  # noqa: F401 (gluon: the decorator; gl: the language)
 
 
 @gluon.jit
@@ -71,16 +72,20 @@ def _pg_consumer(half, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars,
                  TILE_REQ, TILE_ROW0, n_jobs, qk_scale, TS, ROWS_: tl.constexpr, BLOCK_N: tl.constexpr,
                  D: tl.constexpr, STAGES: tl.constexpr, VISIBLE: tl.constexpr, SCORE: tl.constexpr,
                  HAS_SCORE: tl.constexpr, SCALE: tl.constexpr, H_Q: tl.constexpr, OVERLAP: tl.constexpr,
-                 PINGPONG: tl.constexpr):
+                 PINGPONG: tl.constexpr, SEPARABLE: tl.constexpr, SCORE_SCALE: tl.constexpr,
+                 SCORE_ROW: tl.constexpr, SCORE_COLUMN: tl.constexpr):
     """Rows [half * ROWS_, + ROWS_) of each tile the producer hands over (``gluon_engine.
     _ws_consumer``'s protocol): the blocks of its list through ``_ws_blocks``, then O and LSE at
-    the request's packed rows, under a mask where the tile crosses the request's end."""
+    the request's packed rows, under a mask where the tile crosses the request's end.  SEPARABLE:
+    the score program's separable form as on the prefill engine, from an origin in the middle of
+    this half's positions, the row part added to LSE."""
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turns = bars
     s_layout: tl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: tl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, D, 16])
     row_l: tl.constexpr = gl.SliceLayout(1, s_layout)
+    col_l: tl.constexpr = gl.SliceLayout(0, s_layout)
     orow_l: tl.constexpr = gl.SliceLayout(1, o_layout)
     q = q_smem.index(half)
     o = o_smem.index(half)
@@ -102,9 +107,13 @@ def _pg_consumer(half, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars,
         kv_len = gl.load(KV_LENS + b)
         rows = row0 + gl.arange(0, ROWS_, row_l)
         q_pos = (kv_len - q_len + rows)[:, None]  # bottom-right
+        origin = kv_len - q_len + row0 + ROWS_ // 2
+        sep_scale, col_step = _ws_separable(b, h, origin, TS, SCALE, qk_scale, BLOCK_N, col_l, SEPARABLE,
+                                            SCORE_SCALE, SCORE_COLUMN)
         acc, m_i, l_i, c, tc = _ws_blocks(q, k_smem, v_smem, blk_smem, bars, lo, hi, c, 0, 0, b, h, q_pos, kv_len, 0,
                                           qk_scale, TS, 1.0, False, False, ROWS_, BLOCK_N, D, STAGES, VISIBLE, SCORE,
-                                          HAS_SCORE, SCALE, False, OVERLAP, True, PINGPONG, half, tc)
+                                          HAS_SCORE, SCALE, False, OVERLAP, True, PINGPONG, half, tc, sep_scale,
+                                          origin, col_step, SEPARABLE, SCORE_COLUMN)
         mbarrier.arrive(q_empty, count=1)  # this half's Q.K^T are done: the next tile's Q may load
         l_safe, seen, lse_out = _ws_row_totals(m_i, l_i)
         out = acc / gl.convert_layout(l_safe, orow_l)[:, None]  # rows that saw nothing: acc = 0, O = 0
@@ -118,6 +127,8 @@ def _pg_consumer(half, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars,
             o_cols = gl.arange(0, D, gl.SliceLayout(0, o_layout))
             gl.store(O + ((first + o_rows) * H_Q + h)[:, None] * D + o_cols[None, :], out.to(O.dtype.element_ty),
                      mask=(o_rows < q_len)[:, None])
+        if SEPARABLE:  # the row part, which the softmax left out
+            lse_out = lse_out + SCORE_ROW(b, h, kv_len - q_len + rows, origin, TS)
         lse_out = gl.where(seen, lse_out, float("-inf"))
         gl.store(LSE + (first + rows) * H_Q + h, lse_out, mask=rows < q_len)
         jc += 1
@@ -187,10 +198,13 @@ def _paged_fwd_ws(q_desc, k_desc, v_desc, o_desc, O, LSE, COUNTER_PTR, JOBS, ENT
                   STAGES: tl.constexpr, CONSUMER_REGS: tl.constexpr, PRODUCER_REGS: tl.constexpr,
                   VISIBLE: tl.constexpr, SCORE: tl.constexpr, HAS_SCORE: tl.constexpr, SCALE: tl.constexpr,
                   H_Q: tl.constexpr, GROUP: tl.constexpr, D_QK: tl.constexpr, PAGED: tl.constexpr,
-                  PAGE: tl.constexpr, CHUNK: tl.constexpr, OVERLAP: tl.constexpr, PINGPONG: tl.constexpr):
+                  PAGE: tl.constexpr, CHUNK: tl.constexpr, OVERLAP: tl.constexpr, PINGPONG: tl.constexpr,
+                  SEPARABLE: tl.constexpr = 0, SCORE_SCALE: tl.constexpr = None, SCORE_ROW: tl.constexpr = None,
+                  SCORE_COLUMN: tl.constexpr = None):
     """Jobs (128-row tile of one request, query head) of a split call over a cache (module
     docstring), one program per SM drawing them from the counter at COUNTER_PTR.  D is V's (and
-    O's) head dim, D_QK Q and K's; K and V blocks of BLOCK_N rows land as BLOCK_N / CHUNK copies."""
+    O's) head dim, D_QK Q and K's; K and V blocks of BLOCK_N rows land as BLOCK_N / CHUNK copies.
+    SEPARABLE and the form's functions: ``launch.separable_constexprs`` (0: the score program per cell)."""
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
     o_smem = gl.allocate_shared_memory(o_desc.dtype, [2] + o_desc.block_type.shape, o_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, D_QK], k_desc.layout)
@@ -199,10 +213,12 @@ def _paged_fwd_ws(q_desc, k_desc, v_desc, o_desc, O, LSE, COUNTER_PTR, JOBS, ENT
     gl.warp_specialize([
         (_pg_consumer, (0, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars, o_desc, O, LSE, KV_LENS,
                         QO_INDPTR, TILE_REQ, TILE_ROW0, n_jobs, qk_scale, TS, ROWS_, BLOCK_N, D, STAGES, VISIBLE,
-                        SCORE, HAS_SCORE, SCALE, H_Q, OVERLAP, PINGPONG)),
+                        SCORE, HAS_SCORE, SCALE, H_Q, OVERLAP, PINGPONG, SEPARABLE, SCORE_SCALE, SCORE_ROW,
+                        SCORE_COLUMN)),
         (_pg_consumer, (1, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars, o_desc, O, LSE, KV_LENS,
                         QO_INDPTR, TILE_REQ, TILE_ROW0, n_jobs, qk_scale, TS, ROWS_, BLOCK_N, D, STAGES, VISIBLE,
-                        SCORE, HAS_SCORE, SCALE, H_Q, OVERLAP, PINGPONG)),
+                        SCORE, HAS_SCORE, SCALE, H_Q, OVERLAP, PINGPONG, SEPARABLE, SCORE_SCALE, SCORE_ROW,
+                        SCORE_COLUMN)),
         (_pg_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, job_smem, blk_smem, bars, COUNTER_PTR,
                         JOBS, ENTRY_PTR, BLOCKS, PARTIAL, KV_LENS, QO_INDPTR, TILE_REQ, TILE_ROW0, BASE, TABLE,
                         s_tb, PAGE_ROWS, HEAD_ROWS, K_COL, V_COL, n_jobs, ROWS_, BLOCK_N, STAGES, H_Q, GROUP, D_QK,

@@ -854,15 +854,17 @@ class CacheLaunch(_GluonDescriptors):
         self._maxnreg = maxnreg
         self._launchers: dict = {}
 
-    def _launcher(self, end: int) -> Launcher:
-        """The launch for calls whose positions lie below ``end`` (the fast score forms or not)."""
-        fast = fast_scores(end)
-        lz = self._launchers.get(fast)
+    def _launcher(self, end: int | None) -> Launcher:
+        """The launch for calls whose positions lie below ``end`` (the fast score forms or not, the
+        separable form or not: ``separable_mode``; None, unknown positions: neither)."""
+        fast, mode = fast_scores(end), separable_mode(self.module, end, self.block_n)
+        lz = self._launchers.get((fast, mode))
         if lz is None:
             from . import gluon_paged
             score, _ = score_functions(self.module, end)
-            lz = self._launchers[fast] = Launcher(gluon_paged._paged_fwd_ws, dict(
-                self._constexprs, VISIBLE=self.module.visible, SCORE=score), num_warps=4, maxnreg=self._maxnreg)
+            lz = self._launchers[(fast, mode)] = Launcher(gluon_paged._paged_fwd_ws, dict(
+                self._constexprs, VISIBLE=self.module.visible, SCORE=score,
+                **separable_constexprs(self.module, end, self.block_n)), num_warps=4, maxnreg=self._maxnreg)
         return lz
 
     def __call__(self, q, k_cache, v_cache, plan: dict, arrays: dict, ts: tuple, out, lse, workspace):

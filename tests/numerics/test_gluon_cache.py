@@ -84,6 +84,24 @@ def test_documents_and_a_score_program_through_the_page_table():
 
 
 @hopper
+@pytest.mark.parametrize("layout, d", [("paged16_csr_hnd", "128"), ("contiguous_bshd", "64")])
+def test_alibi_through_the_page_table_takes_the_separable_form(layout, d, monkeypatch):
+    """ALiBi on appends: the separable form (its column part per block) on the engine, against the
+    oracle and against the split producer, which takes the score program per cell."""
+    p = _program(LAYOUTS[layout], heads="8 / 2", d=d, extra="score = score - exp(-(h + 1) * log(2.0) * 0.5) * (q - k)")
+    taken, launcher = [], launch.CacheLaunch._launcher
+
+    def spy(self, end):
+        taken.append(launch.separable_mode(self.module, end, self.block_n))
+        return launcher(self, end)
+    monkeypatch.setattr(launch.CacheLaunch, "_launcher", spy)
+    got, lse = _check(p, seed=13)
+    assert taken == [int(launch.gluon_engine.COLUMN_PER_BLOCK)]
+    split, split_lse = _check(p, seed=13, engine="split", want="split")
+    assert np.abs(got - split).max() < 2e-2 and np.abs(lse - split_lse).max() < 1e-3
+
+
+@hopper
 def test_the_engine_agrees_with_the_split_producer():
     p = _program(LAYOUTS["paged16_dense_nhd"])
     got, lse = _check(p, seed=11)

@@ -78,6 +78,10 @@ def compile_engine(text, mode, fp8=False, d=128, bn=None, consumers=2, p_perm=Fa
                                    OVERLAP=L.gluon_overlap(d, d, fp8), ZERO_TAIL=False,
                                    PINGPONG=consumers == 2 and L.gluon_pingpong(d, d, fp8), CONSUMERS=consumers,
                                    P_PERM=p_perm, **keep, **sep)
+    return ptx_counts(kernel)
+
+
+def ptx_counts(kernel):
     ops = collections.Counter()
     for line in kernel.asm["ptx"].splitlines():
         m = re.match(r"\s+(?:@%p\d+\s+)?([a-z][\w.]*)", line)
@@ -86,11 +90,11 @@ def compile_engine(text, mode, fp8=False, d=128, bn=None, consumers=2, p_perm=Fa
     return ops
 
 
-def compile_cache_engine(page, d=128):
-    """The engine over a paged cache (gluon_paged), pages of ``page`` rows."""
+def compile_cache_engine(page, d=128, text="attention p {{ heads = 8 / 2 head_dim = {d} dtype = bf16 mask = causal }}"):
+    """The engine over a paged cache (gluon_paged), pages of ``page`` rows, the separable form
+    where the spec has one (launch.separable_constexprs at positions below 4096)."""
     from attnc.backends.triton import gluon_paged
-    module = load_module(*(lambda s: (s.text, s.module_stem))(emit(compile_spec(
-        "attention p { heads = 8 / 2 head_dim = %d dtype = bf16 mask = causal }" % d))))
+    module = load_module(*(lambda s: (s.text, s.module_stem))(emit(compile_spec(text.format(d=d)))))
     spec = L.spec_constexprs(module, 4096)
     gl = G.gl
     def desc(rows, cols, block):
@@ -104,10 +108,11 @@ def compile_cache_engine(page, d=128):
             16, page, 0, d, d, (), 256, 1.4426950408889634 / 8)
     kernel = gluon_paged._paged_fwd_ws.warmup(
         *args, grid=(1,), num_warps=4, maxnreg=168, ROWS_=64, BLOCK_N=bn, D=d, STAGES=2, CONSUMER_REGS=240,
-        PRODUCER_REGS=24, VISIBLE=spec["VISIBLE"], SCORE=spec["SCORE"], HAS_SCORE=False, SCALE=spec["SCALE"],
+        PRODUCER_REGS=24, VISIBLE=spec["VISIBLE"], SCORE=spec["SCORE"], HAS_SCORE=spec["HAS_SCORE"],
+        SCALE=spec["SCALE"],
         H_Q=8, GROUP=4, D_QK=d, PAGED=True, PAGE=page, CHUNK=chunk, OVERLAP=L.gluon_overlap(d, d, False),
-        PINGPONG=L.gluon_pingpong(d, d, False))
-    return collections.Counter(re.findall(r"cp\.async\.bulk\.tensor", kernel.asm["ptx"]))
+        PINGPONG=L.gluon_pingpong(d, d, False), **L.separable_constexprs(module, 4096))
+    return ptx_counts(kernel)
 
 
 heads = "heads = 8 / 2 head_dim = {d} dtype = bf16 mask = causal"
@@ -123,6 +128,7 @@ out["d64_three"] = compile_engine(causal.format(d=64), 0, False, 64, bn=128, con
 out["fp8_256"] = compile_engine(causal.format(d=128), 0, True, 128, bn=256)
 out["fp8_256_p_perm"] = compile_engine(causal.format(d=128), 0, True, 128, bn=256, p_perm=True)
 out.update({f"paged{page}": compile_cache_engine(page) for page in (16, 256)})
+out["paged_alibi"] = compile_cache_engine(16, text=alibi)
 print(json.dumps(out))
 '''
 
@@ -164,9 +170,20 @@ def test_alibi_per_block_costs_causals_cell_arithmetic_and_one_subtraction(ptx_o
 def test_the_engine_over_a_cache_compiles_for_sm_90(ptx_ops):
     """gluon_paged's program compiles with pages smaller than a K/V block (several TMA copies into
     slices of a stage) and larger; each K and V block is copied by TMA."""
-    small, large = ptx_ops["paged16"], ptx_ops["paged256"]
-    assert small and large
-    assert sum(small.values()) > sum(large.values())  # 8 copies per K and V block against 1
+    copies = lambda ops: sum(n for op, n in ops.items() if op.startswith("cp.async.bulk.tensor"))  # noqa: E731
+    small, large = copies(ptx_ops["paged16"]), copies(ptx_ops["paged256"])
+    assert small > large > 0  # 8 copies per K and V block against 1
+
+
+def test_the_engine_over_a_cache_takes_alibi_per_block(ptx_ops):
+    """Appends over a cache take the separable form as prefill does: ALiBi costs causal's cell
+    arithmetic and one subtraction per cell, positions converted per job and block, not per key."""
+    causal, alibi = ptx_ops["paged16"], ptx_ops["paged_alibi"]
+    cells = causal["ex2.approx.ftz.f32"]
+    assert alibi["ex2.approx.ftz.f32"] == cells
+    assert abs(alibi["fma.rn.f32"] - causal["fma.rn.f32"]) <= 8
+    assert alibi["sub.f32"] - causal["sub.f32"] == cells
+    assert alibi["cvt.rn.f32.s32"] - causal.get("cvt.rn.f32.s32", 0) < cells // 4
 
 
 def test_three_consumer_warpgroups_compile_each_with_its_rows(ptx_ops):
