@@ -237,6 +237,15 @@ def _ws_row_totals(m_i, l_i):
 
 
 @gluon.jit
+def _ws_lse(lse_out, seen, b, h, positions, origin, TS, SEPARABLE: tl.constexpr, SCORE_ROW: tl.constexpr):
+    """A row's LSE as stored: SEPARABLE, the score program's row part at the rows' ``positions``
+    added (the softmax left it out); -inf for a row that saw nothing (``_ws_row_totals``)."""
+    if SEPARABLE:
+        lse_out = lse_out + SCORE_ROW(b, h, positions, origin, TS)
+    return gl.where(seen, lse_out, float("-inf"))
+
+
+@gluon.jit
 def _ws_job(t, BH, Q_TILES, ORDER, PLAN_B, PLAN_H, M_CSR, HEAD_GROUP: tl.constexpr, H_Q: tl.constexpr):
     """The launch's t-th job (``_job``'s order): its query tile, b * H_q + h, and its range
     [lo, hi) of the plan's merged block list."""
@@ -506,9 +515,7 @@ def _ws_consumer(half, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars,
             o_cols = gl.arange(0, D, gl.SliceLayout(0, o_layout))
             gl.store(O + (bh * S_Q + o_rows)[:, None] * D + o_cols[None, :], out.to(O.dtype.element_ty),
                      mask=(o_rows < S_Q)[:, None])
-        if SEPARABLE:  # the row part, which the softmax left out
-            lse_out = lse_out + SCORE_ROW(b, h, Q_OFF + rows, origin, TS)
-        lse_out = gl.where(seen, lse_out, float("-inf"))
+        lse_out = _ws_lse(lse_out, seen, b, h, Q_OFF + rows, origin, TS, SEPARABLE, SCORE_ROW)
         if EVEN_Q:
             gl.store(LSE + bh * S_Q + rows, lse_out)
         else:

@@ -30,8 +30,8 @@ what differs is where the rows live:
 """
 import triton.language as tl
 
-from .gluon_engine import _tma_load, _tma_store, _ws_blocks, _ws_get, _ws_handover, _ws_put, _ws_row_totals, \
-    _ws_separable, gluon, gl, mbarrier, tma, fence_async_shared  # noqa: F401 (gluon: the decorator; gl: the language)
+from .gluon_engine import _tma_load, _tma_store, _ws_blocks, _ws_get, _ws_handover, _ws_lse, _ws_put, \
+    _ws_row_totals, _ws_separable, gluon, gl, mbarrier, tma, fence_async_shared  # noqa: F401
 
 
 @gluon.jit
@@ -127,9 +127,7 @@ def _pg_consumer(half, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars,
             o_cols = gl.arange(0, D, gl.SliceLayout(0, o_layout))
             gl.store(O + ((first + o_rows) * H_Q + h)[:, None] * D + o_cols[None, :], out.to(O.dtype.element_ty),
                      mask=(o_rows < q_len)[:, None])
-        if SEPARABLE:  # the row part, which the softmax left out
-            lse_out = lse_out + SCORE_ROW(b, h, kv_len - q_len + rows, origin, TS)
-        lse_out = gl.where(seen, lse_out, float("-inf"))
+        lse_out = _ws_lse(lse_out, seen, b, h, kv_len - q_len + rows, origin, TS, SEPARABLE, SCORE_ROW)
         gl.store(LSE + (first + rows) * H_Q + h, lse_out, mask=rows < q_len)
         jc += 1
         mbarrier.wait(q_ready, jc & 1)
