@@ -6,7 +6,8 @@ variant a fresh launch):
   overlap / no_overlap   block i+1's Q.K^T issued before block i's softmax (FlashAttention-3's
               intra-warpgroup overlap: ``launch.GLUON_OVERLAP``; FP8 launches never overlap);
   regs232 / regs240      the consumer warpgroups' registers (``launch.GLUON_REGS_D128``);
-  stages3     three K/V stages (``launch.GLUON_STAGES``; FP8 blocks are half the bytes);
+  stages3, stages4   three or four K/V stages (``launch.GLUON_STAGES``; FP8 blocks are half the bytes);
+  q1          one Q buffer (``launch.GLUON_Q_BUFFERS``; the engine takes two where they cost no stage);
   pingpong    FlashAttention-3's ping-pong: the consumers take turns issuing block i's Q.K^T with
               block i-1's P.V, each softmax under the other's MMAs (``launch.GLUON_PINGPONG_DIMS``: the head dims that take it);
   one_tile, head_group<n>   the call options ``schedule="one_tile"`` (one job per program) and
@@ -29,6 +30,7 @@ import sys
 VARIANTS = {"base": {}, "overlap": {"OVERLAP": True}, "no_overlap": {"OVERLAP": False},
             "regs232": {"REGS": (168, 232, 24)}, "regs240": {"REGS": (168, 240, 24)},
             "overlap_regs240": {"OVERLAP": True, "REGS": (168, 240, 24)}, "stages3": {"STAGES": 3},
+            "stages4": {"STAGES": 4}, "q1": {"Q_BUFFERS": 1},
             "overlap_stages3": {"OVERLAP": True, "STAGES": 3},
             "one_tile": {"options": {"schedule": "one_tile"}}, "head_group8": {"options": {"head_group": 8}},
             "head_group16": {"options": {"head_group": 16}}, "head_group2": {"options": {"head_group": 2}},
@@ -66,7 +68,7 @@ def main(argv=None) -> int:
     from attnc.backends.triton import launch
     b, h, s, d = 4, args.heads, args.seq, args.head_dim
     defaults = {"OVERLAP": launch.GLUON_OVERLAP, "REGS": launch.GLUON_REGS_D128, "STAGES": launch.GLUON_STAGES,
-                "PINGPONG": launch.GLUON_PINGPONG_DIMS}
+                "PINGPONG": launch.GLUON_PINGPONG_DIMS, "Q_BUFFERS": launch.GLUON_Q_BUFFERS}
     for mask in args.masks.split(","):
         attn = attnc.compile(f"attention c {{ heads = {h} head_dim = {d} dtype = bf16 "
                              f"mask = {'causal' if mask == 'causal' else 'true'} }}")
@@ -84,6 +86,7 @@ def main(argv=None) -> int:
                 launch.GLUON_OVERLAP, launch.GLUON_REGS_D128, launch.GLUON_STAGES = (knobs["OVERLAP"], knobs["REGS"],
                                                                                  knobs["STAGES"])
                 launch.GLUON_PINGPONG_DIMS = knobs["PINGPONG"]
+                launch.GLUON_Q_BUFFERS = knobs["Q_BUFFERS"]
                 row = {"study": "engine_variants", "variant": name, "mask": mask, "dtype": dtype, "B": b, "H": h,
                        "S": s, "D": d}
                 try:
@@ -105,6 +108,7 @@ def main(argv=None) -> int:
         launch.GLUON_OVERLAP, launch.GLUON_REGS_D128, launch.GLUON_STAGES = (defaults["OVERLAP"], defaults["REGS"],
                                                                          defaults["STAGES"])
         launch.GLUON_PINGPONG_DIMS = defaults["PINGPONG"]
+        launch.GLUON_Q_BUFFERS = defaults["Q_BUFFERS"]
         del q, k, v, q8, k8, v8
         torch.cuda.empty_cache()
     return 0

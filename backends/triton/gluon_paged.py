@@ -73,7 +73,7 @@ def _pg_consumer(half, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars,
                  D: tl.constexpr, STAGES: tl.constexpr, VISIBLE: tl.constexpr, SCORE: tl.constexpr,
                  HAS_SCORE: tl.constexpr, SCALE: tl.constexpr, H_Q: tl.constexpr, OVERLAP: tl.constexpr,
                  PINGPONG: tl.constexpr, SEPARABLE: tl.constexpr, SCORE_SCALE: tl.constexpr,
-                 SCORE_ROW: tl.constexpr, SCORE_COLUMN: tl.constexpr):
+                 SCORE_ROW: tl.constexpr, SCORE_COLUMN: tl.constexpr, Q_BUFS: tl.constexpr = 1):
     """Rows [half * ROWS_, + ROWS_) of each tile the producer hands over (``gluon_engine.
     _ws_consumer``'s protocol): the blocks of its list through ``_ws_blocks``, then O and LSE at
     the request's packed rows, under a mask where the tile crosses the request's end.  SEPARABLE:
@@ -87,17 +87,18 @@ def _pg_consumer(half, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars,
     row_l: tl.constexpr = gl.SliceLayout(1, s_layout)
     col_l: tl.constexpr = gl.SliceLayout(0, s_layout)
     orow_l: tl.constexpr = gl.SliceLayout(1, o_layout)
-    q = q_smem.index(half)
     o = o_smem.index(half)
     c = 0
     jc = 0
     tc = 0
-    mbarrier.wait(q_ready, 0)
-    t = _ws_get(job_smem, 0, 4)
+    mbarrier.wait(q_ready.index(0), 0)
+    t = _ws_get(job_smem.index(0), 0, 4)
     while t < n_jobs:
-        job = _ws_get(job_smem, 1, 4)  # tile * H_Q + h
-        lo = _ws_get(job_smem, 2, 4)
-        hi = _ws_get(job_smem, 3, 4)
+        buf = jc % Q_BUFS
+        q = q_smem.index(2 * buf + half)
+        job = _ws_get(job_smem.index(buf), 1, 4)  # tile * H_Q + h
+        lo = _ws_get(job_smem.index(buf), 2, 4)
+        hi = _ws_get(job_smem.index(buf), 3, 4)
         tile = job // H_Q
         h = job % H_Q
         b = gl.load(TILE_REQ + tile)
@@ -114,7 +115,7 @@ def _pg_consumer(half, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars,
                                           qk_scale, TS, 1.0, False, False, ROWS_, BLOCK_N, D, STAGES, VISIBLE, SCORE,
                                           HAS_SCORE, SCALE, False, OVERLAP, True, PINGPONG, half, tc, sep_scale,
                                           origin, col_step, SEPARABLE, SCORE_COLUMN)
-        mbarrier.arrive(q_empty, count=1)  # this half's Q.K^T are done: the next tile's Q may load
+        mbarrier.arrive(q_empty.index(buf), count=1)  # this half's Q.K^T are done: the buffer may take a later Q
         l_safe, seen, lse_out = _ws_row_totals(m_i, l_i)
         out = acc / gl.convert_layout(l_safe, orow_l)[:, None]  # rows that saw nothing: acc = 0, O = 0
         if row0 + ROWS_ <= q_len:
@@ -130,8 +131,8 @@ def _pg_consumer(half, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars,
         lse_out = _ws_lse(lse_out, seen, b, h, kv_len - q_len + rows, origin, TS, SEPARABLE, SCORE_ROW)
         gl.store(LSE + (first + rows) * H_Q + h, lse_out, mask=rows < q_len)
         jc += 1
-        mbarrier.wait(q_ready, jc & 1)
-        t = _ws_get(job_smem, 0, 4)
+        mbarrier.wait(q_ready.index(jc % Q_BUFS), (jc // Q_BUFS) & 1)
+        t = _ws_get(job_smem.index(jc % Q_BUFS), 0, 4)
     tma.store_wait(0)
 
 
@@ -140,7 +141,7 @@ def _pg_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, job_smem, blk_s
                  ENTRY_PTR, BLOCKS, PARTIAL, KV_LENS, QO_INDPTR, TILE_REQ, TILE_ROW0, BASE, TABLE, s_tb, PAGE_ROWS,
                  HEAD_ROWS, K_COL, V_COL, n_jobs, ROWS_: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
                  H_Q: tl.constexpr, GROUP: tl.constexpr, D_QK: tl.constexpr, PAGED: tl.constexpr,
-                 PAGE: tl.constexpr, CHUNK: tl.constexpr):
+                 PAGE: tl.constexpr, CHUNK: tl.constexpr, Q_BUFS: tl.constexpr = 1):
     """``gluon_engine._ws_producer`` over a cache: each job's Q halves from the request's packed
     rows, then every block of the tile's list as BLOCK_N / CHUNK copies per K and V
     (``_pg_kv_row``).  K_COL / V_COL: the columns of one K / V head in the cache's view (d on
@@ -155,13 +156,14 @@ def _pg_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, job_smem, blk_s
         if drawn == n_jobs - 1:  # every program's draws add up to n_jobs: this one is the last
             gl.atomic_add(COUNTER_PTR, -n_jobs)  # (the counter holds n_jobs: back to zero)
         nxt = gl.num_programs(0) + drawn
-        mbarrier.wait(q_empty, (jc & 1) ^ 1)
-        _ws_put(job_smem, (t, tile * H_Q + h, lo, hi), 4)
+        buf = jc % Q_BUFS
+        mbarrier.wait(q_empty.index(buf), ((jc // Q_BUFS) & 1) ^ 1)
+        _ws_put(job_smem.index(buf), (t, tile * H_Q + h, lo, hi), 4)
         b = gl.load(TILE_REQ + tile)
         q_row0 = gl.load(QO_INDPTR + b) + gl.load(TILE_ROW0 + tile)
-        mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
-        _tma_load(q_desc, [q_row0, h * D_QK], q_ready, q_smem.index(0))
-        _tma_load(q_desc, [q_row0 + ROWS_, h * D_QK], q_ready, q_smem.index(1))
+        mbarrier.expect(q_ready.index(buf), 2 * q_desc.block_type.nbytes)
+        _tma_load(q_desc, [q_row0, h * D_QK], q_ready.index(buf), q_smem.index(2 * buf))
+        _tma_load(q_desc, [q_row0 + ROWS_, h * D_QK], q_ready.index(buf), q_smem.index(2 * buf + 1))
         kvh = h // GROUP
         kv_len = gl.load(KV_LENS + b)
         base = gl.load(BASE + b).to(gl.int32)
@@ -184,9 +186,10 @@ def _pg_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, job_smem, blk_s
         jc += 1
         t = nxt
         tile, h, lo, hi = _pg_job(gl.minimum(t, n_jobs - 1), H_Q, JOBS, ENTRY_PTR)
-    mbarrier.wait(q_empty, (jc & 1) ^ 1)  # "none left", once the consumers are done with the last Q
-    _ws_put(job_smem, (t, 0, 0, 0), 4)
-    mbarrier.arrive(q_ready, count=1)
+    buf = jc % Q_BUFS  # "none left", once the consumers are done with that buffer's last Q
+    mbarrier.wait(q_empty.index(buf), ((jc // Q_BUFS) & 1) ^ 1)
+    _ws_put(job_smem.index(buf), (t, 0, 0, 0), 4)
+    mbarrier.arrive(q_ready.index(buf), count=1)
 
 
 @gluon.jit
@@ -198,27 +201,28 @@ def _paged_fwd_ws(q_desc, k_desc, v_desc, o_desc, O, LSE, COUNTER_PTR, JOBS, ENT
                   H_Q: tl.constexpr, GROUP: tl.constexpr, D_QK: tl.constexpr, PAGED: tl.constexpr,
                   PAGE: tl.constexpr, CHUNK: tl.constexpr, OVERLAP: tl.constexpr, PINGPONG: tl.constexpr,
                   SEPARABLE: tl.constexpr = 0, SCORE_SCALE: tl.constexpr = None, SCORE_ROW: tl.constexpr = None,
-                  SCORE_COLUMN: tl.constexpr = None):
+                  SCORE_COLUMN: tl.constexpr = None, Q_BUFS: tl.constexpr = 1):
     """Jobs (128-row tile of one request, query head) of a split call over a cache (module
     docstring), one program per SM drawing them from the counter at COUNTER_PTR.  D is V's (and
     O's) head dim, D_QK Q and K's; K and V blocks of BLOCK_N rows land as BLOCK_N / CHUNK copies.
-    SEPARABLE and the form's functions: ``launch.separable_constexprs`` (0: the score program per cell)."""
-    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+    SEPARABLE and the form's functions: ``launch.separable_constexprs`` (0: the score program per cell).
+    Q_BUFS: Q's buffers, as on the prefill engine (``gluon_engine._ws_producer``)."""
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2 * Q_BUFS] + q_desc.block_type.shape, q_desc.layout)
     o_smem = gl.allocate_shared_memory(o_desc.dtype, [2] + o_desc.block_type.shape, o_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, D_QK], k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, D], v_desc.layout)
-    job_smem, blk_smem, bars = _ws_handover(STAGES)
+    job_smem, blk_smem, bars = _ws_handover(STAGES, 2, Q_BUFS)
     gl.warp_specialize([
         (_pg_consumer, (0, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars, o_desc, O, LSE, KV_LENS,
                         QO_INDPTR, TILE_REQ, TILE_ROW0, n_jobs, qk_scale, TS, ROWS_, BLOCK_N, D, STAGES, VISIBLE,
                         SCORE, HAS_SCORE, SCALE, H_Q, OVERLAP, PINGPONG, SEPARABLE, SCORE_SCALE, SCORE_ROW,
-                        SCORE_COLUMN)),
+                        SCORE_COLUMN, Q_BUFS)),
         (_pg_consumer, (1, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars, o_desc, O, LSE, KV_LENS,
                         QO_INDPTR, TILE_REQ, TILE_ROW0, n_jobs, qk_scale, TS, ROWS_, BLOCK_N, D, STAGES, VISIBLE,
                         SCORE, HAS_SCORE, SCALE, H_Q, OVERLAP, PINGPONG, SEPARABLE, SCORE_SCALE, SCORE_ROW,
-                        SCORE_COLUMN)),
+                        SCORE_COLUMN, Q_BUFS)),
         (_pg_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, job_smem, blk_smem, bars, COUNTER_PTR,
                         JOBS, ENTRY_PTR, BLOCKS, PARTIAL, KV_LENS, QO_INDPTR, TILE_REQ, TILE_ROW0, BASE, TABLE,
                         s_tb, PAGE_ROWS, HEAD_ROWS, K_COL, V_COL, n_jobs, ROWS_, BLOCK_N, STAGES, H_Q, GROUP, D_QK,
-                        PAGED, PAGE, CHUNK)),
+                        PAGED, PAGE, CHUNK, Q_BUFS)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])

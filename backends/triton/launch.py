@@ -52,6 +52,7 @@ GLUON_WIDE_TILES = (128, 64)  # head dims above 128: two K/V stages fit shared m
 GLUON_HEAD_DIMS = (64, 128, 192, 256)  # q.k's (192: loaded as 256 columns, zero-filled)
 GLUON_V_DIMS = (64, 128, 256)  # v's and O's (the register tile and the masked tail store need a power of two)
 GLUON_STAGES = 2
+GLUON_Q_BUFFERS = 2  # at most (gluon_q_buffers)
 # the tiles the engine walks: 128 query rows (two consumer warpgroups) by 64, 128 or 256 keys, or 192
 # (three; head dims <= 64, FlashAttention-3's tile there) by 64 or 128
 GLUON_TILE_SHAPES = ((128, 64), (128, 128), (128, 256), (192, 64), (192, 128))
@@ -262,23 +263,34 @@ def gluon_box(d: int) -> int:
 
 
 def gluon_smem(d_qk: int, d_v: int, block_n: int, stages: int, schedule: int = 1, fp8: bool = False,
-               rows: int = 128) -> int:
-    """Shared memory bytes of the Gluon engine's buffers: Q's two halves, O's (unless one tile
-    per program with d_qk = d_v in one dtype: O goes out through Q's), ``stages`` K/V blocks,
+               rows: int = 128, q_bufs: int = 1) -> int:
+    """Shared memory bytes of the Gluon engine's buffers: ``q_bufs`` query tiles, O's (unless one
+    tile per program with d_qk = d_v in one dtype: O goes out through Q's), ``stages`` K/V blocks,
     1 KiB of barriers and job slots.  Q, K and V take 2 bytes (f16 / bf16) or 1 (``fp8``); O 2."""
     d_qk, d_v = gluon_box(d_qk), gluon_box(d_v)
     elem = 1 if fp8 else 2
     o = 0 if schedule == 0 and d_qk == d_v and not fp8 else 2 * rows * d_v
-    return elem * (rows * d_qk + stages * block_n * (d_qk + d_v)) + o + 1024
+    return elem * (q_bufs * rows * d_qk + stages * block_n * (d_qk + d_v)) + o + 1024
 
 
 def gluon_stages(d_qk: int, d_v: int, block_n: int, asked: int, schedule: int = 1, fp8: bool = False,
-                 rows: int = 128) -> int:
+                 rows: int = 128, q_bufs: int = 1) -> int:
     """K/V stages of a Gluon launch: ``asked``, or as many as fit the shared memory beside the fixed
     buffers (``gluon_smem``), at least one."""
-    fixed = gluon_smem(d_qk, d_v, block_n, 0, schedule, fp8, rows)
+    fixed = gluon_smem(d_qk, d_v, block_n, 0, schedule, fp8, rows, q_bufs)
     per_stage = block_n * (gluon_box(d_qk) + gluon_box(d_v)) * (1 if fp8 else 2)
     return max(1, min(asked, (gluon_engine.SMEM - fixed) // per_stage))
+
+
+def gluon_q_buffers(d_qk: int, d_v: int, block_n: int, asked: int, schedule: int = 1, fp8: bool = False,
+                    rows: int = 128) -> int:
+    """Q's buffers in a Gluon launch: GLUON_Q_BUFFERS (two: the next tile's Q and K/V load under
+    this tile's last blocks, and the consumers need not meet at tile boundaries) where a program
+    runs several tiles (the counter schedule) and the second buffer costs no K/V stage, else one."""
+    if schedule != 1 or GLUON_Q_BUFFERS < 2:
+        return 1
+    stages = gluon_stages(d_qk, d_v, block_n, asked, schedule, fp8, rows)
+    return 2 if gluon_smem(d_qk, d_v, block_n, stages, schedule, fp8, rows, 2) <= gluon_engine.SMEM else 1
 
 
 def check_options(asked: dict) -> None:
@@ -589,6 +601,7 @@ class PrefillLaunch(_GluonDescriptors):
             d_qk, d_v, bn = module.SPEC["D_QK"], module.SPEC["D_V"], c.block_n
             same = d_qk == d_v
             stages = gluon_stages(d_qk, d_v, bn, c.num_stages, self.schedule, fp8, c.block_m)
+            q_bufs = gluon_q_buffers(d_qk, d_v, bn, c.num_stages, self.schedule, fp8, c.block_m)
             consumers = gluon_consumers(c.block_m)
             self.p_perm = fp8 and fp8_key_order(self.s_k)
             maxnreg, consumer, producer = gluon_regs(d_qk, d_v, consumers)
@@ -600,7 +613,7 @@ class PrefillLaunch(_GluonDescriptors):
                 HEAD_GROUP=c.head_group, CONSUMER_REGS=consumer, PRODUCER_REGS=producer, SCHEDULE=self.schedule,
                 FP8=fp8, OVERLAP=gluon_overlap(d_qk, d_v, fp8), ZERO_TAIL=not fp8 and self.s_k % bn != 0,
                 PINGPONG=consumers == 2 and gluon_pingpong(d_qk, d_v, fp8),
-                CONSUMERS=consumers, P_PERM=self.p_perm, **keep,
+                CONSUMERS=consumers, P_PERM=self.p_perm, Q_BUFS=q_bufs, **keep,
                 **separable_constexprs(module, end, bn)),
                 num_warps=4, maxnreg=maxnreg)
             unused = arrays["merged_partial"]
@@ -844,13 +857,15 @@ class CacheLaunch(_GluonDescriptors):
         page = page_size if paged else block_n
         maxnreg, consumer, producer = gluon_regs(d_qk, d_v)
         stages = gluon_stages(d_qk, d_v, block_n, GLUON_STAGES)
+        q_bufs = gluon_q_buffers(d_qk, d_v, block_n, GLUON_STAGES)
         keep = {n: spec[n] for n in ("HAS_SCORE", "SCALE", "H_Q", "GROUP")}
         self.sms = sm_count(device)
         self._descs, self._layouts = {}, {}
         self._constexprs = dict(
             ROWS_=gluon_engine.ROWS, BLOCK_N=block_n, D=d_v, STAGES=stages, CONSUMER_REGS=consumer,
             PRODUCER_REGS=producer, D_QK=d_qk, PAGED=paged, PAGE=page, CHUNK=min(page, block_n),
-            OVERLAP=gluon_overlap(d_qk, d_v, False), PINGPONG=gluon_pingpong(d_qk, d_v, False), **keep)
+            OVERLAP=gluon_overlap(d_qk, d_v, False), PINGPONG=gluon_pingpong(d_qk, d_v, False), Q_BUFS=q_bufs,
+            **keep)
         self._maxnreg = maxnreg
         self._launchers: dict = {}
 

@@ -77,7 +77,8 @@ def compile_engine(text, mode, fp8=False, d=128, bn=None, consumers=2, p_perm=Fa
                                    CONSUMER_REGS=regs, PRODUCER_REGS=24, SCHEDULE=1, FP8=fp8,
                                    OVERLAP=L.gluon_overlap(d, d, fp8), ZERO_TAIL=False,
                                    PINGPONG=consumers == 2 and L.gluon_pingpong(d, d, fp8), CONSUMERS=consumers,
-                                   P_PERM=p_perm, **keep, **sep)
+                                   P_PERM=p_perm, Q_BUFS=L.gluon_q_buffers(d, d, bn, 2, 1, fp8, 64 * consumers),
+                                   **keep, **sep)
     return ptx_counts(kernel)
 
 
@@ -111,7 +112,8 @@ def compile_cache_engine(page, d=128, text="attention p {{ heads = 8 / 2 head_di
         PRODUCER_REGS=24, VISIBLE=spec["VISIBLE"], SCORE=spec["SCORE"], HAS_SCORE=spec["HAS_SCORE"],
         SCALE=spec["SCALE"],
         H_Q=8, GROUP=4, D_QK=d, PAGED=True, PAGE=page, CHUNK=chunk, OVERLAP=L.gluon_overlap(d, d, False),
-        PINGPONG=L.gluon_pingpong(d, d, False), **L.separable_constexprs(module, 4096))
+        PINGPONG=L.gluon_pingpong(d, d, False), Q_BUFS=L.gluon_q_buffers(d, d, bn, 2),
+        **L.separable_constexprs(module, 4096))
     return ptx_counts(kernel)
 
 
