@@ -28,7 +28,8 @@ in the order in which P's accumulator registers already are P.V's FP8 operand (`
 
 Q_BUFS (the launch layer's choice, ``launch.gluon_q_buffers``): two Q buffers, each with its job
 slot and barriers, where they cost no K/V stage, so that the next tile's Q and K/V load under this
-tile's last blocks (FP8 causal / full at d 128: +3% / +4%, bf16 unchanged).
+tile's last blocks (kernel alone, one process: FP8 causal / full at d 128 +3% / +4%; bf16 causal and
+full at d 128 and d 64 unchanged).
 
 The counter is an int32 the launch layer keeps per device and stream, zero before a launch: the
 program whose draw is the launch's last (the counter then holds the job count) sets it back to
