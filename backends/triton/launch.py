@@ -282,14 +282,14 @@ def gluon_stages(d_qk: int, d_v: int, block_n: int, asked: int, schedule: int = 
     return max(1, min(asked, (gluon_engine.SMEM - fixed) // per_stage))
 
 
-def gluon_q_buffers(d_qk: int, d_v: int, block_n: int, asked: int, schedule: int = 1, fp8: bool = False,
+def gluon_q_buffers(d_qk: int, d_v: int, block_n: int, stages: int, schedule: int = 1, fp8: bool = False,
                     rows: int = 128) -> int:
-    """Q's buffers in a Gluon launch: GLUON_Q_BUFFERS (two: the next tile's Q and K/V load under
-    this tile's last blocks, and the consumers need not meet at tile boundaries) where a program
-    runs several tiles (the counter schedule) and the second buffer costs no K/V stage, else one."""
+    """Q's buffers in a Gluon launch of ``stages`` K/V stages (``gluon_stages``): GLUON_Q_BUFFERS
+    (two: the next tile's Q and K/V load under this tile's last blocks, and the consumers need not
+    meet at tile boundaries) where a program runs several tiles (the counter schedule) and the
+    second buffer fits beside those stages, else one."""
     if schedule != 1 or GLUON_Q_BUFFERS < 2:
         return 1
-    stages = gluon_stages(d_qk, d_v, block_n, asked, schedule, fp8, rows)
     return 2 if gluon_smem(d_qk, d_v, block_n, stages, schedule, fp8, rows, 2) <= gluon_engine.SMEM else 1
 
 
@@ -601,7 +601,7 @@ class PrefillLaunch(_GluonDescriptors):
             d_qk, d_v, bn = module.SPEC["D_QK"], module.SPEC["D_V"], c.block_n
             same = d_qk == d_v
             stages = gluon_stages(d_qk, d_v, bn, c.num_stages, self.schedule, fp8, c.block_m)
-            q_bufs = gluon_q_buffers(d_qk, d_v, bn, c.num_stages, self.schedule, fp8, c.block_m)
+            q_bufs = gluon_q_buffers(d_qk, d_v, bn, stages, self.schedule, fp8, c.block_m)
             consumers = gluon_consumers(c.block_m)
             self.p_perm = fp8 and fp8_key_order(self.s_k)
             maxnreg, consumer, producer = gluon_regs(d_qk, d_v, consumers)
@@ -857,7 +857,7 @@ class CacheLaunch(_GluonDescriptors):
         page = page_size if paged else block_n
         maxnreg, consumer, producer = gluon_regs(d_qk, d_v)
         stages = gluon_stages(d_qk, d_v, block_n, GLUON_STAGES)
-        q_bufs = gluon_q_buffers(d_qk, d_v, block_n, GLUON_STAGES)
+        q_bufs = gluon_q_buffers(d_qk, d_v, block_n, stages)
         keep = {n: spec[n] for n in ("HAS_SCORE", "SCALE", "H_Q", "GROUP")}
         self.sms = sm_count(device)
         self._descs, self._layouts = {}, {}
