@@ -14,10 +14,12 @@ variant a fresh launch):
               ``head_group=n`` (heads whose tiles interleave; default 4);
   bn128, bn256, wg3, wg3_bn64, wg3_stages3   tiles asked for: 128 x 128, 128 x 256, 192 x 128 (three
               consumer warpgroups, head dims <= 64), 192 x 64, 192 x 128 with three K/V stages.
+  (r49's exp2_poly<k>, pingpong ring at d 64 and 256 x 64 tiles: studies/d64_levers_r49.diff.)
 
 Each row records the compiled kernel's registers and spills (``n_regs``, ``n_spills``): the
 overlap keeps two score tiles live, and the question is whether it spills.  Outputs are checked
-against the base variant's (max |diff|) before timing.
+against the first variant's (max |diff|) before timing, and O and LSE of the first (batch, head)
+against a float64 reference (``err_o``, ``err_lse``: max |diff|).
 
     python -m bench.engine_variants_study > study.jsonl
 """
@@ -53,6 +55,26 @@ def _ptx_counts(compiled) -> dict:
     return {op: ptx.count(op) for op in PTX_OPS}
 
 
+def _reference(q, k, v, mask: str, program) -> tuple:
+    """O and LSE (natural log) of batch 0, head 0 in float64 from the bf16 inputs."""
+    import math
+
+    import torch
+    s = q.shape[2]
+    scale = program.scale if program.scale is not None else 1 / math.sqrt(q.shape[-1])
+    scores = (q[0, 0].double() @ k[0, 0].double().T) * scale
+    if mask == "causal":
+        scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    lse = torch.logsumexp(scores, -1)
+    return (torch.exp(scores - lse[:, None]) @ v[0, 0].double()), lse
+
+
+def _errors(o, lse, ref) -> dict:
+    """Max |diff| of O and LSE at batch 0, head 0 against ``_reference``."""
+    return {"err_o": float((o[0, 0].double() - ref[0]).abs().max()),
+            "err_lse": float((lse[0, 0].double() - ref[1]).abs().max())}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--variants", default=",".join(VARIANTS))
@@ -81,6 +103,7 @@ def main(argv=None) -> int:
         for dtype in args.dtypes.split(","):
             qkv, extra = inputs[dtype]
             base = None
+            ref = _reference(q, k, v, mask, attn.program)
             for name in args.variants.split(","):
                 knobs = {**defaults, **{n: x for n, x in VARIANTS[name].items() if n != "options"}}
                 launch.GLUON_OVERLAP, launch.GLUON_REGS_D128, launch.GLUON_STAGES = (knobs["OVERLAP"], knobs["REGS"],
@@ -91,7 +114,7 @@ def main(argv=None) -> int:
                        "S": s, "D": d}
                 try:
                     run = kernel.prepare(*qkv, engine="gluon", **VARIANTS[name].get("options", {}), **extra)
-                    o = run()[0]
+                    o, lse = run()[:2]
                     torch.cuda.synchronize()
                 except Exception as e:  # noqa: BLE001 - a study records what failed and goes on
                     print(json.dumps({**row, "error": f"{type(e).__name__}: {str(e)[-600:]}"}), flush=True)
@@ -101,6 +124,7 @@ def main(argv=None) -> int:
                 ms = triton.testing.do_bench(run, warmup=50, rep=300)
                 print(json.dumps({**row, "ms": ms, "tflops": 4 * d * cells / ms / 1e9,
                                   "max_diff_vs_first": float((o.float() - base.float()).abs().max()),
+                                  **_errors(o, lse, ref),
                                   "n_regs": getattr(compiled[0], "n_regs", None) if compiled else None,
                                   "n_spills": getattr(compiled[0], "n_spills", None) if compiled else None,
                                   "ptx_counts": _ptx_counts(compiled[0]) if compiled else None,
