@@ -413,16 +413,24 @@ class Launcher:
         names = [p.name for p in fn.params] if hasattr(fn, "params") else list(constexprs)
         self.tail = tuple(constexprs[n] for n in names if n in constexprs)
         self.compiled: dict = {}
+        self.raw: dict = {}  # key -> _raw_launch(compiled kernel), or None where it does not apply
         self.fast = not interpreted()
-        self.launches = {"jit": 0, "direct": 0}
+        self.launches = {"jit": 0, "direct": 0, "raw": 0}
 
-    def launch(self, grid, args: tuple, key=None):
+    def launch(self, grid, args: tuple, key=None, stream=None):
         kernel = self.compiled.get(key) if key is not None else None
         if kernel is not None:
             from triton import knobs
-            stream = _stream()
+            stream = _stream() if stream is None else stream
             g = tuple(grid) + (1,) * (3 - len(grid))
             enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+            if not (_hooked(enter) or _hooked(leave)):  # (Triton 3.6's hooks are chains, empty unless a tool adds one)
+                raw = self.raw.get(key)
+                if raw is not None:
+                    raw(g, stream, args + self.tail)
+                    self.launches["raw"] += 1
+                    return
+                enter = leave = None
             meta = kernel.launch_metadata(g, stream, *args, *self.tail) if enter is not None else None
             kernel.run(g[0], g[1], g[2], stream, kernel.function, kernel.packed_metadata, meta, enter, leave,
                        *args, *self.tail)
@@ -433,8 +441,80 @@ class Launcher:
         if key is not None and self.fast and compiled is not None and hasattr(compiled, "packed_metadata"):
             compiled._init_handles()  # (the launch above did it; this makes .function and .run ready)
             self.compiled[key] = compiled
+            self.raw[key] = _raw_launch(compiled)
         elif key is not None and self.fast:  # (recorded for the host-time study)
             self.launches["not_kept"] = type(compiled).__name__
+
+
+def _hooked(hook) -> bool:
+    """Whether a Triton launch hook does anything: a function, or a chain (3.6's ``HookChain``) with calls."""
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
+RAW_DESCRIPTORS = 32  # TMA descriptors a raw launch keeps encoded (then it starts over)
+
+
+class _RawTensorView:
+    """What a raw launch reads of a TMA descriptor argument (``_raw_launch``): a contiguous tensor's
+    address and its [-1, cols] shape and strides, made per call (for O, new each call)."""
+    __slots__ = ("base", "shape", "strides", "padding")
+
+    def __init__(self, t, cols: int):
+        self.base, self.shape, self.strides, self.padding = t, (t.numel() // cols, cols), (cols, 1), "zero"
+
+
+def _raw_launch(kernel):
+    """``launch(grid3, stream, args)`` of a compiled kernel straight through its C launcher, where
+    the Triton at hand is one whose launcher this knows (3.6: ``CudaLauncher`` calling the C
+    ``launch`` with 13 leading arguments, through a wrapper that turns each TensorDescriptor
+    argument into an encoded CUtensorMap and its shape and strides); else None, and the launch
+    goes through ``kernel.run``.  What it saves per launch: the wrapper's walk over every
+    argument and a ``cuTensorMapEncodeTiled`` per descriptor -- an encoding is kept per (address,
+    shape, strides), holding no tensor.  The same arguments reach the same C function; kernels
+    with scratch buffers keep the wrapper."""
+    try:
+        from triton.backends.nvidia import driver as nv
+    except ImportError:  # pragma: no cover - not an NVIDIA Triton
+        return None
+    run = kernel.run
+    if (getattr(nv, "_BASE_ARGS_FORMAT_LEN", None) != 13 or getattr(run, "global_scratch_size", 1) != 0
+            or getattr(run, "profile_scratch_size", 1) != 0 or not hasattr(run, "launch_pdl")):
+        return None
+    wrapped = run.launch
+    code, cells = getattr(wrapped, "__code__", None), getattr(wrapped, "__closure__", None)
+    if code is None:  # no descriptor arguments: the C function itself
+        c_launch, positions, metas = wrapped, (), ()
+    else:
+        free = dict(zip(code.co_freevars, (c.cell_contents for c in cells or ())))
+        if set(free) != {"launcher", "tensordesc_indices", "tensordesc_meta"} or not callable(
+                getattr(nv, "make_tensordesc_arg", None)):
+            return None
+        c_launch = free["launcher"]
+        positions = tuple(sorted(free["tensordesc_indices"]))
+        metas = tuple(free["tensordesc_meta"] or (None,) * len(positions))
+    if any(meta is None for meta in metas):  # (a descriptor decomposed in the frontend: no encoding to keep)
+        return None
+    head = (kernel.function, run.launch_cooperative_grid, run.launch_pdl, None, None, kernel.packed_metadata,
+            None, None, None)
+    encoded: dict = {}  # (position, address, shape, strides, padding) -> [CUtensorMap, *shape, *strides]
+
+    def launch(g, stream, args):
+        final = [g[0], g[1], g[2], stream, *head]
+        prev = 0
+        for p, meta in zip(positions, metas):
+            final.extend(args[prev:p])
+            desc = args[p]
+            key = (p, desc.base.data_ptr(), tuple(desc.shape), tuple(desc.strides), desc.padding)
+            hit = encoded.get(key)
+            if hit is None:
+                if len(encoded) >= RAW_DESCRIPTORS:
+                    encoded.clear()
+                hit = encoded[key] = nv.make_tensordesc_arg(desc, meta)
+            final.extend(hit)
+            prev = p + 1
+        final.extend(args[prev:])
+        c_launch(*final)
+    return launch
 
 
 def _stream():
@@ -535,10 +615,10 @@ def qk_scale(module) -> float:
 _COUNTERS: dict = {}
 
 
-def _counter(device):
+def _counter(device, stream=None):
     """The Gluon engine's job counter for this device and stream (zero between launches)."""
     import torch
-    key = (str(device), _stream())
+    key = (str(device), _stream() if stream is None else stream)
     c = _COUNTERS.get(key)
     if c is None:
         c = _COUNTERS[key] = torch.zeros(1, dtype=torch.int32, device=device)
@@ -645,18 +725,24 @@ class PrefillLaunch(_GluonDescriptors):
         ``descales`` (q [B * H_q], k [B * H_kv], v [B * H_kv]) float32."""
         if self.config.engine == "gluon":
             desc = self._gluon_descriptor
-            counter = _counter(self.device) if self.schedule == 1 else self.arrays["merged_partial"]
+            stream = _stream()
+            counter = _counter(self.device, stream) if self.schedule == 1 else self.arrays["merged_partial"]
             rows, bn = gluon_engine.ROWS, self.config.block_n
             v_desc = self._fp8_v_descriptor(v) if self.fp8 else desc(v, bn, "v")
             k_desc = self._fp8_k_descriptor(k) if self.p_perm else desc(k, bn, "k")
-            args = (desc(q, rows, "q"), k_desc, v_desc, desc(out, rows, "o"), out, lse, counter,
+            if key is not None and self.launcher.raw.get(key) is not None:
+                o_desc = _RawTensorView(out, self.module.SPEC["D_V"])  # (O is new each call: nothing kept)
+            else:
+                o_desc = self._gluon_descriptor(out, rows, "o", keep=False)
+            args = (desc(q, rows, "q"), k_desc, v_desc, o_desc, out, lse, counter,
                     *self.fixed_tail, *(descales if self.fp8 else self.no_descales), ts, *self.ints)
-        else:
-            desc_k = desc_v = k
-            if self.config.use_tma:  # Hopper bulk copies of K/V tiles from a [B * H_kv * S_k, d] view
-                desc_k, desc_v = self._tma_descriptor(k, "k"), self._tma_descriptor(v, "v")
-            args = (q, k, v, out, lse, desc_k, desc_v, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
-                    *self.plan_args, ts, *self.ints)
+            self.launcher.launch(self.grid, args, key, stream)
+            return
+        desc_k = desc_v = k
+        if self.config.use_tma:  # Hopper bulk copies of K/V tiles from a [B * H_kv * S_k, d] view
+            desc_k, desc_v = self._tma_descriptor(k, "k"), self._tma_descriptor(v, "v")
+        args = (q, k, v, out, lse, desc_k, desc_v, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+                *self.plan_args, ts, *self.ints)
         self.launcher.launch(self.grid, args, key)
 
     def _tma_descriptor(self, t, role):
@@ -665,14 +751,20 @@ class PrefillLaunch(_GluonDescriptors):
         d = t.shape[-1]
         return self._cached(t, role, lambda: TensorDescriptor.from_tensor(t.reshape(-1, d), [self.config.block_n, d]))
 
-    def _gluon_descriptor(self, t, rows, role):
+    def _gluon_descriptor(self, t, rows, role, keep=True):
         """The Gluon engine's descriptor of ``t`` viewed as [-1, d] in ``rows``-row blocks (d: q and
-        k's head dim, or v and o's)."""
-        d = self.module.SPEC["D_QK" if role in ("q", "k") else "D_V"]
-        box = gluon_box(d)  # (a 192-wide head is loaded as 256 columns, the last 64 zero-filled by TMA)
-        layout = self._gluon_layout([rows, box], t.dtype)
-        return self._cached(t, role, lambda: gluon_engine.TensorDescriptor.from_tensor(t.view(-1, d), [rows, box],
-                                                                                      layout))
+        k's head dim, or v and o's); kept for the next call unless not ``keep`` (an output: a kept
+        descriptor would hold the caller's last O, and the next O could not take its memory)."""
+        hit = self._descs.get(role)
+        if hit is not None and hit[0] == (t.data_ptr(), t.shape, t.stride()):
+            return hit[1]
+
+        def make():
+            d = self.module.SPEC["D_QK" if role in ("q", "k") else "D_V"]
+            box = gluon_box(d)  # (a 192-wide head is loaded as 256 columns, the last 64 zero-filled by TMA)
+            layout = self._gluon_layout([rows, box], t.dtype)
+            return gluon_engine.TensorDescriptor.from_tensor(t.view(-1, d), [rows, box], layout)
+        return self._cached(t, role, make) if keep else make()
 
     def _fp8_k_descriptor(self, k):
         """K's descriptor for an FP8 launch with P_PERM: the [B * H_kv * S_k, d] view as 5-d
@@ -910,15 +1002,20 @@ class CacheLaunch(_GluonDescriptors):
 
         def make(t, block):
             return lambda: desc(t, block, self._gluon_layout(block, t.dtype))
+        ints = (plan["table_stride"], page_rows, head_rows, k_col, v_col)
+        key = (spec_key(ints + (jobs,)), spec_key(ts))
+        launcher = self._launcher(plan["position_end"])
         q_desc = self._cached(q, "q", make(q.view(-1, h_q * d_qk), [rows, d_qk]))
-        o_desc = self._cached(out, "o", make(out.view(-1, h_q * d_v), [rows, d_v]))
+        if launcher.raw.get(key) is not None:
+            o_desc = _RawTensorView(out, h_q * d_v)  # (O is new each call: nothing kept)
+        else:
+            o_desc = make(out.view(-1, h_q * d_v), [rows, d_v])()
         k_desc = self._cached(k_cache, "k", make(k2, [chunk, d_qk]))
         v_desc = self._cached(v_cache, "v", make(v2, [chunk, d_v]))
-        ints = (plan["table_stride"], page_rows, head_rows, k_col, v_col)
-        args = (q_desc, k_desc, v_desc, o_desc, out, lse, _counter(self.device), arrays["jobs"],
+        stream = _stream()
+        args = (q_desc, k_desc, v_desc, o_desc, out, lse, _counter(self.device, stream), arrays["jobs"],
                 arrays["entry_ptr"], arrays["blocks"], arrays["partial"], arrays["kv_lens"], arrays["qo_indptr"],
                 arrays["tile_req"], arrays["tile_row0"], arrays["base"], arrays["table"], *ints, ts, jobs,
                 qk_scale(self.module))
-        key = (spec_key(ints + (jobs,)), spec_key(ts))
-        self._launcher(plan["position_end"]).launch((min(jobs, self.sms),), args, key)
+        launcher.launch((min(jobs, self.sms),), args, key, stream)
         return out, lse

@@ -203,3 +203,24 @@ def test_engine_option_is_checked_before_planning():
         with pytest.raises(ValueError, match="engine='gluon': "):
             kernel.decode_plan(dict(plan_arrays), engine="gluon")
         assert kernel.decode_plan(dict(plan_arrays))["engine"] == "split"
+
+
+@hopper
+def test_a_repeated_append_launches_raw_with_the_same_output():
+    """Once a key's kernel is compiled, the engine over a cache launches straight through the C
+    launcher (``launch._raw_launch``; O, new each call, through a view of its address): the same O
+    bit for bit as the call before."""
+    program = _program(LAYOUTS["paged16_dense_nhd"])
+    arrays = inputs.sample_cache(program, KV_LENS, Q_LENS, 5, cache_rows=len(KV_LENS) + 1)
+    kernel = runtime.load(program)
+    dev = _on_gpu(arrays, torch.bfloat16)
+    q = dev.pop("q")
+
+    def raw_launches():
+        return sum(lz.launches["raw"] for c in kernel._splits.values() if isinstance(c, launch.CacheLaunch)
+                   for lz in c._launchers.values())
+    first = kernel.decode(q, **dev).clone()
+    before = raw_launches()
+    again = kernel.decode(q, **dev)
+    assert raw_launches() == before + 1
+    assert torch.equal(first, again)
