@@ -25,7 +25,9 @@ in bench/results/README.md):
 A launch binds everything a call's key fixes once; a later call with the same key pays a
 dictionary lookup, two allocations (O, LSE) and the launch.  ``Launcher`` launches a kernel
 through Triton's JIT the first time (compile, specialization) and, after that, through the
-compiled kernel's own launcher with the argument tuple, which skips the JIT's per-call binding.
+compiled kernel's own launcher with the argument tuple, which skips the JIT's per-call binding --
+on Triton 3.6 straight to its C function (``_raw_launch``: TMA descriptors encoded once per
+address, no launch metadata while no tool hooks launches).
 That is exact only while the arguments' specialization is unchanged (which ints are 1 or
 multiples of 16, which pointers are 16-byte aligned): the caller's key must fix them, and
 ``spec_key`` computes the part a call can change.
@@ -403,8 +405,9 @@ class Launcher:
     """One kernel with fixed constexprs and launch options.  ``launch(grid, args, key)``: the
     first launch under a ``key`` goes through the JIT (compiling if needed) and keeps the
     compiled kernel; later launches under that key call the compiled kernel's launcher with the
-    argument tuple.  ``key`` must determine the arguments' specialization (``spec_key``); key None
-    always takes the JIT."""
+    argument tuple (its C function where ``_raw_launch`` knows it and no launch hook is set).
+    ``key`` must determine the arguments' specialization (``spec_key``); key None always takes the
+    JIT."""
 
     def __init__(self, fn, constexprs: dict, **options):
         self.fn = fn
