@@ -37,31 +37,31 @@ def profile(label, fn, n=300):
     pstats.Stats(pr).sort_stats("cumulative").print_stats(40)
 
 
-def launch_only(label, n=300):
-    """Host time of the last Gluon / Triton launch replayed alone: ``kernel.run`` with the same
-    arguments (descriptors already built), and the same through ``Launcher.launch``."""
-    last = L.Launcher._last
-    if last is None:
+def launch_only(label, last: list, n=300):
+    """Host time of the last launch replayed alone through ``Launcher.launch`` with the same
+    arguments (descriptors already built): ``last`` holds (launcher, grid, args, key, stream)."""
+    if not last:
         return
-    launcher, grid, args, key = last
-    print(f"== {label}: Launcher.launch {per_call_us(lambda: launcher.launch(grid, args, key), n):.1f} us/call host",
-          flush=True)
+    launcher, grid, args, key, stream = last[-1]
+    print(f"== {label}: Launcher.launch {per_call_us(lambda: launcher.launch(grid, args, key, stream), n):.1f} "
+          "us/call host", flush=True)
 
 
 def main():
     counts = {}
     orig = L.Launcher.launch
 
-    def counted(self, grid, args, key=None):
-        L.Launcher._last = (self, grid, args, key)
-        orig(self, grid, args, key)
+    last = []
+
+    def counted(self, grid, args, key=None, stream=None):
+        last[:] = [(self, grid, args, key, stream)]
+        orig(self, grid, args, key, stream)
         counts[self.fn.__name__ if hasattr(self.fn, "__name__") else str(self.fn)] = dict(self.launches)
     L.Launcher.launch = counted
     attn = attnc.compile("attention c { dtype = bf16 mask = causal }")
     q, k, v = (torch.randn(1, 16, 2048, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    L.Launcher._last = None
     profile("prefill B=1 S=2048 causal attn(q, k, v)", lambda: attn(q, k, v))
-    launch_only("prefill B=1 S=2048 causal: its launch alone")
+    launch_only("prefill B=1 S=2048 causal: its launch alone", last)
     outs = []
     profile("prefill B=1 S=2048 causal attn(q, k, v), outputs kept", lambda: outs.append(attn(q, k, v)), n=200)
     outs.clear()
