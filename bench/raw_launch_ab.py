@@ -1,4 +1,4 @@
-"""Study: host time of the public call with and without the raw launch (``launch._raw_launch``), in
+"""Study: host time of the public call with and without the raw launch (``raw_launch.raw_launch``), in
 one process: attn(q, k, v) at B=1, H=16, S=2048, d=128, bf16 causal, 500 back-to-back calls (best
 of 5 per round), the launchers' ``Launcher.raw`` entries removed (direct: the compiled kernel's
 ``run``, with Triton's descriptor wrapper and launch metadata) or restored, three rounds; then the

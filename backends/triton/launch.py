@@ -26,7 +26,7 @@ A launch binds everything a call's key fixes once; a later call with the same ke
 dictionary lookup, two allocations (O, LSE) and the launch.  ``Launcher`` launches a kernel
 through Triton's JIT the first time (compile, specialization) and, after that, through the
 compiled kernel's own launcher with the argument tuple, which skips the JIT's per-call binding --
-on Triton 3.6 straight to its C function (``_raw_launch``: TMA descriptors encoded once per
+on Triton 3.6 straight to its C function (``raw_launch.py``: TMA descriptors encoded once per
 address, no launch metadata while no tool hooks launches).
 That is exact only while the arguments' specialization is unchanged (which ints are 1 or
 multiples of 16, which pointers are 16-byte aligned): the caller's key must fix them, and
@@ -45,7 +45,7 @@ from attnc.compiler.fast_score import FAST_POSITIONS
 from attnc.compiler.separable import COLUMN_BLOCK
 from attnc.compiler.errors import InputError, PlanError
 
-from . import gluon_engine, prefill, split
+from . import gluon_engine, prefill, raw_launch, split
 from .decode import interpreted  # noqa: F401  (the launch layer's, as the tests patch it)
 
 HEAD_GROUP = 4  # heads whose tiles interleave, longest first (``prefill._job``)
@@ -405,7 +405,7 @@ class Launcher:
     """One kernel with fixed constexprs and launch options.  ``launch(grid, args, key)``: the
     first launch under a ``key`` goes through the JIT (compiling if needed) and keeps the
     compiled kernel; later launches under that key call the compiled kernel's launcher with the
-    argument tuple (its C function where ``_raw_launch`` knows it and no launch hook is set).
+    argument tuple (its C function where ``raw_launch`` knows it and no launch hook is set).
     ``key`` must determine the arguments' specialization (``spec_key``); key None always takes the
     JIT."""
 
@@ -416,7 +416,7 @@ class Launcher:
         names = [p.name for p in fn.params] if hasattr(fn, "params") else list(constexprs)
         self.tail = tuple(constexprs[n] for n in names if n in constexprs)
         self.compiled: dict = {}
-        self.raw: dict = {}  # key -> _raw_launch(compiled kernel), or None where it does not apply
+        self.raw: dict = {}  # key -> raw_launch.raw_launch(compiled kernel), or None where it does not apply
         self.fast = not interpreted()
         self.launches = {"jit": 0, "direct": 0, "raw": 0}
 
@@ -427,7 +427,7 @@ class Launcher:
             stream = _stream() if stream is None else stream
             g = tuple(grid) + (1,) * (3 - len(grid))
             enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
-            if not (_hooked(enter) or _hooked(leave)):  # (Triton 3.6's hooks are chains, empty unless a tool adds one)
+            if not (raw_launch.hooked(enter) or raw_launch.hooked(leave)):  # (Triton 3.6's hooks are chains, empty unless a tool adds one)
                 raw = self.raw.get(key)
                 if raw is not None:
                     raw(g, stream, args + self.tail)
@@ -444,80 +444,9 @@ class Launcher:
         if key is not None and self.fast and compiled is not None and hasattr(compiled, "packed_metadata"):
             compiled._init_handles()  # (the launch above did it; this makes .function and .run ready)
             self.compiled[key] = compiled
-            self.raw[key] = _raw_launch(compiled)
+            self.raw[key] = raw_launch.raw_launch(compiled)
         elif key is not None and self.fast:  # (recorded for the host-time study)
             self.launches["not_kept"] = type(compiled).__name__
-
-
-def _hooked(hook) -> bool:
-    """Whether a Triton launch hook does anything: a function, or a chain (3.6's ``HookChain``) with calls."""
-    return hook is not None and bool(getattr(hook, "calls", True))
-
-
-RAW_DESCRIPTORS = 32  # TMA descriptors a raw launch keeps encoded (then it starts over)
-
-
-class _RawTensorView:
-    """What a raw launch reads of a TMA descriptor argument (``_raw_launch``): a contiguous tensor's
-    address and its [-1, cols] shape and strides, made per call (for O, new each call)."""
-    __slots__ = ("base", "shape", "strides", "padding")
-
-    def __init__(self, t, cols: int):
-        self.base, self.shape, self.strides, self.padding = t, (t.numel() // cols, cols), (cols, 1), "zero"
-
-
-def _raw_launch(kernel):
-    """``launch(grid3, stream, args)`` of a compiled kernel straight through its C launcher, where
-    the Triton at hand is one whose launcher this knows (3.6: ``CudaLauncher`` calling the C
-    ``launch`` with 13 leading arguments, through a wrapper that turns each TensorDescriptor
-    argument into an encoded CUtensorMap and its shape and strides); else None, and the launch
-    goes through ``kernel.run``.  What it saves per launch: the wrapper's walk over every
-    argument and a ``cuTensorMapEncodeTiled`` per descriptor -- an encoding is kept per (address,
-    shape, strides), holding no tensor.  The same arguments reach the same C function; kernels
-    with scratch buffers keep the wrapper."""
-    try:
-        from triton.backends.nvidia import driver as nv
-    except ImportError:  # pragma: no cover - not an NVIDIA Triton
-        return None
-    run = kernel.run
-    if (getattr(nv, "_BASE_ARGS_FORMAT_LEN", None) != 13 or getattr(run, "global_scratch_size", 1) != 0
-            or getattr(run, "profile_scratch_size", 1) != 0 or not hasattr(run, "launch_pdl")):
-        return None
-    wrapped = run.launch
-    code, cells = getattr(wrapped, "__code__", None), getattr(wrapped, "__closure__", None)
-    if code is None:  # no descriptor arguments: the C function itself
-        c_launch, positions, metas = wrapped, (), ()
-    else:
-        free = dict(zip(code.co_freevars, (c.cell_contents for c in cells or ())))
-        if set(free) != {"launcher", "tensordesc_indices", "tensordesc_meta"} or not callable(
-                getattr(nv, "make_tensordesc_arg", None)):
-            return None
-        c_launch = free["launcher"]
-        positions = tuple(sorted(free["tensordesc_indices"]))
-        metas = tuple(free["tensordesc_meta"] or (None,) * len(positions))
-    if any(meta is None for meta in metas):  # (a descriptor decomposed in the frontend: no encoding to keep)
-        return None
-    head = (kernel.function, run.launch_cooperative_grid, run.launch_pdl, None, None, kernel.packed_metadata,
-            None, None, None)
-    encoded: dict = {}  # (position, address, shape, strides, padding) -> [CUtensorMap, *shape, *strides]
-
-    def launch(g, stream, args):
-        final = [g[0], g[1], g[2], stream, *head]
-        prev = 0
-        for p, meta in zip(positions, metas):
-            final.extend(args[prev:p])
-            desc = args[p]
-            key = (p, desc.base.data_ptr(), tuple(desc.shape), tuple(desc.strides), desc.padding)
-            hit = encoded.get(key)
-            if hit is None:
-                if len(encoded) >= RAW_DESCRIPTORS:
-                    encoded.clear()
-                hit = encoded[key] = nv.make_tensordesc_arg(desc, meta)
-            final.extend(hit)
-            prev = p + 1
-        final.extend(args[prev:])
-        c_launch(*final)
-    return launch
 
 
 def _stream():
@@ -734,7 +663,7 @@ class PrefillLaunch(_GluonDescriptors):
             v_desc = self._fp8_v_descriptor(v) if self.fp8 else desc(v, bn, "v")
             k_desc = self._fp8_k_descriptor(k) if self.p_perm else desc(k, bn, "k")
             if key is not None and self.launcher.raw.get(key) is not None:
-                o_desc = _RawTensorView(out, self.module.SPEC["D_V"])  # (O is new each call: nothing kept)
+                o_desc = raw_launch.TensorView(out, self.module.SPEC["D_V"])  # (O is new each call: nothing kept)
             else:
                 o_desc = self._gluon_descriptor(out, rows, "o", keep=False)
             args = (desc(q, rows, "q"), k_desc, v_desc, o_desc, out, lse, counter,
@@ -1010,7 +939,7 @@ class CacheLaunch(_GluonDescriptors):
         launcher = self._launcher(plan["position_end"])
         q_desc = self._cached(q, "q", make(q.view(-1, h_q * d_qk), [rows, d_qk]))
         if launcher.raw.get(key) is not None:
-            o_desc = _RawTensorView(out, h_q * d_v)  # (O is new each call: nothing kept)
+            o_desc = raw_launch.TensorView(out, h_q * d_v)  # (O is new each call: nothing kept)
         else:
             o_desc = make(out.view(-1, h_q * d_v), [rows, d_v])()
         k_desc = self._cached(k_cache, "k", make(k2, [chunk, d_qk]))

@@ -208,7 +208,7 @@ def test_engine_option_is_checked_before_planning():
 @hopper
 def test_a_repeated_append_launches_raw_with_the_same_output():
     """Once a key's kernel is compiled, the engine over a cache launches straight through the C
-    launcher (``launch._raw_launch``; O, new each call, through a view of its address): the same O
+    launcher (``raw_launch.raw_launch``; O, new each call, through a view of its address): the same O
     bit for bit as the call before."""
     program = _program(LAYOUTS["paged16_dense_nhd"])
     arrays = inputs.sample_cache(program, KV_LENS, Q_LENS, 5, cache_rows=len(KV_LENS) + 1)

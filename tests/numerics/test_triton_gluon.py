@@ -290,7 +290,7 @@ def test_head_dim_64_runs_three_warpgroups_on_192_row_tiles(name, monkeypatch):
 @hopper
 def test_a_key_launches_raw_after_its_first_call_with_the_same_output(monkeypatch):
     """A key's first call compiles and launches through Triton's JIT; the next ones go straight to
-    the C launcher (``launch._raw_launch``), each TMA descriptor encoded once per address: the same
+    the C launcher (``raw_launch.raw_launch``), each TMA descriptor encoded once per address: the same
     O bit for bit, with inputs at the first call's addresses and at new ones, bf16 and FP8."""
     from attnc import fp8
     program = compile_spec("attention r { heads = 8 / 2 head_dim = 128 dtype = bf16 mask = causal }")

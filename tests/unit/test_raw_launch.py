@@ -1,4 +1,4 @@
-"""``launch._raw_launch``: a compiled kernel launched straight through its C launcher passes the
+"""``raw_launch.raw_launch``: a compiled kernel launched straight through its C launcher passes the
 C function exactly the arguments Triton 3.6's own path would (``CudaLauncher.__call__`` and its
 wrapper that expands each TensorDescriptor argument), and keeps each descriptor's encoding per
 (address, shape, strides).  The launcher here is a stand-in with 3.6's calling convention; the
@@ -8,7 +8,7 @@ import types
 import pytest
 
 nv = pytest.importorskip("triton.backends.nvidia.driver", reason="the raw launch is NVIDIA Triton's")
-from attnc.backends.triton import launch  # noqa: E402
+from attnc.backends.triton import raw_launch  # noqa: E402
 
 BASE = 13  # 3.6's leading launch arguments: grid (3), stream, function, cooperative, PDL, two scratch
 #            buffers, packed metadata, launch metadata, the enter and exit hooks
@@ -59,7 +59,7 @@ def test_the_c_launcher_gets_what_the_wrapper_passes_and_encodings_are_kept(monk
     # Triton 3.6's path: CudaLauncher.__call__ puts its fields and no scratch before the arguments
     kernel.run.launch(*grid, stream, kernel.function, False, True, None, None, kernel.packed_metadata, None, None,
                       None, *args)
-    raw = launch._raw_launch(kernel)
+    raw = raw_launch.raw_launch(kernel)
     assert raw is not None
     raw(grid, stream, args)
     assert calls[1] == calls[0]
@@ -75,16 +75,16 @@ def test_the_c_launcher_gets_what_the_wrapper_passes_and_encodings_are_kept(monk
 def test_no_raw_launch_where_the_launcher_is_not_the_known_one(monkeypatch):
     monkeypatch.setattr(nv, "_BASE_ARGS_FORMAT_LEN", BASE, raising=False)
     monkeypatch.setattr(nv, "make_tensordesc_arg", _encode, raising=False)
-    assert launch._raw_launch(_kernel(print, {0}, [{"swizzle": 128}], scratch=256)) is None  # a scratch buffer
+    assert raw_launch.raw_launch(_kernel(print, {0}, [{"swizzle": 128}], scratch=256)) is None  # a scratch buffer
     other = _kernel(print, {0}, [{"swizzle": 128}])
     other.run.launch = lambda *a: None  # a wrapper of another shape
-    assert launch._raw_launch(other) is None
+    assert raw_launch.raw_launch(other) is None
     monkeypatch.setattr(nv, "_BASE_ARGS_FORMAT_LEN", BASE + 1)  # another calling convention
-    assert launch._raw_launch(_kernel(print, {0}, [{"swizzle": 128}])) is None
+    assert raw_launch.raw_launch(_kernel(print, {0}, [{"swizzle": 128}])) is None
 
 
 def test_empty_hook_chains_do_not_count_as_hooks():
     chain = types.SimpleNamespace(calls=[])
-    assert not launch._hooked(None) and not launch._hooked(chain)
+    assert not raw_launch.hooked(None) and not raw_launch.hooked(chain)
     chain.calls.append(print)
-    assert launch._hooked(chain) and launch._hooked(print)
+    assert raw_launch.hooked(chain) and raw_launch.hooked(print)
