@@ -58,6 +58,13 @@ def append_case(batch, t_len, c_len, page_size, generator):
                      "q_lens": q_lens}
 
 
+def check_scores(scores) -> None:
+    """Refuse score program names the bench does not know ('' is none)."""
+    unknown = [n for n in scores if n and n not in SCORES]
+    if unknown:
+        raise ValueError(f"unknown score program '{unknown[0]}' (known: none, {', '.join(SCORES)})")
+
+
 def run_append(cases=None, out=None, seed=0, command="", flex: bool = True, scores=("",)):
     import torch
     import attnc
@@ -66,9 +73,7 @@ def run_append(cases=None, out=None, seed=0, command="", flex: bool = True, scor
     rows = Rows(out, command)
     env = environment()
     g = torch.Generator(device="cuda").manual_seed(seed)
-    unknown = [n for n in scores if n and n not in SCORES]
-    if unknown:
-        raise ValueError(f"append --scores: unknown score program '{unknown[0]}' (known: {', '.join(SCORES)})")
+    check_scores(scores)
     for (batch, t_len, c_len, page), score in ((c, n) for c in cases or APPEND_CASES for n in scores):
         statement, score_ref, score_flex = SCORES[score] if score else ("", None, None)
         contiguous = attnc.compile(f"attention append_contiguous {{ dtype = bf16 {statement} mask = causal }}")

@@ -361,14 +361,15 @@ def cmd_bench(args) -> int:
         rows = harness.run_decode(cases=cases, out=args.out, command=command, graph=not args.no_graph,
                                   configs=() if args.no_configs else harness.DECODE_CONFIGS)
     elif args.what == "append":
-        from bench.append import run_append
+        from bench.append import check_scores, run_append
         cases = [tuple(int(x) for x in c.split(":")) for c in args.cases.split(",")] if args.cases else None
         if cases and any(len(c) != 4 for c in cases):
             raise AttncError("attnc bench append --cases: B:T:C:page_size,... (e.g. 4:8192:2048:16)")
         scores = tuple("" if n == "none" else n for n in (args.scores or "none").split(","))
-        if any(n and n not in harness.SCORES for n in scores):
-            raise AttncError(f"attnc bench append --scores: none or {', '.join(harness.SCORES)}, comma-separated "
-                             f"(got {args.scores!r})")
+        try:
+            check_scores(scores)
+        except ValueError as e:
+            raise AttncError(f"attnc bench append --scores: {e}") from None
         rows = run_append(cases=cases, out=args.out, command=command, flex=bool(args.flex_modes), scores=scores)
     elif args.what == "backward":
         from bench.backward import run_backward

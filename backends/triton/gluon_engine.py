@@ -463,8 +463,7 @@ def _ws_consumer(half, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars,
     c = 0
     jc = 0
     tc = 0
-    mbarrier.wait(q_ready.index(0), 0)
-    t = _ws_get(job_smem.index(0), 0, 4)
+    t = _ws_take_job(job_smem, q_ready, jc, Q_BUFS)
     while t < n_jobs:
         buf = jc % Q_BUFS
         q = q_smem.index(buf * CONSUMERS + half)
@@ -528,8 +527,7 @@ def _ws_consumer(half, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars,
         else:
             gl.store(LSE + bh * S_Q + rows, lse_out, mask=rows < S_Q)
         jc += 1
-        mbarrier.wait(q_ready.index(jc % Q_BUFS), (jc // Q_BUFS) & 1)
-        t = _ws_get(job_smem.index(jc % Q_BUFS), 0, 4)
+        t = _ws_take_job(job_smem, q_ready, jc, Q_BUFS)
     tma.store_wait(0)
 
 
@@ -560,8 +558,7 @@ def _ws_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, job_smem, blk_s
             nxt = gl.num_programs(0) + drawn
         else:
             nxt = n_jobs
-        buf = jc % Q_BUFS
-        mbarrier.wait(q_empty.index(buf), ((jc // Q_BUFS) & 1) ^ 1)
+        buf = _ws_claim_q(q_empty, jc, Q_BUFS)
         _ws_put(job_smem.index(buf), (t, pid_m, lo, hi), 4)
         q_row0 = bh * S_Q + pid_m * (CONSUMERS * ROWS_)
         mbarrier.expect(q_ready.index(buf), CONSUMERS * q_desc.block_type.nbytes)
@@ -593,10 +590,26 @@ def _ws_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, job_smem, blk_s
         t = nxt
         pid_m, bh, lo, hi = _ws_job(gl.minimum(t, n_jobs - 1), BH, Q_TILES, ORDER, PLAN_B, PLAN_H, M_CSR,
                                     HEAD_GROUP, H_Q)
-    buf = jc % Q_BUFS  # "none left", once the consumers are done with that buffer's last Q
-    mbarrier.wait(q_empty.index(buf), ((jc // Q_BUFS) & 1) ^ 1)
+    buf = _ws_claim_q(q_empty, jc, Q_BUFS)  # "none left", once the consumers are done with that buffer's last Q
     _ws_put(job_smem.index(buf), (t, 0, 0, 0), 4)
     mbarrier.arrive(q_ready.index(buf), count=1)
+
+
+@gluon.jit
+def _ws_take_job(job_smem, q_ready, jc, Q_BUFS: tl.constexpr):
+    """A consumer's jc-th job: once its Q is in (the buffer jc % Q_BUFS, in the phase of its
+    jc // Q_BUFS-th use), the job's t from that buffer's slot (the other fields: ``_ws_get``)."""
+    mbarrier.wait(q_ready.index(jc % Q_BUFS), (jc // Q_BUFS) & 1)
+    return _ws_get(job_smem.index(jc % Q_BUFS), 0, 4)
+
+
+@gluon.jit
+def _ws_claim_q(q_empty, jc, Q_BUFS: tl.constexpr):
+    """The producer's Q buffer for its jc-th job (or its "none left"), once every consumer has
+    released that buffer's previous use: returns the buffer's index."""
+    buf = jc % Q_BUFS
+    mbarrier.wait(q_empty.index(buf), ((jc // Q_BUFS) & 1) ^ 1)
+    return buf
 
 
 @gluon.jit

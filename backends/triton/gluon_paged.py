@@ -30,8 +30,8 @@ what differs is where the rows live:
 """
 import triton.language as tl
 
-from .gluon_engine import _tma_load, _tma_store, _ws_blocks, _ws_get, _ws_handover, _ws_lse, _ws_put, \
-    _ws_row_totals, _ws_separable, gluon, gl, mbarrier, tma, fence_async_shared  # noqa: F401
+from .gluon_engine import _tma_load, _tma_store, _ws_blocks, _ws_claim_q, _ws_get, _ws_handover, _ws_lse, _ws_put, \
+    _ws_row_totals, _ws_separable, _ws_take_job, gluon, gl, mbarrier, tma, fence_async_shared  # noqa: F401
 
 
 @gluon.jit
@@ -91,8 +91,7 @@ def _pg_consumer(half, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars,
     c = 0
     jc = 0
     tc = 0
-    mbarrier.wait(q_ready.index(0), 0)
-    t = _ws_get(job_smem.index(0), 0, 4)
+    t = _ws_take_job(job_smem, q_ready, jc, Q_BUFS)
     while t < n_jobs:
         buf = jc % Q_BUFS
         q = q_smem.index(2 * buf + half)
@@ -131,8 +130,7 @@ def _pg_consumer(half, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars,
         lse_out = _ws_lse(lse_out, seen, b, h, kv_len - q_len + rows, origin, TS, SEPARABLE, SCORE_ROW)
         gl.store(LSE + (first + rows) * H_Q + h, lse_out, mask=rows < q_len)
         jc += 1
-        mbarrier.wait(q_ready.index(jc % Q_BUFS), (jc // Q_BUFS) & 1)
-        t = _ws_get(job_smem.index(jc % Q_BUFS), 0, 4)
+        t = _ws_take_job(job_smem, q_ready, jc, Q_BUFS)
     tma.store_wait(0)
 
 
@@ -156,8 +154,7 @@ def _pg_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, job_smem, blk_s
         if drawn == n_jobs - 1:  # every program's draws add up to n_jobs: this one is the last
             gl.atomic_add(COUNTER_PTR, -n_jobs)  # (the counter holds n_jobs: back to zero)
         nxt = gl.num_programs(0) + drawn
-        buf = jc % Q_BUFS
-        mbarrier.wait(q_empty.index(buf), ((jc // Q_BUFS) & 1) ^ 1)
+        buf = _ws_claim_q(q_empty, jc, Q_BUFS)
         _ws_put(job_smem.index(buf), (t, tile * H_Q + h, lo, hi), 4)
         b = gl.load(TILE_REQ + tile)
         q_row0 = gl.load(QO_INDPTR + b) + gl.load(TILE_ROW0 + tile)
@@ -186,8 +183,7 @@ def _pg_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, job_smem, blk_s
         jc += 1
         t = nxt
         tile, h, lo, hi = _pg_job(gl.minimum(t, n_jobs - 1), H_Q, JOBS, ENTRY_PTR)
-    buf = jc % Q_BUFS  # "none left", once the consumers are done with that buffer's last Q
-    mbarrier.wait(q_empty.index(buf), ((jc // Q_BUFS) & 1) ^ 1)
+    buf = _ws_claim_q(q_empty, jc, Q_BUFS)  # "none left", once the consumers are done with that buffer's last Q
     _ws_put(job_smem.index(buf), (t, 0, 0, 0), 4)
     mbarrier.arrive(q_ready.index(buf), count=1)
 

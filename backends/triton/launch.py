@@ -448,6 +448,14 @@ class Launcher:
         elif key is not None and self.fast:  # (recorded for the host-time study)
             self.launches["not_kept"] = type(compiled).__name__
 
+    def output_descriptor(self, key, out, cols: int, make):
+        """An output's TMA descriptor argument (O, new each call): where this key's launches go raw,
+        a per-call view of its [-1, cols] rows (``raw_launch.TensorView``: no descriptor object made,
+        nothing kept that would hold the caller's O); else ``make()``'s descriptor."""
+        if key is not None and self.raw.get(key) is not None:
+            return raw_launch.TensorView(out, cols)
+        return make()
+
 
 def _stream():
     from triton.runtime import driver
@@ -662,10 +670,8 @@ class PrefillLaunch(_GluonDescriptors):
             rows, bn = gluon_engine.ROWS, self.config.block_n
             v_desc = self._fp8_v_descriptor(v) if self.fp8 else desc(v, bn, "v")
             k_desc = self._fp8_k_descriptor(k) if self.p_perm else desc(k, bn, "k")
-            if key is not None and self.launcher.raw.get(key) is not None:
-                o_desc = raw_launch.TensorView(out, self.module.SPEC["D_V"])  # (O is new each call: nothing kept)
-            else:
-                o_desc = self._gluon_descriptor(out, rows, "o", keep=False)
+            o_desc = self.launcher.output_descriptor(key, out, self.module.SPEC["D_V"],
+                                                     lambda: self._gluon_descriptor(out, rows, "o", keep=False))
             args = (desc(q, rows, "q"), k_desc, v_desc, o_desc, out, lse, counter,
                     *self.fixed_tail, *(descales if self.fp8 else self.no_descales), ts, *self.ints)
             self.launcher.launch(self.grid, args, key, stream)
@@ -687,10 +693,6 @@ class PrefillLaunch(_GluonDescriptors):
         """The Gluon engine's descriptor of ``t`` viewed as [-1, d] in ``rows``-row blocks (d: q and
         k's head dim, or v and o's); kept for the next call unless not ``keep`` (an output: a kept
         descriptor would hold the caller's last O, and the next O could not take its memory)."""
-        hit = self._descs.get(role)
-        if hit is not None and hit[0] == (t.data_ptr(), t.shape, t.stride()):
-            return hit[1]
-
         def make():
             d = self.module.SPEC["D_QK" if role in ("q", "k") else "D_V"]
             box = gluon_box(d)  # (a 192-wide head is loaded as 256 columns, the last 64 zero-filled by TMA)
@@ -938,10 +940,7 @@ class CacheLaunch(_GluonDescriptors):
         key = (spec_key(ints + (jobs,)), spec_key(ts))
         launcher = self._launcher(plan["position_end"])
         q_desc = self._cached(q, "q", make(q.view(-1, h_q * d_qk), [rows, d_qk]))
-        if launcher.raw.get(key) is not None:
-            o_desc = raw_launch.TensorView(out, h_q * d_v)  # (O is new each call: nothing kept)
-        else:
-            o_desc = make(out.view(-1, h_q * d_v), [rows, d_v])()
+        o_desc = launcher.output_descriptor(key, out, h_q * d_v, make(out.view(-1, h_q * d_v), [rows, d_v]))
         k_desc = self._cached(k_cache, "k", make(k2, [chunk, d_qk]))
         v_desc = self._cached(v_cache, "v", make(v2, [chunk, d_v]))
         stream = _stream()

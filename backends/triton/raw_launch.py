@@ -50,9 +50,9 @@ def raw_launch(kernel):
             return None
         c_launch = free["launcher"]
         positions = tuple(sorted(free["tensordesc_indices"]))
-        metas = tuple(free["tensordesc_meta"] or (None,) * len(positions))
-    if any(meta is None for meta in metas):  # (a descriptor decomposed in the frontend: no encoding to keep)
-        return None
+        metas = tuple(free["tensordesc_meta"] or ())
+        if len(metas) != len(positions) or None in metas:  # (descriptors decomposed in the frontend: no encoding)
+            return None
     head = (kernel.function, run.launch_cooperative_grid, run.launch_pdl, None, None, kernel.packed_metadata,
             None, None, None)
     encoded: dict = {}  # (position, address, shape, strides, padding) -> [CUtensorMap, *shape, *strides]
