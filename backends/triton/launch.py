@@ -427,7 +427,8 @@ class Launcher:
             stream = _stream() if stream is None else stream
             g = tuple(grid) + (1,) * (3 - len(grid))
             enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
-            if not (raw_launch.hooked(enter) or raw_launch.hooked(leave)):  # (Triton 3.6's hooks are chains, empty unless a tool adds one)
+            # (Triton 3.6's hooks are chains, empty unless a tool adds one: no launch metadata then)
+            if not (raw_launch.hooked(enter) or raw_launch.hooked(leave)):
                 raw = self.raw.get(key)
                 if raw is not None:
                     raw(g, stream, args + self.tail)
