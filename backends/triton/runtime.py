@@ -39,6 +39,16 @@ PREFILL_OPTIONS = ("block_m", "block_n", "num_warps", "num_stages", "use_tma", "
 FP8_INPUTS = F.DESCALES  # an FP8 call's descales (attnc.fp8)
 
 
+def tile_evaluator(module, tensors: dict, batch: int, s_q: int, s_k: int, device):
+    """What classifies the tiles an inexact mask analysis leaves undecided for a prefill call on
+    ``device``: the predicate kernel on a GPU (``tile_classes``), else None (the host's numpy
+    evaluation, ``compiler.analysis.tile_eval``)."""
+    if getattr(device, "type", str(device)) != "cuda":
+        return None
+    from .tile_classes import TritonTileEvaluator
+    return TritonTileEvaluator(module, tensors, batch, s_q, s_k, device)
+
+
 def _kind(t) -> str:
     import torch
     if t.dtype.is_floating_point:
@@ -99,7 +109,10 @@ class Kernel:
         host = {n: (t.detach().cpu().numpy() if hasattr(t, "detach") else np.asarray(t))
                 for n, t in (tensors or {}).items()}
         host = {n: t.astype(np.int64) if t.dtype.kind in "iu" else t for n, t in host.items()}
-        return make_plan(self.program, batch, s_q, s_k, host, bm, bn)
+        given = dict(tensors or {})
+        on_gpu = self._device == "cuda" and all(getattr(t, "is_cuda", False) for t in given.values())
+        evaluator = tile_evaluator(self.module, given, batch, s_q, s_k, self._torch.device("cuda")) if on_gpu else None
+        return make_plan(self.program, batch, s_q, s_k, host, bm, bn, tile_evaluator=evaluator)
 
     def device_plan(self, plan: Plan, device) -> dict:
         """The plan's walk arrays on ``device`` (cached on the plan)."""
@@ -328,11 +341,13 @@ class Kernel:
         host = {n: (t.detach().cpu().numpy() if hasattr(t, "detach") else np.asarray(t)) for n, t in tensors.items()}
         host = {n: a.astype(np.int64) if a.dtype.kind in "iu" else a for n, a in host.items()}
         made: dict = {}
+        evaluator = tile_evaluator(self.module, tensors, bound.batch, bound.s_q, bound.s_k, qb.device)
 
         def plan_for(bm, bn):
             _check_gpu_tile(bm, bn)
             if not made:
-                made[(bm, bn)] = make_plan(p, bound.batch, bound.s_q, bound.s_k, host, bm, bn)
+                made[(bm, bn)] = make_plan(p, bound.batch, bound.s_q, bound.s_k, host, bm, bn,
+                                           tile_evaluator=evaluator)
             elif (bm, bn) not in made:  # the mask analysis is reused; only the tiles change
                 made[(bm, bn)] = next(iter(made.values())).retile(bm, bn)
             return made[(bm, bn)]
