@@ -211,8 +211,8 @@ class Explanation:
         c = plan.counts()
         t_r, t_c = plan.classes.shape[2:]
         lines.append(f"tiles ({b_} x {h_} x {t_r} x {t_c} = {plan.classes.size}, method {plan.method}): "
-                     f"full {c['full']}, partial {c['partial']}, skip {c['skip']}")
-        lines.append(f"  classified by {plan.classified_by()}")
+                     f"full {c['full']}, partial {c['partial']}, skip {c['skip']}; classified by "
+                     f"{plan.classified_by()}")
         frac = self.visible_fraction()
         if frac is None:
             lo, hi = self.visible_cells()

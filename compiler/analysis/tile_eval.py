@@ -48,22 +48,43 @@ def classify_tiles(program: ir.Program, s_q: int, s_k: int, tensors: dict, tiles
                    block_n: int, chunk: int = EVAL_CHUNK, counter=None) -> np.ndarray:
     """int8 classes of ``tiles`` (int64 [n, 4]: b', h', q tile, k tile) from the mask at every
     cell of each.  A tile across S_q or S_k evaluates its last row or key again in place of the
-    ones past the end (the same cells, so the class is that of the cells inside)."""
+    ones past the end (the same cells, so the class is that of the cells inside).
+
+    First the tiles' borders (first and last rows, first and last keys: a few percent of the
+    cells): a tile with a visible and a hidden cell there is PARTIAL, and only the others are
+    evaluated whole (a dilation's or a stripe's tiles are decided by their borders)."""
     tiles = np.asarray(tiles, np.int64).reshape(-1, 4)
-    out = np.empty(len(tiles), np.int8)
-    q0, cells = s_k - s_q, block_m * block_n
+    out = np.full(len(tiles), PARTIAL, np.int8)
+    q0 = s_k - s_q
+    rows = lambda t, r: q0 + np.minimum(t[:, 2, None] * block_m + r, s_q - 1)  # noqa: E731
+    keys = lambda t, c: np.minimum(t[:, 3, None] * block_n + c, s_k - 1)  # noqa: E731
+    all_rows, all_keys = np.arange(block_m), np.arange(block_n)
+    todo = np.arange(len(tiles))
+    if block_m > 2 and block_n > 2:
+        ends_m, ends_n = np.array([0, block_m - 1]), np.array([0, block_n - 1])
+        seen = np.zeros(len(tiles), np.int64)
+        for r, c in ((ends_m, all_keys), (all_rows, ends_n)):
+            seen += _visible(program, tensors, tiles, lambda t: rows(t, r), lambda t: keys(t, c), s_q, s_k,
+                             len(r) * len(c), chunk, counter)
+        border = 2 * (block_m + block_n)
+        todo = np.flatnonzero((seen == 0) | (seen == border))
+    seen = _visible(program, tensors, tiles[todo], lambda t: rows(t, all_rows), lambda t: keys(t, all_keys),
+                    s_q, s_k, block_m * block_n, chunk, counter)
+    out[todo] = np.where(seen == 0, SKIP, np.where(seen == block_m * block_n, FULL, PARTIAL))
+    return out
+
+
+def _visible(program, tensors, tiles, rows, keys, s_q: int, s_k: int, cells: int, chunk: int, counter):
+    """Visible cells per tile among the rows ``rows(t)`` [n, r] x keys ``keys(t)`` [n, c]."""
+    out = np.empty(len(tiles), np.int64)
     per = max(1, chunk // max(1, cells))
-    rows, keys = np.arange(block_m), np.arange(block_n)
     lengths = {"S_q": np.asarray(s_q), "S_k": np.asarray(s_k)}
     for c0 in range(0, len(tiles), per):
         t = tiles[c0:c0 + per]
-        q = q0 + np.minimum(t[:, 2, None] * block_m + rows, s_q - 1)  # [n, block_m]
-        k = np.minimum(t[:, 3, None] * block_n + keys, s_k - 1)  # [n, block_n]
-        env = {"b": t[:, 0, None, None], "h": t[:, 1, None, None], "q": q[:, :, None], "k": k[:, None, :],
-               **lengths}
-        vis = np.broadcast_to(evaluate(program.mask, env, tensors), (len(t), block_m, block_n))
-        seen = np.count_nonzero(vis.reshape(len(t), -1), axis=1)
-        out[c0:c0 + per] = np.where(seen == 0, SKIP, np.where(seen == cells, FULL, PARTIAL))
+        q, k = rows(t), keys(t)
+        env = {"b": t[:, 0, None, None], "h": t[:, 1, None, None], "q": q[:, :, None], "k": k[:, None, :], **lengths}
+        vis = np.broadcast_to(evaluate(program.mask, env, tensors), (len(t), q.shape[1], k.shape[1]))
+        out[c0:c0 + per] = np.count_nonzero(vis.reshape(len(t), -1), axis=1)
         if counter is not None:
             counter.cells += len(t) * cells
     return out
