@@ -197,8 +197,8 @@ def decode_blocks(program: ir.Program, kv_lens, tensors: dict | None, block_n: i
     position runs, or for a decode-shaped call the mask at each request's one row) where that
     applies, else runs the general route; "general" always runs the column analysis and the tile
     classifier once per distinct (q_len, kv_len) with the tile plan's rows = ``block_q``; "rows"
-    refuses to fall back (tests).  Both give the same lists wherever the general analysis is
-    exact (where it is not, the rows' lists are exact and the general ones only safe)."""
+    refuses to fall back (tests).  Both give the same, exact lists (where the general analysis is
+    not exact, the tiles it leaves undecided are classified by the predicate, ``analysis.tile_eval``)."""
     kv_lens = np.asarray(kv_lens, np.int64)
     batch = len(kv_lens)
     check_length(int(kv_lens.max(initial=0)), "a request's kv_len")

@@ -137,7 +137,7 @@ class TilePlan:
         if self.undecided == 0:
             return "interval analysis (every tile proven)"
         if self.evaluated_by is None:
-            return (f"interval analysis (not exact: {self.undecided} undecided tiles left PARTIAL)")
+            return f"interval analysis (not exact: {self.undecided} undecided tiles left PARTIAL)"
         return (f"interval analysis + predicate evaluation ({self.evaluated_by}) of the {self.undecided} "
                 "tiles it left undecided")
 
@@ -188,7 +188,7 @@ def plan_tiles(mi: MaskIntervals, block_m: int, block_n: int, method: str = "aut
     representable, else the exact classifier regardless of cost (correct first).
 
     Where the analysis is not exact, the tiles it leaves undecided go to ``evaluator``
-    (``analysis.tile_eval.TileEvaluator``: ``evaluator(tiles, block_m, block_n)`` takes int64
+    (``analysis.tile_eval``: ``evaluator(tiles, block_m, block_n)``, with a ``name``, takes int64
     ``[n, 4]`` rows (b', h', q tile, k tile) and returns their int8 classes); without one they
     stay PARTIAL (safe)."""
     if block_m < 1 or block_n < 1:
