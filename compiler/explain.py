@@ -185,6 +185,7 @@ class Explanation:
             "tiles_undecided": plan.undecided,
             "tiles_evaluated_by": plan.evaluated_by,
             "tiles_exact": plan.exact,
+            "tiles_evaluation_skipped": plan.skipped,
             "visible_fraction": self.visible_fraction(),
             "visible_fraction_bounds": [lo / rect, hi / rect],
             "metadata_bytes": self.ledger(),

@@ -18,7 +18,10 @@ from .. import ir
 from ..interp import evaluate
 from .tiles import FULL, PARTIAL, SKIP
 
-EVAL_CHUNK = 1 << 22  # cells one step holds (the interpreter's temporaries are int64: ~32 MiB each)
+EVAL_CHUNK = 1 << 20  # cells one step holds (int64 temporaries of 8 MiB: measured no slower than 4x that)
+# cells the host evaluates for one plan at most (about a minute on one core at ~100M cells/s): past
+# it the undecided tiles stay PARTIAL (safe) and the plan says so; the GPU's evaluator has no limit
+HOST_MAX_CELLS = 1 << 32
 
 
 class NumpyTileEvaluator:
@@ -28,10 +31,11 @@ class NumpyTileEvaluator:
     name = "numpy"
 
     def __init__(self, program: ir.Program, batch: int, s_q: int, s_k: int, tensors: dict | None = None,
-                 chunk: int = EVAL_CHUNK):
+                 chunk: int = EVAL_CHUNK, max_cells: int | None = HOST_MAX_CELLS):
         self.program, self.batch, self.s_q, self.s_k = program, batch, s_q, s_k
         self.tensors = tensors or {}
         self.chunk = chunk
+        self.max_cells = max_cells  # plan_tiles leaves the tiles PARTIAL past it
         self.cells = 0  # cells evaluated so far (a cost the bench reports)
 
     def __call__(self, tiles: np.ndarray, block_m: int, block_n: int) -> np.ndarray:

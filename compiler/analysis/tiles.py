@@ -117,15 +117,16 @@ class TilePlan:
     # evaluator that classified them ("numpy", "triton"; None: none did, they stay PARTIAL)
     undecided: int = 0
     evaluated_by: str | None = None
+    skipped: str | None = None  # why they were not evaluated (over the evaluator's limit)
 
     @classmethod
     def from_classes(cls, classes: np.ndarray, block_m: int, block_n: int, method: str,
-                     undecided: int = 0, evaluated_by: str | None = None) -> "TilePlan":
+                     undecided: int = 0, evaluated_by: str | None = None, skipped: str | None = None) -> "TilePlan":
         """The CSR of given tile classes [B', H', T_r, T_c] (a whole call's, or a rectangle of one:
         ``compiler.cp`` cuts a call into blocks of query and key tiles)."""
         p_ptr, p_idx = _csr(classes == PARTIAL)
         f_ptr, f_idx = _csr(classes == FULL)
-        return cls(classes, block_m, block_n, p_ptr, p_idx, f_ptr, f_idx, method, undecided, evaluated_by)
+        return cls(classes, block_m, block_n, p_ptr, p_idx, f_ptr, f_idx, method, undecided, evaluated_by, skipped)
 
     @property
     def exact(self) -> bool:
@@ -137,7 +138,8 @@ class TilePlan:
         if self.undecided == 0:
             return "interval analysis (every tile proven)"
         if self.evaluated_by is None:
-            return f"interval analysis (not exact: {self.undecided} undecided tiles left PARTIAL)"
+            why = f": {self.skipped}" if self.skipped else ""
+            return f"interval analysis (not exact: {self.undecided} undecided tiles left PARTIAL{why})"
         return (f"interval analysis + predicate evaluation ({self.evaluated_by}) of the {self.undecided} "
                 "tiles it left undecided")
 
@@ -206,7 +208,12 @@ def plan_tiles(mi: MaskIntervals, block_m: int, block_n: int, method: str = "aut
     undecided = np.zeros((mi.shape[0], mi.shape[1], -(-mi.s_q // block_m), -(-mi.s_k // block_n)), bool)
     classes = classify_exact(mi, block_m, block_n, undecided=undecided)
     todo = np.argwhere(undecided)
+    limit = getattr(evaluator, "max_cells", None)
     if evaluator is None or not len(todo):
         return TilePlan.from_classes(classes, block_m, block_n, method, len(todo))
+    if limit is not None and len(todo) * block_m * block_n > limit:  # too long to wait for: safe instead
+        return TilePlan.from_classes(classes, block_m, block_n, method, len(todo),
+                                     skipped=f"{len(todo) * block_m * block_n:,} cells to evaluate, over the "
+                                             f"{evaluator.name} evaluator's limit of {limit:,}")
     classes[tuple(todo.T)] = evaluator(todo.astype(np.int64), block_m, block_n)
     return TilePlan.from_classes(classes, block_m, block_n, method, len(todo), evaluator.name)

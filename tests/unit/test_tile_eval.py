@@ -102,6 +102,16 @@ def test_an_exact_analysis_evaluates_nothing():
     np.testing.assert_array_equal(again.tiles.classes, truth(p, plan.intervals, 1, 64, 64, {}, 16, 4))
 
 
+def test_past_the_host_limit_undecided_tiles_stay_partial():
+    p = program("causal & (window(8) | q % 16 < 2)")
+    mi = analyze(p, 1, 64, 64)
+    ev = NumpyTileEvaluator(p, 1, 64, 64, max_cells=100)
+    plan = plan_tiles(mi, 8, 8, evaluator=ev)
+    assert plan.evaluated_by is None and not plan.exact and ev.cells == 0
+    assert "over the numpy evaluator's limit of 100" in plan.classified_by()
+    np.testing.assert_array_equal(plan.classes, plan_tiles(mi, 8, 8).classes)  # the safe classes
+
+
 @pytest.mark.parametrize("block_m, block_n", [(16, 16), (2, 7), (5, 1)])
 def test_chunks_and_borders_do_not_change_the_classes(block_m, block_n):
     p = program("(q & k & 8) == 0 | (q - k) % 3 == 0 & causal")
