@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -370,25 +371,22 @@ def _block(text: str) -> tuple[int, int]:
 
 
 def cmd_bench(args) -> int:
-    """The GPU benchmark harness lives in the repository's bench/ (not in the installed package)."""
+    """The GPU benchmark harness: attnc.bench (bench/ in a checkout), imported here only."""
     try:
         import torch
     except ImportError:
         raise AttncError("attnc bench needs torch and triton on a CUDA machine (pip install 'attnc[gpu]')") from None
     if not torch.cuda.is_available():
         raise AttncError("attnc bench measures GPU kernels; no CUDA device is visible")
-    root = Path(__file__).resolve().parent.parent
-    if not (root / "bench" / "harness.py").is_file():
-        raise AttncError("attnc bench runs from a source checkout of attnc (its bench/ folder is not installed)")
-    sys.path.insert(0, str(root))
-    from bench import harness
+    from ..bench import harness
+    args.out = _bench_out(args.out, args.what)
     command = "attnc bench " + " ".join(sys.argv[2:] if len(sys.argv) > 2 else [args.what])
     if args.what == "decode":
         cases = [tuple(int(x) for x in c.split(":")) for c in args.cases.split(",")] if args.cases else None
         rows = harness.run_decode(cases=cases, out=args.out, command=command, graph=not args.no_graph,
                                   configs=() if args.no_configs else harness.DECODE_CONFIGS)
     elif args.what == "append":
-        from bench.append import check_scores, run_append
+        from ..bench.append import check_scores, run_append
         cases = [tuple(int(x) for x in c.split(":")) for c in args.cases.split(",")] if args.cases else None
         if cases and any(len(c) != 4 for c in cases):
             raise AttncError("attnc bench append --cases: B:T:C:page_size,... (e.g. 4:8192:2048:16)")
@@ -399,7 +397,7 @@ def cmd_bench(args) -> int:
             raise AttncError(f"attnc bench append --scores: {e}") from None
         rows = run_append(cases=cases, out=args.out, command=command, flex=bool(args.flex_modes), scores=scores)
     elif args.what == "backward":
-        from bench.backward import run_backward
+        from ..bench.backward import run_backward
         rows = run_backward(**_bench_shape(args), masks=args.masks.split(",") if args.masks else None, out=args.out,
                             command=command, flex_modes=tuple(m for m in args.flex_modes.split(",") if m),
                             sdpa=not args.no_sdpa)
@@ -423,6 +421,22 @@ def cmd_bench(args) -> int:
                                    sdpa=not args.no_sdpa)
     print(harness.summary(rows))
     return 0
+
+
+def _bench_out(path: str | None, what: str) -> str:
+    """Where the rows go: --out, else ./bench-results/WHAT-<UTC time>.jsonl under the current
+    directory (never beside the installed package)."""
+    if path is None:
+        path = str(Path("bench-results") / f"{what}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}.jsonl")
+    target = Path(path)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise InputError(f"attnc bench: cannot write {path}: {e.strerror or e}") from None
+    if target.is_dir() or not os.access(target if target.exists() else target.parent, os.W_OK):
+        raise InputError(f"attnc bench: cannot write {path}")
+    print(f"attnc bench {what}: rows -> {path}", file=sys.stderr)
+    return path
 
 
 def _bench_shape(args) -> dict:
@@ -569,12 +583,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "call in a CUDA graph and replay it (graph_mode; Kernel.decode_graph)")
     p.set_defaults(fn=cmd_run)
 
-    p = sub.add_parser("explain", parents=[limits, shape], help="FlashMask intervals, representability, tile classes and "
-                                       "metadata ledger for one call shape; Paddle / Flex exports",
-                       description="Analyse the mask for B requests of S_q query rows over S_k keys "
-                                   "(bottom-right aligned). Tensors come from --tensor files, else "
-                                   "from the spec's sample distributions (the values `attnc run` draws for the "
-                                   "same --batch, lengths and --seed).")
+    p = sub.add_parser(
+        "explain", parents=[limits, shape], help="FlashMask intervals, representability, tile classes and "
+                                                 "metadata ledger for one call shape; Paddle / Flex exports",
+        description="Analyse the mask for B requests of S_q query rows over S_k keys "
+                    "(bottom-right aligned). Tensors come from --tensor files, else "
+                    "from the spec's sample distributions (the values `attnc run` draws for the "
+                    "same --batch, lengths and --seed).")
     p.add_argument("spec")
     p.add_argument("--q-len", type=_length, default=None, help="S_q (default S_k: prefill)")
     p.add_argument("--kv-len", type=_length, required=True, help="S_k")
@@ -594,11 +609,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--png", metavar="FILE", help="tile-class map of (b=0, h=0) as a PNG (needs attnc[plot])")
     p.set_defaults(fn=cmd_explain)
 
-    p = sub.add_parser("plan", parents=[limits, shape], help="split bounds, launch grids, workspace bytes and ledgers of a "
-                                    "split call; the schedule graph",
-                       description="Plan a split-K/V call of B requests (bottom-right positions): the "
-                                   "spec's split policy and state ABI, its heads, head_dim, dtype and "
-                                   "cache (pages are allocated in request order).")
+    p = sub.add_parser(
+        "plan", parents=[limits, shape], help="split bounds, launch grids, workspace bytes and ledgers of a "
+                                              "split call; the schedule graph",
+        description="Plan a split-K/V call of B requests (bottom-right positions): the "
+                    "spec's split policy and state ABI, its heads, head_dim, dtype and "
+                    "cache (pages are allocated in request order).")
     p.add_argument("spec")
     p.add_argument("--kv-lens", type=_lengths_arg, required=True, metavar="T0,T1,...",
                    help="visible K/V length of each request (its query rows included)")
@@ -637,12 +653,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="one JSON object: key, digest, candidates, selection")
     p.set_defaults(fn=cmd_dispatch)
 
-    p = sub.add_parser("tune", parents=[limits, shape], help="search a backend's launch configs per dispatch key; store the "
-                                    "winners with raw samples in the tuning cache",
-                       description="For each B:S_q:S_k shape, check every candidate config against the "
-                                   "float64 oracle before timing it, time the passing ones (synchronized "
-                                   "raw samples) and store the winner in the JSON cache keyed by the "
-                                   "dispatch key's digest.  Progress goes to stderr.")
+    p = sub.add_parser(
+        "tune", parents=[limits, shape], help="search a backend's launch configs per dispatch key; store the "
+                                              "winners with raw samples in the tuning cache",
+        description="For each B:S_q:S_k shape, check every candidate config against the "
+                    "float64 oracle before timing it, time the passing ones (synchronized "
+                    "raw samples) and store the winner in the JSON cache keyed by the "
+                    "dispatch key's digest.  Progress goes to stderr.")
     p.add_argument("spec")
     p.add_argument("--shapes", required=True, metavar="B:S_q:S_k,...", help="call shapes to tune")
     p.add_argument("--backend", default="triton", help="backend whose space is searched (default triton)")
@@ -660,7 +677,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="GPU: our Triton kernels against FlexAttention and SDPA in one "
                                      "process; JSON lines with correctness and raw samples")
     p.add_argument("what", choices=["prefill", "decode", "backward", "append"])
-    p.add_argument("--out", required=True, metavar="FILE.jsonl")
+    p.add_argument("--out", default=None, metavar="FILE.jsonl",
+                   help="JSON lines, appended (default ./bench-results/WHAT-<UTC time>.jsonl)")
     p.add_argument("--masks", default=None, help="prefill: comma-separated subset of "
                                                  "causal,sliding_window_1024,causal_document,prefix_lm_2048,full")
     p.add_argument("--batch", type=_positive, default=None, help="default 4 (with prefill --cases: replaces "
