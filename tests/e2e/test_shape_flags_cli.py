@@ -106,3 +106,15 @@ def test_bad_shape_values_are_usage_errors(specs, capsys, value, message):
     with pytest.raises(SystemExit) as e:
         main(["plan", str(specs / "generic.attn"), "--heads", value, "--head-dim", "32", "--kv-lens", "8"])
     assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_the_flags_make_attnc_compiles_program(specs):
+    """One specialisation: the CLI's program for --heads 4/2 --head-dim 32 --dtype f32 is the one
+    attnc.compile runs for such tensors (same digest: same kernels, plans and tuning keys)."""
+    import argparse
+
+    import attnc
+    from attnc.compiler import ir
+    from attnc.compiler.cli import _concrete
+    args = argparse.Namespace(spec=str(specs / "generic.attn"), heads=(4, 2), head_dim=(32, 32), dtype="f32")
+    assert ir.digest(_concrete(args)) == ir.digest(attnc.compile(GENERIC).specialize(4, 2, 32, 32, "f32"))
