@@ -414,7 +414,9 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     from pathlib import Path
     from . import harness as H
-    out = a.out or str(Path(__file__).resolve().parent / "results" / f"mask_sweep_{time.strftime('%Y%m%d_%H%M%S')}.jsonl")
+    # default: bench/results/ under the current directory (a checkout's root), never inside an install
+    out = a.out or str(Path("bench") / "results" / f"mask_sweep_{time.strftime('%Y%m%d_%H%M%S', time.gmtime())}.jsonl")
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
     command = "python3 -m bench.mask_sweep " + " ".join(argv if argv is not None else sys.argv[1:])
     rows = H.Rows(out, command)
     env = {} if a.check_only else H.environment()

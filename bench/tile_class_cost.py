@@ -143,8 +143,10 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     bm, bn = (int(x) for x in a.block.lower().split("x"))
-    out = a.out or str(Path(__file__).resolve().parent / "results" /
-                       f"tile_class_cost_{time.strftime('%Y%m%d_%H%M%S')}.jsonl")
+    # default: bench/results/ under the current directory (a checkout's root), never inside an install
+    stamp = time.strftime('%Y%m%d_%H%M%S', time.gmtime())
+    out = a.out or str(Path("bench") / "results" / f"tile_class_cost_{stamp}.jsonl")
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
     command = "python3 -m bench.tile_class_cost " + " ".join(argv if argv is not None else sys.argv[1:])
     run([int(x) for x in a.seq.split(",")], (bm, bn), a.masks.split(","), a.batch, a.repeats, not a.no_gpu,
         a.host_max_seq, out, command)

@@ -111,7 +111,8 @@ class Kernel:
         host = {n: t.astype(np.int64) if t.dtype.kind in "iu" else t for n, t in host.items()}
         given = dict(tensors or {})
         on_gpu = self._device == "cuda" and all(getattr(t, "is_cuda", False) for t in given.values())
-        evaluator = tile_evaluator(self.module, given, batch, s_q, s_k, self._torch.device("cuda")) if on_gpu else None
+        evaluator = (tile_evaluator(self.module, given, batch, s_q, s_k, self._torch.device("cuda"))
+                     if on_gpu else None)
         return make_plan(self.program, batch, s_q, s_k, host, bm, bn, tile_evaluator=evaluator)
 
     def device_plan(self, plan: Plan, device) -> dict:

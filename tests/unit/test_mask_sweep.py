@@ -7,7 +7,7 @@ import pytest
 
 pytest.importorskip("torch", reason="the sweep's mask_mods are torch ops")
 
-from bench import mask_sweep as M  # noqa: E402
+from attnc.bench import mask_sweep as M  # noqa: E402
 
 
 def test_the_generator_is_seeded_and_covers_every_atom():

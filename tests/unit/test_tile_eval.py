@@ -174,7 +174,8 @@ def test_triton_evaluator_equals_the_host_one():
     assert dev.dtype == np.int8 and len(set(host.tolist())) > 1
 
 
-@pytest.mark.parametrize("expr", ["causal & (window(6) | k < 2 | q % 16 < 2)", "doc[b, q] == doc[b, k] & (q & k & 8) == 0"])
+@pytest.mark.parametrize("expr", ["causal & (window(6) | k < 2 | q % 16 < 2)",
+                                  "doc[b, q] == doc[b, k] & (q & k & 8) == 0"])
 def test_triton_calls_plan_with_the_device_evaluator_and_cache_it(monkeypatch, expr):
     """A Triton call whose analysis is inexact plans its tiles with the predicate kernel (forced here
     under the interpreter, as a CUDA call is), matches the float64 oracle, and keeps the plan: the
