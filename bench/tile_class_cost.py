@@ -8,7 +8,8 @@ For each mask and length, one JSON line per method:
                 host (what a CUDA call pays once per plan; later calls find it in the plan cache);
   eval_gpu      the GPU tile evaluator alone on the undecided tiles (upload, kernel, download);
   flex_block_mask  torch's ``create_block_mask`` of the same predicate as a mask_mod at the same
-                shape and block size (``_compile=False``, its default, and ``_compile=True``).
+                shape and block size, as it is and under ``torch.compile``; ``same_classes_as_ours``
+                compares its FULL and PARTIAL block counts with the plan's (both are exact).
 Each row has the tile counts, the undecided tiles and the samples (ms).  ``--no-gpu`` times the
 host path alone (no torch.cuda).  Run: ``python3 -m bench.tile_class_cost [--seq 8192,32768]``.
 """
@@ -58,7 +59,7 @@ def _row(rows_file, command, **row):
         f.write(json.dumps(row) + "\n")
 
 
-def run(seqs, block, masks, batch, repeats, gpu, host_max_seq, out, command):
+def run(seqs, block, masks, batch, repeats, gpu, host_max_seq, out, command, device="cuda"):
     import attnc
     from attnc.compiler.plan import plan as make_plan
     bm, bn = block
@@ -84,14 +85,19 @@ def run(seqs, block, masks, batch, repeats, gpu, host_max_seq, out, command):
             from attnc.compiler.analysis.intervals import analyze
             from attnc.compiler.analysis.tiles import classify_exact
             from attnc.backends.triton.tile_classes import TritonTileEvaluator
-            dev = torch.device("cuda")
+            dev = torch.device(device)  # ("cpu" under TRITON_INTERPRET=1: a smoke test of this script)
+
+            def sync():
+                if dev.type == "cuda":
+                    torch.cuda.synchronize()
+
             tensors = {"doc": torch.as_tensor(doc, device=dev)} if doc is not None else {}
             q = torch.empty(batch, 16, s, 128, device=dev, dtype=torch.bfloat16)
-            _, kernel = attn._kernel_for(q, q, q, tensors, None)
+            _, kernel = attn._kernel_for(q, q, q, tensors, "triton")
 
             def gpu_plan():
                 r = kernel.plan(batch, s, s, tensors, bm, bn)
-                torch.cuda.synchronize()
+                sync()
                 return r
 
             gp = gpu_plan()  # (compiles the tile kernel)
@@ -112,19 +118,22 @@ def run(seqs, block, masks, batch, repeats, gpu, host_max_seq, out, command):
             def mask_mod(b, h, qi, ki):
                 return node.flex(b, qi, ki, d, s, s)
 
+            ours = gp.tiles.counts()
+            compiled_bm = torch.compile(create_block_mask)
             for compiled in (False, True):
+                make_mask = compiled_bm if compiled else create_block_mask
                 try:
-                    def make(c=compiled):
-                        m = create_block_mask(mask_mod, batch if d is not None else None, None, s, s, device=dev,
-                                              BLOCK_SIZE=(bm, bn), _compile=c)
-                        torch.cuda.synchronize()
+                    def make(f=make_mask):
+                        m = f(mask_mod, batch if d is not None else None, None, s, s, device=dev, BLOCK_SIZE=(bm, bn))
+                        sync()
                         return m
                     first = _times(make, 1)
                     bmask = make()
+                    full = int(bmask.full_kv_num_blocks.sum()) if bmask.full_kv_num_blocks is not None else 0
+                    partial = int(bmask.kv_num_blocks.sum())
                     _row(out, command, **common, method="flex_block_mask", compiled=compiled, first_ms=first[0],
-                         samples_ms=_times(make, repeats),
-                         flex_computed_blocks=int(bmask.kv_num_blocks.sum() + (bmask.full_kv_num_blocks.sum()
-                                                  if bmask.full_kv_num_blocks is not None else 0)))
+                         samples_ms=_times(make, repeats), flex_full=full, flex_partial=partial,
+                         same_classes_as_ours=(full, partial) == (ours["full"], ours["partial"]))
                     del bmask
                 except Exception as e:  # noqa: BLE001 - a row, not the end of the run
                     _row(out, command, **common, method="flex_block_mask", compiled=compiled,
@@ -141,6 +150,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-gpu", action="store_true", help="the host path only")
     ap.add_argument("--host-max-seq", type=int, default=32768, help="longest length the host path is timed at")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--device", default="cuda", help="cuda; cpu runs the kernels in Triton's interpreter "
+                    "(TRITON_INTERPRET=1, tiny shapes: a check of this script, not a measurement)")
     a = ap.parse_args(argv)
     bm, bn = (int(x) for x in a.block.lower().split("x"))
     # default: bench/results/ under the current directory (a checkout's root), never inside an install
@@ -149,7 +160,7 @@ def main(argv=None) -> int:
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     command = "python3 -m bench.tile_class_cost " + " ".join(argv if argv is not None else sys.argv[1:])
     run([int(x) for x in a.seq.split(",")], (bm, bn), a.masks.split(","), a.batch, a.repeats, not a.no_gpu,
-        a.host_max_seq, out, command)
+        a.host_max_seq, out, command, a.device)
     print(f"wrote {out}")
     return 0
 
