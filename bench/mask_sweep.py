@@ -11,8 +11,9 @@ Atoms (``ATOMS``): causal (bottom-right ``k <= q`` and top-left ``k <= q - (S_k 
 windows, bidirectional bands, prefixes (prefix-LM columns) and sinks ``k < c``, global rows
 ``q < c``, chunks ``q // c == k // c``, periodic rows and columns ``q % p < c``, dilations
 ``(q - k) % d == 0``, bitwise patterns ``(q & k & m) == 0``, ``(q & m) == (k & m)``, documents
-``doc[b, q] == doc[b, k]``; combined with ``&``, ``|`` and ``!``.  Sizes scale with the sequence
-length (``scale``), so the same seed gives the same family at a tiny shape and at S = 8192.
+``doc[b, q] == doc[b, k]``; combined with ``&``, ``|`` and ``!``.  Sizes are drawn for S = 8192
+and scaled to the length (``rescale``), so a seed gives the same structures at a tiny shape (the
+CPU check) and at the bench shape.
 
 On the GPU (``python3 -m bench.mask_sweep``): for each mask, the correctness check at a small
 shape on the CPU first, then B=4 H=16 S=8192 d=128 bf16 (options for smaller) timed in one
@@ -128,34 +129,48 @@ def _pow2_at_most(x: int) -> int:
     return 1 << max(0, int(x).bit_length() - 1)
 
 
-def atom(rng: random.Random, kind: str, s: int) -> Node:
-    """One atom of ``kind`` with random sizes for length ``s``."""
-    sc = lambda x: scale(x, s)  # noqa: E731
+def atom(rng: random.Random, kind: str) -> Node:
+    """One atom of ``kind`` with random sizes for S = 8192 (:func:`rescale` shrinks them)."""
     if kind in ("causal", "causal_top_left", "document"):
         return Node(kind)
     if kind == "window":
-        return Node(kind, (sc(rng.choice([128, 256, 512, 1024, 2048, 4096])),))
+        return Node(kind, (rng.choice([128, 256, 512, 1024, 2048, 4096]),))
     if kind == "band":
-        return Node(kind, (sc(rng.choice([64, 256, 512, 1024])),))
+        return Node(kind, (rng.choice([64, 256, 512, 1024]),))
     if kind == "prefix":
-        return Node(kind, (sc(rng.choice([512, 1024, 2048, 4096])),))
+        return Node(kind, (rng.choice([512, 1024, 2048, 4096]),))
     if kind == "sink":
-        return Node(kind, (sc(rng.choice([4, 16, 64, 128])),))
+        return Node(kind, (rng.choice([4, 16, 64, 128]),))
     if kind == "global_rows":
-        return Node(kind, (sc(rng.choice([16, 64, 256])),))
+        return Node(kind, (rng.choice([16, 64, 256]),))
     if kind == "chunk":
-        return Node(kind, (sc(rng.choice([128, 512, 1024, 2048])),))
+        return Node(kind, (rng.choice([128, 512, 1024, 2048]),))
     if kind in ("periodic_rows", "periodic_cols"):
-        p = sc(rng.choice([256, 512, 1024, 2048]))
-        return Node(kind, (p, max(1, min(p, sc(rng.choice([16, 32, 64, 128]))))))
+        return Node(kind, (rng.choice([256, 512, 1024, 2048]), rng.choice([16, 32, 64, 128])))
     if kind == "dilation":
         return Node(kind, (rng.choice([2, 3, 4]),))
     if kind == "bitwise_and":  # one or two high bits: a Sierpinski-like pattern of blocks
-        bits = rng.sample(range(6, 13), rng.choice([1, 2]))
-        return Node(kind, (sum(_pow2_at_most(sc(1 << i)) for i in bits) or 1,))
+        return Node(kind, (sum(1 << i for i in rng.sample(range(6, 13), rng.choice([1, 2]))),))
     if kind == "bitwise_eq":  # the same residue of a high bit: block-diagonal stripes
-        return Node(kind, (_pow2_at_most(sc(1 << rng.randrange(8, 13))),))
+        return Node(kind, (1 << rng.randrange(8, 13),))
     raise ValueError(kind)
+
+
+def rescale(node: Node, s: int) -> Node:
+    """``node`` (sizes for S = 8192) at length ``s``: sizes scaled, bits moved down as many places,
+    dilations kept."""
+    if node.children:
+        return Node(node.kind, node.args, tuple(rescale(c, s) for c in node.children))
+    a = node.args
+    if node.kind in ("periodic_rows", "periodic_cols"):
+        p = scale(a[0], s)
+        return Node(node.kind, (p, max(1, min(p, scale(a[1], s)))))
+    if node.kind in ("bitwise_and", "bitwise_eq"):
+        bits = [1 << i for i in range(a[0].bit_length()) if a[0] >> i & 1]
+        return Node(node.kind, (sum({_pow2_at_most(scale(b, s)) for b in bits}),))
+    if node.kind == "dilation" or not a:
+        return node
+    return Node(node.kind, tuple(scale(x, s) for x in a))
 
 
 # a mask is a base (what most attention is built on) refined by one to three more atoms
@@ -165,14 +180,14 @@ REFINE = ("window", "band", "prefix", "sink", "global_rows", "chunk", "periodic_
 ATOMS = tuple(sorted(set(BASES) | set(REFINE)))
 
 
-def random_mask(rng: random.Random, s: int) -> Node:
+def random_mask(rng: random.Random) -> Node:
     """A base atom combined with one to three more: ``base & x``, ``base & (x | y)``, ``base | x``,
     ``base & !x`` ... (the shapes of real masks: sinks, global tokens, strided and periodic
     patterns on top of causal, windows, chunks or documents)."""
     base_kind = rng.choice(BASES)
-    base = atom(rng, base_kind, s)
+    base = atom(rng, base_kind)
     kinds = rng.sample([x for x in REFINE if x != base_kind], rng.randint(1, 3))  # distinct atoms
-    extra = [atom(rng, kind, s) for kind in kinds]
+    extra = [atom(rng, kind) for kind in kinds]
     shape = rng.random()
     if shape < 0.45:  # base & (x | y | ...): a window with sinks and global rows, ...
         inner = extra[0] if len(extra) == 1 else Node("or", children=tuple(extra))
@@ -186,16 +201,17 @@ def random_mask(rng: random.Random, s: int) -> Node:
     return Node("and", children=(base, Node("not", children=(extra[0],)), *extra[1:2]))  # base & !x
 
 
-def masks(count: int, seed: int, s: int) -> list[Node]:
-    """``count`` distinct masks (by their .attn text) from ``seed`` at length ``s``."""
+def masks(count: int, seed: int, s: int = BASE_S) -> list[Node]:
+    """``count`` distinct masks (by their .attn text at S = 8192) from ``seed``, at length ``s``:
+    the same structures at every length."""
     rng = random.Random(seed)
     out, seen = [], set()
     while len(out) < count:
-        m = random_mask(rng, s)
+        m = random_mask(rng)
         if m.attn() not in seen:
             seen.add(m.attn())
             out.append(m)
-    return out
+    return [rescale(m, s) for m in out]
 
 
 def spec_text(node: Node, index: int, heads: int | None = None, head_dim: int | None = None) -> str:
@@ -259,7 +275,7 @@ def check_mask(node: Node, index: int, *, batch: int = 2, heads: int = 2, s: int
 
 
 # ------------------------------------------------------------------ timing (GPU)
-def _visible_cells(program, batch: int, s: int, doc) -> int:
+def _visible_cells(program, batch: int, s: int, doc) -> int | None:
     """Visible cells of one head over the batch, from the plan's exact per-column analysis or,
     where it is not exact, the dense mask on the GPU by row blocks."""
     from attnc.compiler.analysis.intervals import analyze
