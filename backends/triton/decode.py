@@ -47,7 +47,7 @@ def decode_plan(program, arrays: dict, *, block_n: int | None = None, splits: in
     :func:`default_decode_config`; the plan records the launch's ``num_warps`` / ``num_stages``.
     ``engine``: "split" (the split producer and combine), "gluon" (the Gluon engine over the
     cache, one launch; refused with the reason where it cannot run) or None: the engine where an
-    untuned, unconstrained call's rows fill its tiles (``launch.split_engine``), else the split."""
+    untuned, unconstrained call's rows fill its tiles (``choice.split_engine``), else the split."""
     if engine not in (None, "split", "gluon"):
         raise ValueError(f"engine must be None, 'split' or 'gluon', not {engine!r}")
     if engine == "gluon" and (block_n is not None or splits is not None or block_q is not None):

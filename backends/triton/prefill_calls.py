@@ -177,7 +177,7 @@ class PrefillCalls:
         return launch
 
     def _make_launch(self, bound: _Bound, qb, kb, vb, tensors: dict, plan, options: dict, fp8: bool = False):
-        """Choose the config and plan for this call and bind a launch (``launch.choose_prefill``);
+        """Choose the config and plan for this call and bind a launch (``choice.choose_prefill``);
         ``fp8``: an FP8 call the Gluon engine takes (``_fp8_bind``)."""
         from attnc.compiler import tune
         p = self.program
