@@ -21,6 +21,7 @@ in bench/results/README.md):
   Hopper; 64 x 64 tiles for masks that read tensors, for head dims above 128, and (once the
   plan shows it) for short rows (< 16 computed blocks per 128-row tile, on average); the walk
   ``merged`` when the plan's runs average >= 24 blocks, else ``merged_blocks`` (``blocks`` when
+  the mask comes from interval vectors).
 """
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """The Triton backend's launch mechanics: the one place kernels are launched (``Launcher``,
 ``PrefillLaunch``, ``SplitLaunch``, ``CacheLaunch``) with the configuration ``choice.py`` chose.
 
-
 A launch binds everything a call's key fixes once; a later call with the same key pays a
 dictionary lookup, two allocations (O, LSE) and the launch.  ``Launcher`` launches a kernel
 through Triton's JIT the first time (compile, specialization) and, after that, through the
