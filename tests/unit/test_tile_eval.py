@@ -192,7 +192,7 @@ def test_triton_calls_plan_with_the_device_evaluator_and_cache_it(monkeypatch, e
             runs.append(len(tiles))
             return super().__call__(tiles, block_m, block_n)
 
-    monkeypatch.setattr(runtime, "tile_evaluator", lambda module, tensors, batch, s_q, s_k, device:
+    monkeypatch.setattr(tile_classes, "tile_evaluator", lambda module, tensors, batch, s_q, s_k, device:
                         Counting(module, tensors, batch, s_q, s_k, device))
     p = program(expr)
     kernel = runtime.load(p)
