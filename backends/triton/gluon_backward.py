@@ -1,0 +1,398 @@
+"""The backward's dK/dV pass for Hopper (sm_90) in Gluon: TMA loads, wgmma, the plan's column walk.
+
+One program per (K/V tile of BLOCK_N keys, request * K/V head), in ``prefill._job``'s order over
+the columns sorted by work (heaviest first).  Its K and V tiles are loaded once (TMA); it then
+walks the *group column list* of its tile -- for every query head of its GQA group in turn, the
+query blocks whose class in the plan is not SKIP (``group_lists``: each entry packs the query
+block, the head within the group and the PARTIAL flag) -- with the entries' Q and dO tiles
+streamed through STAGES shared-memory stages behind mbarriers, each load issued STAGES - 1
+entries ahead.  Per entry, on the tensor cores (8 warps: two warpgroups of 64 keys each):
+
+    S^T = K Q^T and dP^T = V dO^T (issued together), P^T = exp2(S^T * scale - LSE) on the saved
+    LSE, dV += P^T dO (issued under dS^T's arithmetic), dS^T = P^T (dP^T - D), dK += dS^T Q.
+
+FULL blocks take no element mask; PARTIAL blocks (and, unless S_q / S_k are multiples of the
+tiles, the blocks across S_q or S_k) apply the spec's ``VISIBLE`` predicate and the bounds; the
+score program's derivative (``SCORE_GRAD``) is inlined as in the Triton backward.  dK and dV of a
+K/V head are summed over its query group inside the program, in a fixed order.  D = rowsum(dO * O)
+- dLSE comes from the Triton backward's ``_bwd_delta`` and dQ from its dQ pass (deterministic:
+every gradient element is written by one program); ATOMIC_DQ instead adds each entry's
+dQ = dS K (from dS^T in shared memory) into a float32 workspace with atomics: five GEMMs per block
+instead of seven, not bit-reproducible.
+
+Tiles past S_q or S_k: TMA reads the next head's rows there (zeros past the tensor's end); their
+scores are masked, so P = 0 and nothing of them reaches this head's gradients (for finite inputs).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import triton.language as tl
+
+from .prefill import _job
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
+                                                                  warpgroup_mma, warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    HAS_GLUON = True
+except (ImportError, AttributeError):  # a Triton without Gluon: the engine is unavailable
+    HAS_GLUON = False
+    TensorDescriptor = None
+
+    class gluon:  # noqa: N801 - keeps the definitions below importable; ``refusal`` refuses the engine
+        jit = staticmethod(lambda fn: fn)
+
+LOG2E = 1.4426950408889634
+HEAD_DIMS = (64, 128)  # q.k's and v's (equal)
+GROUP_BITS = 7  # an entry: query block << 8 | head within the group << 1 | PARTIAL
+MAX_GROUP = 1 << GROUP_BITS
+
+
+@dataclass(frozen=True)
+class GluonBackwardConfig:
+    """The dK/dV pass's tiles (BLOCK_M query rows per entry, BLOCK_N keys per program) and Q/dO
+    stages; ``atomic_dq``: dQ added by atomics inside the pass (not deterministic) instead of the
+    Triton dQ pass."""
+
+    block_m: int = 64
+    block_n: int = 128
+    stages: int = 2
+    atomic_dq: bool = False
+
+    def describe(self) -> str:
+        return (f"gluon dK/dV {self.block_m} x {self.block_n}, {self.stages} stages, "
+                f"dQ {'atomic' if self.atomic_dq else 'by the Triton dQ pass'}")
+
+
+def default_config(d: int) -> GluonBackwardConfig:
+    """The untuned tiles: 64 query rows per entry at d 128 (registers: dK, dV, S^T, dP^T of 128 keys
+    over two warpgroups), 128 at d 64."""
+    return GluonBackwardConfig(block_m=64 if d > 64 else 128)
+
+
+def smem_bytes(d: int, config: GluonBackwardConfig) -> int:
+    """Shared memory of a program: K and V tiles, STAGES Q and dO tiles (and dS^T, ATOMIC_DQ), 2-byte
+    elements, plus the barriers."""
+    c = config
+    tiles = 2 * c.block_n * d + 2 * c.stages * c.block_m * d + (c.block_m * c.block_n if c.atomic_dq else 0)
+    return 2 * tiles + 64
+
+
+def refusal(program, s_q: int, s_k: int, bhsd_contiguous: bool, capability: int, interpreted: bool,
+            config: GluonBackwardConfig) -> str | None:
+    """Why the Gluon dK/dV pass cannot run this call (a sentence), or None: the one decision place
+    (everything it refuses runs the Triton backward)."""
+    from .gluon_engine import SMEM
+    if interpreted:
+        return "Gluon kernels do not run in Triton's interpreter"
+    if not HAS_GLUON:
+        return "this Triton has no Gluon (triton.experimental.gluon)"
+    if capability != 90:
+        return "the Gluon backward needs an sm_90 GPU (Hopper: wgmma and TMA)"
+    if program.dtype not in ("f16", "bf16"):
+        return f"the Gluon backward takes f16 / bf16, not {program.dtype}"
+    if program.d_qk != program.d_v or program.d_qk not in HEAD_DIMS:
+        return (f"the Gluon backward takes equal q.k and v head dims of {' or '.join(map(str, HEAD_DIMS))}, not "
+                f"{program.d_qk} / {program.d_v}")
+    if program.heads_q // program.heads_kv > MAX_GROUP:
+        return f"the Gluon backward takes GQA groups of at most {MAX_GROUP} query heads"
+    if not bhsd_contiguous:
+        return "the Gluon backward reads contiguous bhsd tensors at 16-byte aligned addresses (TMA)"
+    if smem_bytes(program.d_qk, config) > SMEM:
+        return f"the Gluon backward's buffers on {config.block_m} x {config.block_n} tiles exceed shared memory"
+    return None
+
+
+# ---------------------------------------------------------------- host side: the group column lists
+def group_lists(classes: np.ndarray, group: int) -> dict:
+    """The dK/dV pass's walk from the plan's tile classes [PLAN_B, PLAN_H, q_tiles, k_tiles]
+    (0 SKIP, 1 PARTIAL, 2 FULL): for each (request plane, K/V head plane, key tile) -- K/V head
+    planes: PLAN_H // group where the plan depends on the head, else 1 --, the computed query
+    blocks of every query head of the group in turn, ascending, as ``ptr`` / ``ent`` (CSR; an
+    entry is query block << 8 | head in group << 1 | PARTIAL); ``order``: each plane's key tiles
+    by descending entries (the jobs' order); ``kv_planes``."""
+    pb, ph, qt, kt = classes.shape
+    if ph > 1:
+        kv_planes = ph // group
+        c = classes.reshape(pb, kv_planes, group, qt, kt)
+    else:
+        kv_planes = 1
+        c = np.broadcast_to(classes.reshape(pb, 1, 1, qt, kt), (pb, 1, group, qt, kt))
+    c = c.transpose(0, 1, 4, 2, 3).reshape(-1, group * qt)  # [lists, (g, query block)]
+    lists, flat = np.nonzero(c)  # row-major: by list, then head in group, then query block
+    g, qb = np.divmod(flat, qt)
+    ent = (qb.astype(np.int64) << 8) | (g.astype(np.int64) << 1) | (c[lists, flat] == 1)
+    counts = np.bincount(lists, minlength=len(c))
+    ptr = np.zeros(len(c) + 1, np.int32)
+    np.cumsum(counts, out=ptr[1:])
+    order = np.argsort(-counts.reshape(-1, kt), axis=1, kind="stable").reshape(-1).astype(np.int32)
+    return {"ptr": ptr, "ent": ent.astype(np.int32), "order": order, "kv_planes": kv_planes}
+
+
+# ---------------------------------------------------------------- the kernel
+@gluon.jit
+def _load_entry(q_desc, do_desc, q_smem, do_smem, ready, G_ENT, i, c, b, kv_h, S_Q, STAGES: tl.constexpr,
+                H_Q: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Entry i's Q and dO tiles into stage c % STAGES (TMA, completing on its ``ready`` barrier)."""
+    e = gl.load(G_ENT + i)
+    h = kv_h * GROUP + ((e >> 1) & 127)
+    row = (b * H_Q + h) * S_Q + (e >> 8) * BLOCK_M
+    stage = c % STAGES
+    mbarrier.expect(ready.index(stage), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+    _tma_load(q_desc, [row, 0], ready.index(stage), q_smem.index(stage))
+    _tma_load(do_desc, [row, 0], ready.index(stage), do_smem.index(stage))
+
+
+@gluon.jit
+def _probs_t(s_raw, part, b, h, q_pos, k_pos, lse2, TS, K_END, Q_END, EVEN: tl.constexpr, VISIBLE: tl.constexpr,
+             SCORE_GRAD: tl.constexpr, HAS_SCORE: tl.constexpr, SCALE: tl.constexpr):
+    """P^T from the saved LSE (base 2) and d score / d (scale q.k) on a transposed tile of raw q.k
+    (keys are rows): PARTIAL (part != 0) hides cells by the predicate and, unless EVEN, the bounds."""
+    if HAS_SCORE:
+        s, g = SCORE_GRAD(s_raw * SCALE, b, h, q_pos, k_pos, TS)
+        s = s * 1.4426950408889634
+    else:
+        s = s_raw * (SCALE * 1.4426950408889634)
+        g = 1.0
+    if part != 0:
+        if EVEN:
+            s = gl.where(VISIBLE(b, h, q_pos, k_pos, TS), s, float("-inf"))
+        else:
+            s = gl.where(VISIBLE(b, h, q_pos, k_pos, TS) & (k_pos < K_END) & (q_pos < Q_END), s, float("-inf"))
+    return gl.exp2(s - lse2[None, :]), g
+
+
+@gluon.jit
+def _bwd_dkdv(q_desc, k_desc, v_desc, do_desc, DK, DV, DQA, LSE, DELTA, ORDER, G_PTR, G_ENT, TS,
+              S_Q, S_K, Q_OFF, K_OFF, PLAN_B, PLAN_H, KV_PLANES, K_TILES, BKV,
+              EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              D: tl.constexpr, STAGES: tl.constexpr, HEAD_GROUP: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+              VISIBLE: tl.constexpr, SCORE_GRAD: tl.constexpr, HAS_SCORE: tl.constexpr, SCALE: tl.constexpr,
+              H_Q: tl.constexpr, H_KV: tl.constexpr, GROUP: tl.constexpr, NUM_WARPS: tl.constexpr):
+    """dK and dV of one K/V tile of one (request, K/V head), summed over its query group (module
+    docstring).  DK, DV: contiguous [B, H_kv, S_k, D]; LSE, DELTA: [B, H_q, S_q] float32; DQA
+    (ATOMIC_DQ): float32 [B * H_q * S_q, D], zero before the launch, unscaled."""
+    rank, bkv = _job(gl.program_id(0), BKV, K_TILES, HEAD_GROUP)
+    b = bkv // H_KV
+    kv_h = bkv % H_KV
+    col0 = (gl.where(PLAN_B > 1, b, 0) * KV_PLANES + gl.where(PLAN_H > 1, kv_h, 0)) * K_TILES
+    pid_n = gl.load(ORDER + col0 + rank)
+    lo = gl.load(G_PTR + col0 + pid_n)
+    hi = gl.load(G_PTR + col0 + pid_n + 1)
+
+    dtype: tl.constexpr = q_desc.dtype
+    s_layout: tl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                       instr_shape=[16, BLOCK_M, 16])
+    acc_layout: tl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                         instr_shape=[16, D, 16])
+    op_layout: tl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    row_l: tl.constexpr = gl.SliceLayout(1, s_layout)  # along keys
+    col_l: tl.constexpr = gl.SliceLayout(0, s_layout)  # along query rows
+
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, k_desc.block_type.shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, v_desc.block_type.shape, v_desc.layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+    fence_async_shared()
+
+    kv_row = bkv * S_K + pid_n * BLOCK_N
+    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    _tma_load(k_desc, [kv_row, 0], kv_bar, k_smem)
+    _tma_load(v_desc, [kv_row, 0], kv_bar, v_smem)
+    for j in gl.static_range(STAGES):
+        if lo + j < hi:
+            _load_entry(q_desc, do_desc, q_smem, do_smem, ready, G_ENT, lo + j, j, b, kv_h, S_Q, STAGES, H_Q,
+                        GROUP, BLOCK_M)
+
+    if ATOMIC_DQ:
+        ds_layout: tl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
+        ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], ds_layout)
+        if BLOCK_M >= 128:
+            dq_layout: tl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                                instr_shape=[16, D, 16])
+        else:
+            dq_layout: tl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, NUM_WARPS // 4],
+                                                                instr_shape=[16, D // (NUM_WARPS // 4), 16])
+        dq0 = gl.zeros([BLOCK_M, D], gl.float32, dq_layout)
+        dq_rows = gl.arange(0, BLOCK_M, gl.SliceLayout(1, dq_layout))
+        dq_cols = gl.arange(0, D, gl.SliceLayout(0, dq_layout))
+
+    offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, row_l)
+    k_pos = (K_OFF + offs_n)[:, None]
+    K_END = K_OFF + S_K
+    Q_END = Q_OFF + S_Q
+    s0 = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
+    dk = gl.zeros([BLOCK_N, D], gl.float32, acc_layout)
+    dv = gl.zeros([BLOCK_N, D], gl.float32, acc_layout)
+    n_edge = pid_n * BLOCK_N + BLOCK_N > S_K
+    mbarrier.wait(kv_bar, 0)
+    for i in range(lo, hi):
+        c = i - lo
+        stage = c % STAGES
+        e = gl.load(G_ENT + i)
+        qb = e >> 8
+        h = kv_h * GROUP + ((e >> 1) & 127)
+        part = e & 1
+        bh = b * H_Q + h
+        offs_m = qb * BLOCK_M + gl.arange(0, BLOCK_M, col_l)
+        if EVEN_M:
+            lse = gl.load(LSE + bh * S_Q + offs_m)
+            delta = gl.load(DELTA + bh * S_Q + offs_m)
+        else:
+            lse = gl.load(LSE + bh * S_Q + offs_m, mask=offs_m < S_Q, other=float("inf"))
+            delta = gl.load(DELTA + bh * S_Q + offs_m, mask=offs_m < S_Q, other=0.0)
+        if not (EVEN_M and EVEN_N):
+            part = gl.where(n_edge | (qb * BLOCK_M + BLOCK_M > S_Q), 1, part)
+        lse2 = gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+        q_pos = (Q_OFF + offs_m)[None, :]
+        mbarrier.wait(ready.index(stage), (c // STAGES) & 1)
+        q_t = q_smem.index(stage)
+        do_t = do_smem.index(stage)
+        st = warpgroup_mma(k_smem, q_t.permute((1, 0)), s0, use_acc=False, is_async=True)
+        dpt = warpgroup_mma(v_smem, do_t.permute((1, 0)), s0, use_acc=False, is_async=True)
+        st = warpgroup_mma_wait(1, deps=(st, ))
+        pt, gt = _probs_t(st, part, b, h, q_pos, k_pos, lse2, TS, K_END, Q_END, EVEN_M and EVEN_N, VISIBLE,
+                          SCORE_GRAD, HAS_SCORE, SCALE)
+        dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), op_layout), do_t, dv, is_async=True)
+        dpt = warpgroup_mma_wait(1, deps=(dpt, ))
+        dst = pt * (dpt - delta[None, :])
+        if HAS_SCORE:
+            dst = gl.where(pt > 0.0, dst * gt, 0.0)
+        ds_op = dst.to(dtype)
+        dk = warpgroup_mma(gl.convert_layout(ds_op, op_layout), q_t, dk, is_async=True)
+        if ATOMIC_DQ:  # this entry's dQ = dS K, from dS^T in shared memory (both warpgroups' keys)
+            ds_smem.store(ds_op)
+            fence_async_shared()
+            gl.thread_barrier()
+            dq = warpgroup_mma(ds_smem.permute((1, 0)), k_smem, dq0, use_acc=False, is_async=True)
+            dv, dk, dq = warpgroup_mma_wait(0, deps=(dv, dk, dq))
+            rows = qb * BLOCK_M + dq_rows
+            ptrs = DQA + (bh * S_Q + rows)[:, None] * D + dq_cols[None, :]
+            if EVEN_M:
+                gl.atomic_add(ptrs, dq, sem="relaxed")
+            else:
+                gl.atomic_add(ptrs, dq, mask=(rows < S_Q)[:, None], sem="relaxed")
+        else:
+            dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
+        gl.thread_barrier()  # both warpgroups are done with this stage (and with dS^T): it may be refilled
+        if i + STAGES < hi:
+            _load_entry(q_desc, do_desc, q_smem, do_smem, ready, G_ENT, i + STAGES, c + STAGES, b, kv_h, S_Q,
+                        STAGES, H_Q, GROUP, BLOCK_M)
+
+    for s in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(s))
+    mbarrier.invalidate(kv_bar)
+    out_rows = gl.arange(0, BLOCK_N, gl.SliceLayout(1, acc_layout))
+    out_cols = gl.arange(0, D, gl.SliceLayout(0, acc_layout))
+    keys = pid_n * BLOCK_N + out_rows
+    offs = (bkv * S_K + keys)[:, None] * D + out_cols[None, :]
+    if EVEN_N:
+        gl.store(DK + offs, (dk * SCALE).to(DK.dtype.element_ty))
+        gl.store(DV + offs, dv.to(DV.dtype.element_ty))
+    else:
+        gl.store(DK + offs, (dk * SCALE).to(DK.dtype.element_ty), mask=(keys < S_K)[:, None])
+        gl.store(DV + offs, dv.to(DV.dtype.element_ty), mask=(keys < S_K)[:, None])
+
+
+# ---------------------------------------------------------------- host side: the launch
+# Whether the backward takes the Gluon dK/dV pass by default where ``refusal`` allows it (else only
+# when a caller passes a GluonBackwardConfig): see bench/results/studies for the measurements.
+DEFAULT = False
+
+
+def choose(program, config, s_q: int, s_k: int, tensors: tuple, bshd: bool, interpreted: bool):
+    """The backward's engine for a call: a GluonBackwardConfig (the Gluon dK/dV pass), or None (the
+    Triton backward).  ``config``: the caller's -- a GluonBackwardConfig asks for this pass (a
+    ValueError says why it cannot run), a ``grad.BackwardConfig`` for the Triton one; None: the
+    default (``DEFAULT``, where ``refusal`` allows)."""
+    from . import launch as L
+    asked = isinstance(config, GluonBackwardConfig)
+    if config is not None and not asked:
+        return None
+    if not asked and not DEFAULT:
+        return None
+    cfg = config if asked else default_config(program.d_qk)
+    t = tensors[0]
+    capability = L.capability(t.device) if t.is_cuda else 0
+    why = refusal(program, s_q, s_k, not bshd and L.tma_ready(*tensors), capability, interpreted, cfg)
+    if why is not None:
+        if asked:
+            raise ValueError(f"GluonBackwardConfig: {why}")
+        return None
+    return cfg
+
+
+class GluonBackwardLaunch:
+    """The backward of one call shape on the Gluon dK/dV pass: D and (unless ``atomic_dq``) dQ by
+    the Triton backward's kernels (``triton``: a ``grad.BackwardLaunch`` with separate passes, of
+    which only the dQ pass and D's kernel launch), dK and dV by ``_bwd_dkdv``."""
+
+    def __init__(self, module, config: GluonBackwardConfig, plan, triton, shape: tuple, device):
+        from . import launch as L
+        from . import plans as P
+        self.module, self.config, self.triton = module, config, triton
+        self.batch, self.s_q, self.s_k = shape
+        spec = module.SPEC
+        self.h_q, self.h_kv, self.d = spec["H_Q"], spec["H_KV"], spec["D_QK"]
+        classes = plan.tiles.classes
+        lists = group_lists(classes, spec["GROUP"])
+        self.arrays = P.upload({"order": lists["order"], "ptr": lists["ptr"], "ent": lists["ent"]}, device)
+        k_tiles = classes.shape[3]
+        bkv = self.batch * self.h_kv
+        self.grid = (k_tiles * bkv,)
+        c = config
+        self.ints = (self.s_q, self.s_k, self.s_k - self.s_q, 0, *classes.shape[:2], lists["kv_planes"], k_tiles, bkv)
+        score_grad = L.score_functions(module, L.position_end(self.s_q, self.s_k, None))[1]
+        self.launcher = L.Launcher(_bwd_dkdv, dict(
+            EVEN_M=self.s_q % c.block_m == 0, EVEN_N=self.s_k % c.block_n == 0, BLOCK_M=c.block_m,
+            BLOCK_N=c.block_n, D=self.d, STAGES=c.stages, HEAD_GROUP=L.HEAD_GROUP, ATOMIC_DQ=c.atomic_dq,
+            VISIBLE=module.visible, SCORE_GRAD=score_grad, HAS_SCORE=spec["HAS_SCORE"], SCALE=spec["SCALE"],
+            H_Q=self.h_q, H_KV=self.h_kv, GROUP=spec["GROUP"], NUM_WARPS=8), num_warps=8)
+        self.layouts = {}
+        self.nbytes = P.nbytes_of(self.arrays) + triton.nbytes
+
+    def _descriptor(self, t, rows: int):
+        key = (rows, str(t.dtype))
+        layout = self.layouts.get(key)
+        if layout is None:
+            dt = {"torch.float16": gl.float16, "torch.bfloat16": gl.bfloat16}[str(t.dtype)]
+            layout = self.layouts[key] = gl.NVMMASharedLayout.get_default_for([rows, self.d], dt)
+        return TensorDescriptor.from_tensor(t.view(-1, self.d), [rows, self.d], layout)
+
+    def __call__(self, q, k, v, o, lse, do, dlse, ts: tuple, dq, dk, dv, key=None):
+        """Launch on contiguous bhsd tensors; writes dq, dk, dv (``grad.BackwardLaunch.__call__``'s
+        arguments)."""
+        import torch
+        from .grad import DELTA_ROWS, triton_cdiv
+        t, c, a = self.triton, self.config, self.arrays
+        delta = torch.empty((self.batch, self.h_q, self.s_q), device=q.device, dtype=torch.float32)
+        has_dlse = dlse is not None
+        t.delta[has_dlse].launch((triton_cdiv(self.s_q, DELTA_ROWS), self.batch * self.h_q),
+                                 (o, do, dlse if has_dlse else delta, delta, *o.stride(), *do.stride(), self.s_q), key)
+        dqa = delta
+        if c.atomic_dq:
+            dqa = torch.zeros((self.batch * self.h_q * self.s_q * self.d,), device=q.device, dtype=torch.float32)
+        bm, bn = c.block_m, c.block_n
+        args = (self._descriptor(q, bm), self._descriptor(k, bn), self._descriptor(v, bn), self._descriptor(do, bm),
+                dk, dv, dqa, lse, delta, a["order"], a["ptr"], a["ent"], ts, *self.ints)
+        self.launcher.launch(self.grid, args, key)
+        if c.atomic_dq:
+            t.store.launch((triton_cdiv(self.s_q, DELTA_ROWS), self.batch * self.h_q),
+                           (dqa, dq, *dq.stride(), self.s_q), key)
+            return
+        ta = t.arrays
+        dq_args = (q, k, v, do, dq, dk, dv, lse, delta, dqa, *q.stride(), *k.stride(), *v.stride(), *do.stride(),
+                   *dq.stride(), *dk.stride(), *dv.stride(), ta["c_order"], ta["c_ptr"], ta["c_idx"], ta["r_order"],
+                   ta["r_ptr"], ta["r_idx"], ts, *t.ints)
+        launcher, jobs = t.passes[-1]  # (the dQ pass: grad.BackwardLaunch with fused=False)
+        launcher.launch((jobs,), dq_args, key)

@@ -1,0 +1,119 @@
+"""The Gluon dK/dV pass (``backends/triton/gluon_backward.py``) on an sm_90 GPU (ATTNC_TEST_GPU=1 on
+an H100 / H200): dQ, dK, dV against the float64 reference backward and against the Triton
+backward, on masks with FULL and PARTIAL blocks, GQA, a score program, a mask reading a tensor,
+tiles across S_q and S_k and bottom-right calls; bit-identical gradients run to run.  On the CPU:
+the group column lists against the plan, and where the pass is refused."""
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="the Triton backend's tests need torch (pip install -e '.[test]')")
+pytest.importorskip("triton", reason="the Triton backend's tests need triton (pip install -e '.[test]')")
+
+from attnc.compiler import inputs, numerics, oracle  # noqa: E402
+from attnc.compiler.lower import compile_spec  # noqa: E402
+from attnc.backends.triton import gluon_backward as GB, runtime  # noqa: E402
+
+HOPPER = (not runtime.interpreted() and torch.cuda.is_available()
+          and torch.cuda.get_device_capability() == (9, 0))
+hopper = pytest.mark.skipif(not HOPPER, reason="the Gluon backward runs on an sm_90 GPU (ATTNC_TEST_GPU=1)")
+
+SPECS = {
+    "gqa_d128_causal": "attention g { heads = 8 / 2 head_dim = 128 dtype = bf16 mask = causal }",
+    "d64_full": "attention f { heads = 4 head_dim = 64 dtype = bf16 mask = true }",
+    "f16_window": "attention w { heads = 4 / 2 head_dim = 128 dtype = f16 mask = causal & q - k < 200 }",
+    "documents": "attention d { heads = 4 head_dim = 64 dtype = bf16 tensor doc: i32[b, s] ~ segments(16, 300) "
+                 "mask = causal & doc[b, q] == doc[b, k] }",
+    "softcap_gqa": "attention s { heads = 8 / 2 head_dim = 128 dtype = bf16 mask = causal "
+                   "score = 30.0 * tanh(score / 30.0) }",
+    "prefix_lm": "attention p { heads = 4 head_dim = 128 dtype = bf16 mask = causal | k < 100 }",
+}
+SHAPES = {"tiles": (512, 512), "tails": (333, 333), "append_tails": (77, 400)}
+CONFIGS = {"det": GB.GluonBackwardConfig(), "det_3stages": GB.GluonBackwardConfig(stages=3),
+           "d64_rows64": GB.GluonBackwardConfig(block_m=64), "atomic": GB.GluonBackwardConfig(atomic_dq=True)}
+
+
+def _call(program, s_q, s_k, seed, batch=2):
+    kernel = runtime.load(program)
+    arrays = inputs.sample(program, batch, s_q, s_k, seed=seed)
+    dt = {"f16": torch.float16, "bf16": torch.bfloat16}[program.dtype]
+    q, k, v = (torch.as_tensor(np.ascontiguousarray(arrays[n]), device="cuda").to(dt) for n in ("q", "k", "v"))
+    tensors = {t.name: torch.as_tensor(arrays[t.name].astype(np.int32), device="cuda") for t in program.tensors}
+    o, lse = kernel(q, k, v, return_lse=True, **tensors)
+    gen = torch.Generator().manual_seed(seed)
+    do = torch.randn(o.shape, generator=gen).to(o.dtype).to(o.device)
+    return kernel, arrays, (q, k, v, o, lse, do), tensors
+
+
+def _config(name, program):
+    c = CONFIGS[name]
+    return GB.GluonBackwardConfig(block_m=GB.default_config(program.d_qk).block_m, stages=c.stages,
+                                  atomic_dq=c.atomic_dq) if name != "d64_rows64" else c
+
+
+@hopper
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("name", SPECS)
+def test_gluon_backward_matches_the_reference_and_the_triton_backward(name, shape):
+    program = compile_spec(SPECS[name])
+    s_q, s_k = SHAPES[shape]
+    kernel, arrays, args, tensors = _call(program, s_q, s_k, seed=11)
+    call = inputs.validate(program, {n: arrays[n] for n in ("q", "k", "v")} | {n: arrays[n] for n in tensors})
+    ref = oracle.reference_backward(program, call.q, call.k, call.v, args[5].double().cpu().numpy(), call.tensors)
+    triton = kernel.backward(*args, **tensors)
+    for cname in CONFIGS:
+        got = kernel.backward(*args, config=_config(cname, program), **tensors)
+        for g, t, want, n in zip(got, triton, ref[:3], ("dQ", "dK", "dV")):
+            c = numerics.compare_gradient(n, program.dtype, g.float().cpu().numpy(), want)
+            assert c.ok, f"{cname}: {c}"
+            err = ((g.float() - t.float()).norm() / t.float().norm().clamp_min(1e-30)).item()
+            assert err < 1e-2, f"{cname} {n}: rel-L2 {err} from the Triton backward"
+
+
+@hopper
+def test_gluon_backward_is_deterministic():
+    program = compile_spec(SPECS["softcap_gqa"])
+    kernel, _, args, tensors = _call(program, 1000, 1000, seed=5)
+    first = kernel.backward(*args, config=GB.GluonBackwardConfig())
+    for _ in range(3):
+        again = kernel.backward(*args, config=GB.GluonBackwardConfig())
+        assert all(torch.equal(a, b) for a, b in zip(first, again))
+
+
+def test_group_lists_walk_the_plans_columns():
+    """Every (query block, head) the plan computes for a key tile, once, with its PARTIAL flag: a
+    plan that depends on the head (per-head planes) and one that does not (one plane, broadcast
+    over the group)."""
+    rng = np.random.default_rng(0)
+    for planes_h in (1, 8):
+        classes = rng.integers(0, 3, size=(2, planes_h, 5, 4)).astype(np.int8)
+        lists = GB.group_lists(classes, 4)
+        ptr, ent = lists["ptr"], lists["ent"]
+        kv_planes = lists["kv_planes"]
+        assert kv_planes == (2 if planes_h == 8 else 1)
+        for pb in range(2):
+            for kvp in range(kv_planes):
+                for n in range(4):
+                    col = (pb * kv_planes + kvp) * 4 + n
+                    got = sorted((int(e) >> 8, (int(e) >> 1) & 127, int(e) & 1) for e in ent[ptr[col]:ptr[col + 1]])
+                    want = sorted((m, g, int(classes[pb, kvp * 4 + g if planes_h > 1 else 0, m, n] == 1))
+                                  for g in range(4) for m in range(5)
+                                  if classes[pb, kvp * 4 + g if planes_h > 1 else 0, m, n] != 0)
+                    assert got == want
+            order = lists["order"].reshape(2, kv_planes, 4)[pb]
+            work = np.diff(ptr).reshape(2, kv_planes, 4)[pb]
+            for kvp in range(kv_planes):
+                assert list(work[kvp][order[kvp]]) == sorted(work[kvp], reverse=True)
+
+
+@pytest.mark.skipif(not GB.HAS_GLUON, reason="this Triton has no Gluon")
+def test_where_the_gluon_backward_is_refused():
+    cfg = GB.GluonBackwardConfig()
+    ok = compile_spec(SPECS["gqa_d128_causal"])
+    assert GB.refusal(ok, 512, 512, True, 90, False, cfg) is None
+    assert "interpreter" in GB.refusal(ok, 512, 512, True, 90, True, cfg)
+    assert "sm_90" in GB.refusal(ok, 512, 512, True, 80, False, cfg)
+    assert "contiguous" in GB.refusal(ok, 512, 512, False, 90, False, cfg)
+    f32 = compile_spec("attention x { heads = 2 head_dim = 64 dtype = f32 mask = causal }")
+    assert "f16 / bf16" in GB.refusal(f32, 512, 512, True, 90, False, cfg)
+    mla = compile_spec("attention m { heads = 2 head_dim = 192 / 128 dtype = bf16 mask = causal }")
+    assert "head dims" in GB.refusal(mla, 512, 512, True, 90, False, cfg)
