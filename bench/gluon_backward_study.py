@@ -1,11 +1,14 @@
-"""Study: the Gluon dK/dV pass (backends/triton/gluon_backward.py) against the Triton backward and SDPA.
+"""Study: the Gluon backward (backends/triton/gluon_backward.py) against the Triton backward and SDPA.
 
-Run on the H200 (repository root): ``python3 -m bench.gluon_backward_study OUT.jsonl [case ...]``.
+Run on the H200 (repository root): ``python3 -m bench.gluon_backward_study OUT.jsonl [case ...]
+[--variants a,b] [--sdpa cudnn,flash]``.
 Cases: B4 H16 S8192 d128 causal and full, B4 H32 S8192 d64 causal (bf16).  For each case, the
 gradients of every variant are checked first (rel-L2 against a float32 dense autograd reference on
 two (b, h) planes, and against the Triton backward on the whole tensors), then timed with
 ``triton.testing.do_bench`` (median ms):
-  kernel/<variant>  ``Kernel.backward(q, k, v, o, lse, do, config=...)``: the backward alone;
+  kernel/<variant>  ``Kernel.backward(q, k, v, o, lse, do, config=...)``: the backward alone (for
+                    the default Gluon launch and its Triton-dQ twin, also D + the dK/dV pass and
+                    the dQ pass timed apart: ms_delta_dkdv, ms_dq);
   call/<variant>    ``o = attn(q, k, v); torch.autograd.grad(o, (q, k, v), do)`` (the public call,
                     forward included; gluon_backward.DEFAULT switched for the Gluon rows);
   sdpa_<backend>    SDPA's forward + backward the same way (causal and full only).
@@ -22,16 +25,33 @@ CASES = {"causal_d128": (4, 16, 8192, 128, "causal"), "full_d128": (4, 16, 8192,
          "causal_d64": (4, 32, 8192, 64, "causal")}
 
 
-def _variants(d):
-    from attnc.backends.triton import gluon_backward as GB, grad as G
-    bm = GB.default_config(d).block_m
-    out = {"triton": None, "triton_atomic": G.BackwardConfig(deterministic=False, **_tiles(d)),
-           "gluon": GB.GluonBackwardConfig(block_m=bm), "gluon_s3": GB.GluonBackwardConfig(block_m=bm, stages=3),
-           "gluon_atomic": GB.GluonBackwardConfig(block_m=bm, atomic_dq=True)}
-    if d == 64:
-        out["gluon_m64"] = GB.GluonBackwardConfig(block_m=64)
-        out["gluon_m64_atomic"] = GB.GluonBackwardConfig(block_m=64, atomic_dq=True)
-    return out
+def _variants(d, names=None):
+    from attnc.backends.triton import gluon_backward as GB
+    base = GB.default_config(d)
+    out = {"triton": None, "gluon": base,
+           "gluon_triton_dq": GB.GluonBackwardConfig(**{**base.__dict__, "dq": "triton"}),
+           "gluon_dkdv_s3": GB.GluonBackwardConfig(**{**base.__dict__, "stages": 3}),
+           "gluon_dq_s3": GB.GluonBackwardConfig(**{**base.__dict__, "dq_stages": 3}),
+           "gluon_dq_n128" if d == 128 else "gluon_dq_n64":
+               GB.GluonBackwardConfig(**{**base.__dict__, "dq_block_n": 128 if d == 128 else 64}),
+           "gluon_plain_atomic": GB.GluonBackwardConfig(**{**base.__dict__, "warp_specialize": False, "dq": "atomic"})}
+    return {n: c for n, c in out.items() if names is None or n in names}
+
+
+def _parts(kernel, config, q, k, v, o, lse, do, bench):
+    """(ms of D and the dK/dV pass, ms of the dQ pass) of one Gluon launch, timed apart."""
+    import torch
+    from attnc.backends.triton import gluon_backward as GB
+    b, _, s, _ = q.shape
+    plan = kernel.plan(b, s, s, {}, 128, 64)
+    launch = GB.GluonBackwardLaunch(kernel.module, config, plan.retile, (b, s, s), q.device)
+    dq, dk, dv = (torch.empty_like(x) for x in (q, k, v))
+    delta = launch.delta_pass(o, do, None, None)
+    dqa = launch.dkdv_pass(q, k, v, lse, do, (), dk, dv, delta, None)
+    launch.dq_pass(q, k, v, lse, do, (), dq, dk, dv, delta, dqa, None)
+    front = bench(lambda: launch.dkdv_pass(q, k, v, lse, do, (), dk, dv, launch.delta_pass(o, do, None, None), None))
+    back = bench(lambda: launch.dq_pass(q, k, v, lse, do, (), dq, dk, dv, delta, dqa, None))
+    return front, back
 
 
 def _tiles(d):
@@ -58,7 +78,7 @@ def _rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-def main(path, names):
+def main(path, names, variants=None, sdpa=("cudnn", "flash")):
     import torch
     import triton
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -94,7 +114,7 @@ def main(path, names):
         planes = [(0, 0), (batch - 1, heads - 1)]
         refs = _ref(q, k, v, do, causal, planes)
         base = kernel.backward(q, k, v, o, lse, do)
-        for vname, cfg in _variants(d).items():
+        for vname, cfg in _variants(d, variants).items():
             row = {"case": name, "shape": f"B{batch} H{heads} S{seq} d{d} bf16 mask={mask}", "impl": f"kernel/{vname}",
                    "config": cfg.describe() if hasattr(cfg, "describe") else repr(cfg)}
             try:
@@ -114,6 +134,9 @@ def main(path, names):
                 else:
                     ms = bench(lambda: kernel.backward(q, k, v, o, lse, do, config=cfg))
                     row.update(ms=ms, tflops=bwd_flops / ms * 1e-9)
+                    if vname in ("gluon", "gluon_triton_dq"):
+                        front, back = _parts(kernel, cfg, q, k, v, o, lse, do, bench)
+                        row.update(ms_delta_dkdv=front, ms_dq=back)
             except Exception as e:  # noqa: BLE001 - recorded, the study goes on
                 row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
             emit(row)
@@ -136,7 +159,8 @@ def main(path, names):
             GB.DEFAULT = False
             emit(row)
             table.append(row)
-        for bname, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
+        backends = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}
+        for bname, backend in ((n, backends[n]) for n in sdpa):
             row = {"case": name, "impl": f"sdpa_{bname}"}
             try:
                 with sdpa_kernel(backend):
@@ -153,12 +177,21 @@ def main(path, names):
             table.append(row)
         del leaves, q, k, v, do, o, lse, base
         torch.cuda.empty_cache()
-    print("\ncase          impl                     ms      TFLOP/s  (kernel: bwd; call/sdpa: fwd+bwd)")
+    print("\ncase          impl                        ms  TFLOP/s  (kernel: bwd; call/sdpa: fwd+bwd)  D+dKdV / dQ ms")
     for r in table:
         t = r.get("tflops") or r.get("tflops_fwd_bwd")
-        print(f"{r['case']:13s} {r['impl']:24s} {r.get('ms', float('nan')):7.3f} {t or float('nan'):8.1f} "
+        parts = f"{r['ms_delta_dkdv']:.3f} / {r['ms_dq']:.3f}" if "ms_dq" in r else ""
+        print(f"{r['case']:13s} {r['impl']:25s} {r.get('ms', float('nan')):7.3f} {t or float('nan'):7.1f} {parts} "
               f"{r.get('error', '')[:60]}")
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2:] or list(CASES))
+    import argparse
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("cases", nargs="*")
+    ap.add_argument("--variants", default=None, help="comma-separated (default: all)")
+    ap.add_argument("--sdpa", default="cudnn,flash")
+    a = ap.parse_args()
+    main(a.out, a.cases or list(CASES), a.variants.split(",") if a.variants else None,
+         tuple(x for x in a.sdpa.split(",") if x))

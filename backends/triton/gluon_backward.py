@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 import triton.language as tl
 
-from .prefill import _job
+from .prefill import _job, _tile_of
 
 try:
     from triton.experimental import gluon
@@ -53,34 +53,56 @@ GROUP_BITS = 7  # an entry: query block << 8 | head within the group << 1 | PART
 MAX_GROUP = 1 << GROUP_BITS
 
 
+DQ_MODES = ("gluon", "triton", "atomic")
+
+
 @dataclass(frozen=True)
 class GluonBackwardConfig:
-    """The dK/dV pass's tiles (BLOCK_M query rows per entry, BLOCK_N keys per program) and Q/dO
-    stages; ``atomic_dq``: dQ added by atomics inside the pass (not deterministic) instead of the
-    Triton dQ pass."""
+    """The Gluon backward's launch: the dK/dV pass's tiles (``block_m`` query rows per entry,
+    ``block_n`` keys per program), Q/dO stages and kernel (``warp_specialize``: a TMA warp and two
+    consumer warpgroups, ``_bwd_dkdv_ws``; else ``_bwd_dkdv``, 8 warps issuing their own loads), and
+    how dQ is made (``dq``): "gluon", its own warp-specialized pass (``_bwd_dq_ws``, 128-row tiles over
+    ``dq_block_n``-key blocks, ``dq_stages`` K/V stages); "triton", the Triton backward's dQ pass;
+    "atomic", float32 atomics inside the (plain) dK/dV pass -- five GEMMs per block instead of
+    seven, not bit-reproducible."""
 
     block_m: int = 64
     block_n: int = 128
     stages: int = 2
-    atomic_dq: bool = False
+    warp_specialize: bool = True
+    dq: str = "gluon"
+    dq_block_n: int = 64
+    dq_stages: int = 2
+
+    def __post_init__(self):
+        if self.dq not in DQ_MODES:
+            raise ValueError(f"GluonBackwardConfig.dq must be one of {', '.join(DQ_MODES)}, not {self.dq!r}")
+        if self.dq == "atomic" and self.warp_specialize:
+            raise ValueError("GluonBackwardConfig: dq='atomic' runs in the plain dK/dV kernel (warp_specialize=False)")
+        if self.warp_specialize and self.block_n != 128:
+            raise ValueError("GluonBackwardConfig: the warp-specialized dK/dV kernel takes 128-key tiles (two halves "
+                             f"of 64), not {self.block_n}")
 
     def describe(self) -> str:
-        return (f"gluon dK/dV {self.block_m} x {self.block_n}, {self.stages} stages, "
-                f"dQ {'atomic' if self.atomic_dq else 'by the Triton dQ pass'}")
+        kind = "warp-specialized" if self.warp_specialize else "plain"
+        return (f"gluon dK/dV {kind} {self.block_m} x {self.block_n}, {self.stages} stages; dQ {self.dq}"
+                + (f" 128 x {self.dq_block_n}, {self.dq_stages} stages" if self.dq == "gluon" else ""))
 
 
 def default_config(d: int) -> GluonBackwardConfig:
-    """The untuned tiles: 64 query rows per entry at d 128 (registers: dK, dV, S^T, dP^T of 128 keys
-    over two warpgroups), 128 at d 64."""
-    return GluonBackwardConfig(block_m=64 if d > 64 else 128)
+    """The untuned launch: 64 query rows per dK/dV entry (registers: a consumer holds dK, dV, S^T and
+    dP^T of its 64 keys), dQ on 128 x 64 tiles at d 128, 128 x 128 at d 64."""
+    return GluonBackwardConfig(dq_block_n=64 if d > 64 else 128)
 
 
 def smem_bytes(d: int, config: GluonBackwardConfig) -> int:
-    """Shared memory of a program: K and V tiles, STAGES Q and dO tiles (and dS^T, ATOMIC_DQ), 2-byte
-    elements, plus the barriers."""
+    """Shared memory of the larger of the two passes' programs (2-byte elements, plus barriers): the
+    dK/dV pass's K and V tiles and STAGES Q and dO tiles (and dS^T, atomic dQ); the dQ pass's Q and
+    dO tiles and its K/V stages."""
     c = config
-    tiles = 2 * c.block_n * d + 2 * c.stages * c.block_m * d + (c.block_m * c.block_n if c.atomic_dq else 0)
-    return 2 * tiles + 64
+    dkdv = 2 * c.block_n * d + 2 * c.stages * c.block_m * d + (c.block_m * c.block_n if c.dq == "atomic" else 0)
+    dq = 2 * 128 * d + 2 * c.dq_stages * c.dq_block_n * d if c.dq == "gluon" else 0
+    return 2 * max(dkdv, dq) + 128
 
 
 def refusal(program, s_q: int, s_k: int, bhsd_contiguous: bool, capability: int, interpreted: bool,
@@ -304,17 +326,323 @@ def _bwd_dkdv(q_desc, k_desc, v_desc, do_desc, DK, DV, DQA, LSE, DELTA, ORDER, G
         gl.store(DV + offs, dv.to(DV.dtype.element_ty), mask=(keys < S_K)[:, None])
 
 
+
+# ---------------------------------------------------------------- the warp-specialized kernel
+@gluon.jit
+def _dkdv_job(ORDER, G_PTR, PLAN_B, PLAN_H, KV_PLANES, K_TILES, BKV, HEAD_GROUP: tl.constexpr, H_KV: tl.constexpr):
+    """This program's job: (key tile, b, K/V head, b * H_kv + K/V head, its entries [lo, hi))."""
+    rank, bkv = _job(gl.program_id(0), BKV, K_TILES, HEAD_GROUP)
+    b = bkv // H_KV
+    kv_h = bkv % H_KV
+    col0 = (gl.where(PLAN_B > 1, b, 0) * KV_PLANES + gl.where(PLAN_H > 1, kv_h, 0)) * K_TILES
+    pid_n = gl.load(ORDER + col0 + rank)
+    return pid_n, b, kv_h, bkv, gl.load(G_PTR + col0 + pid_n), gl.load(G_PTR + col0 + pid_n + 1)
+
+
+@gluon.jit
+def _ws_dkdv_producer(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, bars, ORDER, G_PTR, G_ENT,
+                      S_Q, S_K, PLAN_B, PLAN_H, KV_PLANES, K_TILES, BKV, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, STAGES: tl.constexpr, HEAD_GROUP: tl.constexpr, H_Q: tl.constexpr,
+                      H_KV: tl.constexpr, GROUP: tl.constexpr):
+    """The TMA warp: the K/V tile's two halves once, then each entry's Q and dO into a stage both
+    consumers have released."""
+    kv_bar, ready, empty = bars
+    pid_n, b, kv_h, bkv, lo, hi = _dkdv_job(ORDER, G_PTR, PLAN_B, PLAN_H, KV_PLANES, K_TILES, BKV, HEAD_GROUP, H_KV)
+    HALF: tl.constexpr = BLOCK_N // 2
+    kv_row = bkv * S_K + pid_n * BLOCK_N
+    mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
+    for w in gl.static_range(2):
+        _tma_load(k_desc, [kv_row + w * HALF, 0], kv_bar, k_smem.index(w))
+        _tma_load(v_desc, [kv_row + w * HALF, 0], kv_bar, v_smem.index(w))
+    for i in range(lo, hi):
+        c = i - lo
+        mbarrier.wait(empty.index(c % STAGES), ((c // STAGES) & 1) ^ 1)
+        _load_entry(q_desc, do_desc, q_smem, do_smem, ready, G_ENT, i, c, b, kv_h, S_Q, STAGES, H_Q, GROUP, BLOCK_M)
+
+
+@gluon.jit
+def _ws_dkdv_consumer(half, q_smem, do_smem, k_smem, v_smem, bars, DK, DV, LSE, DELTA, ORDER, G_PTR, G_ENT, TS,
+                      S_Q, S_K, Q_OFF, K_OFF, PLAN_B, PLAN_H, KV_PLANES, K_TILES, BKV, EVEN_M: tl.constexpr,
+                      EVEN_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
+                      STAGES: tl.constexpr, HEAD_GROUP: tl.constexpr, VISIBLE: tl.constexpr,
+                      SCORE_GRAD: tl.constexpr, HAS_SCORE: tl.constexpr, SCALE: tl.constexpr, H_Q: tl.constexpr,
+                      H_KV: tl.constexpr, GROUP: tl.constexpr):
+    """One warpgroup's half of the K/V tile (keys [half * BLOCK_N / 2, + BLOCK_N / 2)): every entry's
+    S^T, dP^T, dV and dK (``_bwd_dkdv``'s step on 64 keys), the stage released once its MMAs are
+    done; then its rows of dK and dV."""
+    kv_bar, ready, empty = bars
+    pid_n, b, kv_h, bkv, lo, hi = _dkdv_job(ORDER, G_PTR, PLAN_B, PLAN_H, KV_PLANES, K_TILES, BKV, HEAD_GROUP, H_KV)
+    HALF: tl.constexpr = BLOCK_N // 2
+    dtype: tl.constexpr = k_smem.dtype
+    s_layout: tl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_M, 16])
+    acc_layout: tl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, D, 16])
+    op_layout: tl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    row_l: tl.constexpr = gl.SliceLayout(1, s_layout)
+    col_l: tl.constexpr = gl.SliceLayout(0, s_layout)
+    k_t = k_smem.index(half)
+    v_t = v_smem.index(half)
+    offs_n = pid_n * BLOCK_N + half * HALF + gl.arange(0, HALF, row_l)
+    k_pos = (K_OFF + offs_n)[:, None]
+    K_END = K_OFF + S_K
+    Q_END = Q_OFF + S_Q
+    dk = gl.zeros([HALF, D], gl.float32, acc_layout)
+    dv = gl.zeros([HALF, D], gl.float32, acc_layout)
+    n_edge = pid_n * BLOCK_N + BLOCK_N > S_K
+    mbarrier.wait(kv_bar, 0)
+    for i in range(lo, hi):
+        c = i - lo
+        stage = c % STAGES
+        e = gl.load(G_ENT + i)
+        qb = e >> 8
+        h = kv_h * GROUP + ((e >> 1) & 127)
+        part = e & 1
+        bh = b * H_Q + h
+        offs_m = qb * BLOCK_M + gl.arange(0, BLOCK_M, col_l)
+        if EVEN_M:
+            lse = gl.load(LSE + bh * S_Q + offs_m)
+            delta = gl.load(DELTA + bh * S_Q + offs_m)
+        else:
+            lse = gl.load(LSE + bh * S_Q + offs_m, mask=offs_m < S_Q, other=float("inf"))
+            delta = gl.load(DELTA + bh * S_Q + offs_m, mask=offs_m < S_Q, other=0.0)
+        if not (EVEN_M and EVEN_N):
+            part = gl.where(n_edge | (qb * BLOCK_M + BLOCK_M > S_Q), 1, part)
+        lse2 = gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+        q_pos = (Q_OFF + offs_m)[None, :]
+        mbarrier.wait(ready.index(stage), (c // STAGES) & 1)
+        q_t = q_smem.index(stage)
+        do_t = do_smem.index(stage)
+        s0 = gl.zeros([HALF, BLOCK_M], gl.float32, s_layout)  # (made here: not a live tile across the loop)
+        st = warpgroup_mma(k_t, q_t.permute((1, 0)), s0, use_acc=False, is_async=True)
+        dpt = warpgroup_mma(v_t, do_t.permute((1, 0)), s0, use_acc=False, is_async=True)
+        st = warpgroup_mma_wait(1, deps=(st, ))
+        pt, gt = _probs_t(st, part, b, h, q_pos, k_pos, lse2, TS, K_END, Q_END, EVEN_M and EVEN_N, VISIBLE,
+                          SCORE_GRAD, HAS_SCORE, SCALE)
+        dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), op_layout), do_t, dv, is_async=True)
+        dpt = warpgroup_mma_wait(1, deps=(dpt, ))
+        dst = pt * (dpt - delta[None, :])
+        if HAS_SCORE:
+            dst = gl.where(pt > 0.0, dst * gt, 0.0)
+        dk = warpgroup_mma(gl.convert_layout(dst.to(dtype), op_layout), q_t, dk, is_async=True)
+        dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
+        mbarrier.arrive(empty.index(stage), count=1)
+    out_rows = gl.arange(0, HALF, gl.SliceLayout(1, acc_layout))
+    out_cols = gl.arange(0, D, gl.SliceLayout(0, acc_layout))
+    keys = pid_n * BLOCK_N + half * HALF + out_rows
+    offs = (bkv * S_K + keys)[:, None] * D + out_cols[None, :]
+    if EVEN_N:
+        gl.store(DK + offs, (dk * SCALE).to(DK.dtype.element_ty))
+        gl.store(DV + offs, dv.to(DV.dtype.element_ty))
+    else:
+        gl.store(DK + offs, (dk * SCALE).to(DK.dtype.element_ty), mask=(keys < S_K)[:, None])
+        gl.store(DV + offs, dv.to(DV.dtype.element_ty), mask=(keys < S_K)[:, None])
+
+
+@gluon.jit
+def _bwd_dkdv_ws(q_desc, k_desc, v_desc, do_desc, DK, DV, DQA, LSE, DELTA, ORDER, G_PTR, G_ENT, TS,
+                 S_Q, S_K, Q_OFF, K_OFF, PLAN_B, PLAN_H, KV_PLANES, K_TILES, BKV,
+                 EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 D: tl.constexpr, STAGES: tl.constexpr, HEAD_GROUP: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+                 VISIBLE: tl.constexpr, SCORE_GRAD: tl.constexpr, HAS_SCORE: tl.constexpr, SCALE: tl.constexpr,
+                 H_Q: tl.constexpr, H_KV: tl.constexpr, GROUP: tl.constexpr, NUM_WARPS: tl.constexpr,
+                 CONSUMER_REGS: tl.constexpr = 240, PRODUCER_REGS: tl.constexpr = 24):
+    """``_bwd_dkdv``'s job, warp-specialized: a TMA producer warp and two consumer warpgroups, each
+    with half of the K/V tile's keys (its own dK and dV rows), released stage by stage through
+    mbarriers, so that one warpgroup's softmax-side arithmetic runs under the other's MMAs.  Same
+    arguments (k_desc / v_desc in BLOCK_N / 2-row boxes; DQA and ATOMIC_DQ unused: dQ by its own
+    pass)."""
+    HALF: tl.constexpr = BLOCK_N // 2
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
+    do_smem = gl.allocate_shared_memory(do_desc.dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [2] + k_desc.block_type.shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [2] + v_desc.block_type.shape, v_desc.layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=2)  # both consumers release a stage
+    fence_async_shared()
+    bars = (kv_bar, ready, empty)
+    gl.warp_specialize([
+        (_ws_dkdv_consumer, (0, q_smem, do_smem, k_smem, v_smem, bars, DK, DV, LSE, DELTA, ORDER, G_PTR, G_ENT, TS,
+                             S_Q, S_K, Q_OFF, K_OFF, PLAN_B, PLAN_H, KV_PLANES, K_TILES, BKV, EVEN_M, EVEN_N, BLOCK_M,
+                             BLOCK_N, D, STAGES, HEAD_GROUP, VISIBLE, SCORE_GRAD, HAS_SCORE, SCALE, H_Q, H_KV, GROUP)),
+        (_ws_dkdv_consumer, (1, q_smem, do_smem, k_smem, v_smem, bars, DK, DV, LSE, DELTA, ORDER, G_PTR, G_ENT, TS,
+                             S_Q, S_K, Q_OFF, K_OFF, PLAN_B, PLAN_H, KV_PLANES, K_TILES, BKV, EVEN_M, EVEN_N, BLOCK_M,
+                             BLOCK_N, D, STAGES, HEAD_GROUP, VISIBLE, SCORE_GRAD, HAS_SCORE, SCALE, H_Q, H_KV, GROUP)),
+        (_ws_dkdv_producer, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, bars, ORDER, G_PTR,
+                             G_ENT, S_Q, S_K, PLAN_B, PLAN_H, KV_PLANES, K_TILES, BKV, BLOCK_M, BLOCK_N, STAGES,
+                             HEAD_GROUP, H_Q, H_KV, GROUP)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+
+# ---------------------------------------------------------------- the dQ pass
+@gluon.jit
+def _dq_job(ORDER, R_PTR, PLAN_B, PLAN_H, Q_TILES, BH, HEAD_GROUP: tl.constexpr, H_Q: tl.constexpr):
+    """This program's job: (query tile, b, h, b * H_q + h, its blocks [lo, hi), PARTIAL from mid)."""
+    rank, bh = _job(gl.program_id(0), BH, Q_TILES, HEAD_GROUP)
+    pid_m, b, h, row = _tile_of(rank, bh, ORDER, PLAN_B, PLAN_H, Q_TILES, H_Q)
+    return pid_m, b, h, bh, gl.load(R_PTR + 2 * row), gl.load(R_PTR + 2 * row + 1), gl.load(R_PTR + 2 * row + 2)
+
+
+@gluon.jit
+def _ws_dq_producer(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, bars, ORDER, R_PTR, R_IDX,
+                    S_Q, S_K, PLAN_B, PLAN_H, Q_TILES, BH, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+                    STAGES: tl.constexpr, HEAD_GROUP: tl.constexpr, H_Q: tl.constexpr, H_KV: tl.constexpr,
+                    GROUP: tl.constexpr):
+    """The TMA warp of the dQ pass: the tile's Q and dO (two ROWS-row halves) once, then K and V of
+    every computed block of its row, each into a stage both consumers have released."""
+    q_bar, ready, empty = bars
+    pid_m, b, h, bh, lo, mid, hi = _dq_job(ORDER, R_PTR, PLAN_B, PLAN_H, Q_TILES, BH, HEAD_GROUP, H_Q)
+    q_row = bh * S_Q + pid_m * (2 * ROWS)
+    mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes + 2 * do_desc.block_type.nbytes)
+    for w in gl.static_range(2):
+        _tma_load(q_desc, [q_row + w * ROWS, 0], q_bar, q_smem.index(w))
+        _tma_load(do_desc, [q_row + w * ROWS, 0], q_bar, do_smem.index(w))
+    kv_row0 = (b * H_KV + h // GROUP) * S_K
+    for i in range(lo, hi):
+        c = i - lo
+        stage = c % STAGES
+        kb = gl.load(R_IDX + i)
+        mbarrier.wait(empty.index(stage), ((c // STAGES) & 1) ^ 1)
+        mbarrier.expect(ready.index(stage), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+        _tma_load(k_desc, [kv_row0 + kb * BLOCK_N, 0], ready.index(stage), k_smem.index(stage))
+        _tma_load(v_desc, [kv_row0 + kb * BLOCK_N, 0], ready.index(stage), v_smem.index(stage))
+
+
+@gluon.jit
+def _ws_dq_consumer(half, q_smem, do_smem, k_smem, v_smem, bars, DQ, LSE, DELTA, ORDER, R_PTR, R_IDX, TS,
+                    S_Q, S_K, Q_OFF, K_OFF, PLAN_B, PLAN_H, Q_TILES, BH, EVEN_M: tl.constexpr,
+                    EVEN_N: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
+                    STAGES: tl.constexpr, HEAD_GROUP: tl.constexpr, VISIBLE: tl.constexpr,
+                    SCORE_GRAD: tl.constexpr, HAS_SCORE: tl.constexpr, SCALE: tl.constexpr, H_Q: tl.constexpr):
+    """One warpgroup's ROWS query rows of the tile: per K/V block, S = Q K^T and dP = dO V^T,
+    P from the saved LSE, dS = P (dP - D), dQ += dS K; then its rows of dQ (times SCALE)."""
+    q_bar, ready, empty = bars
+    pid_m, b, h, bh, lo, mid, hi = _dq_job(ORDER, R_PTR, PLAN_B, PLAN_H, Q_TILES, BH, HEAD_GROUP, H_Q)
+    dtype: tl.constexpr = k_smem.dtype
+    s_layout: tl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    acc_layout: tl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, D, 16])
+    op_layout: tl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    row_l: tl.constexpr = gl.SliceLayout(1, s_layout)
+    col_l: tl.constexpr = gl.SliceLayout(0, s_layout)
+    q_t = q_smem.index(half)
+    do_t = do_smem.index(half)
+    offs_m = pid_m * (2 * ROWS) + half * ROWS + gl.arange(0, ROWS, row_l)
+    if EVEN_M:
+        lse = gl.load(LSE + bh * S_Q + offs_m)
+        delta = gl.load(DELTA + bh * S_Q + offs_m)
+    else:
+        lse = gl.load(LSE + bh * S_Q + offs_m, mask=offs_m < S_Q, other=float("inf"))
+        delta = gl.load(DELTA + bh * S_Q + offs_m, mask=offs_m < S_Q, other=0.0)
+    lse2 = gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    q_pos = (Q_OFF + offs_m)[:, None]
+    K_END = K_OFF + S_K
+    Q_END = Q_OFF + S_Q
+    m_edge = pid_m * (2 * ROWS) + 2 * ROWS > S_Q
+    dq = gl.zeros([ROWS, D], gl.float32, acc_layout)
+    mbarrier.wait(q_bar, 0)
+    for i in range(lo, hi):
+        c = i - lo
+        stage = c % STAGES
+        kb = gl.load(R_IDX + i)
+        part = gl.where(i >= mid, 1, 0)
+        if not (EVEN_M and EVEN_N):
+            part = gl.where(m_edge | (kb * BLOCK_N + BLOCK_N > S_K), 1, part)
+        k_pos = (K_OFF + kb * BLOCK_N + gl.arange(0, BLOCK_N, col_l))[None, :]
+        mbarrier.wait(ready.index(stage), (c // STAGES) & 1)
+        k_t = k_smem.index(stage)
+        v_t = v_smem.index(stage)
+        s0 = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
+        s = warpgroup_mma(q_t, k_t.permute((1, 0)), s0, use_acc=False, is_async=True)
+        dp = warpgroup_mma(do_t, v_t.permute((1, 0)), s0, use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(1, deps=(s, ))
+        if HAS_SCORE:
+            sc, g = SCORE_GRAD(s * SCALE, b, h, q_pos, k_pos, TS)
+            sc = sc * 1.4426950408889634
+        else:
+            sc = s * (SCALE * 1.4426950408889634)
+            g = 1.0
+        if part != 0:
+            if EVEN_M and EVEN_N:
+                sc = gl.where(VISIBLE(b, h, q_pos, k_pos, TS), sc, float("-inf"))
+            else:
+                sc = gl.where(VISIBLE(b, h, q_pos, k_pos, TS) & (k_pos < K_END) & (q_pos < Q_END), sc,
+                              float("-inf"))
+        p = gl.exp2(sc - lse2[:, None])
+        dp = warpgroup_mma_wait(0, deps=(dp, ))
+        ds = p * (dp - delta[:, None])
+        if HAS_SCORE:
+            ds = gl.where(p > 0.0, ds * g, 0.0)
+        dq = warpgroup_mma(gl.convert_layout(ds.to(dtype), op_layout), k_t, dq, is_async=True)
+        dq = warpgroup_mma_wait(0, deps=(dq, ))
+        mbarrier.arrive(empty.index(stage), count=1)
+    rows = pid_m * (2 * ROWS) + half * ROWS + gl.arange(0, ROWS, gl.SliceLayout(1, acc_layout))
+    cols = gl.arange(0, D, gl.SliceLayout(0, acc_layout))
+    offs = (bh * S_Q + rows)[:, None] * D + cols[None, :]
+    if EVEN_M:
+        gl.store(DQ + offs, (dq * SCALE).to(DQ.dtype.element_ty))
+    else:
+        gl.store(DQ + offs, (dq * SCALE).to(DQ.dtype.element_ty), mask=(rows < S_Q)[:, None])
+
+
+@gluon.jit
+def _bwd_dq_ws(q_desc, k_desc, v_desc, do_desc, DQ, LSE, DELTA, ORDER, R_PTR, R_IDX, TS,
+               S_Q, S_K, Q_OFF, K_OFF, PLAN_B, PLAN_H, Q_TILES, BH,
+               EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+               D: tl.constexpr, STAGES: tl.constexpr, HEAD_GROUP: tl.constexpr, VISIBLE: tl.constexpr,
+               SCORE_GRAD: tl.constexpr, HAS_SCORE: tl.constexpr, SCALE: tl.constexpr, H_Q: tl.constexpr,
+               H_KV: tl.constexpr, GROUP: tl.constexpr, CONSUMER_REGS: tl.constexpr = 240,
+               PRODUCER_REGS: tl.constexpr = 24):
+    """dQ of one query tile (2 * ROWS rows) of one (request, query head), warp-specialized as the
+    forward engine: a TMA warp streams the K/V blocks of the tile's row of the plan (the Triton
+    backward's row lists: FULL blocks, then PARTIAL ones from ``mid``) through STAGES stages, two
+    consumer warpgroups of ROWS rows each accumulate dQ in registers.  DQ: contiguous
+    [B, H_q, S_q, D]; q_desc / do_desc in ROWS-row boxes, k_desc / v_desc in BLOCK_N-row boxes."""
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+    do_smem = gl.allocate_shared_memory(do_desc.dtype, [2] + do_desc.block_type.shape, do_desc.layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=2)
+    fence_async_shared()
+    bars = (q_bar, ready, empty)
+    gl.warp_specialize([
+        (_ws_dq_consumer, (0, q_smem, do_smem, k_smem, v_smem, bars, DQ, LSE, DELTA, ORDER, R_PTR, R_IDX, TS, S_Q, S_K,
+                           Q_OFF, K_OFF, PLAN_B, PLAN_H, Q_TILES, BH, EVEN_M, EVEN_N, ROWS, BLOCK_N, D, STAGES,
+                           HEAD_GROUP, VISIBLE, SCORE_GRAD, HAS_SCORE, SCALE, H_Q)),
+        (_ws_dq_consumer, (1, q_smem, do_smem, k_smem, v_smem, bars, DQ, LSE, DELTA, ORDER, R_PTR, R_IDX, TS, S_Q, S_K,
+                           Q_OFF, K_OFF, PLAN_B, PLAN_H, Q_TILES, BH, EVEN_M, EVEN_N, ROWS, BLOCK_N, D, STAGES,
+                           HEAD_GROUP, VISIBLE, SCORE_GRAD, HAS_SCORE, SCALE, H_Q)),
+        (_ws_dq_producer, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, bars, ORDER, R_PTR, R_IDX,
+                           S_Q, S_K, PLAN_B, PLAN_H, Q_TILES, BH, ROWS, BLOCK_N, STAGES, HEAD_GROUP, H_Q, H_KV,
+                           GROUP)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
 # ---------------------------------------------------------------- host side: the launch
-# Whether the backward takes the Gluon dK/dV pass by default where ``refusal`` allows it (else only
-# when a caller passes a GluonBackwardConfig): see bench/results/studies for the measurements.
+# Whether the backward takes the Gluon passes by default where ``refusal`` allows it (else only when
+# a caller passes a GluonBackwardConfig): bench/results/studies/gluon_backward_h200_*.jsonl.
 DEFAULT = False
+REGS = (168, 240, 24)  # the warp-specialized kernels' maxnreg, consumer and producer registers
 
 
 def choose(program, config, s_q: int, s_k: int, tensors: tuple, bshd: bool, interpreted: bool):
-    """The backward's engine for a call: a GluonBackwardConfig (the Gluon dK/dV pass), or None (the
-    Triton backward).  ``config``: the caller's -- a GluonBackwardConfig asks for this pass (a
-    ValueError says why it cannot run), a ``grad.BackwardConfig`` for the Triton one; None: the
-    default (``DEFAULT``, where ``refusal`` allows)."""
+    """The backward's engine for a call: a GluonBackwardConfig (the Gluon passes), or None (the
+    Triton backward).  ``config``: the caller's -- a GluonBackwardConfig asks for the Gluon passes
+    (a ValueError says why they cannot run), a ``grad.BackwardConfig`` for the Triton ones; None:
+    the default (``DEFAULT``, where ``refusal`` allows)."""
     from . import launch as L
     asked = isinstance(config, GluonBackwardConfig)
     if config is not None and not asked:
@@ -332,34 +660,75 @@ def choose(program, config, s_q: int, s_k: int, tensors: tuple, bshd: bool, inte
     return cfg
 
 
-class GluonBackwardLaunch:
-    """The backward of one call shape on the Gluon dK/dV pass: D and (unless ``atomic_dq``) dQ by
-    the Triton backward's kernels (``triton``: a ``grad.BackwardLaunch`` with separate passes, of
-    which only the dQ pass and D's kernel launch), dK and dV by ``_bwd_dkdv``."""
+def kernel_constexprs(module, config: GluonBackwardConfig, s_q: int, s_k: int) -> dict:
+    """The Gluon passes' kernels for a call: {"dkdv": (kernel, constexprs, launch options), and where
+    config.dq is "gluon", "dq": likewise} (the launch's and the compile test's one source)."""
+    from . import launch as L
+    c, spec = config, module.SPEC
+    score = dict(VISIBLE=module.visible, SCORE_GRAD=L.score_functions(module, L.position_end(s_q, s_k, None))[1],
+                 HAS_SCORE=spec["HAS_SCORE"], SCALE=spec["SCALE"], H_Q=spec["H_Q"], H_KV=spec["H_KV"],
+                 GROUP=spec["GROUP"])
+    maxnreg, consumer, producer = REGS
+    ws = dict(CONSUMER_REGS=consumer, PRODUCER_REGS=producer)
+    out = {"dkdv": (_bwd_dkdv_ws if c.warp_specialize else _bwd_dkdv, dict(
+        EVEN_M=s_q % c.block_m == 0, EVEN_N=s_k % c.block_n == 0, BLOCK_M=c.block_m, BLOCK_N=c.block_n,
+        D=spec["D_QK"], STAGES=c.stages, HEAD_GROUP=L.HEAD_GROUP, ATOMIC_DQ=c.dq == "atomic",
+        NUM_WARPS=4 if c.warp_specialize else 8, **score, **(ws if c.warp_specialize else {})),
+        dict(num_warps=4, maxnreg=maxnreg) if c.warp_specialize else dict(num_warps=8))}
+    if c.dq == "gluon":
+        out["dq"] = (_bwd_dq_ws, dict(EVEN_M=s_q % 128 == 0, EVEN_N=s_k % c.dq_block_n == 0, ROWS=64,
+                                      BLOCK_N=c.dq_block_n, D=spec["D_QK"], STAGES=c.dq_stages,
+                                      HEAD_GROUP=L.HEAD_GROUP, **ws, **score), dict(num_warps=4, maxnreg=maxnreg))
+    return out
 
-    def __init__(self, module, config: GluonBackwardConfig, plan, triton, shape: tuple, device):
-        from . import launch as L
-        from . import plans as P
-        self.module, self.config, self.triton = module, config, triton
+
+class GluonBackwardLaunch:
+    """The backward of one call shape on the Gluon passes: D by the Triton backward's ``_bwd_delta``,
+    dK and dV by ``_bwd_dkdv_ws`` (or ``_bwd_dkdv``), dQ by ``_bwd_dq_ws`` (or the Triton backward's dQ
+    pass, or atomics and ``_bwd_dq_store``).  ``retile(bm, bn)``: the call's plan on other tiles
+    (``Plan.retile``: the mask analysis is reused)."""
+
+    def __init__(self, module, config: GluonBackwardConfig, retile, shape: tuple, device):
+        from . import backward as K, grad as G, launch as L, plans as P
+        self.module, self.config = module, config
         self.batch, self.s_q, self.s_k = shape
         spec = module.SPEC
         self.h_q, self.h_kv, self.d = spec["H_Q"], spec["H_KV"], spec["D_QK"]
-        classes = plan.tiles.classes
+        c = config
+        classes = retile(c.block_m, c.block_n).tiles.classes
         lists = group_lists(classes, spec["GROUP"])
-        self.arrays = P.upload({"order": lists["order"], "ptr": lists["ptr"], "ent": lists["ent"]}, device)
+        host = {"order": lists["order"], "ptr": lists["ptr"], "ent": lists["ent"]}
         k_tiles = classes.shape[3]
         bkv = self.batch * self.h_kv
         self.grid = (k_tiles * bkv,)
-        c = config
-        self.ints = (self.s_q, self.s_k, self.s_k - self.s_q, 0, *classes.shape[:2], lists["kv_planes"], k_tiles, bkv)
-        score_grad = L.score_functions(module, L.position_end(self.s_q, self.s_k, None))[1]
-        self.launcher = L.Launcher(_bwd_dkdv, dict(
-            EVEN_M=self.s_q % c.block_m == 0, EVEN_N=self.s_k % c.block_n == 0, BLOCK_M=c.block_m,
-            BLOCK_N=c.block_n, D=self.d, STAGES=c.stages, HEAD_GROUP=L.HEAD_GROUP, ATOMIC_DQ=c.atomic_dq,
-            VISIBLE=module.visible, SCORE_GRAD=score_grad, HAS_SCORE=spec["HAS_SCORE"], SCALE=spec["SCALE"],
-            H_Q=self.h_q, H_KV=self.h_kv, GROUP=spec["GROUP"], NUM_WARPS=8), num_warps=8)
+        q_off = self.s_k - self.s_q
+        self.ints = (self.s_q, self.s_k, q_off, 0, *classes.shape[:2], lists["kv_planes"], k_tiles, bkv)
+        kernels = kernel_constexprs(module, config, self.s_q, self.s_k)
+        fn, consts, options = kernels["dkdv"]
+        self.dkdv = L.Launcher(fn, consts, **options)
+        self.kv_rows = c.block_n // 2 if c.warp_specialize else c.block_n
+        self.delta = {n: L.Launcher(K._bwd_delta, dict(H_Q=self.h_q, HAS_DLSE=n, BLOCK=G.DELTA_ROWS, D_V=self.d,
+                                                       D_V_PAD=spec["D_V_PAD"])) for n in (False, True)}
+        self.triton = None
+        if c.dq == "gluon":
+            rows_plan = retile(128, c.dq_block_n)
+            rc = rows_plan.tiles.classes
+            r = G._lists(rc, False)
+            host.update(r_order=rows_plan.q_tile_order(), r_ptr=r["ptr"], r_idx=r["idx"])
+            self.dq_grid = (rc.shape[2] * self.batch * self.h_q,)
+            self.dq_ints = (self.s_q, self.s_k, q_off, 0, *rc.shape[:2], rc.shape[2], self.batch * self.h_q)
+            fn, consts, options = kernels["dq"]
+            self.dq = L.Launcher(fn, consts, **options)
+        elif c.dq == "triton":
+            t = G.default_backward_config(self.d, self.d, False)
+            self.triton = G.BackwardLaunch(module, L.replace(t, fused=False), retile(t.block_m1, t.block_n1),
+                                           retile(t.block_m2, t.block_n2), shape, device)
+        else:
+            self.store = L.Launcher(K._bwd_dq_store, dict(H_Q=self.h_q, BLOCK=G.DELTA_ROWS, D_QK=self.d,
+                                                          D_QK_PAD=spec["D_QK_PAD"], SCALE=spec["SCALE"]))
+        self.arrays = P.upload(host, device)
         self.layouts = {}
-        self.nbytes = P.nbytes_of(self.arrays) + triton.nbytes
+        self.nbytes = P.nbytes_of(self.arrays) + (self.triton.nbytes if self.triton else 0)
 
     def _descriptor(self, t, rows: int):
         key = (rows, str(t.dtype))
@@ -372,27 +741,50 @@ class GluonBackwardLaunch:
     def __call__(self, q, k, v, o, lse, do, dlse, ts: tuple, dq, dk, dv, key=None):
         """Launch on contiguous bhsd tensors; writes dq, dk, dv (``grad.BackwardLaunch.__call__``'s
         arguments)."""
+        delta = self.delta_pass(o, do, dlse, key)
+        dqa = self.dkdv_pass(q, k, v, lse, do, ts, dk, dv, delta, key)
+        self.dq_pass(q, k, v, lse, do, ts, dq, dk, dv, delta, dqa, key)
+
+    def delta_pass(self, o, do, dlse, key):
+        """D = rowsum(dO * O) - dLSE, float32 [B, H_q, S_q]."""
         import torch
         from .grad import DELTA_ROWS, triton_cdiv
-        t, c, a = self.triton, self.config, self.arrays
-        delta = torch.empty((self.batch, self.h_q, self.s_q), device=q.device, dtype=torch.float32)
+        delta = torch.empty((self.batch, self.h_q, self.s_q), device=o.device, dtype=torch.float32)
         has_dlse = dlse is not None
-        t.delta[has_dlse].launch((triton_cdiv(self.s_q, DELTA_ROWS), self.batch * self.h_q),
-                                 (o, do, dlse if has_dlse else delta, delta, *o.stride(), *do.stride(), self.s_q), key)
+        self.delta[has_dlse].launch((triton_cdiv(self.s_q, DELTA_ROWS), self.batch * self.h_q),
+                                    (o, do, dlse if has_dlse else delta, delta, *o.stride(), *do.stride(), self.s_q),
+                                    key)
+        return delta
+
+    def dkdv_pass(self, q, k, v, lse, do, ts, dk, dv, delta, key):
+        """dK and dV; returns the float32 dQ accumulator the pass added into (dq 'atomic'), else delta
+        (an unused pointer)."""
+        import torch
         dqa = delta
-        if c.atomic_dq:
+        if self.config.dq == "atomic":
             dqa = torch.zeros((self.batch * self.h_q * self.s_q * self.d,), device=q.device, dtype=torch.float32)
-        bm, bn = c.block_m, c.block_n
-        args = (self._descriptor(q, bm), self._descriptor(k, bn), self._descriptor(v, bn), self._descriptor(do, bm),
-                dk, dv, dqa, lse, delta, a["order"], a["ptr"], a["ent"], ts, *self.ints)
-        self.launcher.launch(self.grid, args, key)
-        if c.atomic_dq:
-            t.store.launch((triton_cdiv(self.s_q, DELTA_ROWS), self.batch * self.h_q),
-                           (dqa, dq, *dq.stride(), self.s_q), key)
-            return
-        ta = t.arrays
-        dq_args = (q, k, v, do, dq, dk, dv, lse, delta, dqa, *q.stride(), *k.stride(), *v.stride(), *do.stride(),
-                   *dq.stride(), *dk.stride(), *dv.stride(), ta["c_order"], ta["c_ptr"], ta["c_idx"], ta["r_order"],
-                   ta["r_ptr"], ta["r_idx"], ts, *t.ints)
-        launcher, jobs = t.passes[-1]  # (the dQ pass: grad.BackwardLaunch with fused=False)
-        launcher.launch((jobs,), dq_args, key)
+        a, bm = self.arrays, self.config.block_m
+        args = (self._descriptor(q, bm), self._descriptor(k, self.kv_rows), self._descriptor(v, self.kv_rows),
+                self._descriptor(do, bm), dk, dv, dqa, lse, delta, a["order"], a["ptr"], a["ent"], ts, *self.ints)
+        self.dkdv.launch(self.grid, args, key)
+        return dqa
+
+    def dq_pass(self, q, k, v, lse, do, ts, dq, dk, dv, delta, dqa, key):
+        from .grad import DELTA_ROWS, triton_cdiv
+        mode, a = self.config.dq, self.arrays
+        if mode == "gluon":
+            bn = self.config.dq_block_n
+            args = (self._descriptor(q, 64), self._descriptor(k, bn), self._descriptor(v, bn), self._descriptor(do, 64),
+                    dq, lse, delta, a["r_order"], a["r_ptr"], a["r_idx"], ts, *self.dq_ints)
+            self.dq.launch(self.dq_grid, args, key)
+        elif mode == "atomic":
+            self.store.launch((triton_cdiv(self.s_q, DELTA_ROWS), self.batch * self.h_q),
+                              (dqa, dq, *dq.stride(), self.s_q), key)
+        else:
+            t = self.triton
+            ta = t.arrays
+            args = (q, k, v, do, dq, dk, dv, lse, delta, dqa, *q.stride(), *k.stride(), *v.stride(), *do.stride(),
+                    *dq.stride(), *dk.stride(), *dv.stride(), ta["c_order"], ta["c_ptr"], ta["c_idx"],
+                    ta["r_order"], ta["r_ptr"], ta["r_idx"], ts, *t.ints)
+            launcher, jobs = t.passes[-1]  # (the dQ pass: grad.BackwardLaunch with fused=False)
+            launcher.launch((jobs,), args, key)

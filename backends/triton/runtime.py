@@ -461,15 +461,11 @@ class Kernel:
             for bm, bn in cfg.tiles():
                 _check_gpu_tile(bm, bn)
             dq_plan = self.plan(bound.batch, bound.s_q, bound.s_k, tensors, bm2, bn2)
-            dkdv_plan = dq_plan.retile(bm1, bn1)
             shape = (bound.batch, bound.s_q, bound.s_k)
-            if gluon:  # the Gluon dK/dV pass; D and dQ by the Triton kernels (gluon_backward)
-                triton = G.BackwardLaunch(self.module, L.replace(cfg, fused=False), dkdv_plan, dq_plan, shape,
-                                          q.device)
-                launch = GB.GluonBackwardLaunch(self.module, gluon, dq_plan.retile(gluon.block_m, gluon.block_n),
-                                                triton, shape, q.device)
+            if gluon:  # the Gluon passes (gluon_backward), on the same mask analysis
+                launch = GB.GluonBackwardLaunch(self.module, gluon, dq_plan.retile, shape, q.device)
             else:
-                launch = G.BackwardLaunch(self.module, cfg, dkdv_plan, dq_plan, shape, q.device)
+                launch = G.BackwardLaunch(self.module, cfg, dq_plan.retile(bm1, bn1), dq_plan, shape, q.device)
             P.PLANS.put(pkey, launch, launch.nbytes, named)
         if bound.emulate:
             q, k, v, o, do = (x.float() for x in (q, k, v, o, do))

@@ -28,7 +28,9 @@ SPECS = {
     "prefix_lm": "attention p { heads = 4 head_dim = 128 dtype = bf16 mask = causal | k < 100 }",
 }
 SHAPES = {"tails": (333, 333), "append_tails": (77, 400)}  # (tiles across S_q and S_k; the study runs S = 8192)
-CONFIGS = {"det": GB.GluonBackwardConfig(), "atomic": GB.GluonBackwardConfig(atomic_dq=True)}
+# every launch on the default; the other dK/dV kernel and dQ modes on two of the calls, beside the Triton backward
+CONFIGS = {"triton_dq": dict(dq="triton"), "plain_atomic": dict(warp_specialize=False, dq="atomic")}
+WIDE = {("gqa_d128_causal", "tails"), ("softcap_gqa", "append_tails")}
 
 
 def _call(program, s_q, s_k, seed, batch=2):
@@ -43,12 +45,6 @@ def _call(program, s_q, s_k, seed, batch=2):
     return kernel, arrays, (q, k, v, o, lse, do), tensors
 
 
-def _config(name, program):
-    c = CONFIGS[name]
-    return GB.GluonBackwardConfig(block_m=GB.default_config(program.d_qk).block_m, stages=c.stages,
-                                  atomic_dq=c.atomic_dq)
-
-
 @hopper
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("name", SPECS)
@@ -58,23 +54,29 @@ def test_gluon_backward_matches_the_reference_and_the_triton_backward(name, shap
     kernel, arrays, args, tensors = _call(program, s_q, s_k, seed=11)
     call = inputs.validate(program, {n: arrays[n] for n in ("q", "k", "v")} | {n: arrays[n] for n in tensors})
     ref = oracle.reference_backward(program, call.q, call.k, call.v, args[5].double().cpu().numpy(), call.tensors)
-    triton = kernel.backward(*args, **tensors)
-    for cname in CONFIGS:
-        got = kernel.backward(*args, config=_config(cname, program), **tensors)
-        for g, t, want, n in zip(got, triton, ref[:3], ("dQ", "dK", "dV")):
-            c = numerics.compare_gradient(n, program.dtype, g.float().cpu().numpy(), want)
+    default = GB.default_config(program.d_qk)
+    configs = {"default": default}
+    if (name, shape) in WIDE:
+        configs.update({n: GB.GluonBackwardConfig(**{**default.__dict__, **c}) for n, c in CONFIGS.items()})
+        triton = kernel.backward(*args, **tensors)
+    for cname, config in configs.items():
+        got = kernel.backward(*args, config=config, **tensors)
+        for i, n in enumerate(("dQ", "dK", "dV")):
+            c = numerics.compare_gradient(n, program.dtype, got[i].float().cpu().numpy(), ref[i])
             assert c.ok, f"{cname}: {c}"
-            err = ((g.float() - t.float()).norm() / t.float().norm().clamp_min(1e-30)).item()
-            assert err < 1e-2, f"{cname} {n}: rel-L2 {err} from the Triton backward"
+            if (name, shape) in WIDE:
+                t = triton[i].float()
+                err = ((got[i].float() - t).norm() / t.norm().clamp_min(1e-30)).item()
+                assert err < 1e-2, f"{cname} {n}: rel-L2 {err} from the Triton backward"
 
 
 @hopper
 def test_gluon_backward_is_deterministic():
     program = compile_spec(SPECS["softcap_gqa"])
     kernel, _, args, tensors = _call(program, 1000, 1000, seed=5)
-    first = kernel.backward(*args, config=GB.GluonBackwardConfig())
+    first = kernel.backward(*args, config=GB.default_config(128))
     for _ in range(3):
-        again = kernel.backward(*args, config=GB.GluonBackwardConfig())
+        again = kernel.backward(*args, config=GB.default_config(128))
         assert all(torch.equal(a, b) for a, b in zip(first, again))
 
 
@@ -116,3 +118,33 @@ def test_where_the_gluon_backward_is_refused():
     assert "f16 / bf16" in GB.refusal(f32, 512, 512, True, 90, False, cfg)
     mla = compile_spec("attention m { heads = 2 head_dim = 192 / 128 dtype = bf16 mask = causal }")
     assert "head dims" in GB.refusal(mla, 512, 512, True, 90, False, cfg)
+
+
+def test_config_refuses_what_no_kernel_runs():
+    with pytest.raises(ValueError, match="dq must be one of"):
+        GB.GluonBackwardConfig(dq="fast")
+    with pytest.raises(ValueError, match="warp_specialize=False"):
+        GB.GluonBackwardConfig(dq="atomic")
+    with pytest.raises(ValueError, match="128-key tiles"):
+        GB.GluonBackwardConfig(block_n=64)
+    assert GB.GluonBackwardConfig(block_n=64, warp_specialize=False, dq="atomic").dq == "atomic"
+
+
+@pytest.mark.skipif(not GB.HAS_GLUON, reason="this Triton has no Gluon")
+@pytest.mark.parametrize("dq", ["gluon", "triton", "atomic"])
+def test_the_launch_binds_its_passes_on_the_calls_plan(dq):
+    """The host side of every dQ mode (the kernels launch on an sm_90 GPU only): one dK/dV program per
+    (key tile, request * K/V head), one dQ program per (query tile, request * query head), the group
+    column lists over the whole GQA group."""
+    program = compile_spec(SPECS["gqa_d128_causal"])  # heads 8 / 2
+    kernel = runtime.load(program)
+    config = GB.GluonBackwardConfig(dq=dq, **({"warp_specialize": False} if dq == "atomic" else {}))
+    plan = kernel.plan(2, 333, 400, {}, 128, 64)
+    launch = GB.GluonBackwardLaunch(kernel.module, config, plan.retile, (2, 333, 400), "cpu")
+    assert launch.grid == (4 * 2 * 2,)  # ceil(400 / 128) key tiles, 2 requests, 2 K/V heads
+    assert int(launch.arrays["ptr"][-1]) == len(launch.arrays["ent"])
+    entries = launch.arrays["ent"].numpy()
+    assert set((entries >> 1) & 127) == {0, 1, 2, 3}  # every query head of the group
+    if dq == "gluon":
+        assert launch.dq_grid == (3 * 2 * 8,)  # ceil(333 / 128) query tiles, 2 requests, 8 query heads
+    assert (launch.triton is not None) == (dq == "triton")
