@@ -1,24 +1,30 @@
-"""The backward's dK/dV pass for Hopper (sm_90) in Gluon: TMA loads, wgmma, the plan's column walk.
+"""The backward pass for Hopper (sm_90) in Gluon: D, then a dK/dV pass and a dQ pass, each on TMA
+loads and wgmma, walking the plan (SKIP blocks never loaded, FULL blocks without the element mask,
+PARTIAL blocks -- and, unless S_q / S_k are multiples of the tiles, the blocks across them -- with
+the spec's ``VISIBLE`` predicate and the bounds; the score program's derivative ``SCORE_GRAD``
+inlined as in the Triton backward).  Deterministic: no atomics, every gradient element written by
+one program, dK/dV summed over the GQA group in a fixed order.
 
-One program per (K/V tile of BLOCK_N keys, request * K/V head), in ``prefill._job``'s order over
-the columns sorted by work (heaviest first).  Its K and V tiles are loaded once (TMA); it then
-walks the *group column list* of its tile -- for every query head of its GQA group in turn, the
-query blocks whose class in the plan is not SKIP (``group_lists``: each entry packs the query
-block, the head within the group and the PARTIAL flag) -- with the entries' Q and dO tiles
-streamed through STAGES shared-memory stages behind mbarriers, each load issued STAGES - 1
-entries ahead.  Per entry, on the tensor cores (8 warps: two warpgroups of 64 keys each):
+* D = rowsum(dO * O) - dLSE: the Triton backward's ``_bwd_delta``.
+* dK/dV (``_bwd_dkdv_ws``): one program per (K/V tile of 128 keys, request * K/V head), in
+  ``prefill._job``'s order over each plane's key tiles sorted by work.  A TMA warp loads the tile's
+  K and V once, then streams the Q and dO tiles (BLOCK_M rows) of the tile's *group column list*
+  (``group_lists``: for every query head of the GQA group in turn, the query blocks whose class is
+  not SKIP) through STAGES stages; two consumer warpgroups (FlashAttention-3's split), 64 keys each,
+  released stage by stage through mbarriers, run per entry
+      S^T = K Q^T and dP^T = V dO^T (issued together), P^T = exp2(S^T scale - LSE),
+      dV += P^T dO (under dS^T's arithmetic), dS^T = P^T (dP^T - D), dK += dS^T Q,
+  keeping dK and dV in registers; one warpgroup's arithmetic runs under the other's MMAs.
+* dQ (``_bwd_dq_ws``): the forward engine's structure -- one program per (128-row query tile,
+  request * query head), a TMA warp streaming the K/V blocks of the tile's row of the plan (FULL
+  blocks, then PARTIAL ones), two consumer warpgroups of 64 rows: S = Q K^T, dP = dO V^T, dS,
+  dQ += dS K.  Seven GEMMs per block in all (S and dP are computed in both passes) against
+  FlashAttention's five with atomic dQ, the price of bit-identical gradients.
 
-    S^T = K Q^T and dP^T = V dO^T (issued together), P^T = exp2(S^T * scale - LSE) on the saved
-    LSE, dV += P^T dO (issued under dS^T's arithmetic), dS^T = P^T (dP^T - D), dK += dS^T Q.
-
-FULL blocks take no element mask; PARTIAL blocks (and, unless S_q / S_k are multiples of the
-tiles, the blocks across S_q or S_k) apply the spec's ``VISIBLE`` predicate and the bounds; the
-score program's derivative (``SCORE_GRAD``) is inlined as in the Triton backward.  dK and dV of a
-K/V head are summed over its query group inside the program, in a fixed order.  D = rowsum(dO * O)
-- dLSE comes from the Triton backward's ``_bwd_delta`` and dQ from its dQ pass (deterministic:
-every gradient element is written by one program); ATOMIC_DQ instead adds each entry's
-dQ = dS K (from dS^T in shared memory) into a float32 workspace with atomics: five GEMMs per block
-instead of seven, not bit-reproducible.
+``GluonBackwardConfig`` also selects ``_bwd_dkdv`` (the same step on 8 warps that issue their own
+loads: no warp specialization) and dQ by the Triton backward's dQ pass or by float32 atomics inside
+``_bwd_dkdv`` (five GEMMs, not bit-reproducible; slower at d 128 on the H200).  ``choose`` is the
+one decision place (``refusal``: what the passes cannot run goes to the Triton backward).
 
 Tiles past S_q or S_k: TMA reads the next head's rows there (zeros past the tensor's end); their
 scores are masked, so P = 0 and nothing of them reaches this head's gradients (for finite inputs).
@@ -51,6 +57,7 @@ LOG2E = 1.4426950408889634
 HEAD_DIMS = (64, 128)  # q.k's and v's (equal)
 GROUP_BITS = 7  # an entry: query block << 8 | head within the group << 1 | PARTIAL
 MAX_GROUP = 1 << GROUP_BITS
+MIN_ROWS = 128  # (B * H * S rows of Q and of K/V: no TMA box is taller than its tensor)
 
 
 DQ_MODES = ("gluon", "triton", "atomic")
@@ -105,7 +112,7 @@ def smem_bytes(d: int, config: GluonBackwardConfig) -> int:
     return 2 * max(dkdv, dq) + 128
 
 
-def refusal(program, s_q: int, s_k: int, bhsd_contiguous: bool, capability: int, interpreted: bool,
+def refusal(program, batch: int, s_q: int, s_k: int, bhsd_contiguous: bool, capability: int, interpreted: bool,
             config: GluonBackwardConfig) -> str | None:
     """Why the Gluon dK/dV pass cannot run this call (a sentence), or None: the one decision place
     (everything it refuses runs the Triton backward)."""
@@ -125,6 +132,8 @@ def refusal(program, s_q: int, s_k: int, bhsd_contiguous: bool, capability: int,
         return f"the Gluon backward takes GQA groups of at most {MAX_GROUP} query heads"
     if not bhsd_contiguous:
         return "the Gluon backward reads contiguous bhsd tensors at 16-byte aligned addresses (TMA)"
+    if min(batch * program.heads_q * s_q, batch * program.heads_kv * s_k) < MIN_ROWS:
+        return f"the Gluon backward's TMA boxes need at least {MIN_ROWS} rows of Q and of K/V in all"
     if smem_bytes(program.d_qk, config) > SMEM:
         return f"the Gluon backward's buffers on {config.block_m} x {config.block_n} tiles exceed shared memory"
     return None
@@ -633,8 +642,10 @@ def _bwd_dq_ws(q_desc, k_desc, v_desc, do_desc, DQ, LSE, DELTA, ORDER, R_PTR, R_
 
 # ---------------------------------------------------------------- host side: the launch
 # Whether the backward takes the Gluon passes by default where ``refusal`` allows it (else only when
-# a caller passes a GluonBackwardConfig): bench/results/studies/gluon_backward_h200_*.jsonl.
-DEFAULT = False
+# a caller passes a GluonBackwardConfig).  Measured on the H200 (study r2, bench/results/README.md),
+# kernel alone, B4 S8K bf16, against the Triton backward: causal d128 H16 428.5 / 357 TFLOP/s, full
+# d128 457.5 / 375, causal d64 H32 324.9 / 115; every gradient within the Triton backward's error.
+DEFAULT = True
 REGS = (168, 240, 24)  # the warp-specialized kernels' maxnreg, consumer and producer registers
 
 
@@ -642,7 +653,8 @@ def choose(program, config, s_q: int, s_k: int, tensors: tuple, bshd: bool, inte
     """The backward's engine for a call: a GluonBackwardConfig (the Gluon passes), or None (the
     Triton backward).  ``config``: the caller's -- a GluonBackwardConfig asks for the Gluon passes
     (a ValueError says why they cannot run), a ``grad.BackwardConfig`` for the Triton ones; None:
-    the default (``DEFAULT``, where ``refusal`` allows)."""
+    the default (``DEFAULT``, where ``refusal`` allows).  ``tensors``: q, k, v and O (dO, which
+    autograd may hand over expanded or strided, is copied where TMA cannot read it: ``tma_input``)."""
     from . import launch as L
     asked = isinstance(config, GluonBackwardConfig)
     if config is not None and not asked:
@@ -652,7 +664,8 @@ def choose(program, config, s_q: int, s_k: int, tensors: tuple, bshd: bool, inte
     cfg = config if asked else default_config(program.d_qk)
     t = tensors[0]
     capability = L.capability(t.device) if t.is_cuda else 0
-    why = refusal(program, s_q, s_k, not bshd and L.tma_ready(*tensors), capability, interpreted, cfg)
+    batch = t.shape[0]
+    why = refusal(program, batch, s_q, s_k, not bshd and L.tma_ready(*tensors), capability, interpreted, cfg)
     if why is not None:
         if asked:
             raise ValueError(f"GluonBackwardConfig: {why}")
@@ -680,6 +693,14 @@ def kernel_constexprs(module, config: GluonBackwardConfig, s_q: int, s_k: int) -
                                       BLOCK_N=c.dq_block_n, D=spec["D_QK"], STAGES=c.dq_stages,
                                       HEAD_GROUP=L.HEAD_GROUP, **ws, **score), dict(num_warps=4, maxnreg=maxnreg))
     return out
+
+
+def tma_input(t):
+    """``t`` as the Gluon passes read it: itself where TMA can (contiguous, 16-byte aligned), else a
+    contiguous copy (autograd's dO of ``o.sum()`` is an expanded view, for example)."""
+    import torch
+    from . import launch as L
+    return t if L.tma_ready(t) else t.clone(memory_format=torch.contiguous_format)
 
 
 class GluonBackwardLaunch:
@@ -727,16 +748,25 @@ class GluonBackwardLaunch:
             self.store = L.Launcher(K._bwd_dq_store, dict(H_Q=self.h_q, BLOCK=G.DELTA_ROWS, D_QK=self.d,
                                                           D_QK_PAD=spec["D_QK_PAD"], SCALE=spec["SCALE"]))
         self.arrays = P.upload(host, device)
-        self.layouts = {}
+        self.layouts, self.descs = {}, {}
         self.nbytes = P.nbytes_of(self.arrays) + (self.triton.nbytes if self.triton else 0)
 
-    def _descriptor(self, t, rows: int):
+    def _descriptor(self, t, rows: int, role: str | None = None):
+        """``t``'s TMA descriptor as [-1, d] in ``rows``-row boxes; with a ``role`` (q, k, v: inputs the
+        caller keeps anyway), kept and reused while the tensor (address, shape, strides) is the same."""
         key = (rows, str(t.dtype))
         layout = self.layouts.get(key)
         if layout is None:
             dt = {"torch.float16": gl.float16, "torch.bfloat16": gl.bfloat16}[str(t.dtype)]
             layout = self.layouts[key] = gl.NVMMASharedLayout.get_default_for([rows, self.d], dt)
-        return TensorDescriptor.from_tensor(t.view(-1, self.d), [rows, self.d], layout)
+        if role is None:
+            return TensorDescriptor.from_tensor(t.view(-1, self.d), [rows, self.d], layout)
+        seen = (t.data_ptr(), t.shape, t.stride())
+        hit = self.descs.get((role, rows))
+        if hit is None or hit[0] != seen:
+            hit = self.descs[(role, rows)] = (seen, TensorDescriptor.from_tensor(t.view(-1, self.d), [rows, self.d],
+                                                                                  layout))
+        return hit[1]
 
     def __call__(self, q, k, v, o, lse, do, dlse, ts: tuple, dq, dk, dv, key=None):
         """Launch on contiguous bhsd tensors; writes dq, dk, dv (``grad.BackwardLaunch.__call__``'s
@@ -764,8 +794,9 @@ class GluonBackwardLaunch:
         if self.config.dq == "atomic":
             dqa = torch.zeros((self.batch * self.h_q * self.s_q * self.d,), device=q.device, dtype=torch.float32)
         a, bm = self.arrays, self.config.block_m
-        args = (self._descriptor(q, bm), self._descriptor(k, self.kv_rows), self._descriptor(v, self.kv_rows),
-                self._descriptor(do, bm), dk, dv, dqa, lse, delta, a["order"], a["ptr"], a["ent"], ts, *self.ints)
+        args = (self._descriptor(q, bm, "q"), self._descriptor(k, self.kv_rows, "k"),
+                self._descriptor(v, self.kv_rows, "v"), self._descriptor(do, bm), dk, dv, dqa, lse, delta, a["order"],
+                a["ptr"], a["ent"], ts, *self.ints)
         self.dkdv.launch(self.grid, args, key)
         return dqa
 
@@ -774,8 +805,8 @@ class GluonBackwardLaunch:
         mode, a = self.config.dq, self.arrays
         if mode == "gluon":
             bn = self.config.dq_block_n
-            args = (self._descriptor(q, 64), self._descriptor(k, bn), self._descriptor(v, bn), self._descriptor(do, 64),
-                    dq, lse, delta, a["r_order"], a["r_ptr"], a["r_idx"], ts, *self.dq_ints)
+            args = (self._descriptor(q, 64, "q"), self._descriptor(k, bn, "k"), self._descriptor(v, bn, "v"),
+                    self._descriptor(do, 64), dq, lse, delta, a["r_order"], a["r_ptr"], a["r_idx"], ts, *self.dq_ints)
             self.dq.launch(self.dq_grid, args, key)
         elif mode == "atomic":
             self.store.launch((triton_cdiv(self.s_q, DELTA_ROWS), self.batch * self.h_q),

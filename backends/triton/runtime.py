@@ -439,7 +439,8 @@ class Kernel:
         """dQ, dK, dV of a prefill call from its saved O and LSE and the gradient of O (``dlse``: of
         LSE, optional).  Inputs in the spec's layout as for the forward; gradients come back in
         the layout and dtype of q, k and v.  Planned from the same mask analysis as the forward and
-        cached like it (``grad.BackwardLaunch``)."""
+        cached like it: the Gluon passes on Hopper where ``gluon_backward.choose`` takes the call
+        (``gluon_backward.GluonBackwardLaunch``), else the Triton ones (``grad.BackwardLaunch``)."""
         from . import grad as G, gluon_backward as GB
         torch = self._torch
         bound = self._validate(q, k, v, tensors)
@@ -450,7 +451,9 @@ class Kernel:
         if dlse is not None and tuple(dlse.shape) != tuple(lse.shape):
             raise InputError(f"inputs: 'dlse' has shape {list(dlse.shape)}; LSE's is {list(lse.shape)}")
         p = self.program
-        gluon = GB.choose(p, config, bound.s_q, bound.s_k, (q, k, v, o, do), bound.bshd, interpreted())
+        gluon = GB.choose(p, config, bound.s_q, bound.s_k, (q, k, v, o), bound.bshd, interpreted())
+        if gluon:
+            do = GB.tma_input(do)
         cfg = (None if gluon else config) or G.default_backward_config(p.d_qk, p.d_v, interpreted())
         key = (self._key(q, k, v, tensors), o.stride(), do.stride(), o.data_ptr() % 16 == 0,
                do.data_ptr() % 16 == 0, dlse is not None)

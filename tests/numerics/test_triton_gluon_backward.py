@@ -80,6 +80,25 @@ def test_gluon_backward_is_deterministic():
         assert all(torch.equal(a, b) for a, b in zip(first, again))
 
 
+@hopper
+def test_the_public_call_takes_the_gluon_backward_by_default(monkeypatch):
+    """``attn(q, k, v)`` under autograd: the default backward is the Gluon one on an eligible call,
+    also when autograd hands dO over as an expanded view (``o.sum()``: copied for TMA); its
+    gradients match the Triton backward's (``gluon_backward.DEFAULT`` off)."""
+    import attnc
+    attn = attnc.compile("attention c { heads = 8 / 2 head_dim = 128 dtype = bf16 mask = causal }")
+    g = torch.Generator(device="cuda").manual_seed(3)
+    leaves = [torch.randn((2, h, 700, 128), device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+              for h in (8, 2, 2)]
+    grads = {}
+    for default in (True, False):
+        monkeypatch.setattr(GB, "DEFAULT", default)
+        grads[default] = torch.autograd.grad(attn(*leaves).float().sum(), leaves)
+    for a, b in zip(grads[True], grads[False]):
+        assert ((a.float() - b.float()).norm() / b.float().norm()).item() < 1e-2
+    assert not all(torch.equal(a, b) for a, b in zip(grads[True], grads[False]))  # two engines, two roundings
+
+
 def test_group_lists_walk_the_plans_columns():
     """Every (query block, head) the plan computes for a key tile, once, with its PARTIAL flag: a
     plan that depends on the head (per-head planes) and one that does not (one plane, broadcast
@@ -110,14 +129,15 @@ def test_group_lists_walk_the_plans_columns():
 def test_where_the_gluon_backward_is_refused():
     cfg = GB.GluonBackwardConfig()
     ok = compile_spec(SPECS["gqa_d128_causal"])
-    assert GB.refusal(ok, 512, 512, True, 90, False, cfg) is None
-    assert "interpreter" in GB.refusal(ok, 512, 512, True, 90, True, cfg)
-    assert "sm_90" in GB.refusal(ok, 512, 512, True, 80, False, cfg)
-    assert "contiguous" in GB.refusal(ok, 512, 512, False, 90, False, cfg)
+    assert GB.refusal(ok, 1, 512, 512, True, 90, False, cfg) is None
+    assert "interpreter" in GB.refusal(ok, 1, 512, 512, True, 90, True, cfg)
+    assert "sm_90" in GB.refusal(ok, 1, 512, 512, True, 80, False, cfg)
+    assert "contiguous" in GB.refusal(ok, 1, 512, 512, False, 90, False, cfg)
+    assert "rows" in GB.refusal(ok, 1, 8, 8, True, 90, False, cfg)  # 16 rows of K/V in all
     f32 = compile_spec("attention x { heads = 2 head_dim = 64 dtype = f32 mask = causal }")
-    assert "f16 / bf16" in GB.refusal(f32, 512, 512, True, 90, False, cfg)
+    assert "f16 / bf16" in GB.refusal(f32, 1, 512, 512, True, 90, False, cfg)
     mla = compile_spec("attention m { heads = 2 head_dim = 192 / 128 dtype = bf16 mask = causal }")
-    assert "head dims" in GB.refusal(mla, 512, 512, True, 90, False, cfg)
+    assert "head dims" in GB.refusal(mla, 1, 512, 512, True, 90, False, cfg)
 
 
 def test_config_refuses_what_no_kernel_runs():
