@@ -93,7 +93,7 @@ def test_the_public_call_takes_the_gluon_backward_by_default(monkeypatch):
     grads = {}
     for default in (True, False):
         monkeypatch.setattr(GB, "DEFAULT", default)
-        grads[default] = torch.autograd.grad(attn(*leaves).float().sum(), leaves)
+        grads[default] = torch.autograd.grad(attn(*leaves).sum(), leaves)
     for a, b in zip(grads[True], grads[False]):
         assert ((a.float() - b.float()).norm() / b.float().norm()).item() < 1e-2
     assert not all(torch.equal(a, b) for a, b in zip(grads[True], grads[False]))  # two engines, two roundings
