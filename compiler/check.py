@@ -16,6 +16,7 @@ from . import ast, ir
 from .errors import DiagnosticSink, Span
 from .ir import BOOL, F32, I32, Type
 from .scalar import FLT_MAX, float_floordiv, float_mod, int_floordiv, int_mod
+from .scalar import CALLS as scalar_calls
 from .scalar import f32 as fold_f32
 
 DTYPES = ("f16", "bf16", "f32")
@@ -755,9 +756,7 @@ def _ast_children(e: ast.Expr) -> tuple[ast.Expr, ...]:
     return ()
 
 
-_CONST_FNS = {"sqrt": math.sqrt, "exp": math.exp, "log": math.log, "tanh": math.tanh, "abs": abs,
-              "min": min, "max": max, "softcap": lambda x, cap: cap * math.tanh(x / cap),
-              "erf": math.erf, "sin": math.sin, "cos": math.cos}
+_CONST_FNS = {**scalar_calls, "softcap": lambda x, cap: cap * math.tanh(x / cap)}
 _CONST_COMPARE = {"==": lambda a, b: a == b, "!=": lambda a, b: a != b, "<": lambda a, b: a < b,
                   "<=": lambda a, b: a <= b, ">": lambda a, b: a > b, ">=": lambda a, b: a >= b}
 
