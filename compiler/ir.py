@@ -481,6 +481,8 @@ def specialize(program: Program, heads_q: int, heads_kv: int, d_qk: int, d_v: in
         raise InputError(f"inputs: q has {heads_q} heads and k/v {heads_kv}: H_q must be a multiple of H_kv (GQA)")
     if dtype not in ("f16", "bf16", "f32"):
         raise InputError(f"inputs: q has dtype {dtype}; attention stores f16, bf16 or f32")
+    if d_qk < 1 or d_v < 1:
+        raise InputError(f"inputs: q/k have head dim {d_qk} and v {d_v}; a head dim is at least 1")
     if not program.open_fields:
         return program
     import math
