@@ -127,14 +127,14 @@ class Attention:
     def _route(self, program: ir.Program, q, k, backend: str | None) -> tuple[str, object]:
         """Which backend runs calls like this one: the dispatch key's admission (auto, or forced)."""
         from .compiler.dispatch import DispatchError, dispatch, run_environment
-        from .backends.triton.launch import capability
         cuda = q.is_cuda
         env = run_environment("cuda" if cuda else "cpu", backend or "auto")
         s_axis = 1 if self._bshd else 2
         call = {"B": int(q.shape[0]), "S_q": int(q.shape[s_axis]), "S_k": int(k.shape[s_axis]),
                 "device": "cuda" if cuda else "cpu", "last_dim_contiguous": bool(q.stride(-1) == 1 and
                                                                                 k.stride(-1) == 1)}
-        if cuda:
+        if cuda:  # (triton is imported only for CUDA tensors: a CPU install needs torch alone)
+            from .backends.triton.launch import capability
             call["compute_capability"] = capability(q.device)
         if backend is not None:
             call["backend"] = backend

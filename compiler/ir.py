@@ -149,6 +149,14 @@ def free_vars(e: Expr) -> frozenset[str]:
     return frozenset(n.name for n in walk(e) if isinstance(n, Var))
 
 
+def score_keeps_tile(program: "Program") -> bool:
+    """Whether every score statement reads ``score``: then each one's value has the shape of the
+    tile of scores it starts from.  A statement that does not (``score = 7``, ``score = q``) is
+    legal and its value is the same in every cell it does not vary over: a tiled backend
+    broadcasts the program's result to the tile (the one rule every emitter asks here)."""
+    return all("score" in free_vars(s) for s in program.score)
+
+
 def loads(e: Expr) -> frozenset[str]:
     return frozenset(n.tensor for n in walk(e) if isinstance(n, Load))
 
