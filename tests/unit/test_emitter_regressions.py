@@ -13,6 +13,7 @@ SCORES = [
     "score = score + exp(exp(exp(2.0)))",       # exp of a constant past f32: the range is +inf
     "score = exp(exp(exp(2.0)))",               # (found with mask = false: the form's row part)
     "score = score + exp(100.0 * tanh(k * 1.0))",
+    "score = exp(2147483647)",                  # an integer converted, then past exp's f32 range
 ]
 
 
