@@ -46,6 +46,15 @@ def _kind(t) -> str:
     return "b" if t.dtype == torch.bool else "i"
 
 
+def runnable_tiles(tuned: dict | None) -> dict | None:
+    """A tuned config, or None where this machine cannot launch its tiles (a hand-edited cache's
+    8-row tile on a GPU): then the untuned default runs, never an error."""
+    if tuned and not interpreted() and min(tuned.get("BLOCK_M", GPU_MIN_TILE),
+                                           tuned.get("BLOCK_N", GPU_MIN_TILE)) < GPU_MIN_TILE:
+        return None
+    return tuned
+
+
 class _Bound(NamedTuple):
     """What one prefill key fixes once it is validated: the call's lengths, O's shape in q's
     layout, whether that layout is bshd, and whether bf16 is carried in float32 (interpreter)."""
@@ -330,7 +339,7 @@ class Kernel:
         asked = dict(options)
         tuned = None
         if plan is None and asked.get("block_m") is None and asked.get("block_n") is None and not fp8:
-            tuned = tune.tuned_tiles(p, bound.batch, bound.s_q, bound.s_k, "triton")
+            tuned = runnable_tiles(tune.tuned_tiles(p, bound.batch, bound.s_q, bound.s_k, "triton"))
         if fp8:
             asked["engine"] = "gluon"
         host = {n: (t.detach().cpu().numpy() if hasattr(t, "detach") else np.asarray(t)) for n, t in tensors.items()}

@@ -96,6 +96,17 @@ def test_a_triton_call_over_a_bad_tuned_entry_runs_its_default(tmp_path, monkeyp
     assert torch.allclose(o, ref, atol=1e-4) and "unusable BLOCK_M (3)" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("gpu", [False, True])
+def test_a_tuned_tile_a_gpu_cannot_take_is_not_launched_there(monkeypatch, gpu):
+    pytest.importorskip("torch")
+    pytest.importorskip("triton")
+    from attnc.backends.triton import runtime
+    monkeypatch.setattr(runtime, "interpreted", lambda: not gpu)
+    small, fine = {"BLOCK_M": 8, "BLOCK_N": 16}, {"BLOCK_M": 16, "BLOCK_N": 32}
+    assert runtime.runnable_tiles(small) == (None if gpu else small)
+    assert runtime.runnable_tiles(fine) == fine and runtime.runnable_tiles(None) is None
+
+
 # ---------------------------------------------------------------- generated modules
 def test_an_unwritable_cache_root_falls_back_to_a_private_temporary_directory(tmp_path, monkeypatch, capsys):
     blocker = tmp_path / "home_file"
