@@ -25,7 +25,7 @@ def test_numpy_and_ahbm_agree_with_the_oracle(body):
     assert_agree(run_all(spec(body), 40, 40))
 
 
-@pytest.mark.parametrize("body", BODIES[:3])
+@pytest.mark.parametrize("body", [BODIES[0], BODIES[2]])  # a constant; a q-only statement after one that reads score
 def test_triton_prefill_and_split_agree_with_the_oracle(body):
     want, *got = prefill_and_split(body, 40, 40)
     triton_agree(want, *got)
