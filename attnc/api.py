@@ -134,7 +134,7 @@ class Attention:
                 "device": "cuda" if cuda else "cpu", "last_dim_contiguous": bool(q.stride(-1) == 1 and
                                                                                 k.stride(-1) == 1)}
         if cuda:  # (triton is imported only for CUDA tensors: a CPU install needs torch alone)
-            from .backends.triton.launch import capability
+            from .backends.triton.device import capability
             call["compute_capability"] = capability(q.device)
         if backend is not None:
             call["backend"] = backend

@@ -100,11 +100,11 @@ def test_a_triton_call_over_a_bad_tuned_entry_runs_its_default(tmp_path, monkeyp
 def test_a_tuned_tile_a_gpu_cannot_take_is_not_launched_there(monkeypatch, gpu):
     pytest.importorskip("torch")
     pytest.importorskip("triton")
-    from attnc.backends.triton import runtime
-    monkeypatch.setattr(runtime, "interpreted", lambda: not gpu)
+    from attnc.backends.triton import device, prefill_calls
+    monkeypatch.setattr(device, "interpreted", lambda: not gpu)
     small, fine = {"BLOCK_M": 8, "BLOCK_N": 16}, {"BLOCK_M": 16, "BLOCK_N": 32}
-    assert runtime.runnable_tiles(small) == (None if gpu else small)
-    assert runtime.runnable_tiles(fine) == fine and runtime.runnable_tiles(None) is None
+    assert prefill_calls.runnable_tiles(small) == (None if gpu else small)
+    assert prefill_calls.runnable_tiles(fine) == fine and prefill_calls.runnable_tiles(None) is None
 
 
 # ---------------------------------------------------------------- generated modules
