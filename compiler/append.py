@@ -109,6 +109,9 @@ def validate_append(program: ir.Program, arrays: dict, new_rows: int, *, manifes
     and numpy metadata) for ``new_rows`` packed query rows; optional ``manifest`` (else one is
     frozen: ``request_ids`` or 0..B-1, the cache rows of the metadata)."""
     p = program
+    if manifest is not None and not isinstance(manifest, MicrobatchManifest):
+        raise InputError(f"inputs: manifest is a {type(manifest).__name__}; give an attnc.MicrobatchManifest "
+                         "(MicrobatchManifest.freeze(...)) or leave it out")
     if manifest is not None and request_ids is not None:
         raise InputError("inputs: give request_ids or a manifest (which names the requests), not both")
     required, optional = append_keys(p)
