@@ -174,8 +174,8 @@ def _locate_nonfinite(call: AppendCall, o: np.ndarray, lse: np.ndarray) -> None:
     qs = post[reqs] - C[reqs] + rows - indptr[reqs]
     first = np.lexsort((qs, heads, reqs))[0]
     raise PlanError(f"append: the output of query row (b={int(reqs[first])}, h={int(heads[first])}, "
-                    f"q={int(qs[first])}) is not finite (a NaN or inf in the V rows it sees: the cache's committed "
-                    "rows or v_new); nothing was committed")
+                    f"q={int(qs[first])}) is not finite (a NaN or inf in the V rows its tiles read: the cache's "
+                    "committed rows or v_new); nothing was committed")
 
 
 def _check_writable_lengths(kv_lens) -> None:
