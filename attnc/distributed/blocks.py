@@ -98,7 +98,7 @@ class _TritonBlocks:
         self.cp = cp
         self.kernel = attn.kernel("triton", cp.program)
         self.device, self.dtype = torch.device(device), dtype
-        from .backends.triton.decode import device_tensor
+        from ..backends.triton.decode import device_tensor
         self.tensors = {n: device_tensor(t, self.device) for n, t in cp.tensors.items()}
 
     def prepare(self, t: torch.Tensor) -> torch.Tensor:
