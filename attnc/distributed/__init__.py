@@ -29,6 +29,12 @@ its rows compute against.  A call then
    a row is valid where its LSE is not -inf, so a NaN row propagates and is reported) and
    rounds O once.
 
+**Agreement.**  ``plan`` and every multi-rank call first run ``agree.agree``: one small
+collective of the call's signature and the rank's local verdict, before any K/V message, so a
+rank-local refusal is every rank's error and calls that differ are refused on every rank.
+The package: ``shards`` (:class:`ShardPlan`), ``agree``, ``blocks`` (the block backends and a
+rank's merged rows), ``exchange`` (the K/V messages).
+
 **Blocks and devices.**  A block backend (``_NumpyBlocks``, ``_TritonBlocks``,
 ``_ReferenceBlocks``) has ``prepare(t)`` (a bhsd torch tensor -> its container: CPU float32,
 the storage dtype on the call's device, CPU float64), ``forward(q, k, v, args)`` (a partial O,
