@@ -148,7 +148,7 @@ class _Transaction:
         and one host sync; the rows are located only when it fails."""
         torch = self.torch
         lse32 = lse.float()
-        total = o.float().sum() + torch.where(lse32 == -torch.inf, 0.0, lse32).sum()
+        total = o.sum(dtype=torch.float32) + torch.where(lse32 == -torch.inf, 0.0, lse32).sum()
         if bool(torch.isfinite(total)):
             return
         _locate_nonfinite(self.call, o.float().cpu().numpy(), lse32.cpu().numpy())

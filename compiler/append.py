@@ -188,7 +188,7 @@ def validate_append(program: ir.Program, arrays: dict, new_rows: int, *, manifes
     targets = _targets(layout, T, C, rows)
     if layout.kind == lay.PAGED:
         _check_page_writes(layout, targets[0], C)
-        if layout.table == "dense" and "cache_batch_idx" in arrays:
+        if layout.table == "dense":
             _check_unscheduled_rows(view["block_table"], rows, targets[0], C, shapes[k_key][0])
     return AppendCall(frozen, layout, view, targets, order in ("bhsd", "hnd"), (k_key, v_key))
 
@@ -205,8 +205,9 @@ def _check_length_dtype(dtype: np.dtype, T: np.ndarray, C: np.ndarray) -> None:
 
 
 def _check_unscheduled_rows(table: np.ndarray, rows: np.ndarray, written: np.ndarray, C, num_pages: int) -> None:
-    """A dense page table with ``cache_batch_idx``: a page the call writes is listed by no row of
-    the table that the call does not schedule (that row's committed K/V would be overwritten).  An
+    """A dense page table: a page the call writes is listed by no row of the table that the call
+    does not schedule (``cache_batch_idx``, or rows 0..B-1; that row's committed K/V would be
+    overwritten).  An
     unscheduled row's committed length is not in the call, so every page id it lists counts."""
     if not written.size:
         return
@@ -220,7 +221,7 @@ def _check_unscheduled_rows(table: np.ndarray, rows: np.ndarray, written: np.nda
         page = int(listed[r, j])
         writer = int(np.repeat(np.arange(len(C)), C)[np.flatnonzero(written == page)[0]])
         raise PlanError(f"append: page {page} receives request {writer}'s new rows but is listed by block_table"
-                        f"[{int(idle[r])}, {j}], a row this call does not schedule (not in cache_batch_idx): its "
+                        f"[{int(idle[r])}, {j}], a row this call does not schedule (cache_batch_idx): its "
                         "committed K/V would be overwritten; a page an append writes must belong to one request "
                         "(clear a free row's entries to -1)")
 

@@ -9,6 +9,7 @@ from ..api import BackendRefused
 from ..compiler import ir
 from ..compiler.cp import CPPlan
 from ..compiler.errors import InputError
+from .agree import agree
 
 
 def _backend_config(group) -> dict[str, str]:
@@ -98,11 +99,20 @@ class ShardPlan:
 
     def gather(self, x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
         """The whole sequence from every rank's shard along ``dim`` (as :meth:`shard`; LSE
-        [B, H, S] shards take dim=2), on every rank."""
-        d = self._dim(x, dim)
-        if x.shape[d] != self.tokens:
-            raise InputError(f"gather: the shard has {x.shape[d]} entries along dim {d}; rank {self.rank} owns "
-                             f"{self.tokens} tokens")
+        [B, H, S] shards take dim=2), on every rank.  The ranks agree first (``agree``): one
+        rank's refusal, or shards of other shapes or dtypes, are every rank's error."""
+        d, error, signature = None, None, {}
+        try:
+            d = self._dim(x, dim)
+            if x.shape[d] != self.tokens:
+                raise InputError(f"gather: the shard has {x.shape[d]} entries along dim {d}; rank {self.rank} owns "
+                                 f"{self.tokens} tokens")
+            shape = list(x.shape)
+            shape[d] = "tokens"
+            signature = {"dim": d, "shape": shape, "dtype": str(x.dtype), "device type": x.device.type}
+        except Exception as e:  # noqa: BLE001 (every rank raises it: agree)
+            error = e
+        agree(self.group, 1 if self._whole else self.ranks, "plan.gather", signature, error)
         if self._whole:
             return x
         longest = int(self.cp.tokens.max())
