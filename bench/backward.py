@@ -2,7 +2,7 @@
 against FlexAttention (compiled, the same BlockMask made once) and SDPA (cuDNN, flash; causal and
 full), in one process on the same inputs.
 
-``attnc bench backward`` (repository checkout).  Each implementation's dQ, dK, dV are checked
+``attnc bench backward``.  Each implementation's dQ, dK, dV are checked
 first against a float32 dense reference (autograd over masked softmax on the GPU) on two (b, h)
 planes.  Timings:
   fwd_bwd   ``o = f(q, k, v); o.backward(do)`` (q, k, v require grad);
