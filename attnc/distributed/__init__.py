@@ -164,7 +164,15 @@ class ContextParallel:
             options = {} if backend is None else {"backend": backend}
             return self.attn(q, k, v, return_lse=return_lse, **options, **plan.tensors)
         call = _Call(self, plan, blocks)
-        o, lse = _ContextParallelFn.apply(call, q, k, v) if grad else call.forward(q, k, v)
+        error = None
+        try:
+            o, lse = _ContextParallelFn.apply(call, q, k, v) if grad else call.forward(q, k, v)
+        except Exception as e:  # noqa: BLE001 (with gather, every rank raises it: agree)
+            error = e
+        if gather:  # a rank whose rows failed (a NaN row) must not leave its peers blocked in the gather
+            agree(self.group, self.ranks, "context-parallel call", {}, error, verb="failed computing its rows")
+        elif error is not None:
+            raise error
         if gather:
             if plan.ranks > 1 and (o.requires_grad or lse.requires_grad):
                 o, lse = _Gather.apply(o, plan, None), _Gather.apply(lse, plan, 2)

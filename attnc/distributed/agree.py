@@ -32,7 +32,8 @@ def _text(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
 
 
-def agree(group, ranks: int, what: str, signature: dict, error: BaseException | None) -> None:
+def agree(group, ranks: int, what: str, signature: dict, error: BaseException | None, *,
+          verb: str = "refused its call") -> None:
     """Every rank of ``group`` calls this once, before the call's first other message, with its
     call's ``signature`` (a dict of picklable values that every rank's valid call shares) and its
     local ``error`` (or None).  Returns only if no rank refused and every signature is the same;
@@ -48,8 +49,7 @@ def agree(group, ranks: int, what: str, signature: dict, error: BaseException | 
     if refused:
         r, (kind, text) = refused[0]
         more = f" (and rank(s) {[s for s, _ in refused[1:]]})" if len(refused) > 1 else ""
-        raise _ERRORS.get(kind, PlanError)(f"{what}: rank {r}{more} refused its call, so every rank does: "
-                                           f"{text}") from error
+        raise _ERRORS.get(kind, PlanError)(f"{what}: rank {r}{more} {verb}, so every rank does: {text}") from error
     first = everyone[0][0]
     for key in first:
         differ = [r for r, (sig, _) in enumerate(everyone) if sig.get(key) != first[key]]
