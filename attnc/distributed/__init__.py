@@ -156,7 +156,12 @@ class ContextParallel:
             error = e
         grad = error is None and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
         if self.ranks > 1:
-            signature = {} if error is not None else self._signature(q, k, v, plan, blocks, grad, gather, return_lse)
+            signature = {}
+            try:
+                signature = {} if error is not None else self._signature(q, k, v, plan, blocks, grad, gather,
+                                                                         return_lse)
+            except Exception as e:  # noqa: BLE001 (every rank raises it: agree)
+                error = e
             agree(self.group, self.ranks, "context-parallel call", signature, error)
         elif error is not None:
             raise error
