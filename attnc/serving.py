@@ -14,7 +14,7 @@ it is a transaction, on every backend and cache layout:
    position ``T_b + i`` (it sees ``[0, T_b + i]``);
 4. **check** the output (one reduction on the device, the rows only on failure): a NaN LSE row
    is the non-finite-score error every backend raises (``numerics.check_rows``), a non-finite O
-   row (NaN or inf in the V rows it sees) is refused too, on every backend alike;
+   row (NaN or inf in the V rows its tiles read) is refused too, on every backend alike;
 5. **commit**: only once the output exists and is finite, ``kv_lens`` advances to ``T + C`` in
    place.
 

@@ -272,9 +272,9 @@ class _Call:
     def forward(self, q, k, v):
         """(O in the spec's layout, q's dtype and device; LSE [B, H_q, tokens]) of this rank."""
         plan = self.plan
-        blocks = self.cpar._blocks(plan.cp, self.backend, q.device, q.dtype)
-        exchange = _Exchange(plan, k, v, plan.transport(q.device))
+        exchange = _Exchange(plan, k, v, plan.transport(q.device))  # first: a failure below still sends our K/V
         try:
+            blocks = self.cpar._blocks(plan.cp, self.backend, q.device, q.dtype)
             o, lse = rank_attention(plan.cp, plan.rank, blocks, *(blocks.prepare(self._bhsd(t)) for t in (q, k, v)),
                                     lambda src: tuple(blocks.prepare(t) for t in exchange.fetch(src)))
         finally:
@@ -285,20 +285,24 @@ class _Call:
     def backward(self, q, k, v, o, lse, do, dlse):
         """(dQ, dK, dV) of this rank's shards, in their layouts, dtypes and device.  The K/V messages
         are posted again (the forward keeps nothing but O and LSE); dK/dV of other ranks' tiles go
-        back to their owners along the reversed messages, and theirs of ours are added here."""
+        back to their owners along the reversed messages, and theirs of ours are added here.  The
+        ranks agree before the reversed messages: a rank whose blocks failed makes every rank
+        raise its error instead of leaving the others waiting for its shares."""
         plan, cp = self.plan, self.plan.cp
-        blocks = self.cpar._blocks(cp, self.backend, q.device, q.dtype)
         transport = plan.transport(q.device)
-        exchange = _Exchange(plan, k, v, transport)
-        prep = lambda t: None if t is None else blocks.prepare(self._bhsd(t) if t.dim() == 4 else t)  # noqa: E731
-        if do is None:
-            do = torch.zeros_like(o)
+        exchange = _Exchange(plan, k, v, transport)  # first: a failure below still sends our K/V
+        error, do = None, torch.zeros_like(o) if do is None else do
         try:
+            blocks = self.cpar._blocks(cp, self.backend, q.device, q.dtype)
+            prep = lambda t: None if t is None else blocks.prepare(self._bhsd(t) if t.dim() == 4 else t)  # noqa: E731
             dq, dk, dv, remote = rank_attention_backward(
                 cp, plan.rank, blocks, *(prep(t) for t in (q, k, v, o, lse, do, dlse)),
                 lambda src: tuple(blocks.prepare(t) for t in exchange.fetch(src)))
+        except Exception as e:  # noqa: BLE001 (every rank raises it: agree)
+            error = e
         finally:
             exchange.finish()
+        agree(plan.group, plan.ranks, "context-parallel backward", {}, error, verb="failed its gradients")
         _return_gradients(plan, transport, dk, dv, remote)
         return tuple(self._bhsd(g).to(device=x.device, dtype=x.dtype) for g, x in ((dq, q), (dk, k), (dv, v)))
 

@@ -12,6 +12,9 @@ checks raised).  It is the first message of the call on every rank, so it cannot
   refused before any K/V message, instead of posting messages of different sizes (which gloo
   aborts the process on) or different collectives (which hang).
 
+``plan.gather`` agrees the same way; a call with ``gather=True`` agrees again after its rows
+and the backward before its reversed messages (``verb``: a rank whose blocks failed).
+
 The refusal is raised on every rank as the refusing rank's error class (InputError, PlanError,
 BackendRefused; another exception becomes a PlanError), chained to the local error where there
 is one.  Without an initialized process group (one rank) the local error is raised as it is.

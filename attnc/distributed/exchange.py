@@ -18,6 +18,7 @@ class _Message:
     tokens: int
     buffer: torch.Tensor
     work: object = None
+    done: bool = False  # waited for
 
 
 def _peer(plan: ShardPlan):
@@ -74,6 +75,7 @@ class _Exchange:
         """K and V from ``src`` as bhsd torch tensors (on the tensors' device), waiting for them."""
         msg = self.recvs[src]
         msg.work.wait()
+        msg.done = True
         nk = self._numel(self.k_shape, msg.tokens)
         k = self._shaped(msg.buffer[:nk], self.k_shape, msg.tokens)
         v = self._shaped(msg.buffer[nk:], self.v_shape, msg.tokens)
@@ -82,10 +84,13 @@ class _Exchange:
         return k.to(self.device), v.to(self.device)
 
     def finish(self) -> None:
-        """Wait for the sends, then let go of every message's work handle (a handle kept alive
-        until the interpreter's exit can outlive its process group there)."""
-        for msg in self.sends:
-            msg.work.wait()
+        """Wait for the sends and for any receive not fetched (a rank whose blocks failed: a
+        receive let go of unwaited leaves its sender blocked), then let go of every message's work
+        handle (a handle kept alive until the interpreter's exit can outlive its process group)."""
+        for msg in (*self.sends, *self.recvs.values()):
+            if not msg.done:
+                msg.work.wait()
+                msg.done = True
         for msg in (*self.sends, *self.recvs.values()):
             msg.work = None
 

@@ -2,8 +2,8 @@
 local refusal (a wrong shape, dtype, another length, an unknown keyword, a bad plan argument)
 gives every rank the same located error within seconds, and calls that are each valid but
 differ (another plan, backend or gather) are refused on every rank before any message; a
-wrong shard to plan.gather and a rank whose rows fail (NaN) before a gather are every rank's
-error too; the group then still runs a good call.  A regression cannot hang CI: the process
+wrong shard to plan.gather, a rank whose rows fail (NaN) before a gather and a rank whose
+backward fails are every rank's error too; the group then still runs a good call.  A regression cannot hang CI: the process
 group times out after 60 s and the spawning test kills its ranks after 240 s.  One spawn of 4
 ranks runs the cases on all four, then on ranks 0 and 1 as a group of two (the even plan gives
 every rank SEQ / ranks tokens)."""
@@ -24,10 +24,21 @@ SPEC = "attention cp_agree { heads = 2 head_dim = 8 dtype = f32 mask = causal }"
 SEQ = 32
 
 
-def _cases(cp, plan, other, shards, other_shards, rank: int, bad: int) -> dict:
+def _cases(cpd, cp, plan, other, shards, other_shards, rank: int, bad: int) -> dict:
     """name -> a call every rank makes, rank ``bad``'s differing."""
     q, k, v = shards
     me = rank == bad
+
+    def backward_fails():  # rank bad's blocks fail in the backward, after the K/V messages
+        with torch.enable_grad():
+            o = cp(*(x.detach().requires_grad_() for x in shards), plan=plan)
+            real = cpd.rank_attention_backward
+            if me:
+                cpd.rank_attention_backward = lambda *args: (_ for _ in ()).throw(RuntimeError("injected"))
+            try:
+                o.sum().backward()
+            finally:
+                cpd.rank_attention_backward = real
     return {
         "wrong_heads": lambda: cp(q[:, :1] if me else q, k, v, plan=plan),
         "other_length": lambda: cp(torch.cat([q, q[:, :, :1]], 2) if me else q, k, v, plan=plan),
@@ -40,6 +51,7 @@ def _cases(cp, plan, other, shards, other_shards, rank: int, bad: int) -> dict:
         "other_gather": lambda: cp(q, k, v, plan=plan, gather=me),
         "gather_shard": lambda: plan.gather(q[:, :, :-1] if me else q),
         "nan_rows_gather": lambda: cp(torch.full_like(q, float("nan")) if me else q, k, v, plan=plan, gather=True),
+        "backward_fails": backward_fails,
     }
 
 
@@ -56,7 +68,7 @@ def _run_cases(attnc, cpd, group, ranks: int, rank: int, posted: list) -> dict:
     other_shards = [other.shard(x) for x in (q, k, v)]
     results = {}
     with torch.no_grad():
-        for name, call in _cases(cp, plan, other, shards, other_shards, rank, ranks - 1).items():
+        for name, call in _cases(cpd, cp, plan, other, shards, other_shards, rank, ranks - 1).items():
             posted.clear()
             start = time.monotonic()
             try:
@@ -102,7 +114,8 @@ def _worker(rank: int, world: int, init: str, out: str) -> None:
 EXPECTED = {  # name -> (error class, what the message says)
     "wrong_heads": ("InputError", "refused its call, so every rank does: inputs: q/k/v have heads 1/2"),
     "other_length": ("InputError", "refused its call, so every rank does: inputs: 'q' has shape [1, 2, "),
-    "wrong_dtype": ("InputError", "so every rank does: inputs: q/k/v have heads 2/2, head_dim 8/8, dtype torch.float16/"),
+    "wrong_dtype": ("InputError", "so every rank does: inputs: q/k/v have heads 2/2, head_dim 8/8, dtype "
+                                  "torch.float16/"),
     "unknown_keyword": ("InputError", "refused its call, so every rank does: ContextParallel: unknown keyword 'scale'"),
     "plan_keyword": ("InputError", "refused its call, so every rank does: inputs: unknown keyword 'pad'"),
     "plan_length": ("PlanError", "called with another seq_len than rank 0 (rank 0: 32, rank "),
@@ -113,8 +126,10 @@ EXPECTED = {  # name -> (error class, what the message says)
                                    "has {short} entries along dim 2; rank {bad} owns {tokens} tokens"),
     "nan_rows_gather": ("PlanError", "context-parallel call: rank {bad} failed computing its rows, so every rank "
                                      "does: the score program produced NaN or +inf"),
+    "backward_fails": ("PlanError", "context-parallel backward: rank {bad} failed its gradients, so every rank does: "
+                                    "RuntimeError: injected"),
 }
-AFTER_MESSAGES = {"nan_rows_gather"}  # a failure computing rows: the K/V messages were posted
+AFTER_MESSAGES = {"nan_rows_gather", "backward_fails"}  # failures computing rows: the K/V messages were posted
 
 
 def test_every_rank_gets_the_same_refusal_within_seconds(tmp_path, monkeypatch):
@@ -138,7 +153,8 @@ def test_every_rank_gets_the_same_refusal_within_seconds(tmp_path, monkeypatch):
             errors = [res[name]["error"] for res in results]
             assert all(e is not None for e in errors), f"{where}: {errors}"
             assert len({tuple(e) for e in errors}) == 1, f"{where}: the ranks' errors differ: {errors}"
-            assert errors[0][0] == kind and says.format(bad=bad, short=SEQ // ranks - 1, tokens=SEQ // ranks) in errors[0][1], f"{where}: {errors[0]}"
+            says = says.format(bad=bad, short=SEQ // ranks - 1, tokens=SEQ // ranks)
+            assert errors[0][0] == kind and says in errors[0][1], f"{where}: {errors[0]}"
             assert f"rank {bad}" in errors[0][1] or f"rank(s) [{bad}]" in errors[0][1], f"{where}: {errors[0]}"
             if name not in AFTER_MESSAGES:
                 assert all(res[name]["messages"] == 0 for res in results), f"{where}: a K/V message was posted"
