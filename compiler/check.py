@@ -551,7 +551,7 @@ class Checker:
                 return F32
             where = {"mask": "the mask", "scale": "scale", "index": "a subscript"}[ctx]
             self.error(f"'score' is not available in {where}; it exists only in score statements", e.span,
-                       "a mask decides visibility before scores exist (M4.5 §0x05C)")
+                       "a mask decides visibility before scores exist")
             return None
         if e.id == "causal":
             if ctx == "scale":
