@@ -371,6 +371,28 @@ BACKWARD_SCHEMA = ("(str handle, Tensor q, Tensor k, Tensor v, Tensor o, Tensor 
                    "Tensor[] tensors, int[] want, str backend) -> (Tensor, Tensor, Tensor, Tensor[])")
 
 
+def gradient_buffer(x):
+    """The layout of every gradient ``attnc::attention_backward`` returns, for the fake and the real
+    implementation alike: a contiguous tensor of x's shape, dtype and device, whatever x's strides
+    (q, k, v permuted out of a fused projection included: the fake must not inherit a layout the
+    real backward does not produce, or inductor's stride assertion fails)."""
+    return x.new_empty(x.shape)
+
+
+def as_gradient(g, x):
+    """A backend's gradient ``g`` of ``x`` in :func:`gradient_buffer`'s layout (no copy when it is)."""
+    shape, stride, expected = tuple(x.shape), g.stride(), []
+    step = 1
+    for n in reversed(shape):
+        expected.append(step)
+        step *= max(n, 1)
+    if tuple(g.shape) == shape and g.dtype == x.dtype and g.device == x.device and stride == tuple(reversed(expected)):
+        return g
+    out = gradient_buffer(x)
+    out.copy_(g)
+    return out
+
+
 def _register_ops() -> None:
     import torch
 
@@ -389,11 +411,12 @@ def _register_ops() -> None:
         named = dict(zip(attn.tensor_names, tensors))
         dq, dk, dv, dts = attn.backward(q, k, v, o, lse, do, dlse, named, backend or None,
                                         tuple(attn.tensor_names[i] for i in want))
-        return dq, dk, dv, [dts[attn.tensor_names[i]] for i in want]
+        return (as_gradient(dq, q), as_gradient(dk, k), as_gradient(dv, v),
+                [as_gradient(dts[attn.tensor_names[i]], tensors[i]) for i in want])
 
     def backward_fake(handle, q, k, v, o, lse, do, dlse, tensors, want, backend):
-        return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
-                [torch.empty_like(tensors[i]) for i in want])
+        return (gradient_buffer(q), gradient_buffer(k), gradient_buffer(v),
+                [gradient_buffer(tensors[i]) for i in want])
 
     unsafe = getattr(torch.Tag, "cudagraph_unsafe", None)
     bwd = torch.library.custom_op("attnc::attention_backward", backward_impl, mutates_args=(),

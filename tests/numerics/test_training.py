@@ -134,6 +134,55 @@ def test_torch_compile_traces_the_backward():
         assert torch.allclose(a.grad, b.grad, atol=1e-6)
 
 
+def _fused(gen, b=2, s=12, heads=2, d=8):
+    """q, k, v as transformers make them: views permuted out of one fused [B, S, 3, H, d] projection."""
+    return torch.randn(b, s, 3, heads, d, generator=gen)
+
+
+def test_torch_compile_inductor_through_backward_on_permuted_views():
+    """The default backend (inductor) checks every custom op's output strides against its fake:
+    the backward's gradients of q, k, v permuted out of a fused qkv must be declared as produced."""
+    import torch._inductor.config as inductor
+    attn = attnc.compile("attention c { heads = 2 head_dim = 8 mask = causal }")
+
+    def loss(qkv):
+        q, k, v = qkv.permute(2, 0, 3, 1, 4)
+        return (attn(q, k, v) ** 2).sum()
+    base = _fused(torch.Generator().manual_seed(6))
+    eager = base.clone().requires_grad_()
+    loss(eager).backward()
+    torch._dynamo.reset()
+    leaf = base.clone().requires_grad_()
+    with inductor.patch(compile_threads=1):
+        torch.compile(loss, fullgraph=True)(leaf).backward()
+    assert torch.allclose(leaf.grad, eager.grad, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["numpy", "triton"])
+def test_backward_fake_declares_the_real_gradient_layout(backend):
+    """``attnc::attention_backward``'s fake and real implementations agree on every output's shape,
+    dtype and strides (api.gradient_buffer), for permuted q/k/v and a learned bias, per backend."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    if backend == "triton":
+        pytest.importorskip("triton")
+    attn = attnc.compile(BIAS)
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = _fused(gen, s=6, d=4).permute(2, 0, 3, 1, 4)
+    bias = torch.randn(2, 6, 6, generator=gen)
+    o, lse = attn(q, k, v, bias=bias, return_lse=True, backend=backend)
+    args = (attn.handle, q, k, v, o, lse, torch.randn_like(o), None, [bias], [0] if backend == "numpy" else [],
+            backend)
+    real = torch.ops.attnc.attention_backward(*args)
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake = torch.ops.attnc.attention_backward(*(mode.from_tensor(a) if isinstance(a, torch.Tensor) else
+                                                    [mode.from_tensor(t) for t in a] if a and isinstance(a, list)
+                                                    and isinstance(a[0], torch.Tensor) else a for a in args))
+    flat = lambda outs: [*outs[:3], *outs[3]]  # noqa: E731
+    assert len(flat(real)) == len(flat(fake)) == (4 if backend == "numpy" else 3)
+    for r, f in zip(flat(real), flat(fake)):
+        assert (tuple(r.shape), r.stride(), r.dtype) == (tuple(f.shape), f.stride(), f.dtype)
+
+
 class _TinyLM(torch.nn.Module):
     """Embedding, two causal attention blocks, a head: with attnc's attention or eager attention."""
 
