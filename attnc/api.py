@@ -161,8 +161,12 @@ class Attention:
         if torch.is_grad_enabled() and (needs_grad or any(
                 getattr(tensors[n], "requires_grad", False) for n in self.tensor_names)):
             self._check_grads(q, k, v, tensors, backend)
-            op = torch.ops.attnc.attention_planned if self.reads_tensors else torch.ops.attnc.attention
-            o, lse = op(self.handle, q, k, v, [tensors[n] for n in self.tensor_names], backend or "")
+            listed = [tensors[n] for n in self.tensor_names]
+            if _eager(torch, q, k, v):  # the same formula without the custom op's dispatch (host time)
+                o, lse = _EagerAttention.apply(self.handle, backend or "", q, k, v, *listed)
+            else:
+                op = torch.ops.attnc.attention_planned if self.reads_tensors else torch.ops.attnc.attention
+                o, lse = op(self.handle, q, k, v, listed, backend or "")
         elif torch.compiler.is_compiling():
             op = torch.ops.attnc.attention_planned if self.reads_tensors else torch.ops.attnc.attention
             o, lse = op(self.handle, q, k, v, [tensors[n] for n in self.tensor_names], backend or "")
@@ -393,6 +397,32 @@ def as_gradient(g, x):
     return out
 
 
+_EagerAttention = None  # the torch.autograd.Function _register_ops defines (it closes over the op's parts)
+
+
+def _eager(torch, *xs) -> bool:
+    """Whether a call runs outside any tracing (plain tensors, no dispatch mode, not dynamo): then
+    autograd takes ``_EagerAttention`` instead of the custom op (the same formula)."""
+    # (is_compiling first: dynamo, tracing this, does not trace the dispatch-stack query)
+    return (not torch.compiler.is_compiling() and all(type(x) is torch.Tensor for x in xs)
+            and not torch._C._len_torch_dispatch_stack())
+
+
+def _gradients(ctx, grad_o, grad_lse, run):
+    """(dQ, dK, dV, [gradient or None per tensor]) of a saved call, by ``run`` (the backward op, or
+    its implementation called directly)."""
+    q, k, v, o, lse, *tensors = ctx.saved_tensors
+    if grad_o is None:
+        import torch
+        grad_o = torch.zeros_like(o)
+    dq, dk, dv, dts = run(ctx.handle, q, k, v, o, lse, grad_o.contiguous(), grad_lse, tensors, ctx.want,
+                          ctx.backend)
+    grads = [None] * ctx.n_tensors
+    for i, g in zip(ctx.want, dts):
+        grads[i] = g
+    return dq, dk, dv, grads
+
+
 def _register_ops() -> None:
     import torch
 
@@ -431,15 +461,26 @@ def _register_ops() -> None:
         ctx.save_for_backward(q, k, v, o, lse, *tensors)
 
     def grad_fn(ctx, grad_o, grad_lse):
-        q, k, v, o, lse, *tensors = ctx.saved_tensors
-        if grad_o is None:
-            grad_o = torch.zeros_like(o)
-        dq, dk, dv, dts = bwd(ctx.handle, q, k, v, o, lse, grad_o.contiguous(), grad_lse, tensors, ctx.want,
-                              ctx.backend)
-        grads = [None] * ctx.n_tensors
-        for i, g in zip(ctx.want, dts):
-            grads[i] = g
+        dq, dk, dv, grads = _gradients(ctx, grad_o, grad_lse, bwd)
         return None, dq, dk, dv, grads, None
+
+    global _EagerAttention
+
+    class _EagerAttention(torch.autograd.Function):
+        """The op's autograd formula for calls outside tracing (``_eager``): the same saved tensors
+        and backward, without the custom op's dispatch and argument flattening on every call."""
+
+        @staticmethod
+        def forward(ctx, handle, backend, q, k, v, *tensors):
+            o, lse = impl(handle, q, k, v, tensors, backend)
+            setup_context(ctx, (handle, q, k, v, tensors, backend), (o, lse))
+            ctx.want = [i for i in range(len(tensors)) if ctx.needs_input_grad[5 + i]]
+            return o, lse
+
+        @staticmethod
+        def backward(ctx, grad_o, grad_lse):
+            dq, dk, dv, grads = _gradients(ctx, grad_o, grad_lse, backward_impl)
+            return None, None, dq, dk, dv, *grads
 
     for name, tags in (("attnc::attention", ()), ("attnc::attention_planned", (unsafe,) if unsafe else ())):
         op = torch.library.custom_op(name, impl, mutates_args=(), tags=tags, schema=SCHEMA)

@@ -442,17 +442,17 @@ class Kernel:
         cached like it (``grad.BackwardLaunch``)."""
         from . import grad as G
         torch = self._torch
-        bound = self._validate(q, k, v, tensors)
-        for n, t, shape in (("o", o, bound.out_shape), ("do", do, bound.out_shape),
-                            ("lse", lse, (bound.batch, self.program.heads_q, bound.s_q))):
-            if tuple(t.shape) != tuple(shape):
-                raise InputError(f"inputs: '{n}' has shape {list(t.shape)}; this call's is {list(shape)}")
-        if dlse is not None and tuple(dlse.shape) != tuple(lse.shape):
-            raise InputError(f"inputs: 'dlse' has shape {list(dlse.shape)}; LSE's is {list(lse.shape)}")
-        p = self.program
-        cfg = config or G.default_backward_config(p.d_qk, p.d_v, interpreted())
-        key = (self._key(q, k, v, tensors), o.stride(), do.stride(), o.data_ptr() % 16 == 0,
-               do.data_ptr() % 16 == 0, dlse is not None)
+        try:  # everything the checks, the config and the launch's specialization depend on
+            key = (self._key(q, k, v, tensors), o.shape, o.stride(), do.shape, do.stride(), lse.shape,
+                   o.data_ptr() % 16 == 0, do.data_ptr() % 16 == 0, None if dlse is None else dlse.shape)
+        except (NotImplementedError, RuntimeError, AttributeError):
+            key = None  # (e.g. a meta tensor has no address: the checks name what is wrong)
+        hit = self._bound.get(("backward", key, config)) if key is not None else None
+        if hit is None:  # validated once per key, as the forward's calls are
+            hit = self._backward_bind(q, k, v, o, lse, do, dlse, tensors, config)
+            if key is not None:
+                self._bound[("backward", key, config)] = hit
+        bound, cfg = hit
         named, pkey = self._plan_key("backward", key, cfg, tensors=tensors)
         launch = P.PLANS.get(pkey, named)
         if launch is None:
@@ -479,6 +479,19 @@ class Kernel:
         if bound.emulate:
             dq, dk, dv = (x.to(torch.bfloat16) for x in (dq, dk, dv))
         return dq, dk, dv
+
+    def _backward_bind(self, q, k, v, o, lse, do, dlse, tensors: dict, config):
+        """(what a backward call's key fixes, its config): the call's checks, once per key."""
+        from . import grad as G
+        bound = self._validate(q, k, v, tensors)
+        for n, t, shape in (("o", o, bound.out_shape), ("do", do, bound.out_shape),
+                            ("lse", lse, (bound.batch, self.program.heads_q, bound.s_q))):
+            if tuple(t.shape) != tuple(shape):
+                raise InputError(f"inputs: '{n}' has shape {list(t.shape)}; this call's is {list(shape)}")
+        if dlse is not None and tuple(dlse.shape) != tuple(lse.shape):
+            raise InputError(f"inputs: 'dlse' has shape {list(dlse.shape)}; LSE's is {list(lse.shape)}")
+        p = self.program
+        return bound, config or G.default_backward_config(p.d_qk, p.d_v, interpreted())
 
     # ------------------------------------------------------------ split calls (decode, append, mixed)
     def decode_plan(self, arrays: dict, **options) -> dict:
