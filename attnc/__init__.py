@@ -10,7 +10,7 @@ import os as _os
 
 __version__ = "0.2.0"
 
-# A source checkout keeps compiler/, backends/, grammar/, templates/ and examples/ beside this
+# A source checkout keeps compiler/, backends/, bench/, grammar/, templates/ and examples/ beside this
 # folder (an installed wheel puts them inside it): make them this package's subpackages.
 _here = _os.path.dirname(_os.path.abspath(__file__))
 _root = _os.path.dirname(_here)

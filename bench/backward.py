@@ -6,7 +6,7 @@ against FlexAttention (compiled, the same BlockMask made once; its Triton kernel
 importable is skipped (a line says so); one that fails is an error row.  FlashAttention-4 takes
 its own bshd copies of q, k, v and dO (its layout: no transposing copy inside the timed call).
 
-``attnc bench backward`` (repository checkout).  Each implementation's dQ, dK, dV are checked
+``attnc bench backward``.  Each implementation's dQ, dK, dV are checked
 first against a float32 dense reference (autograd over masked softmax on the GPU) on two (b, h)
 planes.  Timings:
   fwd_bwd   ``o = f(q, k, v); o.backward(do)`` (q, k, v require grad);

@@ -20,12 +20,12 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
+if not __package__ and str(ROOT) not in sys.path:  # run as a file from a checkout
     sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
 
-from bench.harness import PREFILL_MASKS, spec_text  # noqa: E402
+from attnc.bench.harness import PREFILL_MASKS, spec_text  # noqa: E402
 
 MASKS = ("causal", "causal_document")
 GOAL = 1.05

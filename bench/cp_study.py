@@ -17,13 +17,13 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
+if not __package__ and str(ROOT) not in sys.path:  # run as a file from a checkout
     sys.path.insert(0, str(ROOT))
 
 from attnc.compiler.cp import STRATEGIES, plan_cp, tile_costs  # noqa: E402
 from attnc.compiler.explain import call_tensors  # noqa: E402
 from attnc.compiler.lower import compile_spec  # noqa: E402
-from bench.harness import PREFILL_MASKS, spec_text  # noqa: E402
+from attnc.bench.harness import PREFILL_MASKS, spec_text  # noqa: E402
 
 LENGTHS = (131072, 262144, 524288, 1048576)
 RANKS = (8, 16, 32, 64)

@@ -27,9 +27,10 @@ import math
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if not __package__:  # run as a file from a checkout: its attnc
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.harness import DECODE_CASES, Rows, decode_case, environment, timed  # noqa: E402
+from attnc.bench.harness import DECODE_CASES, Rows, decode_case, environment, timed  # noqa: E402
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 POLICIES = ("balanced(8)", "capacity(8, 16)", "chunk(1024)", "heuristic(0.85)")

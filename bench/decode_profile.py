@@ -6,12 +6,13 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if not __package__:  # run as a file from a checkout: its attnc
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
 import attnc  # noqa: E402
-from bench.harness import decode_case  # noqa: E402
+from attnc.bench.harness import decode_case  # noqa: E402
 
 
 def main():

@@ -22,7 +22,7 @@ def main(argv=None) -> int:
     import triton
     import attnc
     from attnc.backends.triton.grad import BackwardConfig
-    from bench.harness import PREFILL_MASKS, spec_text
+    from .harness import PREFILL_MASKS, spec_text
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--masks", default="causal,full")
@@ -42,7 +42,7 @@ def main(argv=None) -> int:
             tensors = {t.name: torch.as_tensor(sample[t.name].astype("int32"), device="cuda") for t in program.tensors}
         o, lse = kernel(q, k, v, return_lse=True, **tensors)
         base = kernel.backward(q, k, v, o, lse, do, **tensors)
-        from bench.harness import _visible_cells
+        from .harness import _visible_cells
         cells = H * _visible_cells(program, B, S, tensors)
         flops = 2.5 * 4.0 * D * cells
         for c in CONFIGS:

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if not __package__:  # run as a file from a checkout: its attnc
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 NEIGHBOURS = (0.5, 0.75, 1.0, 1.25, 1.5, 2.0)  # split counts tried, as multiples of the rule's
 

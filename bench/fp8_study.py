@@ -25,7 +25,7 @@ def main(argv=None) -> int:
     import torch
     import triton.testing
     import attnc
-    from bench.harness import host_us
+    from .harness import host_us
     b, h = 4, 16
     for d in map(int, args.head_dims.split(",")):
         for s in map(int, args.seq.split(",")):

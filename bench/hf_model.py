@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
+if not __package__ and str(ROOT) not in sys.path:  # run as a file from a checkout
     sys.path.insert(0, str(ROOT))
 
 

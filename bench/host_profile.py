@@ -6,7 +6,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if not __package__:  # run as a file from a checkout: its attnc
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
@@ -71,7 +72,7 @@ def main():
     print("launches", counts, flush=True)
     L.Launcher.launch = orig
     # a bare launch: the time of Launcher.launch with its arguments built
-    from bench.harness import decode_case
+    from attnc.bench.harness import decode_case
     dattn = attnc.compile("attention d { dtype = bf16 mask = causal cache = paged(page_size = 16, layout = nhd) }")
     g = torch.Generator(device="cuda").manual_seed(0)
     qd, _, _, kc, vc, table, lens = decode_case(8, 8192, 32, 8, 128, 16, g)

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if not __package__:  # run as a file from a checkout: its attnc
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from attnc.compiler import __version__, inputs  # noqa: E402
 from attnc.compiler.analysis.intervals import analyze  # noqa: E402
 from attnc.compiler.analysis.tiles import plan_tiles, summaries  # noqa: E402

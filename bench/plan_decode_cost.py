@@ -18,7 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if not __package__:  # run as a file from a checkout: its attnc
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 MASKS = {"causal": "causal", "window": "causal & window(1024)", "full": "true",
          "documents": "causal & doc[b, q] == doc[b, k]"}

@@ -49,7 +49,7 @@ def main() -> int:
     if not (launcher.launches["raw"] == 2 and torch.equal(first, again) and torch.equal(first, moved)):
         raise SystemExit(f"the raw launch did not run or changed O: {launcher.launches}")
     _ab("prefill B1 H16 S2048 d128 causal", lambda: attn(q, k, v))
-    from bench.harness import decode_case
+    from .harness import decode_case
     dattn = attnc.compile("attention d { heads = 32 / 8 head_dim = 128 dtype = bf16 mask = causal "
                           "cache = paged(page_size = 16, layout = nhd) }")
     g = torch.Generator(device="cuda").manual_seed(0)

@@ -32,7 +32,8 @@ import math
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if not __package__:  # run as a file from a checkout: its attnc
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 CASES = ((8, 8192), (32, 8192), (1, 131072))
 VARIANTS = {"sync": "mlu", "shift": "shared_shift(0.0, -20.0, 20.0)", "fallback": "shared_shift(60.0, -20.0, 20.0)"}

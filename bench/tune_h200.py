@@ -9,7 +9,8 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if not __package__:  # run as a file from a checkout: its attnc
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from attnc.compiler import evidence as ev, tune  # noqa: E402
 from attnc.compiler.lower import compile_file  # noqa: E402

@@ -12,7 +12,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if not __package__:  # run as a file from a checkout: its attnc
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from attnc.compiler import evidence as ev, tune  # noqa: E402
 from attnc.compiler.dispatch import Environment  # noqa: E402

@@ -7,25 +7,44 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-from . import __version__, inputs, numerics, oracle, resources
+from . import __version__, inputs, ir, numerics, oracle, resources
 from .dispatch import REGISTRY, backend
+from .check import DTYPES, MAX_SIZE
 from .errors import AttncError, InputError
 from .lower import compile_file
 
-def _concrete(path: str):
-    """A spec the command can run without a call: one that declares heads and head_dim."""
+# a shape-generic spec's open fields, as the command line gives them
+SHAPE_FLAGS = {"heads": "--heads", "head_dim": "--head-dim", "dtype": "--dtype"}
+_SHAPE_METAVARS = {"heads": "H[/H_KV]", "head_dim": "D[/D_V]", "dtype": "{" + ",".join(DTYPES) + "}"}
+
+
+def _concrete(args):
+    """The spec of ``args.spec`` for one shape: the spec's own declarations, and ``--heads``,
+    ``--head-dim``, ``--dtype`` for what a shape-generic spec leaves open.  The rules are
+    ``attnc.compile``'s (``ir.specialize``): a flag that contradicts a declared value is refused
+    naming both; an open dtype without ``--dtype`` is bf16, the spec language's default."""
+    path = args.spec
     program = compile_file(path)
-    if program.generic:
-        raise InputError(f"{path}: spec '{program.name}' leaves {' and '.join(program.generic)} to the call "
-                         "(a shape-generic spec): this command needs them declared; from Python, "
-                         "attnc.compile(spec) takes them from each call's tensors")
-    return program
+    given = {n: getattr(args, n, None) for n in SHAPE_FLAGS}
+    missing = [n for n in program.generic if given[n] is None]
+    if missing:
+        flags = " and ".join(f"{SHAPE_FLAGS[n]} {_SHAPE_METAVARS[n]}" for n in missing)
+        raise InputError(f"{path}: spec '{program.name}' leaves {' and '.join(missing)} to the call (a "
+                         f"shape-generic spec): give {flags} (from Python, attnc.compile(spec) takes them "
+                         "from each call's tensors)")
+    if all(v is None for v in given.values()):
+        return program
+    heads = given["heads"] or (program.heads_q, program.heads_kv)
+    dims = given["head_dim"] or (program.d_qk, program.d_v)
+    return ir.specialize(program, *heads, *dims, given["dtype"] or program.dtype, where=path,
+                         flags={n: f for n, f in SHAPE_FLAGS.items() if given[n] is not None})
 
 
 def _out(text: str, path: str | None) -> None:
@@ -55,7 +74,7 @@ def cmd_check(args) -> int:
 
 
 def cmd_compile(args) -> int:
-    program = _concrete(args.spec)
+    program = _concrete(args)
     _out(backend(args.backend).emit(program).text, args.output)
     return 0
 
@@ -67,7 +86,7 @@ def cmd_ir(args) -> int:
 
 
 def cmd_run(args) -> int:
-    program = _concrete(args.spec)
+    program = _concrete(args)
     if args.check and not args.inputs:  # the oracle's rectangle, refused before anything is drawn
         s_q = args.kv_len if args.q_len is None else args.q_len
         oracle.require_rectangle(program, args.batch * program.heads_q * s_q * args.kv_len)
@@ -188,6 +207,15 @@ def _length(text: str) -> int:
     return _integer(text, 1, resources.MAX_LENGTH)
 
 
+def _pair(text: str) -> tuple[int, int]:
+    """``--heads``/``--head-dim``: N, or A/B as the spec language writes them (heads = 16 / 4)."""
+    first, sep, second = text.partition("/")
+    values = [_integer(x.strip(), 1) for x in ((first, second) if sep else (first,))]
+    if max(values) > MAX_SIZE:
+        raise argparse.ArgumentTypeError(f"{max(values)} exceeds {MAX_SIZE}: sizes are i32")
+    return (values[0], values[-1])
+
+
 def _size(text: str) -> int:
     try:
         return resources.parse_size(text)
@@ -225,7 +253,7 @@ def _untuned_split_policy(program):
 def cmd_plan(args) -> int:
     from .analysis import schedule
     from .plan import logical_layout, plan_split
-    program = _concrete(args.spec)
+    program = _concrete(args)
     if args.ranks is not None:
         return _plan_ranks(args, program)
     kv = args.kv_lens
@@ -288,7 +316,7 @@ def cmd_explain(args) -> int:
     from . import explain as ex
     if args.out and args.format is None:
         raise InputError("--out writes a --format export (paddle or flex)")
-    program = _concrete(args.spec)
+    program = _concrete(args)
     s_k = args.kv_len
     s_q = args.q_len if args.q_len is not None else s_k
     tensors = ex.call_tensors(program, args.batch, s_q, s_k, _load_tensor_args(args.tensor), args.seed)
@@ -343,25 +371,22 @@ def _block(text: str) -> tuple[int, int]:
 
 
 def cmd_bench(args) -> int:
-    """The GPU benchmark harness lives in the repository's bench/ (not in the installed package)."""
+    """The GPU benchmark harness: attnc.bench (bench/ in a checkout), imported here only."""
     try:
         import torch
     except ImportError:
         raise AttncError("attnc bench needs torch and triton on a CUDA machine (pip install 'attnc[gpu]')") from None
     if not torch.cuda.is_available():
         raise AttncError("attnc bench measures GPU kernels; no CUDA device is visible")
-    root = Path(__file__).resolve().parent.parent
-    if not (root / "bench" / "harness.py").is_file():
-        raise AttncError("attnc bench runs from a source checkout of attnc (its bench/ folder is not installed)")
-    sys.path.insert(0, str(root))
-    from bench import harness
+    from ..bench import harness
+    args.out = _bench_out(args.out, args.what)
     command = "attnc bench " + " ".join(sys.argv[2:] if len(sys.argv) > 2 else [args.what])
     if args.what == "decode":
         cases = [tuple(int(x) for x in c.split(":")) for c in args.cases.split(",")] if args.cases else None
         rows = harness.run_decode(cases=cases, out=args.out, command=command, graph=not args.no_graph,
                                   configs=() if args.no_configs else harness.DECODE_CONFIGS)
     elif args.what == "append":
-        from bench.append import check_scores, run_append
+        from ..bench.append import check_scores, run_append
         cases = [tuple(int(x) for x in c.split(":")) for c in args.cases.split(",")] if args.cases else None
         if cases and any(len(c) != 4 for c in cases):
             raise AttncError("attnc bench append --cases: B:T:C:page_size,... (e.g. 4:8192:2048:16)")
@@ -372,7 +397,7 @@ def cmd_bench(args) -> int:
             raise AttncError(f"attnc bench append --scores: {e}") from None
         rows = run_append(cases=cases, out=args.out, command=command, flex=bool(args.flex_modes), scores=scores)
     elif args.what == "backward":
-        from bench.backward import run_backward
+        from ..bench.backward import run_backward
         rows = run_backward(**_bench_shape(args), masks=args.masks.split(",") if args.masks else None, out=args.out,
                             command=command, flex_modes=tuple(m for m in args.flex_modes.split(",") if m),
                             sdpa=not args.no_sdpa)
@@ -396,6 +421,22 @@ def cmd_bench(args) -> int:
                                    sdpa=not args.no_sdpa)
     print(harness.summary(rows))
     return 0
+
+
+def _bench_out(path: str | None, what: str) -> str:
+    """Where the rows go: --out, else ./bench-results/WHAT-<UTC time>.jsonl under the current
+    directory (never beside the installed package)."""
+    if path is None:
+        path = str(Path("bench-results") / f"{what}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}.jsonl")
+    target = Path(path)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise InputError(f"attnc bench: cannot write {path}: {e.strerror or e}") from None
+    if target.is_dir() or not os.access(target if target.exists() else target.parent, os.W_OK):
+        raise InputError(f"attnc bench: cannot write {path}")
+    print(f"attnc bench {what}: rows -> {path}", file=sys.stderr)
+    return path
 
 
 def _bench_shape(args) -> dict:
@@ -422,7 +463,7 @@ def _load_call(path: str) -> dict:
 
 def cmd_dispatch(args) -> int:
     from .dispatch import CALL_ALIASES, DispatchKey, select
-    program = _concrete(args.spec)
+    program = _concrete(args)
     call = _load_call(args.call)
     if args.force:  # the command line's request replaces the file's, whatever its spelling
         call = {n: v for n, v in call.items() if CALL_ALIASES.get(n, n) != "backend_request"}
@@ -434,7 +475,7 @@ def cmd_dispatch(args) -> int:
 
 def cmd_tune(args) -> int:
     from . import evidence, tune
-    program = _concrete(args.spec)
+    program = _concrete(args)
     shapes = tune.parse_shapes(args.shapes)
     if args.evidence and args.repeats < evidence.MIN_SAMPLES:
         raise InputError(f"--evidence rows need at least {evidence.MIN_SAMPLES} raw samples; "
@@ -494,12 +535,23 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"refuse a call whose estimated host memory exceeds SIZE (e.g. 8GiB; default "
                              f"${resources.ENV_VAR} or {resources.format_size(resources.DEFAULT_MEMORY_LIMIT)})")
 
+    shape = argparse.ArgumentParser(add_help=False)  # the commands that need a call's shape
+    g = shape.add_argument_group(
+        "shape", "what a shape-generic spec leaves to the call; where the spec declares a value, the flag "
+                 "must agree with it (as attnc.compile checks a call's tensors)")
+    g.add_argument("--heads", type=_pair, default=None, metavar=_SHAPE_METAVARS["heads"],
+                   help="query heads H, or H_q/H_kv for GQA (e.g. 16/4: 4 K/V heads, each shared by 4 query heads)")
+    g.add_argument("--head-dim", type=_pair, default=None, metavar=_SHAPE_METAVARS["head_dim"],
+                   help="head dim of q, k and v, or d_qk/d_v (e.g. 192/128)")
+    g.add_argument("--dtype", choices=DTYPES, default=None,
+                   help="storage dtype of q, k, v and o (default: the spec's; bf16 where it leaves dtype open)")
+
     p = sub.add_parser("check", help="parse and check specs; exit 1 with located errors")
     p.add_argument("spec", nargs="+")
     p.add_argument("-q", "--quiet", action="store_true")
     p.set_defaults(fn=cmd_check)
 
-    p = sub.add_parser("compile", help="print generated source for a backend")
+    p = sub.add_parser("compile", parents=[shape], help="print generated source for a backend")
     p.add_argument("spec")
     p.add_argument("--backend", default="numpy", choices=backends)
     p.add_argument("-o", "--output")
@@ -510,7 +562,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output")
     p.set_defaults(fn=cmd_ir)
 
-    p = sub.add_parser("run", parents=[limits], help="run a spec on inputs (npz) or on sampled inputs")
+    p = sub.add_parser("run", parents=[limits, shape], help="run a spec on inputs (npz) or on sampled inputs")
     p.add_argument("spec")
     p.add_argument("--backend", default="auto", choices=["auto", *backends],
                    help="auto (default): the first backend whose admission takes the call (attnc dispatch "
@@ -531,12 +583,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "call in a CUDA graph and replay it (graph_mode; Kernel.decode_graph)")
     p.set_defaults(fn=cmd_run)
 
-    p = sub.add_parser("explain", parents=[limits], help="FlashMask intervals, representability, tile classes and "
-                                       "metadata ledger for one call shape; Paddle / Flex exports",
-                       description="Analyse the mask for B requests of S_q query rows over S_k keys "
-                                   "(bottom-right aligned). Tensors come from --tensor files, else "
-                                   "from the spec's sample distributions (the values `attnc run` draws for the "
-                                   "same --batch, lengths and --seed).")
+    p = sub.add_parser(
+        "explain", parents=[limits, shape], help="FlashMask intervals, representability, tile classes and "
+                                                 "metadata ledger for one call shape; Paddle / Flex exports",
+        description="Analyse the mask for B requests of S_q query rows over S_k keys "
+                    "(bottom-right aligned). Tensors come from --tensor files, else "
+                    "from the spec's sample distributions (the values `attnc run` draws for the "
+                    "same --batch, lengths and --seed).")
     p.add_argument("spec")
     p.add_argument("--q-len", type=_length, default=None, help="S_q (default S_k: prefill)")
     p.add_argument("--kv-len", type=_length, required=True, help="S_k")
@@ -556,11 +609,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--png", metavar="FILE", help="tile-class map of (b=0, h=0) as a PNG (needs attnc[plot])")
     p.set_defaults(fn=cmd_explain)
 
-    p = sub.add_parser("plan", parents=[limits], help="split bounds, launch grids, workspace bytes and ledgers of a "
-                                    "split call; the schedule graph",
-                       description="Plan a split-K/V call of B requests (bottom-right positions): the "
-                                   "spec's split policy and state ABI, its heads, head_dim, dtype and "
-                                   "cache (pages are allocated in request order).")
+    p = sub.add_parser(
+        "plan", parents=[limits, shape], help="split bounds, launch grids, workspace bytes and ledgers of a "
+                                              "split call; the schedule graph",
+        description="Plan a split-K/V call of B requests (bottom-right positions): the "
+                    "spec's split policy and state ABI, its heads, head_dim, dtype and "
+                    "cache (pages are allocated in request order).")
     p.add_argument("spec")
     p.add_argument("--kv-lens", type=_lengths_arg, required=True, metavar="T0,T1,...",
                    help="visible K/V length of each request (its query rows included)")
@@ -586,7 +640,7 @@ def build_parser() -> argparse.ArgumentParser:
     cp.add_argument("--seed", type=_count, default=0, help="seed of the sampled tensors")
     p.set_defaults(fn=cmd_plan)
 
-    p = sub.add_parser("dispatch", help="the dispatch key of a call, every backend's admission "
+    p = sub.add_parser("dispatch", parents=[shape], help="the dispatch key of a call, every backend's admission "
                                         "and the selection (or every reason there is none)",
                        description="Freeze the dispatch key of the call in CALL.json (B, S_q, S_k per "
                                    "request, device, phase, graph_mode, ...: M4.5 §0x07A names or the "
@@ -599,12 +653,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="one JSON object: key, digest, candidates, selection")
     p.set_defaults(fn=cmd_dispatch)
 
-    p = sub.add_parser("tune", parents=[limits], help="search a backend's launch configs per dispatch key; store the "
-                                    "winners with raw samples in the tuning cache",
-                       description="For each B:S_q:S_k shape, check every candidate config against the "
-                                   "float64 oracle before timing it, time the passing ones (synchronized "
-                                   "raw samples) and store the winner in the JSON cache keyed by the "
-                                   "dispatch key's digest.  Progress goes to stderr.")
+    p = sub.add_parser(
+        "tune", parents=[limits, shape], help="search a backend's launch configs per dispatch key; store the "
+                                              "winners with raw samples in the tuning cache",
+        description="For each B:S_q:S_k shape, check every candidate config against the "
+                    "float64 oracle before timing it, time the passing ones (synchronized "
+                    "raw samples) and store the winner in the JSON cache keyed by the "
+                    "dispatch key's digest.  Progress goes to stderr.")
     p.add_argument("spec")
     p.add_argument("--shapes", required=True, metavar="B:S_q:S_k,...", help="call shapes to tune")
     p.add_argument("--backend", default="triton", help="backend whose space is searched (default triton)")
@@ -622,7 +677,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="GPU: our Triton kernels against FlexAttention and SDPA in one "
                                      "process; JSON lines with correctness and raw samples")
     p.add_argument("what", choices=["prefill", "decode", "backward", "append"])
-    p.add_argument("--out", required=True, metavar="FILE.jsonl")
+    p.add_argument("--out", default=None, metavar="FILE.jsonl",
+                   help="JSON lines, appended (default ./bench-results/WHAT-<UTC time>.jsonl)")
     p.add_argument("--masks", default=None, help="prefill: comma-separated subset of "
                                                  "causal,sliding_window_1024,causal_document,prefix_lm_2048,full")
     p.add_argument("--batch", type=_positive, default=None, help="default 4 (with prefill --cases: replaces "

@@ -464,10 +464,13 @@ def digest(program: Program) -> str:
     return hashlib.sha256(repr(program).encode()).hexdigest()
 
 
-def specialize(program: Program, heads_q: int, heads_kv: int, d_qk: int, d_v: int, dtype: str) -> Program:
+def specialize(program: Program, heads_q: int, heads_kv: int, d_qk: int, d_v: int, dtype: str, *,
+               where: str = "inputs", flags: dict[str, str] | None = None) -> Program:
     """The concrete program of a shape-generic spec for one call's shapes and dtype.  Declared
     values are checks: a call that contradicts one is refused naming it.  A concrete spec comes
-    back unchanged when the call agrees with it."""
+    back unchanged when the call agrees with it.  The values come from a call's tensors, or, with
+    ``flags`` (field -> option, e.g. ``{"heads": "--heads"}``), from the command line: the errors
+    then name the option, prefixed with ``where``."""
     from .errors import InputError
     declared = {"heads": (program.heads_q, program.heads_kv), "head_dim": (program.d_qk, program.d_v),
                 "dtype": program.dtype}
@@ -475,12 +478,16 @@ def specialize(program: Program, heads_q: int, heads_kv: int, d_qk: int, d_v: in
     shown = {"heads": lambda v: f"{v[0]} / {v[1]}", "head_dim": lambda v: f"{v[0]} / {v[1]}", "dtype": str}
     for name, want in declared.items():
         if name not in program.open_fields and want != called[name]:
-            raise InputError(f"inputs: spec '{program.name}' declares {name} = {shown[name](want)}; the call has "
-                             f"{name} {shown[name](called[name])}")
+            given = (f"{flags[name]} gives {shown[name](called[name])}" if flags and name in flags
+                     else f"the call has {name} {shown[name](called[name])}")
+            raise InputError(f"{where}: spec '{program.name}' declares {name} = {shown[name](want)}; {given}")
     if heads_q < 1 or heads_kv < 1 or heads_q % heads_kv:
-        raise InputError(f"inputs: q has {heads_q} heads and k/v {heads_kv}: H_q must be a multiple of H_kv (GQA)")
+        given = f"{flags['heads']} {heads_q}/{heads_kv}" if flags and "heads" in flags else \
+            f"q has {heads_q} heads and k/v {heads_kv}"
+        raise InputError(f"{where}: {given}: H_q must be a multiple of H_kv (GQA)")
     if dtype not in ("f16", "bf16", "f32"):
-        raise InputError(f"inputs: q has dtype {dtype}; attention stores f16, bf16 or f32")
+        given = f"{flags['dtype']} {dtype}" if flags and "dtype" in flags else f"q has dtype {dtype}"
+        raise InputError(f"{where}: {given}; attention stores f16, bf16 or f32")
     if not program.open_fields:
         return program
     import math

@@ -15,7 +15,7 @@ from pathlib import Path
 import attnc
 from tests.conftest import ROOT
 
-PACKAGE_FOLDERS = ["compiler", "backends", "grammar", "templates", "examples"]
+PACKAGE_FOLDERS = ["compiler", "backends", "bench", "grammar", "templates", "examples"]
 
 
 def _run(cmd, cwd, env, timeout=120):
@@ -33,8 +33,11 @@ def test_wheel_installs_one_package_that_runs_the_demo(tmp_path):
     import setuptools  # noqa: F401  (the build runs without isolation: setuptools must be installed here)
 
     src = tmp_path / "src"
-    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".git", "tests", "bench", "build", "dist", "*.egg-info",
-                                                             "__pycache__", ".venv", ".benchmarks"))
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".git", "tests", "build", "dist", "*.egg-info",
+                                                             "__pycache__", ".venv", ".benchmarks", "bench-results"))
+    shutil.rmtree(src / "bench" / "results")  # (27 MB of recorded rows: one stands for them)
+    (src / "bench" / "results").mkdir()
+    (src / "bench" / "results" / "run.jsonl").write_text('{"bench": "prefill"}\n')
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "TRITON_INTERPRET")}
     env["PIP_DISABLE_PIP_VERSION_CHECK"] = "1"
     _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
@@ -51,6 +54,7 @@ def test_wheel_installs_one_package_that_runs_the_demo(tmp_path):
     for folder, pattern in [("grammar", "*.lark"), ("templates", "**/*.j2"), ("examples", "*.attn")]:
         shipped = {n.removeprefix(f"attnc/{folder}/") for n in names if n.startswith(f"attnc/{folder}/")}
         assert _data_files(folder, pattern) <= shipped, folder
+    assert not [n for n in names if n.startswith("attnc/bench/") and not n.endswith(".py")]  # no results
 
     # a fresh venv; pip comes from the system site-packages (no ensurepip: faster, offline)
     venv = tmp_path / "venv"
@@ -81,6 +85,15 @@ def test_wheel_installs_one_package_that_runs_the_demo(tmp_path):
 
     for cmd in ([bin_dir / "attnc", "--version"], [py, "-m", "attnc", "--version"]):
         assert _run(cmd, tmp_path, env).stdout == f"attnc {attnc.__version__}\n"
+
+    # attnc bench from the install: its harness is attnc.bench; without a GPU, a one-line refusal
+    probe = "import attnc.bench.harness as h, attnc.bench.append, attnc.bench.backward; print(h.__file__)"
+    assert Path(_run([py, "-c", probe], tmp_path, env).stdout.strip()).is_relative_to(site / "attnc" / "bench")
+    assert "prefill" in _run([bin_dir / "attnc", "bench", "--help"], tmp_path, env).stdout
+    r = subprocess.run([bin_dir / "attnc", "bench", "prefill"], cwd=tmp_path, env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 1 and r.stderr.startswith("error: attnc bench ") and len(r.stderr.splitlines()) == 1, \
+        r.stderr
 
     # the main job from the install: every shipped example x prefill/append/decode vs the oracle
     r = _run([bin_dir / "attnc", "demo", "--length", "32"], tmp_path, env, timeout=300)

@@ -229,7 +229,7 @@ def test_overflow_and_underflow_fall_back_triton():
 @pytest.mark.skipif(not tr_runtime.interpreted(), reason="the smoke run is the interpreter's; on a GPU run the bench")
 def test_bench_smoke(capsys):
     """bench/shared_shift.py's checks, on one tiny case in the interpreter."""
-    from bench import shared_shift
+    from attnc.bench import shared_shift
     assert shared_shift.main(["--smoke"]) == 0
     rows = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
     assert [(x["variant"], x["fallback_outputs"]) for x in rows] == [("sync", None), ("shift", 0), ("fallback", 8)]

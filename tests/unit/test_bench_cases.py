@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import attnc
-from bench import harness as H
+from attnc.bench import harness as H
 from attnc.compiler.cli import build_parser
 
 ISSUE21 = ["causal", "sliding_window_1024", "causal_document", "prefix_lm_2048", "full", "causal_s8000",
@@ -183,7 +183,7 @@ def test_runs_combine_flex_modes_but_judge_the_first_runs_call(tmp_path):
     """``bench.issue21_combine``: a later run (Flex max-autotune) adds its Flex rows; its own attnc
     rows never replace the main run's call."""
     import json
-    from bench.issue21_combine import combine
+    from attnc.bench.issue21_combine import combine
     main, extra = tmp_path / "main.jsonl", tmp_path / "autotune.jsonl"
     main.write_text("".join(json.dumps(r) + "\n" for r in _rows("causal", 540.0, {"default": 400.0}, cudnn=530.0)))
     extra.write_text("".join(json.dumps(r) + "\n" for r in _rows("causal", 900.0, {BOTH: 410.0})))

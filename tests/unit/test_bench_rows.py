@@ -2,7 +2,7 @@
 evidence validator accepts, and flags rows that skip a level (runs on the CPU with fake samples)."""
 import pytest
 
-from bench.harness import evidence_row
+from attnc.bench.harness import evidence_row
 from attnc.compiler import evidence, tune
 from attnc.compiler.dispatch import Environment
 from attnc.compiler.lower import compile_spec

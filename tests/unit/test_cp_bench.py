@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from bench import cp_overhead, cp_study
+from attnc.bench import cp_overhead, cp_study
 
 
 def test_study_rows(tmp_path):

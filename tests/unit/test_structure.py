@@ -16,7 +16,7 @@ import networkx as nx
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-FOLDERS = ("attnc", "compiler", "backends")  # compiler/ and backends/ install as attnc.compiler, attnc.backends
+FOLDERS = ("attnc", "compiler", "backends", "bench")  # compiler/ installs as attnc.compiler, and so on
 
 
 def _modules() -> dict[str, tuple[Path, bool]]:
@@ -80,7 +80,7 @@ def _graph(*, function_level: bool, within: str = "attnc") -> nx.DiGraph:
 
 def test_the_scan_sees_the_package():
     assert {"attnc", "attnc.compiler.plan", "attnc.compiler.dispatch.registry", "attnc.backends.triton.runtime",
-            "attnc.compiler.analysis.pipeline"} <= set(MODULES)
+            "attnc.compiler.analysis.pipeline", "attnc.bench.harness"} <= set(MODULES)
     g = _graph(function_level=False)
     assert g.has_edge("attnc.compiler.plan", "attnc.compiler.analysis")  # a package re-export
     assert g.has_edge("attnc.backends.triton.tune", "attnc.compiler.tune")
@@ -92,6 +92,26 @@ def test_the_compiler_imports_no_backend(module):
     bad = [(t, line) for t, _, line in _imports(module)
            if t in ("attnc.backends", "backends") or t.startswith(("attnc.backends.", "backends."))]
     assert not bad, f"{module} imports a backend: {bad}"
+
+
+def test_the_compiler_reaches_the_bench_only_from_the_bench_command():
+    """attnc.bench (GPU measurements) is no part of compiling: only `attnc bench`'s handler imports
+    it, when it runs; tests/e2e/test_wheel_install.py checks that the wheel ships it."""
+    for m in MODULES:
+        if not m.startswith("attnc.compiler"):
+            continue
+        for target, in_function, line in _imports(m):
+            if target == "attnc.bench" or target.startswith("attnc.bench."):
+                assert m == "attnc.compiler.cli" and in_function, f"{m}:{line} imports {target}"
+
+
+def test_no_module_imports_a_checkout_folder_by_name():
+    """`bench`, `compiler`, `backends` ... are top-level names in a checkout only: an installed wheel
+    has attnc.bench, attnc.compiler, ... (a module imports them relatively or under attnc)."""
+    top = {f for f in FOLDERS if f != "attnc"} | {"grammar", "templates", "examples"}
+    for m in MODULES:
+        for target, _, line in _imports(m):
+            assert target.split(".")[0] not in top, f"{m}:{line} imports {target}, which a wheel does not have"
 
 
 def test_backends_never_import_each_other():
