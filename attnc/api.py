@@ -17,8 +17,8 @@ compilation it runs directly (no dispatcher cost).  Masks that read tensors are 
 the tensors' values on the host, so their op (``attnc::attention_planned``) is marked unsafe for
 CUDA graphs and ``mode="reduce-overhead"`` leaves it out of the captured graph.
 
-The call is differentiable in q, k and v (and in float tensors the score program reads, on the
-numpy backend): the op's autograd formula saves O and LSE only and runs the backend's backward
+The call is differentiable in q, k and v (and in float tensors the score program reads: on the
+numpy backend, and on the Triton backend where they are indexed by plain positions): the op's autograd formula saves O and LSE only and runs the backend's backward
 (``attnc::attention_backward``, also a custom op, so compiled training traces through it).
 float64 tensors on the CPU run the numpy backend in float64 end to end (``gradcheck``).
 """
@@ -218,10 +218,16 @@ class Attention:
                 raise InputError(f"inputs: tensor '{n}' requires grad, but spec '{self.name}' has no gradient for it: "
                                  "only float tensors read by the score program are differentiable (masks and "
                                  "indices are not); pass it detached")
-        name, _ = self._kernel_for(q, k, v, tensors, backend)
-        if name != "numpy":
+        name, kernel = self._kernel_for(q, k, v, tensors, backend)
+        if name == "triton":
+            from .backends.triton.score_grads import refusal
+            for n in asked:
+                why = refusal(kernel.program, n)
+                if why is not None:
+                    raise BackendRefused(f"inputs: tensor '{n}' requires grad: {why}; or pass it detached")
+        elif name != "numpy":
             raise BackendRefused(f"inputs: tensor '{asked[0]}' requires grad: the {name} backward gives dQ, dK, dV "
-                                 "only (gradients of score tensors come from the numpy backend, on the CPU); pass "
+                                 "only (gradients of score tensors come from the numpy and Triton backends); pass "
                                  "the tensor detached")
 
     def _check_tensors(self, tensors: dict) -> None:
@@ -265,7 +271,7 @@ class Attention:
         name, kernel = self._kernel_for(q, k, v, tensors, backend)
         if name == "triton":
             if want:
-                raise BackendRefused(f"tensor '{want[0]}': the Triton backward gives dQ, dK, dV only")
+                return kernel.backward_with_tensors(q, k, v, o, lse, do, dlse, tensors, want)
             dq, dk, dv = kernel.backward(q, k, v, o, lse, do, dlse, **tensors)
             return dq, dk, dv, {}
         if name != "numpy":

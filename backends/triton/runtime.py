@@ -440,6 +440,20 @@ class Kernel:
         LSE, optional).  Inputs in the spec's layout as for the forward; gradients come back in
         the layout and dtype of q, k and v.  Planned from the same mask analysis as the forward and
         cached like it (``grad.BackwardLaunch``)."""
+        return self._backward(q, k, v, o, lse, do, dlse, config, tensors, ())[:3]
+
+    def backward_with_tensors(self, q, k, v, o, lse, do, dlse, tensors: dict, want: tuple[str, ...],
+                              config=None):
+        """(dQ, dK, dV, {name: gradient}) with the gradients of the score tensors named in ``want``
+        (``score_grads``: each must be a float tensor the score program reads by plain positions)."""
+        from . import score_grads
+        for n in want:
+            why = score_grads.refusal(self.program, n)
+            if why is not None:
+                raise InputError(f"inputs: tensor '{n}' requires grad: {why}")
+        return self._backward(q, k, v, o, lse, do, dlse, config, tensors, tuple(want))
+
+    def _backward(self, q, k, v, o, lse, do, dlse, config, tensors: dict, want: tuple):
         from . import grad as G
         torch = self._torch
         try:  # everything the checks, the config and the launch's specialization depend on
@@ -476,9 +490,13 @@ class Kernel:
         ts = L.call_tensor_args(self.module, tensors, bound.batch, bound.s_q, bound.s_k, q.device)
         launch(qb, kb, vb, ob, lse, dob, dlse, ts, dqb, dkb, dvb,
                key if not bound.emulate else None)
+        dts = {}
+        if want:
+            from . import score_grads
+            dts = score_grads.tensor_gradients(self, launch, qb, kb, vb, ob, lse, dob, dlse, ts, tensors, want)
         if bound.emulate:
             dq, dk, dv = (x.to(torch.bfloat16) for x in (dq, dk, dv))
-        return dq, dk, dv
+        return dq, dk, dv, dts
 
     def _backward_bind(self, q, k, v, o, lse, do, dlse, tensors: dict, config):
         """(what a backward call's key fixes, its config): the call's checks, once per key."""
