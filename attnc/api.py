@@ -207,7 +207,8 @@ class Attention:
     def _check_grads(self, q, k, v, tensors: dict, backend: str | None) -> None:
         """Refuse, before the forward runs, a gradient the backward cannot give: of a tensor the score
         program does not read as a float (masks, indices), or of a score tensor on a backend
-        without tensor gradients (the Triton backward gives dQ, dK, dV)."""
+        without its gradient (Triton: tensors read at computed indices, ``score_grads.refusal``;
+        other backends: every score tensor)."""
         asked = [n for n in self.tensor_names if getattr(tensors[n], "requires_grad", False)]
         if not asked:
             return
