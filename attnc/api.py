@@ -24,6 +24,7 @@ float64 tensors on the CPU run the numpy backend in float64 end to end (``gradch
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import threading
@@ -392,16 +393,21 @@ def gradient_buffer(x):
 
 def as_gradient(g, x):
     """A backend's gradient ``g`` of ``x`` in :func:`gradient_buffer`'s layout (no copy when it is)."""
-    shape, stride, expected = tuple(x.shape), g.stride(), []
-    step = 1
-    for n in reversed(shape):
-        expected.append(step)
-        step *= max(n, 1)
-    if tuple(g.shape) == shape and g.dtype == x.dtype and g.device == x.device and stride == tuple(reversed(expected)):
+    if g.shape == x.shape and g.stride() == _contiguous_strides(x.shape) and g.dtype == x.dtype and \
+            g.device == x.device:
         return g
     out = gradient_buffer(x)
     out.copy_(g)
     return out
+
+
+@functools.lru_cache(maxsize=256)
+def _contiguous_strides(shape) -> tuple[int, ...]:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
 
 
 _EagerAttention = None  # the torch.autograd.Function _register_ops defines (it closes over the op's parts)

@@ -463,11 +463,12 @@ class Kernel:
             key = None  # (e.g. a meta tensor has no address: the checks name what is wrong)
         hit = self._bound.get(("backward", key, config)) if key is not None else None
         if hit is None:  # validated once per key, as the forward's calls are
-            hit = self._backward_bind(q, k, v, o, lse, do, dlse, tensors, config)
+            bound, cfg = self._backward_bind(q, k, v, o, lse, do, dlse, tensors, config)
+            hit = (bound, cfg, None if self._mask_reads else self._plan_key("backward", key, cfg, tensors=tensors))
             if key is not None:
                 self._bound[("backward", key, config)] = hit
-        bound, cfg = hit
-        named, pkey = self._plan_key("backward", key, cfg, tensors=tensors)
+        bound, cfg, fixed = hit  # (a mask that reads no tensor: its plan key is the call key's)
+        named, pkey = fixed if fixed is not None else self._plan_key("backward", key, cfg, tensors=tensors)
         launch = P.PLANS.get(pkey, named)
         if launch is None:
             (bm1, bn1), (bm2, bn2) = cfg.tiles()
