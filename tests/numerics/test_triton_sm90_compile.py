@@ -79,9 +79,12 @@ DOC = "attention d { tensor doc: i32[b, s] mask = causal & doc[b, q] == doc[b, k
 BIAS = "attention lb { tensor bias: f32[h, s, s] score = score + bias[h, q, k] score = softcap(score, 5.0) mask = causal }"
 BACKWARD = len(sys.argv) > 1 and sys.argv[1] == "backward"
 out = {}
-for name, args in {"doc_d8": (DOC, (4, 2), 8, 16, {"doc": torch.zeros(1, 16, dtype=torch.int32)}),
-                   "bias_d4": (BIAS, (2, 2), 4, 6, {"bias": torch.zeros(2, 6, 6)}),
-                   "dlse_d16": ("attention l { mask = causal }", (2, 2), 16, 17, {}, True)}.items():
+cases = {"doc_d8": (DOC, (4, 2), 8, 16, {"doc": torch.zeros(1, 16, dtype=torch.int32)}),
+         "bias_d4": (BIAS, (2, 2), 4, 6, {"bias": torch.zeros(2, 6, 6)}),
+         "dlse_d16": ("attention l { mask = causal }", (2, 2), 16, 17, {}, True)}
+if not BACKWARD:  # (the forward's TMA at d = 16 is the unit tests' default config; CI time)
+    del cases["dlse_d16"]
+for name, args in cases.items():
     compiled.clear()
     out[name] = call(*args)
 print(json.dumps(out))
@@ -99,8 +102,9 @@ def test_small_head_f32_training_kernels_compile_for_sm_90(passes):
     out = json.loads(run.stdout.strip().splitlines()[-1])
     if "skip" in out:
         pytest.skip(out["skip"])
-    assert set(out) == {"doc_d8", "bias_d4", "dlse_d16"}
+    assert set(out) == {"doc_d8", "bias_d4", *(("dlse_d16",) if passes == "backward" else ())}
     for name, got in out.items():  # the forward, D = rowsum(dO * O) - dLSE, and the fused dK/dV + dQ pass
         assert got["kernels"] == ["_attn_fwd", "_bwd_delta", "_bwd_main"][:3 if passes == "backward" else 1], \
             (name, got)
-    assert not out["doc_d8"]["use_tma"] and not out["bias_d4"]["use_tma"] and out["dlse_d16"]["use_tma"]
+    assert not out["doc_d8"]["use_tma"] and not out["bias_d4"]["use_tma"]
+    assert out.get("dlse_d16", {"use_tma": True})["use_tma"]
