@@ -54,10 +54,10 @@ def compile(spec: str | os.PathLike, *, name: str | None = None) -> "Attention":
     """Parse, check and lower a spec (a path to a ``.attn`` file, or the spec's text)."""
     from .compiler.lower import compile_file, compile_spec
     text = str(spec)
-    if isinstance(spec, os.PathLike) or ("{" not in text and text.endswith(".attn")):
-        program = compile_file(spec)
-    elif "{" not in text and Path(text).is_file():
-        program = compile_file(text)
+    looks_like_path = "{" not in text and (text.endswith(".attn") or "/" in text or os.sep in text
+                                           or not any(c.isspace() for c in text) or Path(text).is_file())
+    if isinstance(spec, os.PathLike) or looks_like_path:  # (spec text always has braces)
+        program = compile_file(spec)  # a missing file: "cannot read PATH: No such file or directory"
     else:
         program = compile_spec(text, name or "<spec>")
     return Attention(program)
@@ -128,14 +128,14 @@ class Attention:
     def _route(self, program: ir.Program, q, k, backend: str | None) -> tuple[str, object]:
         """Which backend runs calls like this one: the dispatch key's admission (auto, or forced)."""
         from .compiler.dispatch import DispatchError, dispatch, run_environment
-        from .backends.triton.launch import capability
         cuda = q.is_cuda
         env = run_environment("cuda" if cuda else "cpu", backend or "auto")
         s_axis = 1 if self._bshd else 2
         call = {"B": int(q.shape[0]), "S_q": int(q.shape[s_axis]), "S_k": int(k.shape[s_axis]),
                 "device": "cuda" if cuda else "cpu", "last_dim_contiguous": bool(q.stride(-1) == 1 and
                                                                                 k.stride(-1) == 1)}
-        if cuda:
+        if cuda:  # (triton is imported only for CUDA tensors: a CPU install needs torch alone)
+            from .backends.triton.device import capability
             call["compute_capability"] = capability(q.device)
         if backend is not None:
             call["backend"] = backend
@@ -248,6 +248,11 @@ class Attention:
         except AttributeError:
             raise InputError(f"inputs: q, k and v must be torch tensors (attnc.compile(...) takes torch tensors; "
                              f"got {type(q).__name__}, {type(k).__name__}, {type(v).__name__})") from None
+        torch = _torch_module()
+        for n, t in tensors.items():  # (every call, whichever backend: the same error on each)
+            if not isinstance(t, torch.Tensor):
+                raise InputError(f"inputs: '{n}' is a {type(t).__name__}; attnc.compile(...) takes torch tensors "
+                                 f"(torch.as_tensor(..., device=q.device))")
         route = self._routes.get(key)
         if route is None:
             program = self.specialize(*self._shape_of(q, k, v))

@@ -40,7 +40,7 @@ class SM90:
 
 import attnc
 from attnc.backends.common import load_module
-from attnc.backends.triton import grad as G, launch as L, plans as P
+from attnc.backends.triton import choice as C, grad as G, launch as L, plans as P
 from attnc.backends.triton.emit import emit
 from attnc.compiler.plan import plan as make_plan
 driver.set_active(SM90())
@@ -61,7 +61,7 @@ def call(text, heads, d, s, tensors, dlse=False):
     host = {n: t.numpy().astype(np.int64) if t.dtype == torch.int32 else t.numpy() for n, t in tensors.items()}
     ts = L.call_tensor_args(module, tensors, 1, s, s, "cpu")
     q, k, lse = torch.empty(1, h_q, s, d), torch.empty(1, h_kv, s, d), torch.empty(1, h_q, s)
-    config, plan = L.choose_prefill(program, s, s, lambda bm, bn: make_plan(program, 1, s, s, host, bm, bn),
+    config, plan = C.choose_prefill(program, s, s, lambda bm, bn: make_plan(program, 1, s, s, host, bm, bn),
                                     asked={}, tuned=None, contiguous=True, device_capability=90, given_plan=None)
     L.PrefillLaunch(module, config, P.upload(P.walk_arrays(plan), "cpu"), (1, s, s), "cpu")(
         q, k, k, ts, q.clone(), lse, None)
