@@ -25,7 +25,7 @@ from attnc.backends.common import load_module
 
 from . import choice, device
 from . import plans as P
-from .args import FP8_INPUTS, TORCH_DTYPES, _Bound, _kind  # noqa: F401  (FP8_INPUTS: attnc.api's)
+from .args import FP8_INPUTS, TORCH_DTYPES, _Bound, _kind  # noqa: F401  (FP8_INPUTS)
 from .backward_calls import BackwardCalls
 from .decode import GPU_MIN_TILE, _check_gpu_tile  # noqa: F401  (GPU_MIN_TILE: the tests')
 from .device import interpreted
