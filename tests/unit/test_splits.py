@@ -102,7 +102,13 @@ def test_heuristic_policy_uses_the_call_occupancy():
     assert b.capacity == S and b.policy == f"heuristic(0.85) -> balanced({S})"
     packed = sp.Occupancy(num_sms=132, heads_q=8, heads_kv=2, head_dim=128, pack_gqa=True)
     assert packed.producer_blocks(2) == 2 * 2 * 1
-    assert sp.auto().bounds(MAIN["T"], occ).split_lengths() == b.split_lengths()
+    # auto is not FlashAttention's heuristic: it is the untuned launch rule (about 4 programs per SM,
+    # one per (request, K/V head, split)), capped by the longest request's 64-row blocks
+    rule = sp.auto_splits(MAIN["H_kv"], len(MAIN["T"]), max(MAIN["T"]), 132)
+    assert rule == min(round(4 * 132 / (len(MAIN["T"]) * MAIN["H_kv"])), -(-max(MAIN["T"]) // 64), sp.MAX_SPLITS)
+    a = sp.auto().bounds(MAIN["T"], occ)
+    assert a.capacity == rule and a.policy == f"auto -> balanced({rule})"
+    assert a.split_lengths() == sp.balanced(rule).bounds(MAIN["T"]).split_lengths()
     with pytest.raises(PlanError, match="needs the launch occupancy"):
         sp.heuristic(0.85).bounds(MAIN["T"])
 
