@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from attnc.compiler.errors import PlanError
+from attnc.compiler.policies import named
 
 
 def _lens(kv_lens) -> np.ndarray:
@@ -369,21 +370,21 @@ class Balanced:
 
 @dataclass(frozen=True)
 class Chunk:
-    chunk: int
+    size: int
     capacity: int | None = None
 
     def __post_init__(self):
-        _count("chunk", self.chunk)
+        _count("chunk", self.size)
         if self.capacity is not None:
             _count("capacity", self.capacity)
 
     def bounds(self, kv_lens, occupancy: Occupancy | None = None) -> SplitBounds:
         lens = _lens(kv_lens)
-        starts, ends, active = chunk_bounds(lens, self.chunk, self.capacity)
+        starts, ends, active = chunk_bounds(lens, self.size, self.capacity)
         return SplitBounds(lens, starts, ends, active, str(self))
 
     def __str__(self):
-        return f"chunk({self.chunk})" if self.capacity is None else f"chunk({self.chunk}, {self.capacity})"
+        return f"chunk({self.size})" if self.capacity is None else f"chunk({self.size}, {self.capacity})"
 
 
 @dataclass(frozen=True)
@@ -489,15 +490,17 @@ def auto() -> Auto:
     return Auto()
 
 
+# ``split = <kind>(...)`` -> its policy, built from the arguments by their declared names
+# (``compiler/policies.py``: the policies' fields are the table's parameter names)
+POLICY_CLASSES = {"auto": Auto, "balanced": Balanced, "chunk": Chunk, "capacity": Capacity, "heuristic": Heuristic}
+
+
 def from_ir(split) -> SplitPolicy:
-    """The policy of an ``ir.Split`` (``kind`` + ``args``)."""
+    """The policy of an ``ir.Split`` (``kind`` + ``args``, read by name)."""
     kind = getattr(split.kind, "value", split.kind)
-    args = tuple(split.args)
-    makers = {"balanced": balanced, "chunk": chunk, "capacity": capacity, "heuristic": heuristic,
-              "auto": auto}
-    if kind not in makers:
+    if kind not in POLICY_CLASSES:
         raise PlanError(f"unknown split policy {kind!r}")
-    return makers[kind](*args)
+    return POLICY_CLASSES[kind](**named("split", kind, tuple(split.args)))
 
 
 def split_bounds(policy: SplitPolicy, kv_lens, occupancy: Occupancy | None = None) -> SplitBounds:

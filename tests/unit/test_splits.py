@@ -177,5 +177,18 @@ def test_split_bounds_cover_each_request_exactly_and_disjointly(T, policy, occ):
         if isinstance(policy, (sp.Balanced, sp.Capacity, sp.Heuristic)) and lens:
             assert max(lens) - min(lens) <= 1 and lens == sorted(lens, reverse=True)
         if isinstance(policy, sp.Chunk):
-            assert all(x == policy.chunk for x in lens[:-1]) and (not lens or 0 < lens[-1] <= policy.chunk)
+            assert all(x == policy.size for x in lens[:-1]) and (not lens or 0 < lens[-1] <= policy.size)
     assert (b.lengths[~b.active] == 0).all()
+
+
+def test_every_declared_split_kind_is_a_policy_with_the_declared_parameter_names():
+    """compiler/policies.py declares each split kind's parameters once; from_ir builds the policy
+    from them by name, so a policy's fields are the table's names, in its order."""
+    import dataclasses
+    from attnc.compiler.policies import POLICIES
+    assert set(sp.POLICY_CLASSES) == set(POLICIES["split"])
+    for kind, params in POLICIES["split"].items():
+        fields = [f.name for f in dataclasses.fields(sp.POLICY_CLASSES[kind])]
+        assert fields[:len(params)] == [p.name for p in params], kind
+    assert ir.Split(ir.SplitKind.CAPACITY, (5, 8)).params == {"splits": 5, "capacity": 8}
+    assert sp.from_ir(ir.Split(ir.SplitKind.CHUNK, (64,))).size == 64
