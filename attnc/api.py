@@ -49,10 +49,10 @@ def compile(spec: str | os.PathLike, *, name: str | None = None) -> "Attention":
     """Parse, check and lower a spec (a path to a ``.attn`` file, or the spec's text)."""
     from .compiler.lower import compile_file, compile_spec
     text = str(spec)
-    if isinstance(spec, os.PathLike) or ("{" not in text and text.endswith(".attn")):
-        program = compile_file(spec)
-    elif "{" not in text and Path(text).is_file():
-        program = compile_file(text)
+    looks_like_path = "{" not in text and (text.endswith(".attn") or "/" in text or os.sep in text
+                                           or not any(c.isspace() for c in text) or Path(text).is_file())
+    if isinstance(spec, os.PathLike) or looks_like_path:  # (spec text always has braces)
+        program = compile_file(spec)  # a missing file: "cannot read PATH: No such file or directory"
     else:
         program = compile_spec(text, name or "<spec>")
     return Attention(program)
@@ -131,7 +131,7 @@ class Attention:
         call = {"B": int(q.shape[0]), "S_q": int(q.shape[s_axis]), "S_k": int(k.shape[s_axis]),
                 "device": "cuda" if cuda else "cpu", "last_dim_contiguous": bool(q.stride(-1) == 1 and
                                                                                 k.stride(-1) == 1)}
-        if cuda:
+        if cuda:  # (read by dispatch's environment, not a backend: a CPU install needs torch alone)
             call["compute_capability"] = device_capability(q.device)
         if backend is not None:
             call["backend"] = backend
@@ -229,6 +229,11 @@ class Attention:
         except AttributeError:
             raise InputError(f"inputs: q, k and v must be torch tensors (attnc.compile(...) takes torch tensors; "
                              f"got {type(q).__name__}, {type(k).__name__}, {type(v).__name__})") from None
+        torch = _torch_module()
+        for n, t in tensors.items():  # (every call, whichever backend: the same error on each)
+            if not isinstance(t, torch.Tensor):
+                raise InputError(f"inputs: '{n}' is a {type(t).__name__}; attnc.compile(...) takes torch tensors "
+                                 f"(torch.as_tensor(..., device=q.device))")
         route = self._routes.get(key)
         if route is None:
             program = self.specialize(*self._shape_of(q, k, v))

@@ -153,5 +153,6 @@ def emit(program: ir.Program) -> Source:
         grad_code=grad, fast_grad_code=fast_grad if fast_grad != grad else None,
         lengths=uses_lengths(p), fast_positions=f"2**{fast_score.FAST_POSITIONS.bit_length() - 1}",
         separable=_separable_code(p, names),
+        broadcast_score=not ir.score_keeps_tile(p),
     )
     return Source(text, f"{p.name}_triton", entry="visible")
