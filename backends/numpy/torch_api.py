@@ -14,6 +14,32 @@ def host(tensors: dict) -> dict:
     return {n: t.detach().cpu().numpy() if hasattr(t, "detach") else t for n, t in tensors.items()}
 
 
+def f32(t) -> np.ndarray:
+    """A torch tensor's values as a float32 numpy array (a view when it already is one on the CPU)."""
+    import torch
+    return t.detach().to("cpu", torch.float32).numpy()
+
+
+class NumpyAppend:
+    """An append transaction's attend step (``attnc.serving``): the split program over the
+    post-commit view (``Kernel.run``)."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def _arrays(self, txn) -> dict:
+        return {"q": f32(txn.q), txn.k_key: f32(txn.k), txn.v_key: f32(txn.v), **txn.call.view, **host(txn.tensors)}
+
+    def plan(self, txn):
+        from attnc.compiler.plan import plan_split
+        return plan_split(txn.program, txn.call.layout, txn.call.manifest.C, num_sms=self.kernel.num_sms)
+
+    def run(self, txn, plan):
+        torch = txn.torch
+        o, lse = self.kernel.run(self._arrays(txn), plan=plan, return_lse=True)
+        return torch.from_numpy(o).to(txn.q.device, txn.q.dtype), torch.from_numpy(lse).to(txn.q.device)
+
+
 class NumpyBackend(BackendBase):
     name = "numpy"
     capabilities = frozenset({"forward", "run", "plan", "backward", "tensor_grads", "decode", "append", "block"})
@@ -53,6 +79,13 @@ class NumpyBackend(BackendBase):
         o = torch.from_numpy(o).to(q.device, q.dtype)
         lse = torch.from_numpy(lse).to(q.device)
         return (o, lse) if return_lse else o
+
+    def append_runner(self, kernel_of, program):
+        return NumpyAppend(kernel_of(program))
+
+    def block_runner(self, attn, cp, device, dtype):
+        from .cp_blocks import NumpyBlocks
+        return NumpyBlocks(attn, cp, device, dtype)
 
 
 BACKEND = NumpyBackend()

@@ -6,6 +6,28 @@ from __future__ import annotations
 from attnc.compiler.dispatch.protocol import BackendBase, BackendRefused
 
 
+class TritonAppend:
+    """An append transaction's attend step (``attnc.serving``): the split-K/V kernels over the
+    post-commit view (``Kernel.decode`` with a plan)."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def plan(self, txn):
+        storage = {txn.k_key: txn.k, txn.v_key: txn.v}
+        return self.kernel.decode_plan({**storage, **txn.call.view}, tensors=dict(txn.tensors),
+                                       total_q=int(txn.q.shape[0]))
+
+    def run(self, txn, plan):
+        from .device import interpreted
+        q, k, v = txn.q, txn.k, txn.v
+        carry = interpreted() and q.dtype == txn.torch.bfloat16  # the interpreter reads bf16 as garbage
+        if carry:
+            q, k, v = q.float(), k.float(), v.float()
+        o, lse = self.kernel.decode(q, plan=plan, return_lse=True, **{txn.k_key: k, txn.v_key: v}, **txn.tensors)
+        return (o.to(txn.q.dtype) if carry else o), lse
+
+
 class TritonBackend(BackendBase):
     name = "triton"
     capabilities = frozenset({"forward", "run", "plan", "backward", "decode", "append", "block", "fp8"})
@@ -24,6 +46,20 @@ class TritonBackend(BackendBase):
 
     def decode(self, kernel, q, return_lse, cache):
         return kernel.decode(q, return_lse=return_lse, **cache)
+
+    def append_runner(self, kernel_of, program):
+        return TritonAppend(kernel_of(program))
+
+    def block_runner(self, attn, cp, device, dtype):
+        from .cp_blocks import TritonBlocks
+        return TritonBlocks(attn, cp, device, dtype)
+
+    def device_refusal(self, device):
+        import os
+        if getattr(device, "type", device) != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            return (f"backend 'triton' on CPU tensors (q is on {device}) runs in Triton's interpreter: set "
+                    "TRITON_INTERPRET=1 before importing triton, or pass CUDA tensors, or use backend='numpy'")
+        return None
 
 
 BACKEND = TritonBackend()

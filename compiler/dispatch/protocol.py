@@ -51,8 +51,12 @@ class Backend(Protocol):
         """The runner of an append transaction (``attnc.serving``): ``plan(txn)``, ``run(txn, plan)``.
         ``kernel_of(program)`` compiles a program on this backend."""
 
-    def block_runner(self, kernel, cp, device, dtype) -> Any:
-        """The block runner of a multi-rank call (``attnc.distributed``)."""
+    def block_runner(self, attn, cp, device, dtype) -> Any:
+        """The block runner of a multi-rank call (``attnc.distributed``): ``prepare``, ``forward``,
+        ``backward``, ``output`` over ``cp``'s blocks (``attn.kernel(name, program)`` compiles)."""
+
+    def device_refusal(self, device) -> str | None:
+        """Why this backend cannot run on tensors of ``device`` here, or None."""
 
     def refusal(self, capability: str, **context) -> str:
         """Why this backend does not do ``capability`` (the message of the caller's BackendRefused)."""
@@ -96,8 +100,11 @@ class BackendBase:
     def append_runner(self, kernel_of, program):
         self._missing("append")
 
-    def block_runner(self, kernel, cp, device, dtype):
+    def block_runner(self, attn, cp, device, dtype):
         self._missing("block")
+
+    def device_refusal(self, device):
+        return None
 
 
 def require(backend: Backend, capability: str, **context) -> Backend:
