@@ -44,6 +44,11 @@ class Plan:
     # what classified the tiles the analysis left undecided (analysis.tile_eval), for retile
     tile_evaluator: object = field(default=None, repr=False, compare=False)
 
+    def host_bytes(self) -> int:
+        """The bytes of the numpy arrays this plan holds (tile classes, CSR lists, the interval
+        vectors and row runs): what a plan keeps alive while a backend builds from it."""
+        return resources.array_bytes((self.intervals, self.tiles, self.rows))
+
     @property
     def block_m(self) -> int:
         return self.tiles.block_m

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from attnc.compiler import inputs, ir, numerics
+from attnc.compiler import inputs, ir, numerics, resources
 from attnc.compiler.ranges import may_be_nonfinite
 from attnc.compiler.errors import BackendUnavailable, InputError
 from attnc.compiler.plan import Plan, plan as make_plan
@@ -88,7 +88,10 @@ class Kernel(PrefillCalls, BackwardCalls, SplitCalls):
         """The plan's walk arrays on ``device`` (cached on the plan)."""
         cache = plan.__dict__.setdefault("_device_args", {})
         key = str(device)
-        if key not in cache:
+        if key not in cache:  # (the plan's arrays stay alive meanwhile: the limit counts them too)
+            t = plan.tiles
+            resources.require(f"the plan's device arrays ({t.partial_indices.size + t.full_indices.size:,} K/V blocks "
+                              f"of {t.classes.size:,} tiles)", P.device_plan_bytes(plan))
             cache[key] = P.upload(P.walk_arrays(plan), device)
         return cache[key]
 
