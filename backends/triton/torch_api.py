@@ -3,7 +3,7 @@
 neither torch nor triton."""
 from __future__ import annotations
 
-from attnc.compiler.dispatch.protocol import BackendBase, BackendRefused
+from attnc.compiler.dispatch.protocol import BackendBase
 
 
 class TritonAppend:
@@ -30,7 +30,8 @@ class TritonAppend:
 
 class TritonBackend(BackendBase):
     name = "triton"
-    capabilities = frozenset({"forward", "run", "plan", "backward", "decode", "append", "block", "fp8"})
+    capabilities = frozenset({"forward", "run", "plan", "backward", "tensor_grads", "decode", "append", "block",
+                              "fp8"})
 
     def forward(self, kernel, q, k, v, tensors, plan=None):
         return kernel(q, k, v, return_lse=True, plan=plan, **tensors)
@@ -40,9 +41,15 @@ class TritonBackend(BackendBase):
 
     def backward(self, kernel, q, k, v, o, lse, do, dlse, tensors, want):
         if want:
-            raise BackendRefused(f"tensor '{want[0]}': the Triton backward gives dQ, dK, dV only")
+            return kernel.backward_with_tensors(q, k, v, o, lse, do, dlse, tensors, want)
         dq, dk, dv = kernel.backward(q, k, v, o, lse, do, dlse, **tensors)
         return dq, dk, dv, {}
+
+    def tensor_grad_refusal(self, kernel, tensor):
+        """Score tensors read at computed indices have no Triton gradient (``score_grads.refusal``)."""
+        from .score_grads import refusal
+        why = refusal(kernel.program, tensor)
+        return None if why is None else f"inputs: tensor '{tensor}' requires grad: {why}; or pass it detached"
 
     def decode(self, kernel, q, return_lse, cache):
         return kernel.decode(q, return_lse=return_lse, **cache)

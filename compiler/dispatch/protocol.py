@@ -41,6 +41,10 @@ class Backend(Protocol):
     def backward(self, kernel, q, k, v, o, lse, do, dlse, tensors: dict, want: tuple) -> tuple:
         """(dQ, dK, dV, {name: gradient} for the tensors in ``want``)."""
 
+    def tensor_grad_refusal(self, kernel, tensor: str) -> str | None:
+        """Why this backend gives no gradient of score tensor ``tensor`` (the message of the
+        caller's BackendRefused), or None when its backward gives one."""
+
     def plan(self, kernel, batch: int, s_q: int, s_k: int, tensors: dict) -> Any:
         """A plan for calls of this shape, for :meth:`forward`'s ``plan``."""
 
@@ -75,7 +79,7 @@ class BackendBase:
                     "backend")
         if capability == "tensor_grads":
             return (f"inputs: tensor '{context.get('tensor', '?')}' requires grad: the {self.name} backward gives "
-                    "dQ, dK, dV only (gradients of score tensors come from the numpy backend, on the CPU); pass "
+                    "dQ, dK, dV only (gradients of score tensors come from the numpy and Triton backends); pass "
                     "the tensor detached")
         return f"the {self.name} backend has no {capability} path"
 
@@ -90,6 +94,9 @@ class BackendBase:
 
     def backward(self, kernel, q, k, v, o, lse, do, dlse, tensors, want):
         self._missing("backward")
+
+    def tensor_grad_refusal(self, kernel, tensor):
+        return None if "tensor_grads" in self.capabilities else self.refusal("tensor_grads", tensor=tensor)
 
     def plan(self, kernel, batch, s_q, s_k, tensors):
         return kernel.plan(batch, s_q, s_k, tensors)
