@@ -17,14 +17,15 @@ from attnc.compiler.lower import compile_file  # noqa: E402
 KV, Q = [300, 57], {"decode": [1, 1], "mixed": [3, 1]}
 
 
-@pytest.mark.parametrize("split, rows", [("auto", "decode"), ("auto", "mixed"), ("balanced(3)", "decode"),
-                                         ("chunk(128)", "decode"), ("capacity(2, 4)", "decode"),
-                                         ("heuristic(0.85)", "decode")])
-def test_attnc_plan_reports_the_triton_launch(tmp_path, monkeypatch, capsys, split, rows):
+@pytest.mark.parametrize("split, rows, state", [
+    ("auto", "decode", "lse_o"), ("auto", "mixed", "lse_o"), ("balanced(3)", "decode", "lse_o"),
+    ("chunk(128)", "decode", "lse_o"), ("capacity(2, 4)", "decode", "lse_o"), ("heuristic(0.85)", "decode", "lse_o"),
+    ("auto", "decode", "mlu"), ("auto", "mixed", "shared_shift(0.0, -30, 30)")])
+def test_attnc_plan_reports_the_triton_launch(tmp_path, monkeypatch, capsys, split, rows, state):
     monkeypatch.setenv("ATTNC_TUNE_CACHE", str(tmp_path / "no_tune_cache.json"))  # untuned: the rule decides
     spec = tmp_path / "plan_launch.attn"
     spec.write_text("attention plan_launch { heads = 4 / 2 head_dim = 16 dtype = f16 mask = causal "
-                    f"cache = paged(page_size = 16, layout = nhd) split = {split} }}\n")
+                    f"cache = paged(page_size = 16, layout = nhd) split = {split} state = {state} }}\n")
     q_lens = Q[rows]
     assert cli.main(["plan", str(spec), "--kv-lens", ",".join(map(str, KV)), "--q-lens",
                      ",".join(map(str, q_lens)), "--json"]) == 0
