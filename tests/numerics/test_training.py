@@ -104,24 +104,33 @@ def test_float64_on_the_gpu_is_refused():
         attn(q, k, k, doc=torch.zeros(1, 6, dtype=torch.int32, device="cuda"))
 
 
-LEARNED = ("attention lt { heads = 4 / 2 head_dim = 4 tensor bias: f32[h, s, s] tensor slope: f32[h] "
-           "tensor kb: f32[b, s] score = score + bias[h, q, k] - slope[h] * (q - k) + kb[b, k] "
+LEARNED = ("attention lt { heads = 2 / 1 head_dim = 4 tensor bias: f32[h, s, s] tensor slope: f32[h] "
+           "tensor kb: f32[b, s] tensor rb: f32[b, h, s] "
+           "score = score + bias[h, q, k] - slope[h] * (q - k) + kb[b, k] + rb[b, h, q] "
            "score = softcap(score, 5.0) mask = causal }")
 
 
-def test_triton_score_tensor_gradients_match_the_float64_reference_and_repeat_bit_for_bit():
-    """dBias [h, q, k], dSlope [h] and dKeyBias [b, k] through the Triton backward (GQA, S_q < S_k:
-    bottom-right rows) against the numpy backend's float64 backward, within the declared f32
-    gradient tolerance; a second run gives the same bits (no atomics)."""
+def test_triton_score_tensor_gradients_match_the_float64_reference_and_repeat_bit_for_bit(monkeypatch):
+    """dBias [h, q, k], dSlope [h], dKeyBias [b, k] and a row bias [b, h, q] through the Triton
+    backward (GQA, S_q < S_k: bottom-right rows; 24 x 40 positions: SKIP, PARTIAL and FULL tiles of
+    the interpreter's 16 x 16, lengths not multiples of them) against the numpy backend's float64
+    backward, within the declared f32 gradient tolerance; a second run gives the same bits (no
+    atomics).  Each load's launch writes a buffer the size of its gradient over the call, never
+    times the batch, and for slope[h] one float per (head, query tile)."""
     pytest.importorskip("triton")
+    from attnc.backends.triton import score_grads
     from attnc.compiler import numerics
+    shapes = []
+    allocate = score_grads._workspace
+    monkeypatch.setattr(score_grads, "_workspace", lambda shape, device: shapes.append(shape) or
+                        allocate(shape, device))
     attn = attnc.compile(LEARNED)
     gen = torch.Generator().manual_seed(8)
-    q = torch.randn(2, 4, 5, 4, generator=gen)
-    k, v = (torch.randn(2, 2, 9, 4, generator=gen) for _ in range(2))
-    tensors = {"bias": torch.randn(4, 9, 9, generator=gen), "slope": torch.rand(4, generator=gen),
-               "kb": torch.randn(2, 9, generator=gen)}
-    do = torch.randn(2, 4, 5, 4, generator=gen)
+    q = torch.randn(2, 2, 24, 4, generator=gen)
+    k, v = (torch.randn(2, 1, 40, 4, generator=gen) for _ in range(2))
+    tensors = {"bias": torch.randn(2, 40, 40, generator=gen), "slope": torch.rand(2, generator=gen) * 0.1,
+               "kb": torch.randn(2, 40, generator=gen), "rb": torch.randn(2, 2, 40, generator=gen)}
+    do = torch.randn(2, 2, 24, 4, generator=gen)
     runs = []
     for backend, dt, dev in (("numpy", torch.float64, "cpu"), ("triton", torch.float32, TRITON_DEVICE),
                              ("triton", torch.float32, TRITON_DEVICE)):
@@ -134,6 +143,8 @@ def test_triton_score_tensor_gradients_match_the_float64_reference_and_repeat_bi
         c = numerics.compare_gradient(name, "f32", got.double().numpy(), want.numpy())
         assert c.ok, str(c)
     assert all(torch.equal(a, b) for a, b in zip(first, again))
+    if TRITON_DEVICE == "cpu":  # the interpreter's 16 x 16 tiles: 2 query tiles
+        assert shapes == [(2, 24, 40), (2, 2), (2, 40), (2, 2, 24)] * 2
 
 
 def test_triton_refuses_a_tensor_read_at_a_computed_index():
