@@ -5,12 +5,15 @@ After the backward's dQ/dK/dV, one launch per f32 load of a wanted tensor
 (``kernels/tensor_grads.py``): its programs recompute P and dS = P (dP - D) (D = rowsum(dO * O)
 - dLSE) on the plan's computed tiles (SKIP tiles never loaded, FULL ones without the predicate)
 and reduce dS times d (final score) / d (load) (the spec's generated ``tensor_grad``) inside the
-kernel over the axes the load's index does not name, in a fixed order: every element of the
-result is written once, by one program (no atomics: the same bits run to run).  The result a
-launch writes (``work_shape``) is the load's gradient over the call's positions -- [H, S_q, S_k]
-for ``bias[h, q, k]``, whatever the batch -- except for a load that names neither q nor k, whose
-launch writes one partial sum per query tile ([H, query tiles] for ``slope[h]``), summed by the
-host.  The host adds it into the tensor's gradient at the load's positions (``_add_clamped``).
+kernel over the axes the load's index does not name, in a fixed order: every element of what a
+launch writes is written once, by one program (no atomics: the same bits run to run).  A launch
+writes (``launch_axes``, ``work_shape``) the load's gradient over the call's positions --
+[H, S_q, S_k] for ``bias[h, q, k]``, whatever the batch -- except that a load that does not
+name both q and k keeps the head axis apart (one program per head: parallel work where the
+output is small) and, naming neither, writes one partial sum per query tile ([H, query tiles]
+for ``slope[h]``); the host sums those axes (torch's reductions over a fixed axis: the same
+bits run to run) and adds the result into the tensor's gradient at the load's positions
+(``_add_clamped``).  No buffer is larger than the load's gradient over the call times the heads.
 
 A tensor gets a gradient here when every f32 load of it indexes with distinct plain positions
 among b, h, q, k (``refusal``); others (an index computed from positions, such as ``t[q - k]``)
@@ -44,12 +47,19 @@ def refusal(program: ir.Program, name: str) -> str | None:
     return None
 
 
-def work_shape(axes: tuple[str, ...], batch: int, h_q: int, s_q: int, s_k: int, q_tiles: int) -> tuple:
-    """What the launch of a load indexed by ``axes`` writes: its gradient over the call's kept b and
-    h and positions q and k, in AXES order; one partial sum per query tile when it names neither q
-    nor k (the last axis, summed by the host)."""
-    kept = tuple(n for a_, n in zip(AXES, (batch, h_q, s_q, s_k)) if a_ in axes)
-    return kept if "q" in axes or "k" in axes else (*kept, q_tiles)
+def launch_axes(axes: tuple[str, ...]) -> tuple[str, ...]:
+    """The axes, in AXES order, a load's launch keeps apart: the load's own, and h unless it names
+    both q and k (its programs then own the whole tile and loop over the batch)."""
+    keep = set(axes) if {"q", "k"} <= set(axes) else set(axes) | {"h"}
+    return tuple(a_ for a_ in AXES if a_ in keep)
+
+
+def work_shape(kept: tuple[str, ...], batch: int, h_q: int, s_q: int, s_k: int, q_tiles: int) -> tuple:
+    """What a launch keeping the axes ``kept`` (``launch_axes``) writes: the gradient over the call's
+    kept b, h, q and k, in AXES order; one partial sum per query tile when it keeps neither q nor k
+    (the last axis)."""
+    shape = tuple(n for a_, n in zip(AXES, (batch, h_q, s_q, s_k)) if a_ in kept)
+    return shape if "q" in kept or "k" in kept else (*shape, q_tiles)
 
 
 def _workspace(shape: tuple, device):
@@ -77,9 +87,9 @@ def tensor_gradients(kernel, launch, qb, kb, vb, ob, lse, dob, dlse, ts, tensors
         if load.tensor not in names:
             continue
         axes = _axes(load)
-        keep = {a_: a_ in axes for a_ in AXES}
-        shape = work_shape(axes, batch, h_q, s_q, s_k, q_tiles)
-        work = _workspace(shape, qb.device)
+        kept = launch_axes(axes)
+        keep = {a_: a_ in kept for a_ in AXES}
+        work = _workspace(work_shape(kept, batch, h_q, s_q, s_k, q_tiles), qb.device)
         tiles = (q_tiles * k_tiles if keep["q"] and keep["k"] else k_tiles if keep["k"] else q_tiles)
         grid = (tiles, (batch if keep["b"] else 1) * (h_q if keep["h"] else 1))
         _bwd_tensor_grad[grid](
@@ -91,9 +101,11 @@ def tensor_gradients(kernel, launch, qb, kb, vb, ob, lse, dob, dlse, ts, tensors
             SCALE=spec["SCALE"], H_Q=h_q, GROUP=spec["GROUP"], D_QK=spec["D_QK"], D_V=spec["D_V"],
             D_QK_PAD=spec["D_QK_PAD"], D_V_PAD=spec["D_V_PAD"], DOT_PRECISION=spec["DOT_PRECISION"],
             num_warps=8 if bm * bn >= 128 * 64 else 4)
-        summed = work if "q" in axes or "k" in axes else work.sum(-1)
-        kept = [a_ for a_ in AXES if a_ in axes]
-        summed = summed.permute(*[kept.index(a_) for a_ in axes])
+        summed = work if keep["q"] or keep["k"] else work.sum(-1)  # the query tiles' partial sums
+        if "h" not in axes and keep["h"]:
+            summed = summed.sum(kept.index("h"))
+        left = [a_ for a_ in kept if a_ in axes]
+        summed = summed.permute(*[left.index(a_) for a_ in axes])
         t = tensors[load.tensor]
         grad = out.setdefault(load.tensor, torch.zeros(t.shape, device=t.device, dtype=torch.float32))
         # positions: q = q_off + row, k = k_off + key; an index past the tensor's extent was clamped by the

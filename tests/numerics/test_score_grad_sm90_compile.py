@@ -81,6 +81,6 @@ def test_score_tensor_gradient_kernels_compile_for_sm_90():
     out = json.loads(run.stdout.strip().splitlines()[-1])
     if "skip" in out:
         pytest.skip(out["skip"])
-    # bias[h, q, k], slope[h], kb[b, k], rb[b, h, q]: (KEEP_B, KEEP_H, KEEP_Q, KEEP_K)
-    assert out["compiled"] == [[False, True, True, True], [False, True, False, False], [True, False, False, True],
+    # bias[h, q, k], slope[h], kb[b, k] (h kept apart), rb[b, h, q]: (KEEP_B, KEEP_H, KEEP_Q, KEEP_K)
+    assert out["compiled"] == [[False, True, True, True], [False, True, False, False], [True, True, False, True],
                                [True, True, True, False]]

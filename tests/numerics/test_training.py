@@ -115,8 +115,8 @@ def test_triton_score_tensor_gradients_match_the_float64_reference_and_repeat_bi
     backward (GQA, S_q < S_k: bottom-right rows; 24 x 40 positions: SKIP, PARTIAL and FULL tiles of
     the interpreter's 16 x 16, lengths not multiples of them) against the numpy backend's float64
     backward, within the declared f32 gradient tolerance; a second run gives the same bits (no
-    atomics).  Each load's launch writes a buffer the size of its gradient over the call, never
-    times the batch, and for slope[h] one float per (head, query tile)."""
+    atomics).  Each load's launch writes a buffer the size of its gradient over the call (kb: per
+    head), never times the batch: bias [H, S_q, S_k], slope one float per (head, query tile)."""
     pytest.importorskip("triton")
     from attnc.backends.triton import score_grads
     from attnc.compiler import numerics
@@ -144,7 +144,7 @@ def test_triton_score_tensor_gradients_match_the_float64_reference_and_repeat_bi
         assert c.ok, str(c)
     assert all(torch.equal(a, b) for a, b in zip(first, again))
     if TRITON_DEVICE == "cpu":  # the interpreter's 16 x 16 tiles: 2 query tiles
-        assert shapes == [(2, 24, 40), (2, 2), (2, 40), (2, 2, 24)] * 2
+        assert shapes == [(2, 24, 40), (2, 2), (2, 2, 40), (2, 2, 24)] * 2
 
 
 def test_triton_refuses_a_tensor_read_at_a_computed_index():

@@ -9,6 +9,7 @@ output element is written once, by one program (no atomics: the same bits run to
                      the reduced b / h (``bias[h, q, k]``: the batch)
   KEEP_Q only        one program per (query tile, kept plane): the row's key tiles summed
   KEEP_K only        one program per (key tile, kept plane): the column's query tiles summed
+                     (``kb[b, k]``: the host keeps h apart, then sums it)
   neither            one program per (query tile, kept plane): one partial sum of the row's
                      tiles (``slope[h]``), summed over the query tiles by the host
 
