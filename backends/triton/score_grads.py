@@ -22,6 +22,7 @@ are refused with the reason (the numpy backend gives them on the CPU).
 from __future__ import annotations
 
 from attnc.compiler import ir
+from .grad import DELTA_ROWS, triton_cdiv
 from .kernels.tensor_grads import _bwd_tensor_grad
 
 AXES = ("b", "h", "q", "k")
@@ -76,9 +77,10 @@ def tensor_gradients(kernel, launch, qb, kb, vb, ob, lse, dob, dlse, ts, tensors
     spec = module.SPEC
     batch, s_q, s_k = launch.batch, launch.s_q, launch.s_k
     h_q = spec["H_Q"]
-    delta = (ob.float() * dob.float()).sum(-1).contiguous()
-    if dlse is not None:
-        delta = delta - dlse.float()
+    delta = torch.empty((batch, h_q, s_q), device=qb.device, dtype=torch.float32)  # D, as the backward's
+    launch.delta[dlse is not None].launch((triton_cdiv(s_q, DELTA_ROWS), batch * h_q),
+                                          (ob, dob, delta if dlse is None else dlse, delta, *ob.stride(),
+                                           *dob.stride(), s_q))
     bm, bn = launch.config.block_m2, launch.config.block_n2
     _, _, q_off, k_off, plan_b, plan_h, _, q_tiles = launch.ints[:8]
     k_tiles = -(-s_k // bn)
