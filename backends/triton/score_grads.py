@@ -109,10 +109,14 @@ def tensor_gradients(kernel, launch, qb, kb, vb, ob, lse, dob, dlse, ts, tensors
         left = [a_ for a_ in kept if a_ in axes]
         summed = summed.permute(*[left.index(a_) for a_ in axes])
         t = tensors[load.tensor]
-        grad = out.setdefault(load.tensor, torch.zeros(t.shape, device=t.device, dtype=torch.float32))
         # positions: q = q_off + row, k = k_off + key; an index past the tensor's extent was clamped by the
         # forward's load (the generated code clamps every index), so it reads (and is credited to) the edge
         region = [({"q": q_off, "k": k_off}.get(a_, 0), extent) for a_, extent in zip(axes, summed.shape)]
+        if (load.tensor not in out and tuple(summed.shape) == tuple(t.shape) and summed.is_contiguous()
+                and all(start == 0 for start, _ in region)):
+            out[load.tensor] = summed  # the gradient itself (bias[h, q, k] of a whole call: no second copy)
+            continue
+        grad = out.setdefault(load.tensor, torch.zeros(t.shape, device=t.device, dtype=torch.float32))
         _add_clamped(grad, summed, region)
     return {n: g.to(tensors[n].dtype) for n, g in out.items()}
 
