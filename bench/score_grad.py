@@ -64,66 +64,71 @@ def run_score_grad(batch=4, heads=16, seqs=(2048, 4096, 8192), head_dim=128, out
     env = environment()
     attn = attnc.compile(SPEC.format(heads=heads, d=head_dim))
     for seq in seqs:
-        g = torch.Generator(device="cuda").manual_seed(seed)
-        shape = (batch, heads, seq, head_dim)
-        q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
-                   for _ in range(3))
-        bias = torch.randn((heads, seq, seq), device="cuda", dtype=torch.float32, generator=g).requires_grad_()
-        do = torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=g)
-        planes, check_heads = [(0, 0), (batch - 1, heads - 1)], [0, heads - 1]
-        refs, ref_bias = _reference(q, k, v, bias, do, planes, check_heads)
-
-        def check(grads):
-            worst = max(_rel(gx[b, h], r) for (b, h), ref in refs.items() for gx, r in zip(grads[:3], ref))
-            return max(worst, *(_rel(grads[3][h], ref_bias[h]) for h in check_heads))
-
-        visible = batch * seq * (seq + 1) // 2
-        fwd_flops = 4.0 * head_dim * visible * heads
-        record = {"bench": "score_grad", "score": "score + bias[h, q, k]", "mask": "causal", "B": batch,
-                  "H": heads, "S": seq, "D": head_dim, "dtype": "bf16", "bias_dtype": "f32",
-                  "visible_cells": visible, "env": env, "tolerance_rel_l2": 2e-2,
-                  "reference": f"float32 dense autograd on GPU: dq/dk/dv of (b,h) in {planes}, dBias of heads "
-                               f"{check_heads} summed over the batch; worst rel-L2"}
-        impls = {"attnc_call": lambda: attn(q, k, v, bias=bias)}
-        if flex:
-            from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-            torch._dynamo.reset()
-            torch._functorch.config.donated_buffer = False  # bwd replays one graph (retain_graph)
-            block_mask = create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, seq, seq, device="cuda")
-            compiled = torch.compile(flex_attention)
-
-            def score_mod(score, b, h, qi, ki):
-                return score + bias[h, qi, ki]
-            impls["flex_default"] = lambda: compiled(q, k, v, score_mod=score_mod, block_mask=block_mask)
-        leaves = (q, k, v, bias)
-        label = f"bias[h,q,k] causal B={batch} S={seq}"
-        for impl, forward in impls.items():
-            extra = {}
-            try:
-                o = forward()
-                if impl == "attnc_call":
-                    once = torch.autograd.grad(o, leaves, do, retain_graph=True)
-                    again = torch.autograd.grad(o, leaves, do, retain_graph=True)
-                    extra["deterministic"] = all(torch.equal(a, b) for a, b in zip(once, again))
-                    del once, again
-            except Exception as e:  # noqa: BLE001 - a peer failing is a row
-                rows.append({**record, "impl": impl, "error": f"{type(e).__name__}: {str(e)[-1200:]}"})
-                print(f"{label} {impl}: ERROR {type(e).__name__}: {str(e)[-300:]}", flush=True)
-                continue
-
-            def bwd(o=o):
-                return torch.autograd.grad(o, leaves, do, retain_graph=True)
-
-            def fwd_bwd(forward=forward):
-                return torch.autograd.grad(forward(), leaves, do)
-            timed(bwd, check, {**record, **extra, "impl": impl, "phase": "bwd"}, rows, f"{label} {impl:13} bwd    ",
-                  2.5 * fwd_flops, "TFLOPs", tol=2e-2)
-            timed(fwd_bwd, check, {**record, **extra, "impl": impl, "phase": "fwd_bwd"}, rows,
-                  f"{label} {impl:13} fwd+bwd", 3.5 * fwd_flops, "TFLOPs", tol=2e-2)
-            del o
-        del q, k, v, bias, do, refs, ref_bias, impls
+        _one_length(attn, rows, env, batch, heads, seq, head_dim, seed, flex)
         torch.cuda.empty_cache()
     return list(rows)
+
+
+def _one_length(attn, rows, env, batch, heads, seq, head_dim, seed, flex) -> None:
+    """Check, then time, every implementation at one sequence length (its tensors freed on return)."""
+    import torch
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    shape = (batch, heads, seq, head_dim)
+    q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+               for _ in range(3))
+    bias = torch.randn((heads, seq, seq), device="cuda", dtype=torch.float32, generator=g).requires_grad_()
+    do = torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=g)
+    planes, check_heads = [(0, 0), (batch - 1, heads - 1)], [0, heads - 1]
+    refs, ref_bias = _reference(q, k, v, bias, do, planes, check_heads)
+
+    def check(grads):
+        worst = max(_rel(gx[b, h], r) for (b, h), ref in refs.items() for gx, r in zip(grads[:3], ref))
+        return max(worst, *(_rel(grads[3][h], ref_bias[h]) for h in check_heads))
+
+    visible = batch * seq * (seq + 1) // 2
+    fwd_flops = 4.0 * head_dim * visible * heads
+    record = {"bench": "score_grad", "score": "score + bias[h, q, k]", "mask": "causal", "B": batch,
+              "H": heads, "S": seq, "D": head_dim, "dtype": "bf16", "bias_dtype": "f32",
+              "visible_cells": visible, "env": env, "tolerance_rel_l2": 2e-2,
+              "reference": f"float32 dense autograd on GPU: dq/dk/dv of (b,h) in {planes}, dBias of heads "
+                           f"{check_heads} summed over the batch; worst rel-L2"}
+    impls = {"attnc_call": lambda: attn(q, k, v, bias=bias)}
+    if flex:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        torch._dynamo.reset()
+        torch._functorch.config.donated_buffer = False  # bwd replays one graph (retain_graph)
+        block_mask = create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, seq, seq, device="cuda")
+        compiled = torch.compile(flex_attention)
+
+        def score_mod(score, b, h, qi, ki):
+            return score + bias[h, qi, ki]
+        impls["flex_default"] = lambda: compiled(q, k, v, score_mod=score_mod, block_mask=block_mask)
+    leaves = (q, k, v, bias)
+    label = f"bias[h,q,k] causal B={batch} S={seq}"
+    for impl, forward in impls.items():
+        extra = {}
+        try:
+            o = forward()
+            if impl == "attnc_call":
+                once = torch.autograd.grad(o, leaves, do, retain_graph=True)
+                again = torch.autograd.grad(o, leaves, do, retain_graph=True)
+                extra["deterministic"] = all(torch.equal(a, b) for a, b in zip(once, again))
+                del once, again
+        except Exception as e:  # noqa: BLE001 - a peer failing is a row
+            rows.append({**record, "impl": impl, "error": f"{type(e).__name__}: {str(e)[-1200:]}"})
+            print(f"{label} {impl}: ERROR {type(e).__name__}: {str(e)[-300:]}", flush=True)
+            continue
+
+        def bwd(o=o):
+            return torch.autograd.grad(o, leaves, do, retain_graph=True)
+
+        def fwd_bwd(forward=forward):
+            return torch.autograd.grad(forward(), leaves, do)
+        timed(bwd, check, {**record, **extra, "impl": impl, "phase": "bwd"}, rows, f"{label} {impl:13} bwd    ",
+              2.5 * fwd_flops, "TFLOPs", tol=2e-2)
+        timed(fwd_bwd, check, {**record, **extra, "impl": impl, "phase": "fwd_bwd"}, rows,
+              f"{label} {impl:13} fwd+bwd", 3.5 * fwd_flops, "TFLOPs", tol=2e-2)
+        del o
 
 
 def main(argv=None) -> int:
