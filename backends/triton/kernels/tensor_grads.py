@@ -13,8 +13,9 @@ output element is written once, by one program (no atomics: the same bits run to
   neither            one program per (query tile, kept plane): one partial sum of the row's
                      tiles (``slope[h]``), summed over the query tiles by the host
 
-A tile's class comes from the plan (CLS: int8 [PLAN_B, PLAN_H, Q_TILES, K_TILES]): SKIP tiles
-are never loaded, FULL tiles skip the mask's predicate.
+A tile's class comes from the plan (CLS: int8 [PLAN_B, PLAN_H, Q_TILES, K_TILES] of
+``ir.TileClass``: SKIP 0, PARTIAL 1, FULL 2): SKIP tiles are never loaded, FULL tiles skip the
+mask's predicate.
 """
 import triton
 import triton.language as tl
