@@ -105,17 +105,17 @@ def test_float64_on_the_gpu_is_refused():
 
 
 LEARNED = ("attention lt { heads = 2 / 1 head_dim = 4 tensor bias: f32[h, s, s] tensor slope: f32[h] "
-           "tensor kb: f32[b, s] tensor rb: f32[b, h, s] "
+           "tensor kb: f32[b, s] tensor rb: f32[b, h, s] tensor doc: i32[b, s] "
            "score = score + bias[h, q, k] - slope[h] * (q - k) + kb[b, k] + rb[b, h, q] "
-           "score = softcap(score, 5.0) mask = causal }")
+           "score = softcap(score, 5.0) mask = causal & doc[b, q] == doc[b, k] }")
 
 
 def test_triton_score_tensor_gradients_match_the_float64_reference_and_repeat_bit_for_bit(monkeypatch):
     """dBias [h, q, k], dSlope [h], dKeyBias [b, k] and a row bias [b, h, q] through the Triton
     backward of O and LSE (GQA, S_q < S_k: bottom-right rows; 24 x 40 positions: SKIP, PARTIAL and
     FULL tiles of the interpreter's 16 x 16, lengths not multiples of them) against the numpy
-    backend's float64 backward, within the declared f32 gradient tolerance; a second run gives the
-    same bits (no atomics).  Each load's launch writes a buffer the size of its gradient over the call (kb: per
+    backend's float64 backward, within the declared f32 gradient tolerance (documents: each request
+    its own tile classes); a second run gives the same bits (no atomics).  Each load's launch writes a buffer the size of its gradient over the call (kb: per
     head), never times the batch: bias [H, S_q, S_k], slope one float per (head, query tile)."""
     pytest.importorskip("triton")
     from attnc.backends.triton import score_grads
@@ -131,12 +131,13 @@ def test_triton_score_tensor_gradients_match_the_float64_reference_and_repeat_bi
     tensors = {"bias": torch.randn(2, 40, 40, generator=gen), "slope": torch.rand(2, generator=gen) * 0.1,
                "kb": torch.randn(2, 40, generator=gen), "rb": torch.randn(2, 2, 40, generator=gen)}
     do, dlse = torch.randn(2, 2, 24, 4, generator=gen), torch.randn(2, 2, 24, generator=gen)
+    doc = torch.tensor([[0] * 40, [0] * 12 + [1] * 28], dtype=torch.int32)
     runs = []
     for backend, dt, dev in (("numpy", torch.float64, "cpu"), ("triton", torch.float32, TRITON_DEVICE),
                              ("triton", torch.float32, TRITON_DEVICE)):
         leaves = [x.to(dev, dt).clone().requires_grad_() for x in (q, k, v, *tensors.values())]
         named = dict(zip(tensors, leaves[3:]))
-        o, lse = attn(*leaves[:3], backend=backend, return_lse=True, **named)
+        o, lse = attn(*leaves[:3], backend=backend, return_lse=True, doc=doc.to(dev), **named)
         ((o * do.to(dev, dt)).sum() + (lse * dlse.to(dev, dt)).sum()).backward()
         runs.append([x.grad.cpu() for x in leaves])
     reference, first, again = runs
