@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from attnc.compiler import inputs, ir, numerics
+from attnc.compiler import inputs, ir, numerics, reads
 from attnc.compiler.ranges import may_be_nonfinite
 from attnc.compiler.errors import BackendUnavailable, InputError
 from attnc.compiler.plan import Plan, plan as make_plan
@@ -49,6 +49,7 @@ class Kernel(PrefillCalls, BackwardCalls, SplitCalls):
         self.digest = ir.digest(program)
         self._tensor_names = tuple(t.name for t in program.tensors)
         self._mask_reads = bool(ir.loads(program.mask))
+        self._index_reads = reads.index_reads_tensor(program)
         self._scores_may_fail = may_be_nonfinite(program)
         self._bound: dict = {}
         self._splits: dict = {}
