@@ -82,3 +82,47 @@ def test_the_read_check_evaluates_only_what_ranges_cannot_bound(monkeypatch):
     with pytest.raises(AttncError, match="read out of range: axis 1 index 12"):
         monkeypatch.undo()
         reads.check_requests(p, {**ok, "e": np.full((2, 12), 12, np.int64)}, [12, 5], [3, 1])
+
+
+def _outcome(fn):
+    try:
+        return fn()
+    except AttncError as e:
+        return e
+
+
+@pytest.mark.parametrize("where", ["q", "k", "scale"])
+def test_non_finite_inputs_are_one_error_on_every_backend(where):
+    """NaN or inf in q or K, or `scale = 1e38`: numpy and AHBM raised, Triton returned NaN rows."""
+    from attnc.backends.ahbm import runtime as ahbm_runtime
+    p = compile_spec(f"attention t {{ {HEAD} {'scale = 1e38' if where == 'scale' else ''} mask = causal }}")
+    a = inputs.sample(p, 1, 4, 6, seed=1)
+    if where != "scale":
+        a[where][0, 1, 2, 3] = np.inf if where == "q" else np.nan
+    got = [_outcome(lambda m=m: m.load(p)(a["q"], a["k"], a["v"], return_lse=True))
+           for m in (numpy_runtime, runtime, ahbm_runtime)]
+    assert all(isinstance(g, PlanError) and "NaN or +inf at a visible key" in str(g) for g in got), got
+    assert len({str(g) for g in got}) == 1
+
+
+def test_non_finite_cache_rows_are_an_error_in_split_calls():
+    p = compile_spec(f"attention t {{ {HEAD} cache = paged(page_size = 4) mask = causal }}")
+    arrays = inputs.sample_cache(p, [9, 7], [3, 1], seed=3)
+    lay = inputs.validate_cache(p, arrays).layout
+    page = int(lay.block_table[1, 1])  # request 1's second page: its keys 4..7, visible to its row
+    arrays["k_cache"][page, 0, 1, 0] = np.nan
+    got = [_outcome(lambda k=k: k.run(arrays, return_lse=True)) for k in (numpy_runtime.load(p), runtime.load(p))]
+    assert all(isinstance(g, PlanError) for g in got) and str(got[0]) == str(got[1]), got
+
+
+def test_gpu_calls_mark_a_device_flag_that_check_numerics_raises():
+    """The GPU's default path marks without a host sync (exercised here on host tensors)."""
+    import torch
+    kernel = runtime.load(compile_spec(f"attention t {{ {HEAD} mask = causal }}"))
+    kernel._mark_rows(torch.zeros(1, 2, 3))
+    kernel.check_numerics()  # nothing marked
+    kernel._mark_rows(torch.tensor([[[0.0, float("nan")]]]))
+    kernel._mark_rows(torch.zeros(1, 2, 3))  # a later good call does not clear it
+    with pytest.raises(PlanError, match="since the last check had NaN or \\+inf at a visible key"):
+        kernel.check_numerics()
+    kernel.check_numerics()  # cleared
