@@ -102,10 +102,12 @@ class Kernel(PrefillCalls, BackwardCalls, SplitCalls):
         the call; elsewhere on a GPU (or with ATTNC_CHECK_FINITE=1, at every call) the call only
         marks the kernel's device flag, asynchronously (a reduction over LSE, no host sync), and
         :meth:`check_numerics` raises it.  While a CUDA graph is captured the marking is captured
-        (each replay marks); DecodeGraph checks after each replay."""
+        (each replay marks) once an uncaptured call made the flag; DecodeGraph checks after each
+        replay."""
         torch = self._torch
         if lse.is_cuda and torch.cuda.is_current_stream_capturing():
-            self._mark_rows(lse)
+            if str(lse.device) in self._nonfinite:  # (the flag is made by an uncaptured call, not in the graph's pool)
+                self._mark_rows(lse)
             return
         if lse.is_cuda and not (self._scores_may_fail or os.environ.get(CHECK_FINITE_VAR) == "1"):
             self._mark_rows(lse)

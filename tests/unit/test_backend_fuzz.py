@@ -21,7 +21,7 @@ from attnc.backends.ahbm import runtime as ahbm_runtime  # noqa: E402
 from attnc.backends.numpy import runtime as numpy_runtime  # noqa: E402
 from attnc.backends.triton import runtime as triton_runtime  # noqa: E402
 from attnc.compiler import inputs, numerics, oracle  # noqa: E402
-from attnc.compiler.errors import AttncError  # noqa: E402
+from attnc.compiler.errors import AttncError, PlanError  # noqa: E402
 from attnc.compiler.lower import compile_spec  # noqa: E402
 
 BATCH, S_Q, S_K = 2, 3, 7
@@ -36,7 +36,15 @@ def _outcome(fn):
         return e
 
 
+def _ahbm_limit(got) -> bool:
+    """AHBM's documented refusal of a call its mesh programs cannot stream (a tensor read that
+    varies with both q and k: test_ahbm_programs), not a disagreement."""
+    return isinstance(got, PlanError) and str(got).startswith("error: ahbm: ")
+
+
 def _agree(p, want, got, where: str) -> None:
+    if where.startswith("ahbm") and _ahbm_limit(got):
+        return
     if isinstance(want, AttncError) or isinstance(got, AttncError):
         assert type(got) is type(want), f"{where}: {got!r} where the oracle gives {want!r}"
         return
