@@ -25,7 +25,7 @@ from attnc.compiler.errors import BackendUnavailable, InputError, PlanError
 from attnc.compiler.plan import Plan, plan as make_plan
 from attnc.backends.common import load_module
 
-from . import choice, device
+from . import choice, device, tile_classes
 from . import plans as P
 from .args import FP8_INPUTS, TORCH_DTYPES, _Bound, _kind  # noqa: F401  (FP8_INPUTS: attnc.api's)
 from .backward_calls import BackwardCalls
@@ -84,7 +84,11 @@ class Kernel(PrefillCalls, BackwardCalls, SplitCalls):
         host = {n: (t.detach().cpu().numpy() if hasattr(t, "detach") else np.asarray(t))
                 for n, t in (tensors or {}).items()}
         host = {n: t.astype(np.int64) if t.dtype.kind in "iu" else t for n, t in host.items()}
-        return make_plan(self.program, batch, s_q, s_k, host, bm, bn)
+        given = dict(tensors or {})
+        on_gpu = self._device == "cuda" and all(getattr(t, "is_cuda", False) for t in given.values())
+        evaluator = (tile_classes.tile_evaluator(self.module, given, batch, s_q, s_k, self._torch.device("cuda"))
+                     if on_gpu else None)
+        return make_plan(self.program, batch, s_q, s_k, host, bm, bn, tile_evaluator=evaluator)
 
     def device_plan(self, plan: Plan, device) -> dict:
         """The plan's walk arrays on ``device`` (cached on the plan)."""
@@ -154,8 +158,13 @@ class Kernel(PrefillCalls, BackwardCalls, SplitCalls):
         if stray:
             raise InputError(f"inputs: '{stray[0]}' is given but q is {q.dtype}: descales go with float8_e4m3fn q, k "
                              "and v (attnc.fp8.quantize)")
-        device.check_device({"q": q, "k": k, "v": v, **tensors}, self.device)
-        metas = {n: (tuple(t.shape), _kind(t), str(t.dtype)) for n, t in {"q": q, "k": k, "v": v, **tensors}.items()}
+        given = {"q": q, "k": k, "v": v, **tensors}
+        stray = next((n for n, t in given.items() if not isinstance(t, torch.Tensor)), None)
+        if stray is not None:
+            raise InputError(f"inputs: '{stray}' is a {type(given[stray]).__name__}; the Triton backend takes torch "
+                             "tensors (or q, k, v and every tensor as numpy arrays)")
+        device.check_device(given, self.device)
+        metas = {n: (tuple(t.shape), _kind(t), str(t.dtype)) for n, t in given.items()}
         batch, s_q, s_k = inputs.check_shapes(self.program, metas)
         if storage and any(x.dtype != self._dtype for x in (q, k, v)):
             raise InputError(f"inputs: q/k/v have dtypes {q.dtype}/{k.dtype}/{v.dtype}; "
