@@ -33,14 +33,16 @@ class _CallRanges(IntRanges):
     def __init__(self, heads_q: int, variables: dict[str, Range], tensors: dict):
         super().__init__(heads_q)
         self.variables, self.tensors = variables, tensors
+        self._values: dict[str, Range] = {}  # tensor -> (min, max), one pass over each
 
     def _compute(self, e: ir.Expr) -> Range:
         if isinstance(e, ir.Var) and e.name in self.variables:
             return self.variables[e.name]
-        if isinstance(e, ir.Load) and e.tensor in self.tensors:
-            a = np.asarray(self.tensors[e.tensor])
-            if a.dtype.kind in "iub":
-                return (int(a.min()), int(a.max())) if a.size else (0, 0)
+        if isinstance(e, ir.Load) and e.tensor in self.tensors and e.type.integer:
+            if e.tensor not in self._values:
+                a = np.asarray(self.tensors[e.tensor])
+                self._values[e.tensor] = (int(a.min()), int(a.max())) if a.size else (0, 0)
+            return self._values[e.tensor]
         return super()._compute(e)
 
 
