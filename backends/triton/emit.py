@@ -75,7 +75,12 @@ def triton_expr(e: ir.Expr, names: dict[str, str] | None = None, functions: dict
         total = "" if isinstance(e.right, ir.Const) and e.right.value != 0 else "_total"
         return {"floordiv": f"_floordiv{total}({a}, {b})", "mod": f"_mod{total}({a}, {b})"}[e.op]
     if isinstance(e, ir.Compare):
-        return f"({rec(e.left)} {_COMPARE[e.op]} {rec(e.right)})"
+        cmp = f"({rec(e.left)} {_COMPARE[e.op]} {rec(e.right)})"
+        if e.left.type is ir.F32 and not (ir.free_vars(e) & {"q", "k", "score"}):
+            # a scalar f32 comparison (`h >= 0.5`): Triton 3.9's interpreter stores its result as
+            # float32 data, which `&` then refuses; as an integer select it is a bool everywhere
+            return f"(tl.where({cmp}, 1, 0) != 0)"
+        return cmp
     if isinstance(e, ir.Select):
         return f"tl.where({rec(e.cond)}, {rec(e.if_true)}, {rec(e.if_false)})"
     if isinstance(e, ir.Call):

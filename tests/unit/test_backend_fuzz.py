@@ -20,7 +20,7 @@ from test_language_fuzz import _concrete, specs  # noqa: E402
 from attnc.backends.ahbm import runtime as ahbm_runtime  # noqa: E402
 from attnc.backends.numpy import runtime as numpy_runtime  # noqa: E402
 from attnc.backends.triton import runtime as triton_runtime  # noqa: E402
-from attnc.compiler import inputs, numerics, oracle  # noqa: E402
+from attnc.compiler import inputs, ir, numerics, oracle  # noqa: E402
 from attnc.compiler.errors import AttncError, PlanError  # noqa: E402
 from attnc.compiler.lower import compile_spec  # noqa: E402
 
@@ -42,11 +42,25 @@ def _ahbm_limit(got) -> bool:
     return isinstance(got, PlanError) and str(got).startswith("error: ahbm: ")
 
 
+def _ill_conditioned(p) -> bool:
+    """A score program discontinuous or unbounded in the score (f32 `%` or `//` of it, a division
+    by it): its value at a cell follows the last bit of q.k, which the backends' dot products
+    round differently from the oracle's float64 one, so only the outcome is compared."""
+    def bad(n):
+        if not (isinstance(n, ir.Binary) and n.type is ir.F32):
+            return False
+        return (n.op in ("mod", "floordiv") and "score" in ir.free_vars(n)) or \
+            (n.op in ("div", "mod", "floordiv") and "score" in ir.free_vars(n.right))
+    return any(bad(n) for s in p.score for n in ir.walk(s))
+
+
 def _agree(p, want, got, where: str) -> None:
     if where.startswith("ahbm") and _ahbm_limit(got):
         return
     if isinstance(want, AttncError) or isinstance(got, AttncError):
         assert type(got) is type(want), f"{where}: {got!r} where the oracle gives {want!r}"
+        return
+    if _ill_conditioned(p):
         return
     o, lse = (np.asarray(x, np.float64) for x in got)
     co, cl = numerics.compare_outputs(p.dtype, o, lse, *want)
@@ -83,7 +97,8 @@ def _split(p) -> None:
 ATOMS = ["max(0.0, sqrt(q - k - 3.0)) == 0.0", "min(sqrt(k - q + 1.0), 2.0) < 1.5", "doc[b, q ^ 1] >= 0",
          "doc[b, (q * 7) % 23] >= 1", "doc[b, (q * 7) % 5] >= 1", "doc[b, q // 2 * 3] == doc[b, k]",
          "doc[b, abs(q - 30)] > 0", "doc[b, abs(q - 6)] > 0", "doc[b, q << 1] > 0", "doc[b, max(q, k) + 1] > 0",
-         "where(q > 0, doc[b, q - 1], 0) <= doc[b, k]", "k < 3 | doc[b, q + k] > 0", "flag[b, min(q, k)]"]
+         "where(q > 0, doc[b, q - 1], 0) <= doc[b, k]", "k < 3 | doc[b, q + k] > 0", "flag[b, min(q, k)]",
+         "h >= 0.5", "h * 0.5 < w[h]"]
 SCORES = ["max(score, sqrt(q - k - 3.0))", "score * 1e30", "min(score, w[h])", "score + doc[b, q ^ 1]",
           "exp(score * 100.0)", "where(q > 5, score + doc[b, q + 1], score)", "7.0", "w[h]"]
 
