@@ -27,6 +27,10 @@ _CALLS = {"min": "tl.minimum({0}, {1})", "max": "tl.maximum({0}, {1})", "abs": "
           "sign": "tl.where({0} > 0, 1, tl.where({0} < 0, -1, {0} - {0}))",
           "exp": "tl.exp({0})", "log": "tl.log({0})", "sqrt": "tl.math.sqrt_rn({0})", "tanh": "_tanh({0})",
           "erf": "tl.math.erf({0})", "sin": "tl.sin({0})", "cos": "tl.cos({0})"}
+# Calls whose f32 result takes another form: f32 min and max propagate NaN, as np.minimum and
+# np.maximum (max.NaN.f32); on integers the plain form above.
+F32_CALLS = {"min": "tl.minimum({0}, {1}, propagate_nan=tl.PropagateNan.ALL)",
+             "max": "tl.maximum({0}, {1}, propagate_nan=tl.PropagateNan.ALL)"}
 # Storage whose tolerance takes the GPU's tanh.approx.f32 (lang._tanh_approx): measured on the
 # H200, relative error at most 1.1e-5 (2**-16.5) over |x| <= 12, so about s * 1e-5 on a softcapped
 # score s, within f16's and bf16's tolerance on O at any cap, not within f32's (2e-5).  (The PTX
@@ -79,11 +83,17 @@ def triton_expr(e: ir.Expr, names: dict[str, str] | None = None, functions: dict
         total = "" if isinstance(e.right, ir.Const) and e.right.value != 0 else "_total"
         return {"floordiv": f"_floordiv{total}({a}, {b})", "mod": f"_mod{total}({a}, {b})"}[e.op]
     if isinstance(e, ir.Compare):
-        return f"({rec(e.left)} {_COMPARE[e.op]} {rec(e.right)})"
+        cmp = f"({rec(e.left)} {_COMPARE[e.op]} {rec(e.right)})"
+        if e.left.type is ir.F32 and not (ir.free_vars(e) & {"q", "k", "score"}):
+            # a scalar f32 comparison (`h >= 0.5`): Triton 3.9's interpreter stores its result as
+            # float32 data, which `&` then refuses; as an integer select it is a bool everywhere
+            return f"(tl.where({cmp}, 1, 0) != 0)"
+        return cmp
     if isinstance(e, ir.Select):
         return f"tl.where({rec(e.cond)}, {rec(e.if_true)}, {rec(e.if_false)})"
     if isinstance(e, ir.Call):
-        return functions[e.fn].format(*(rec(a) for a in e.args))
+        template = F32_CALLS.get(e.fn) if e.type is ir.F32 else None
+        return (template or functions[e.fn]).format(*(rec(a) for a in e.args))
     raise TypeError(e)
 
 
