@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from attnc.compiler import inputs, interp, ir, numerics
+from attnc.compiler import inputs, interp, ir, numerics, sinks
 from attnc.compiler.analysis.splits import balanced_bounds
 from attnc.compiler.errors import PlanError
 from attnc.compiler.plan import Plan, plan as make_plan
@@ -308,6 +308,14 @@ class Kernel:
         if launch.kernel != "ring":
             kwargs["prefetch"] = self.prefetch
         machine = Machine(launch.config, self.latency)
+        if p.sink is not None:  # each PE's HBM holds its work item's G sinks [G, 1, 1], joined once per row
+            values = sinks.values(p, B, call.tensors)
+            per_item, G = sp if launch.kernel != "prefill" else 1, p.group
+            for rank in range(len(layout.items) * per_item):
+                b, kh = layout.items[rank // per_item]
+                machine.hbm(rank).alloc("SINK", values[b, kh * G:(kh + 1) * G].reshape(G, 1, 1))
+            kwargs["sink_ptr"] = PerPE(lambda r: machine.hbm(r).ptr("SINK") if r < len(layout.items) * per_item
+                                       else None)
         for rank, buffers in launch.hbm.items():  # the host writes every PE's HBM
             for name, data in buffers:
                 machine.hbm(rank).alloc(name, data)
