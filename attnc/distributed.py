@@ -68,7 +68,7 @@ import torch.distributed as dist
 
 from .api import Attention, BackendRefused, compile as compile_spec
 from .backends.numpy.state import OutputState
-from .compiler import ir, numerics, oracle
+from .compiler import ir, numerics, oracle, sinks
 from .compiler.cp import DEFAULT_BLOCK, CPPlan, plan_cp
 from .compiler.errors import InputError, PlanError
 
@@ -461,7 +461,7 @@ class _ReferenceBlocks:
 
     def forward(self, q, k, v, args):
         o, lse = oracle.reference(self.cp.program, q.numpy(), k.numpy(), v.numpy(), self.cp.tensors, wide=True,
-                                  **self._where(args))
+                                  sink=False, **self._where(args))  # a partial state: the merge adds the sink
         return torch.from_numpy(o), torch.from_numpy(lse)
 
     def backward(self, q, k, v, o, lse, do, dlse, args):
@@ -577,6 +577,9 @@ def rank_attention(cp: CPPlan, rank: int, blocks, q, k, v, fetch):
                 states[i] = merge_states(states[i], _partial(lse_p, o_p, dtype))
     if not states:
         return (q.new_zeros((batch, heads, 0, v.shape[3]), dtype=dtype), q.new_zeros((batch, heads, 0), dtype=dtype))
+    if cp.program.sink is not None:  # once per row, after all its blocks: one more state, O = 0 and LSE = sink
+        sink = torch.as_tensor(sinks.values(cp.program, batch, cp.tensors), dtype=dtype, device=dev)[..., None]
+        states = [merge_states(s, _partial(sink.expand_as(s.lse), torch.zeros_like(s.o), dtype)) for s in states]
     o = torch.cat([torch.where(s.valid[..., None], s.o, 0) for s in states], dim=2)
     lse = torch.cat([torch.where(s.valid, s.lse, -torch.inf) for s in states], dim=2)
     return o, lse
