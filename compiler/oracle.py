@@ -65,7 +65,7 @@ def reference(program: ir.Program, q, k, v, tensors: dict | None = None, *, q_of
     s_k = np.asarray(k).shape[2]
     env = positions(batch, program.heads_q, s_q, s_k, q_offset, k_offset, lengths)
     o, lse = _attend(program, q, k, v, env, tensors or {}, wide, sink)
-    check_rows(lse, s_q=s_q, s_k=s_k)
+    check_rows(lse, s_q=s_q, s_k=s_k, sink=sink and program.sink is not None)
     return o, lse
 
 
@@ -77,7 +77,8 @@ def reference_request(program: ir.Program, b: int, q, k, v, tensors: dict | None
     o, lse = _request(program, b, q, k, v, tensors)
     if program.sink is not None:
         o, lse = sinks.join(o, lse, sinks.values(program, b + 1, tensors or {})[b].astype(np.float64))
-    check_rows(lse, qo_indptr=np.array([0, lse.shape[0]]), kv_lens=np.array([np.asarray(k).shape[0]]))
+    check_rows(lse, qo_indptr=np.array([0, lse.shape[0]]), kv_lens=np.array([np.asarray(k).shape[0]]),
+               sink=program.sink is not None)
     return o, lse
 
 
@@ -105,7 +106,7 @@ def reference_cache(program: ir.Program, call):
     if program.sink is not None:  # once per row, after its keys: rows of an empty request get O = 0, LSE = sink
         request = np.searchsorted(call.qo_indptr, np.arange(call.q.shape[0]), side="right") - 1
         o, lse = sinks.join(o, lse, sinks.values(program, call.batch, call.tensors)[request].astype(np.float64))
-    check_rows(lse, qo_indptr=call.qo_indptr, kv_lens=call.kv_lens)
+    check_rows(lse, qo_indptr=call.qo_indptr, kv_lens=call.kv_lens, sink=program.sink is not None)
     return o, lse
 
 
@@ -192,7 +193,7 @@ def reference_backward(program: ir.Program, q, k, v, do, tensors: dict | None = 
         o, lse = _softmax(values[-1], visible, vx)
         if sink_at is not None:
             o, lse = sinks.join(o, lse, sink_at)
-        check_rows(lse, s_q=s_q, s_k=k.shape[2])
+        check_rows(lse, s_q=s_q, s_k=k.shape[2], sink=program.sink is not None)
     o, lse = np.asarray(o, np.float64), np.asarray(lse, np.float64)
     row = lse[..., None]  # -inf on rows with no visible key, and those rows have no visible cell
     p = np.exp(np.where(visible, values[-1] - np.where(np.isfinite(row), row, 0.0), -np.inf))

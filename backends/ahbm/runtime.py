@@ -261,7 +261,7 @@ class Kernel:
                             "driver's: round-robin slots or ring blocks per PE)")
         run = self.simulate(q, k, v, plan=plan, sp=sp, case=case, mask_from=mask_from, **tensors)
         numerics.check_rows(run.lse, s_q=run.lse.shape[2], s_k=np.asarray(k).shape[
-            1 if self.program.cache.layout is ir.Layout.BSHD else 2])
+            1 if self.program.cache.layout is ir.Layout.BSHD else 2], sink=self.program.sink is not None)
         return (run.o, run.lse) if return_lse else run.o
 
     def report(self) -> str:
