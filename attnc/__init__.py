@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os as _os
 
-__version__ = "0.2.0"
+from .version import __version__
 
 # A source checkout keeps compiler/, backends/, bench/, grammar/, templates/ and examples/ beside this
 # folder (an installed wheel puts them inside it): make them this package's subpackages.

@@ -128,7 +128,7 @@ class Attention:
     def _route(self, program: ir.Program, q, k, backend: str | None) -> tuple[str, object]:
         """Which backend runs calls like this one: the dispatch key's admission (auto, or forced)."""
         from .compiler.dispatch import DispatchError, dispatch, run_environment
-        from .backends.triton.launch import capability
+        from .backends.triton.device import capability
         cuda = q.is_cuda
         env = run_environment("cuda" if cuda else "cpu", backend or "auto")
         s_axis = 1 if self._bshd else 2

@@ -217,7 +217,7 @@ class _TritonRunner:
                                        total_q=int(txn.q.shape[0]))
 
     def run(self, txn: _Transaction, plan):
-        from .backends.triton.decode import interpreted
+        from .backends.triton.device import interpreted
         q, k, v = txn.q, txn.k, txn.v
         carry = interpreted() and q.dtype == txn.torch.bfloat16  # the interpreter reads bf16 as garbage
         if carry:

@@ -10,7 +10,7 @@ For each decode case (GQA 32/8, d = 128, bf16, paged nhd page 16, shuffled pages
   auto              ``split = auto``: the untuned fast route (balanced shares of whole blocks), the
                     workspace's partial O in bf16 (the declared (LSE, O) field dtype);
   auto_f32_o        the same plan with partial O stored in float32 (what the kernel stored before:
-                    ``launch.vector_torch_dtype`` patched in a kernel of its own);
+                    ``workspace.vector_torch_dtype`` patched in a kernel of its own);
   mlu               ``state = mlu`` under the same plan (float32 u, m, l);
   balanced(S)       the spec's policy with S = auto's split count: exact per-request bounds, boundary
                     blocks read by both slots they straddle;
@@ -52,20 +52,20 @@ def f32_partial_o():
     and launchers of its own: a compiled launch is bound to its argument dtypes) whose vector
     field dtype is patched."""
     import torch
-    from attnc.backends.triton import launch
+    from attnc.backends.triton import workspace
 
     k = kernel(name="decode_policy_f32_o")
-    real = launch.vector_torch_dtype
+    real = workspace.vector_torch_dtype
 
     def patched(module, abi):
         return torch.float32 if module is k.module else real(module, abi)
-    launch.vector_torch_dtype = patched
+    workspace.vector_torch_dtype = patched
     return k
 
 
 def main(argv=None) -> int:
     import torch
-    from attnc.backends.triton import launch
+    from attnc.backends.triton import workspace
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=None)
     ap.add_argument("--cases", default=",".join(f"{b}x{t}" for b, t in DECODE_CASES))
@@ -96,7 +96,7 @@ def main(argv=None) -> int:
         for name, kern in todo.items():
             plan = kern.decode_plan(cache)
             run = kern.prepare_decode(q, plan, **cache)
-            ws = launch.workspace_bytes(kern.module, plan["total_q"], plan["splits"], kern.program.state.value)
+            ws = workspace.workspace_bytes(kern.module, plan["total_q"], plan["splits"], kern.program.state.value)
             record = {"bench": "decode_policy", "impl": name, "B": batch, "T": t_len, "H_q": HQ, "H_kv": HKV,
                       "D": D, "page_size": PAGE, "env": env, "policy": plan["policy"], "slots": plan["splits"],
                       "block_n": plan["block_n"], "workspace_bytes": ws, "kv_bytes": kv_bytes,

@@ -4,12 +4,12 @@ variant a fresh launch):
 
   base        the engine as shipped;
   overlap / no_overlap   block i+1's Q.K^T issued before block i's softmax (FlashAttention-3's
-              intra-warpgroup overlap: ``launch.GLUON_OVERLAP``; FP8 launches never overlap);
-  regs232 / regs240      the consumer warpgroups' registers (``launch.GLUON_REGS_D128``);
-  stages3, stages4   three or four K/V stages (``launch.GLUON_STAGES``; FP8 blocks are half the bytes);
-  q1          one Q buffer (``launch.GLUON_Q_BUFFERS``; the engine takes two where they cost no stage);
+              intra-warpgroup overlap: ``choice.GLUON_OVERLAP``; FP8 launches never overlap);
+  regs232 / regs240      the consumer warpgroups' registers (``choice.GLUON_REGS_D128``);
+  stages3, stages4   three or four K/V stages (``choice.GLUON_STAGES``; FP8 blocks are half the bytes);
+  q1          one Q buffer (``choice.GLUON_Q_BUFFERS``; the engine takes two where they cost no stage);
   pingpong    FlashAttention-3's ping-pong: the consumers take turns issuing block i's Q.K^T with
-              block i-1's P.V, each softmax under the other's MMAs (``launch.GLUON_PINGPONG_DIMS``: the head dims that take it);
+              block i-1's P.V, each softmax under the other's MMAs (``choice.GLUON_PINGPONG_DIMS``: the head dims that take it);
   one_tile, head_group<n>   the call options ``schedule="one_tile"`` (one job per program) and
               ``head_group=n`` (heads whose tiles interleave; default 4);
   bn128, bn256, wg3, wg3_bn64, wg3_stages3   tiles asked for: 128 x 128, 128 x 256, 192 x 128 (three
@@ -87,10 +87,10 @@ def main(argv=None) -> int:
     import torch
     import triton.testing
     import attnc
-    from attnc.backends.triton import launch
+    from attnc.backends.triton import choice
     b, h, s, d = 4, args.heads, args.seq, args.head_dim
-    defaults = {"OVERLAP": launch.GLUON_OVERLAP, "REGS": launch.GLUON_REGS_D128, "STAGES": launch.GLUON_STAGES,
-                "PINGPONG": launch.GLUON_PINGPONG_DIMS, "Q_BUFFERS": launch.GLUON_Q_BUFFERS}
+    defaults = {"OVERLAP": choice.GLUON_OVERLAP, "REGS": choice.GLUON_REGS_D128, "STAGES": choice.GLUON_STAGES,
+                "PINGPONG": choice.GLUON_PINGPONG_DIMS, "Q_BUFFERS": choice.GLUON_Q_BUFFERS}
     for mask in args.masks.split(","):
         attn = attnc.compile(f"attention c {{ heads = {h} head_dim = {d} dtype = bf16 "
                              f"mask = {'causal' if mask == 'causal' else 'true'} }}")
@@ -106,10 +106,10 @@ def main(argv=None) -> int:
             ref = _reference(q, k, v, mask, attn.program)
             for name in args.variants.split(","):
                 knobs = {**defaults, **{n: x for n, x in VARIANTS[name].items() if n != "options"}}
-                launch.GLUON_OVERLAP, launch.GLUON_REGS_D128, launch.GLUON_STAGES = (knobs["OVERLAP"], knobs["REGS"],
+                choice.GLUON_OVERLAP, choice.GLUON_REGS_D128, choice.GLUON_STAGES = (knobs["OVERLAP"], knobs["REGS"],
                                                                                  knobs["STAGES"])
-                launch.GLUON_PINGPONG_DIMS = knobs["PINGPONG"]
-                launch.GLUON_Q_BUFFERS = knobs["Q_BUFFERS"]
+                choice.GLUON_PINGPONG_DIMS = knobs["PINGPONG"]
+                choice.GLUON_Q_BUFFERS = knobs["Q_BUFFERS"]
                 row = {"study": "engine_variants", "variant": name, "mask": mask, "dtype": dtype, "B": b, "H": h,
                        "S": s, "D": d}
                 try:
@@ -129,10 +129,10 @@ def main(argv=None) -> int:
                                   "n_spills": getattr(compiled[0], "n_spills", None) if compiled else None,
                                   "ptx_counts": _ptx_counts(compiled[0]) if compiled else None,
                                   "config": run.config.describe()}), flush=True)
-        launch.GLUON_OVERLAP, launch.GLUON_REGS_D128, launch.GLUON_STAGES = (defaults["OVERLAP"], defaults["REGS"],
+        choice.GLUON_OVERLAP, choice.GLUON_REGS_D128, choice.GLUON_STAGES = (defaults["OVERLAP"], defaults["REGS"],
                                                                          defaults["STAGES"])
-        launch.GLUON_PINGPONG_DIMS = defaults["PINGPONG"]
-        launch.GLUON_Q_BUFFERS = defaults["Q_BUFFERS"]
+        choice.GLUON_PINGPONG_DIMS = defaults["PINGPONG"]
+        choice.GLUON_Q_BUFFERS = defaults["Q_BUFFERS"]
         del q, k, v, q8, k8, v8
         torch.cuda.empty_cache()
     return 0

@@ -74,7 +74,7 @@ def reference(q, k, v):
 
 def fallback_outputs(kernel, graph) -> int | None:
     """(row, head) outputs the last replay recomputed: the shift workspace's ``need`` bytes."""
-    from attnc.backends.triton.shared_shift import ShiftLaunch
+    from attnc.backends.triton.shift import ShiftLaunch
     launch = kernel.split_launch(graph._warps, graph._stages)
     if not isinstance(launch, ShiftLaunch):
         return None

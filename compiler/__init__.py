@@ -1,3 +1,3 @@
 """attnc: a compiler for attention mask programs (see DESIGN.md)."""
 
-from attnc import __version__  # noqa: F401  (one version, the package's)
+from attnc.version import __version__  # noqa: F401  (one version, the package's)

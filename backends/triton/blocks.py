@@ -21,6 +21,7 @@ from attnc.compiler.analysis.tiles import FULL, PARTIAL, SKIP, TilePlan
 from attnc.compiler.errors import InputError
 from attnc.compiler.plan import Plan
 
+from . import choice, device
 from . import grad as G
 from . import launch as L
 
@@ -93,8 +94,9 @@ def forward(kernel, q, k, v, args: dict, tensors: dict, lengths: tuple[int, int]
         def plan_for(bm, bn):
             return block_plan(kernel.digest, args, batch, rows, keys, bm, bn)
         contiguous = all(x.is_contiguous() for x in (q, k, v))
-        config, plan = L.choose_prefill(kernel.program, rows, keys, plan_for, asked={"engine": "triton"}, tuned=None,
-                                        contiguous=contiguous, device_capability=L.capability(q.device))
+        config, plan = choice.choose_prefill(kernel.program, rows, keys, plan_for, asked={"engine": "triton"},
+                                             tuned=None, contiguous=contiguous,
+                                             device_capability=device.capability(q.device))
         launch = L.PrefillLaunch(kernel.module, config, kernel.device_plan(plan, q.device), (batch, rows, keys),
                                  q.device, offsets=(args["q_offset"], args["k_offset"]))
         cache[key] = launch
@@ -119,7 +121,7 @@ def backward(kernel, q, k, v, o, lse, do, dlse, args: dict, tensors: dict, lengt
     store = torch.float32 if kernel.emulates(q.dtype) else q.dtype
     q, k, v = (x.to(store) for x in (q, k, v))
     do = do.to(store)  # (the kernels' dO.V^T and P^T.dO run in the storage dtype)
-    cfg = G.default_backward_config(p.d_qk, p.d_v, L.interpreted())
+    cfg = G.default_backward_config(p.d_qk, p.d_v, device.interpreted())
     cache = args.setdefault("_triton", {})
     key = ("backward", q.shape, k.shape, cfg, str(q.device))
     launch = cache.get(key)

@@ -25,10 +25,8 @@ from attnc.compiler.analysis.pipeline import spec_split_policy
 from attnc.compiler.analysis.splits import occupancy_for
 from attnc.compiler.plan import DEFAULT_SMS, split_blocks
 
-
-def interpreted() -> bool:
-    """Whether Triton kernels run in its CPU interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
+from . import choice
+from .device import interpreted
 
 
 KV_KEYS = ("k", "v", "k_cache", "v_cache")
@@ -49,7 +47,7 @@ def decode_plan(program, arrays: dict, *, block_n: int | None = None, splits: in
     :func:`default_decode_config`; the plan records the launch's ``num_warps`` / ``num_stages``.
     ``engine``: "split" (the split producer and combine), "gluon" (the Gluon engine over the
     cache, one launch; refused with the reason where it cannot run) or None: the engine where an
-    untuned, unconstrained call's rows fill its tiles (``launch.split_engine``), else the split."""
+    untuned, unconstrained call's rows fill its tiles (``choice.split_engine``), else the split."""
     if engine not in (None, "split", "gluon"):
         raise ValueError(f"engine must be None, 'split' or 'gluon', not {engine!r}")
     if engine == "gluon" and (block_n is not None or splits is not None or block_q is not None):
@@ -91,19 +89,18 @@ def decode_plan(program, arrays: dict, *, block_n: int | None = None, splits: in
     k_key = "k_cache" if lay.kind == "paged" else "k"
     v_key = "v_cache" if lay.kind == "paged" else "v"
     if engine == "gluon":
-        from . import launch as L
-        refusal = L.cache_engine_refusal(p, lay.kind, int(lay.page_size or 0), arrays[k_key], arrays[v_key])
+        refusal = choice.cache_engine_refusal(p, lay.kind, int(lay.page_size or 0), arrays[k_key], arrays[v_key])
         if refusal is None and policy is not None:
             refusal = "the spec's split policy cuts the keys into slots, which the engine does not split"
         if refusal:
             raise ValueError(f"engine='gluon': {refusal}")
     elif engine is None and not (one_row or launch or policy is not None or block_n is not None
                                  or splits is not None or block_q is not None):
-        from . import launch as L  # untuned, unconstrained: the Gluon engine where the rows fill its tiles
-        engine = L.split_engine(p, lay.kind, int(lay.page_size or 0), arrays[k_key], arrays[v_key], q_lens)
+        # untuned, unconstrained: the Gluon engine where the rows fill its tiles
+        engine = choice.split_engine(p, lay.kind, int(lay.page_size or 0), arrays[k_key], arrays[v_key], q_lens)
     engine = None if engine == "split" else engine
     if engine:
-        block_q, block_n = L.cache_engine_tiles(p.d_qk, p.d_v)
+        block_q, block_n = choice.cache_engine_tiles(p.d_qk, p.d_v)
         splits = 1
     default = _default_config(p, batch, one_row, q_lens, longest, num_sms, block_n, block_q)
     block_n = default["block_n"] if block_n is None else block_n

@@ -14,8 +14,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from attnc.compiler.plan import Plan
-from . import backward as K
 from . import plans as P
+from .kernels import backward as K
+from .launch import Launcher, position_end, score_functions
 
 
 @dataclass(frozen=True)
@@ -86,7 +87,6 @@ class BackwardLaunch:
                  offsets: tuple[int, int] | None = None):
         """``offsets``: the absolute positions (Q_OFF, K_OFF) of the first row and key, for one block
         of a larger call (context parallelism); None: a whole call, bottom-right (S_k - S_q, 0)."""
-        from .launch import Launcher, position_end, score_functions
         self.module, self.config = module, config
         self.batch, self.s_q, self.s_k = shape
         cc, rc = dkdv_plan.tiles.classes, dq_plan.tiles.classes

@@ -27,7 +27,10 @@ import numpy as np
 
 from attnc.compiler.errors import InputError, PlanError
 
-from .runtime import DECODE_ARRAYS, device_tensor
+from .args import TORCH_DTYPES
+from .decode import DECODE_ARRAYS, device_tensor
+from .device import interpreted
+from .launch import tensor_args
 
 
 def capture(fn):
@@ -59,7 +62,6 @@ class DecodeGraph:
                  capture: bool | None = None,
                  **arrays):
         import torch
-        from .runtime import TORCH_DTYPES, interpreted
 
         self.kernel = kernel
         p = kernel.program
@@ -169,7 +171,6 @@ class DecodeGraph:
             self.buffers[n].view(-1)[:src.numel()].copy_(src)
 
     def _launch(self):
-        from .launch import tensor_args
         ts = tensor_args(self.kernel.module, self.tensors, (self.buffers["kv_lens"], self.buffers["qo_indptr"]))
         launch = self.kernel.split_launch(self._warps, self._stages)
         return launch(self.q, self.kv.get("k_cache", self.kv.get("k")), self.kv.get("v_cache", self.kv.get("v")),

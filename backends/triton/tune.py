@@ -41,7 +41,7 @@ def _splits_fit(cfg, key):
 
 
 def _prefill_default(key: DispatchKey) -> dict:
-    from attnc.backends.triton.launch import default_prefill_config
+    from attnc.backends.triton.choice import default_prefill_config
     return default_prefill_config(key.d_qk, key.d_v, key.interpreter, key.compute_capability,
                                   key.mask_kind == "tensor")
 

@@ -10,7 +10,7 @@ pytest.importorskip("triton", reason="the Triton backend's tests need triton (pi
 
 import attnc  # noqa: E402
 from attnc import fp8  # noqa: E402
-from attnc.backends.triton import launch, runtime  # noqa: E402
+from attnc.backends.triton import choice, launch, runtime  # noqa: E402
 from attnc.compiler import inputs, numerics, oracle  # noqa: E402
 from attnc.compiler.errors import InputError  # noqa: E402
 from attnc.compiler.lower import compile_spec  # noqa: E402
@@ -190,8 +190,8 @@ def test_fp8_calls_the_engine_refuses_are_dequantized():
 
 
 def test_fp8_smem_budget_counts_one_byte_operands():
-    assert launch.gluon_smem(128, 128, 128, 2, fp8=True) == 128 * 128 + 2 * 128 * 256 + 2 * 128 * 128 + 1024
-    assert launch.gluon_smem(128, 128, 128, 2) == 2 * (128 * 128 + 128 * 128 + 2 * 128 * 256) + 1024
+    assert choice.gluon_smem(128, 128, 128, 2, fp8=True) == 128 * 128 + 2 * 128 * 256 + 2 * 128 * 128 + 1024
+    assert choice.gluon_smem(128, 128, 128, 2) == 2 * (128 * 128 + 128 * 128 + 2 * 128 * 256) + 1024
 
 
 @hopper

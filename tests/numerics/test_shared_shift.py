@@ -180,7 +180,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
 from attnc.backends.triton import runtime as tr_runtime  # noqa: E402
-from attnc.backends.triton.shared_shift import ShiftLaunch  # noqa: E402
+from attnc.backends.triton.shift import ShiftLaunch  # noqa: E402
 
 BN = 8 if tr_runtime.interpreted() else 16
 

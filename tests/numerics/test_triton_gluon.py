@@ -8,7 +8,8 @@ torch = pytest.importorskip("torch", reason="the Triton backend's tests need tor
 pytest.importorskip("triton", reason="the Triton backend's tests need triton (pip install -e '.[test]')")
 
 from attnc.compiler import oracle  # noqa: E402
-from attnc.backends.triton import gluon_engine, launch, runtime  # noqa: E402
+from attnc.backends.triton import choice, device, launch, runtime  # noqa: E402
+from attnc.backends.triton.kernels import gluon_engine  # noqa: E402
 from attnc.compiler import inputs, numerics  # noqa: E402
 from attnc.compiler.lower import compile_file, compile_spec  # noqa: E402
 from tests.conftest import EXAMPLES, prefill_launches  # noqa: E402
@@ -18,7 +19,7 @@ HOPPER = (not runtime.interpreted() and torch.cuda.is_available()
 hopper = pytest.mark.skipif(not HOPPER, reason="the Gluon engine runs on an sm_90 GPU (ATTNC_TEST_GPU=1)")
 
 # every example the engine can run (f16 / bf16, one head dim of 64 or 128), and specs the examples lack
-ELIGIBLE = [p for p in EXAMPLES if launch.gluon_spec_refusal(compile_file(p)) is None]
+ELIGIBLE = [p for p in EXAMPLES if choice.gluon_spec_refusal(compile_file(p)) is None]
 SPECS = {
     "gqa_d128_causal": "attention g { heads = 8 / 2 head_dim = 128 dtype = bf16 mask = causal }",
     "f16_documents": "attention d { heads = 4 head_dim = 128 dtype = f16 tensor doc: i32[b, s] ~ segments(16, 200) "
@@ -190,7 +191,7 @@ def test_tail_tiles_write_only_their_rows(schedule):
 
 
 def test_programs_the_engine_takes():
-    refusal = launch.gluon_spec_refusal
+    refusal = choice.gluon_spec_refusal
     if refusal(compile_spec("attention a { heads = 4 head_dim = 128 dtype = bf16 mask = causal }")) is not None:
         pytest.skip("this Triton has no Gluon")
     for spec in ("heads = 4 head_dim = 64 dtype = f16", "heads = 4 head_dim = 256 dtype = bf16",
@@ -226,17 +227,17 @@ def test_elsewhere_every_call_takes_the_triton_kernel():
 def test_overlap_and_registers_follow_the_head_dim():
     """The launch layer's rule (measured on the H200, r44): the intra-warpgroup overlap on f16/bf16
     at head dim 128 only, with 240 consumer registers there; FP8 and the other head dims without."""
-    assert launch.gluon_overlap(128, 128, fp8=False) and not launch.gluon_overlap(128, 128, fp8=True)
-    assert not any(launch.gluon_overlap(dq, dv, fp8=False) for dq, dv in ((64, 64), (256, 256), (192, 128)))
-    assert launch.gluon_regs(128, 128)[1] == 240
-    assert launch.gluon_regs(256, 256) == launch.gluon_regs(64, 64) == gluon_engine.REGS
+    assert choice.gluon_overlap(128, 128, fp8=False) and not choice.gluon_overlap(128, 128, fp8=True)
+    assert not any(choice.gluon_overlap(dq, dv, fp8=False) for dq, dv in ((64, 64), (256, 256), (192, 128)))
+    assert choice.gluon_regs(128, 128)[1] == 240
+    assert choice.gluon_regs(256, 256) == choice.gluon_regs(64, 64) == gluon_engine.REGS
 
 
 def test_pingpong_follows_the_head_dim():
     """FlashAttention-3's ping-pong on f16/bf16 at head dim 128 (r45: +5% causal, +6% full); FP8
     and head dims 64 (causal) and 256 lost with it."""
-    assert launch.gluon_pingpong(128, 128, fp8=False) and not launch.gluon_pingpong(128, 128, fp8=True)
-    assert not any(launch.gluon_pingpong(dq, dv, fp8=False) for dq, dv in ((64, 64), (256, 256), (192, 128)))
+    assert choice.gluon_pingpong(128, 128, fp8=False) and not choice.gluon_pingpong(128, 128, fp8=True)
+    assert not any(choice.gluon_pingpong(dq, dv, fp8=False) for dq, dv in ((64, 64), (256, 256), (192, 128)))
 
 
 def test_two_q_buffers_where_they_cost_no_stage():
@@ -245,31 +246,31 @@ def test_two_q_buffers_where_they_cost_no_stage():
     program, or a head dim whose Q tile would cost a stage (d 256 and 192 on 64-key blocks), keeps one."""
     for d_qk, d_v, bn, fp8, rows in ((128, 128, 128, False, 128), (128, 128, 256, True, 128),
                                      (64, 64, 128, False, 192)):
-        assert launch.gluon_q_buffers(d_qk, d_v, bn, 2, 1, fp8, rows) == 2
-        assert launch.gluon_smem(d_qk, d_v, bn, launch.gluon_stages(d_qk, d_v, bn, 2, 1, fp8, rows), 1, fp8, rows,
+        assert choice.gluon_q_buffers(d_qk, d_v, bn, 2, 1, fp8, rows) == 2
+        assert choice.gluon_smem(d_qk, d_v, bn, choice.gluon_stages(d_qk, d_v, bn, 2, 1, fp8, rows), 1, fp8, rows,
                                  q_bufs=2) <= gluon_engine.SMEM
-        assert launch.gluon_q_buffers(d_qk, d_v, bn, 2, 0, fp8, rows) == 1  # one tile per program
+        assert choice.gluon_q_buffers(d_qk, d_v, bn, 2, 0, fp8, rows) == 1  # one tile per program
     for d_qk, d_v in ((256, 256), (192, 128)):
-        stages = launch.gluon_stages(d_qk, d_v, 64, 2)
-        assert launch.gluon_q_buffers(d_qk, d_v, 64, 2) == 1
-        assert launch.gluon_smem(d_qk, d_v, 64, stages, q_bufs=2) > gluon_engine.SMEM
+        stages = choice.gluon_stages(d_qk, d_v, 64, 2)
+        assert choice.gluon_q_buffers(d_qk, d_v, 64, 2) == 1
+        assert choice.gluon_smem(d_qk, d_v, 64, stages, q_bufs=2) > gluon_engine.SMEM
 
 
 def test_tma_takes_contiguous_tensors_at_aligned_addresses():
     """A contiguous view at an odd offset would fail TMA's descriptor with an assertion: the launch
-    layer sends such calls to the Triton kernel without TMA instead (``launch.tma_ready``)."""
+    layer sends such calls to the Triton kernel without TMA instead (``device.tma_ready``)."""
     x = torch.zeros(4, 64, dtype=torch.bfloat16)
-    assert launch.tma_ready(x, x[2:])
-    assert not launch.tma_ready(x.view(-1)[1:]) and not launch.tma_ready(x.t())
+    assert device.tma_ready(x, x[2:])
+    assert not device.tma_ready(x.view(-1)[1:]) and not device.tma_ready(x.t())
     program = compile_spec(SPECS["gqa_d128_causal"])
-    refusal = launch.gluon_call_refusal(program, 256, 256, launch.tma_ready(x.view(-1)[1:]), 90)
+    refusal = choice.gluon_call_refusal(program, 256, 256, device.tma_ready(x.view(-1)[1:]), 90)
     assert refusal is not None and (runtime.interpreted() or "16-byte aligned" in refusal)
 
 
 @hopper
 @pytest.mark.parametrize("name", ["causal_gqa_d64", "documents_d64"])
 def test_head_dim_64_runs_three_warpgroups_on_192_row_tiles(name, monkeypatch):
-    """Head dims up to 64 take 192-row tiles, three consumer warpgroups (``launch.gluon_default_tiles``);
+    """Head dims up to 64 take 192-row tiles, three consumer warpgroups (``choice.gluon_default_tiles``);
     against the oracle with tiles across S_q and S_k, and the same O as two warpgroups on 128 rows."""
     text = {"causal_gqa_d64": "attention c { heads = 8 / 2 head_dim = 64 dtype = bf16 mask = causal }",
             "documents_d64": SPECS["f16_documents"].replace("head_dim = 128", "head_dim = 64")}[name]

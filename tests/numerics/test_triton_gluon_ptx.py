@@ -33,7 +33,8 @@ class SM90:
     def get_current_target(self): return GPUTarget("cuda", 90, 32)
 
 
-from attnc.backends.triton import gluon_engine as G, launch as L
+from attnc.backends.triton import choice as C, launch as L
+from attnc.backends.triton.kernels import gluon_engine as G
 from attnc.backends.common import load_module
 from attnc.backends.triton.emit import emit
 from attnc.compiler.lower import compile_spec
@@ -71,13 +72,13 @@ def compile_engine(text, mode, fp8=False, d=128, bn=None, consumers=2, p_perm=Fa
     args = (desc(4096, d, [64, d]), k, v, desc(4096, d, [64, d], torch.bfloat16, gl.bfloat16),
             o, f32, i32, i32, i32, i32, i32, i32, i32, f32, f32, f32, ts, 256, 384, 128, 0, 1, 1, 2,
             1.4426950408889634, 8)
-    maxnreg, regs, _ = L.gluon_regs(d, d, consumers)
+    maxnreg, regs, _ = C.gluon_regs(d, d, consumers)
     kernel = G._attn_fwd_ws.warmup(*args, grid=(1,), num_warps=4, maxnreg=maxnreg, MASK_FROM_ROWS=False, EVEN_Q=True,
                                    EVEN_K=True, ROWS_=64, BLOCK_N=bn, D=d, SAME_D=True, STAGES=2, HEAD_GROUP=4,
                                    CONSUMER_REGS=regs, PRODUCER_REGS=24, SCHEDULE=1, FP8=fp8,
-                                   OVERLAP=L.gluon_overlap(d, d, fp8), ZERO_TAIL=False,
-                                   PINGPONG=consumers == 2 and L.gluon_pingpong(d, d, fp8), CONSUMERS=consumers,
-                                   P_PERM=p_perm, Q_BUFS=L.gluon_q_buffers(d, d, bn, 2, 1, fp8, 64 * consumers),
+                                   OVERLAP=C.gluon_overlap(d, d, fp8), ZERO_TAIL=False,
+                                   PINGPONG=consumers == 2 and C.gluon_pingpong(d, d, fp8), CONSUMERS=consumers,
+                                   P_PERM=p_perm, Q_BUFS=C.gluon_q_buffers(d, d, bn, 2, 1, fp8, 64 * consumers),
                                    **keep, **sep)
     return ptx_counts(kernel)
 
@@ -94,7 +95,7 @@ def ptx_counts(kernel):
 def compile_cache_engine(page, d=128, text="attention p {{ heads = 8 / 2 head_dim = {d} dtype = bf16 mask = causal }}"):
     """The engine over a paged cache (gluon_paged), pages of ``page`` rows, the separable form
     where the spec has one (launch.separable_constexprs at positions below 4096)."""
-    from attnc.backends.triton import gluon_paged
+    from attnc.backends.triton.kernels import gluon_paged
     module = load_module(*(lambda s: (s.text, s.module_stem))(emit(compile_spec(text.format(d=d)))))
     spec = L.spec_constexprs(module, 4096)
     gl = G.gl
@@ -111,8 +112,8 @@ def compile_cache_engine(page, d=128, text="attention p {{ heads = 8 / 2 head_di
         *args, grid=(1,), num_warps=4, maxnreg=168, ROWS_=64, BLOCK_N=bn, D=d, STAGES=2, CONSUMER_REGS=240,
         PRODUCER_REGS=24, VISIBLE=spec["VISIBLE"], SCORE=spec["SCORE"], HAS_SCORE=spec["HAS_SCORE"],
         SCALE=spec["SCALE"],
-        H_Q=8, GROUP=4, D_QK=d, PAGED=True, PAGE=page, CHUNK=chunk, OVERLAP=L.gluon_overlap(d, d, False),
-        PINGPONG=L.gluon_pingpong(d, d, False), Q_BUFS=L.gluon_q_buffers(d, d, bn, 2),
+        H_Q=8, GROUP=4, D_QK=d, PAGED=True, PAGE=page, CHUNK=chunk, OVERLAP=C.gluon_overlap(d, d, False),
+        PINGPONG=C.gluon_pingpong(d, d, False), Q_BUFS=C.gluon_q_buffers(d, d, bn, 2),
         **L.separable_constexprs(module, 4096))
     return ptx_counts(kernel)
 

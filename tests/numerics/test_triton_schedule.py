@@ -11,7 +11,7 @@ pytest.importorskip("triton", reason="the Triton backend's tests need triton (pi
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from attnc.backends.triton.prefill import _job  # noqa: E402
+from attnc.backends.triton.kernels.prefill import _job  # noqa: E402
 from attnc.compiler import oracle  # noqa: E402
 from attnc.backends.triton import runtime  # noqa: E402
 from attnc.compiler import inputs, numerics  # noqa: E402

@@ -23,7 +23,7 @@ pytest.importorskip("triton", reason="the Triton backend's tests need triton (pi
 from attnc.backends.numpy import runtime as numpy_runtime  # noqa: E402
 from attnc.backends.triton import decode as D  # noqa: E402
 from attnc.backends.triton import launch as L  # noqa: E402
-from attnc.backends.triton import runtime, split  # noqa: E402
+from attnc.backends.triton import runtime, workspace  # noqa: E402
 from attnc.compiler import inputs, numerics, oracle  # noqa: E402
 from attnc.compiler.lower import compile_spec  # noqa: E402
 from attnc.compiler.plan import logical_layout, plan_split  # noqa: E402
@@ -101,11 +101,11 @@ def test_workspace_is_the_ledgers(state):
     plan = D.decode_plan(p, {"k": np.zeros((2, 2, 4096, 128), np.float16), "v": np.zeros((2, 2, 4096, 128), np.float16),
                              "kv_lens": np.array(MAIN["T"])})
     module = runtime.load(p).module
-    allocated = L.workspace_bytes(module, plan["total_q"], plan["splits"], state)
+    allocated = workspace.workspace_bytes(module, plan["total_q"], plan["splits"], state)
     report = plan_split(p, logical_layout(p, MAIN["T"]), block_rows=None).report()
     key = {"lse_o": "lse_o_bf16O_fp32lse_u8valid", "mlu": "mlu_fp32_u8valid"}[state]
     assert allocated == report["workspace_bytes"]["capacity"] == MAIN["workspace_bytes"][key]["configured"]
-    assert L.vector_torch_dtype(module, state) == (torch.bfloat16 if state == "lse_o" else torch.float32)
+    assert workspace.vector_torch_dtype(module, state) == (torch.bfloat16 if state == "lse_o" else torch.float32)
 
 
 # ---------------------------------------------------------------- what the kernel computes
@@ -154,7 +154,7 @@ def test_capacity_tail_on_the_kernel():
     out = torch.empty(2, p.heads_q, p.d_v, dtype=q.dtype, device=dev)
     lse = torch.empty(2, p.heads_q, dtype=torch.float32, device=dev)
     bound.launch(q, k_cache, v_cache, bound.plan, bound.arrays, bound.ts, out, lse, ws)
-    states, fields, _ = split.workspace_layout(2, plan["splits"], "lse_o", p.heads_q, p.d_v, 2)
+    states, fields, _ = workspace.split_layout(2, plan["splits"], "lse_o", p.heads_q, p.d_v, 2)
     off, count = fields["valid"]
     valid = ws[off:off + count].cpu().numpy()
     assert states == TAIL["producer_owners"] and set(valid.tolist()) <= {0, 1}

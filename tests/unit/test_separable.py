@@ -9,7 +9,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from attnc.backends.triton import gluon_engine, launch
+from attnc.backends.triton import choice, launch
+from attnc.backends.triton.kernels import gluon_engine
 from attnc.backends.triton.emit import emit
 from attnc.compiler import ir, separable
 from attnc.compiler.interp import evaluate
@@ -299,10 +300,10 @@ def test_the_launch_layer_takes_the_form_below_the_modules_bounds():
 
 def test_the_engine_places_origins_and_blocks_as_the_rule_assumes():
     assert gluon_engine.ROWS == separable.ORIGIN_ROWS  # one origin per consumer's rows, in their middle
-    assert max(launch.GLUON_TILES[1], launch.GLUON_WIDE_TILES[1]) <= separable.COLUMN_BLOCK
+    assert max(choice.GLUON_TILES[1], choice.GLUON_WIDE_TILES[1]) <= separable.COLUMN_BLOCK
     # wider blocks (FP8's 256 keys) take the column part per key: per block, the offsets pass the rule's
     class M:
         SEPARABLE_BLOCK_POSITIONS = SEPARABLE_POSITIONS = 1 << 20
     assert launch.separable_mode(M, 4096, 256) == gluon_engine.COLUMN_PER_KEY
     assert launch.separable_mode(M, 4096, separable.COLUMN_BLOCK) == gluon_engine.COLUMN_PER_BLOCK
-    assert launch.gluon_default_tiles(128, 128, fp8=True)[1] > separable.COLUMN_BLOCK  # (why the rule is needed)
+    assert choice.gluon_default_tiles(128, 128, fp8=True)[1] > separable.COLUMN_BLOCK  # (why the rule is needed)

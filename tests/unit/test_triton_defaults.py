@@ -3,7 +3,7 @@ loaded or launched.  The choices themselves were measured on the H200 (bench/res
 import numpy as np
 import pytest
 
-from attnc.backends.triton import launch
+from attnc.backends.triton import choice
 from attnc.compiler import inputs
 from attnc.compiler.lower import compile_spec
 from attnc.compiler.plan import plan as make_plan
@@ -28,14 +28,14 @@ def _choose(program, s=8192, capability=90, asked=None, tuned=None, contiguous=T
         if program.tensors else {}
     tensors = {n: a.astype(np.int64) for n, a in tensors.items()}
     with monkeypatch.context() as m:
-        m.setattr(launch, "interpreted", lambda: False)
-        return launch.choose_prefill(program, s, s, lambda bm, bn: make_plan(program, 2, s, s, tensors, bm, bn),
+        m.setattr(choice, "interpreted", lambda: False)
+        return choice.choose_prefill(program, s, s, lambda bm, bn: make_plan(program, 2, s, s, tensors, bm, bn),
                                      asked=asked or {}, tuned=tuned, contiguous=contiguous,
                                      device_capability=capability)
 
 
 def test_default_launch_config():
-    cfg = launch.default_prefill_config
+    cfg = choice.default_prefill_config
     assert cfg(128, 128, False, 90) == {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3,
                                          "use_tma": True}
     assert cfg(128, 128, False, 80)["use_tma"] is False  # TMA is Hopper's
@@ -59,7 +59,7 @@ def test_short_rows_take_64_tiles_on_the_triton_kernel(mask, short, monkeypatch)
         return
     assert (config.block_m, config.block_n) == ((64, 64) if short else (128, 128))
     assert config.num_warps == (4 if short else 8)
-    assert config.walk is None  # the plan decides it at bind time (launch.default_walk)
+    assert config.walk is None  # the plan decides it at bind time (choice.default_walk)
 
 
 @pytest.mark.parametrize("mask", list(MASKS))
@@ -68,7 +68,7 @@ def test_untuned_calls_on_hopper_take_the_gluon_engine(mask, monkeypatch):
     documents' PARTIAL blocks test each row's run of keys, the closed forms their predicate."""
     config, plan = _choose(_spec(mask), monkeypatch=monkeypatch)
     assert (config.engine, config.block_m, config.block_n, config.num_stages) == ("gluon", 128, 128,
-                                                                                  launch.GLUON_STAGES)
+                                                                                  choice.GLUON_STAGES)
     assert config.schedule == "counter"
     assert config.mask_source == ("rows" if mask == "causal_document" else "predicate")
 
@@ -99,4 +99,4 @@ def test_a_tuned_winner_keeps_the_triton_kernel(monkeypatch):
                                         ({"mask_source": "rows", "engine": "triton"}, "option of the Gluon engine")])
 def test_unknown_options_are_refused_before_planning(bad, match):
     with pytest.raises(ValueError, match=match):
-        launch.check_options(bad)
+        choice.check_options(bad)

@@ -53,7 +53,7 @@ def test_spaces_are_per_backend_declarations():
     assert {"BLOCK_N", "splits", "num_warps", "num_stages"} <= set(tune.SPACES["triton"]["decode"].axes)
     assert tune.family_of("triton", prefill) == "prefill" and tune.family_of("triton", decode) == "decode"
     cands = tune.space_for("triton", prefill).candidates(prefill)
-    # the untuned default measured best on the H200 (backends/triton/launch.default_prefill_config)
+    # the untuned default measured best on the H200 (backends/triton/choice.default_prefill_config)
     assert cands[0] == {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3, "use_tma": True}
     assert any(c["use_tma"] for c in cands)  # sm_90
     dc = tune.space_for("triton", decode).candidates(decode)

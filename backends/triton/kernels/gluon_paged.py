@@ -30,8 +30,9 @@ what differs is where the rows live:
 """
 import triton.language as tl
 
-from .gluon_engine import _tma_load, _tma_store, _ws_blocks, _ws_claim_q, _ws_get, _ws_handover, _ws_lse, _ws_put, \
-    _ws_row_totals, _ws_separable, _ws_take_job, gluon, gl, mbarrier, tma, fence_async_shared  # noqa: F401
+from .gluon_engine import _ws_blocks, _ws_lse, _ws_row_totals, _ws_separable
+from .gluon_sync import _tma_load, _tma_store, _ws_claim_q, _ws_get, _ws_handover, _ws_put, _ws_take_job, gluon, gl, \
+    mbarrier, tma, fence_async_shared  # noqa: F401
 
 
 @gluon.jit

@@ -190,23 +190,3 @@ def _combine(P_O, P_M, P_L, P_VALID, O, LSE, s_ot, s_oh, s_od, S_CAP,
     lse = tl.where(poisoned, float("nan"), tl.where(any_valid, m_ref + tl.log(d_safe), float("-inf")))
     tl.store(O + row * s_ot + h * s_oh + offs_dv * s_od, out.to(O.dtype.element_ty), mask=offs_dv < D_V)
     tl.store(LSE + rh, lse)
-
-
-def workspace_layout(total_q: int, splits: int, abi: str, heads_q: int, d_v: int,
-                     vector_bytes: int = 4) -> tuple[int, dict, int]:
-    """(states, {field: (byte offset, elements)}, bytes) of the workspace: ``states`` (row, head,
-    split) slots, each a partial O or u (d_v elements of ``vector_bytes``, the declared vector
-    dtype: ``compiler.analysis.ledger.vector_dtype``), m or LSE, and l when the ABI is (m, l, u)
-    (float32), then one valid byte each; every field starts 16-byte aligned (the kernels'
-    pointer specialization then never changes with the call's size)."""
-    n = total_q * heads_q * splits
-    fields, offset = {}, 0
-    for name, count, size in (("o", n * d_v, vector_bytes), ("m", n, 4), ("l", n if abi == "mlu" else 0, 4),
-                              ("valid", n, 1)):
-        fields[name] = (offset, count)
-        offset += -(-count * size // 16) * 16
-    return n, fields, offset
-
-
-def next_power_of_2(n: int) -> int:
-    return triton.next_power_of_2(n)

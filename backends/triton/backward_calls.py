@@ -1,0 +1,71 @@
+"""The Triton kernel's backward calls and the blocks of a larger call (context parallelism):
+a mixin of ``runtime.Kernel``."""
+from __future__ import annotations
+
+from attnc.compiler import inputs
+from attnc.compiler.errors import InputError
+
+from . import blocks
+from . import grad as G
+from . import launch as L
+from . import plans as P
+from .decode import _check_gpu_tile
+from .device import interpreted
+
+
+class BackwardCalls:
+    def block(self, q, k, v, args: dict, tensors: dict, lengths: tuple[int, int]):
+        """Partial (O float32, LSE) of one block of a larger call at its absolute positions
+        (context parallelism: ``blocks.forward``); bhsd q, k, v."""
+        from . import blocks
+        return blocks.forward(self, q, k, v, args, tensors, lengths)
+
+    def block_backward(self, q, k, v, o, lse, do, dlse, args: dict, tensors: dict, lengths: tuple[int, int]):
+        """Partial (dQ, dK, dV) float32 of one block of a larger call (``blocks.backward``)."""
+        from . import blocks
+        return blocks.backward(self, q, k, v, o, lse, do, dlse, args, tensors, lengths)
+
+    # ------------------------------------------------------------ backward
+    def backward(self, q, k, v, o, lse, do, dlse=None, *, config=None, **tensors):
+        """dQ, dK, dV of a prefill call from its saved O and LSE and the gradient of O (``dlse``: of
+        LSE, optional).  Inputs in the spec's layout as for the forward; gradients come back in
+        the layout and dtype of q, k and v.  Planned from the same mask analysis as the forward and
+        cached like it (``grad.BackwardLaunch``)."""
+        torch = self._torch
+        bound = self._validate(q, k, v, tensors)
+        for n, t, shape in (("o", o, bound.out_shape), ("do", do, bound.out_shape),
+                            ("lse", lse, (bound.batch, self.program.heads_q, bound.s_q))):
+            if tuple(t.shape) != tuple(shape):
+                raise InputError(f"inputs: '{n}' has shape {list(t.shape)}; this call's is {list(shape)}")
+        if dlse is not None and tuple(dlse.shape) != tuple(lse.shape):
+            raise InputError(f"inputs: 'dlse' has shape {list(dlse.shape)}; LSE's is {list(lse.shape)}")
+        p = self.program
+        cfg = config or G.default_backward_config(p.d_qk, p.d_v, interpreted())
+        key = (self._key(q, k, v, tensors), o.stride(), do.stride(), o.data_ptr() % 16 == 0,
+               do.data_ptr() % 16 == 0, dlse is not None)
+        named, pkey = self._plan_key("backward", key, cfg, tensors=tensors)
+        launch = P.PLANS.get(pkey, named)
+        if launch is None:
+            (bm1, bn1), (bm2, bn2) = cfg.tiles()
+            for bm, bn in cfg.tiles():
+                _check_gpu_tile(bm, bn)
+            dq_plan = self.plan(bound.batch, bound.s_q, bound.s_k, tensors, bm2, bn2)
+            dkdv_plan = dq_plan.retile(bm1, bn1)
+            launch = G.BackwardLaunch(self.module, cfg, dkdv_plan, dq_plan, (bound.batch, bound.s_q, bound.s_k),
+                                      q.device)
+            P.PLANS.put(pkey, launch, launch.nbytes, named)
+        if bound.emulate:
+            q, k, v, o, do = (x.float() for x in (q, k, v, o, do))
+        dq, dk, dv = (torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v))
+        views = (q, k, v, o, do, dq, dk, dv)
+        if bound.bshd:
+            views = tuple(x.transpose(1, 2) for x in views)
+        qb, kb, vb, ob, dob, dqb, dkb, dvb = views
+        lse = lse.contiguous()
+        dlse = dlse.contiguous() if dlse is not None else None
+        ts = L.call_tensor_args(self.module, tensors, bound.batch, bound.s_q, bound.s_k, q.device)
+        launch(qb, kb, vb, ob, lse, dob, dlse, ts, dqb, dkb, dvb,
+               key if not bound.emulate else None)
+        if bound.emulate:
+            dq, dk, dv = (x.to(torch.bfloat16) for x in (dq, dk, dv))
+        return dq, dk, dv
