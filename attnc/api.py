@@ -218,10 +218,21 @@ class Attention:
                                  "only float tensors read by the score program or the sink are differentiable "
                                  "(masks and indices are not); pass it detached")
         name, _ = self._kernel_for(q, k, v, tensors, backend)
-        if name != "numpy":
+        beyond = [n for n in asked if n not in self._sink_only()]
+        if name == "triton" and beyond:
+            raise BackendRefused(f"inputs: tensor '{beyond[0]}' requires grad: the triton backward gives dQ, dK, dV "
+                                 "and the gradients of tensors only the sink reads (gradients of score tensors come "
+                                 "from the numpy backend, on the CPU); pass the tensor detached")
+        if name not in ("numpy", "triton"):
             raise BackendRefused(f"inputs: tensor '{asked[0]}' requires grad: the {name} backward gives dQ, dK, dV "
                                  "only (gradients of score tensors come from the numpy backend, on the CPU); pass "
                                  "the tensor detached")
+
+    def _sink_only(self) -> set:
+        """The f32 tensors only the sink reads (the Triton backward gives their gradients)."""
+        from .compiler import sinks
+        from .compiler.autodiff import score_grad
+        return set(sinks.tensors_read(self.program)) - set(score_grad(self.program).tensors)
 
     def _check_tensors(self, tensors: dict) -> None:
         unknown = sorted(set(tensors) - set(self.tensor_names))
@@ -263,10 +274,14 @@ class Attention:
         import torch
         name, kernel = self._kernel_for(q, k, v, tensors, backend)
         if name == "triton":
-            if want:
-                raise BackendRefused(f"tensor '{want[0]}': the Triton backward gives dQ, dK, dV only")
-            dq, dk, dv = kernel.backward(q, k, v, o, lse, do, dlse, **tensors)
-            return dq, dk, dv, {}
+            beyond = [n for n in want if n not in self._sink_only()]
+            if beyond:
+                raise BackendRefused(f"tensor '{beyond[0]}': the Triton backward gives dQ, dK, dV and the gradients "
+                                     "of tensors only the sink reads")
+            if not want:
+                return (*kernel.backward(q, k, v, o, lse, do, dlse, **tensors), {})
+            dq, dk, dv, dts = kernel.backward(q, k, v, o, lse, do, dlse, sink_tensors=True, **tensors)
+            return dq, dk, dv, {n: dts[n] for n in want}
         if name != "numpy":
             raise BackendRefused(f"the {name} backend has no backward pass; run the call on the numpy or Triton "
                                  "backend")

@@ -92,3 +92,33 @@ def tensors_read(program: ir.Program) -> tuple[str, ...]:
         return ()
     read = {load.tensor for load in f32_loads(program.sink)}
     return tuple(t.name for t in program.tensors if t.name in read)
+
+
+def reads_by_value(program: ir.Program) -> bool:
+    """Whether which tensor elements the sink reads depends on tensor values (a subscript or a
+    where() condition that reads a tensor): then only evaluating it can check its reads."""
+    for n in ir.walk(program.sink):
+        if isinstance(n, ir.Load) and any(ir.loads(i) for i in n.index):
+            return True
+        if isinstance(n, ir.Select) and ir.loads(n.cond):
+            return True
+    return False
+
+
+def check_reads(program: ir.Program, batch: int, shapes: dict) -> None:
+    """The sink's tensor reads at every (b, h) of a call against the tensors' ``shapes``, for a sink
+    whose reads do not depend on tensor values (:func:`reads_by_value`): a read outside a tensor is
+    the PlanError the IR interpreter raises (``interp.load``), as on the backends that evaluate the
+    sink on the host.  Needs no tensor values (kernels that clamp their reads check with this)."""
+    zeros = {n: np.broadcast_to(np.zeros((), np.float32), tuple(s)) for n, s in shapes.items()}
+    env = {"b": np.arange(batch).reshape(-1, 1), "h": np.arange(program.heads_q).reshape(1, -1)}
+    with np.errstate(all="ignore"):
+        evaluate(program.sink, env, zeros)
+
+
+def may_be_nonfinite(program: ir.Program) -> bool:
+    """Whether the sink can be NaN or +inf (a kernel that marks such rows then checks its output, as
+    for a score program that can: ``ranges.may_be_nonfinite``)."""
+    from .ranges import IntRanges, float_range
+    _, hi, nan = float_range(program.sink, IntRanges(program.heads_q))
+    return nan or hi == float("inf")

@@ -2,7 +2,7 @@
 a mixin of ``runtime.Kernel``."""
 from __future__ import annotations
 
-from attnc.compiler import inputs
+from attnc.compiler import inputs, sinks
 from attnc.compiler.errors import InputError
 
 from . import blocks
@@ -26,11 +26,12 @@ class BackwardCalls:
         return blocks.backward(self, q, k, v, o, lse, do, dlse, args, tensors, lengths)
 
     # ------------------------------------------------------------ backward
-    def backward(self, q, k, v, o, lse, do, dlse=None, *, config=None, **tensors):
+    def backward(self, q, k, v, o, lse, do, dlse=None, *, config=None, sink_tensors: bool = False, **tensors):
         """dQ, dK, dV of a prefill call from its saved O and LSE and the gradient of O (``dlse``: of
         LSE, optional).  Inputs in the spec's layout as for the forward; gradients come back in
         the layout and dtype of q, k and v.  Planned from the same mask analysis as the forward and
-        cached like it (``grad.BackwardLaunch``)."""
+        cached like it (``grad.BackwardLaunch``).  ``sink_tensors``: also the gradients of the
+        f32 tensors the spec's sink reads, as a fourth result {name: gradient} (:meth:`_sink_grads`)."""
         torch = self._torch
         bound = self._validate(q, k, v, tensors)
         for n, t, shape in (("o", o, bound.out_shape), ("do", do, bound.out_shape),
@@ -64,8 +65,28 @@ class BackwardCalls:
         lse = lse.contiguous()
         dlse = dlse.contiguous() if dlse is not None else None
         ts = L.call_tensor_args(self.module, tensors, bound.batch, bound.s_q, bound.s_k, q.device)
-        launch(qb, kb, vb, ob, lse, dob, dlse, ts, dqb, dkb, dvb,
-               key if not bound.emulate else None)
+        delta = launch(qb, kb, vb, ob, lse, dob, dlse, ts, dqb, dkb, dvb,
+                       key if not bound.emulate else None)
         if bound.emulate:
             dq, dk, dv = (x.to(torch.bfloat16) for x in (dq, dk, dv))
+        if sink_tensors:
+            return dq, dk, dv, self._sink_grads(lse, delta, ts, tensors)
         return dq, dk, dv
+
+    def _sink_grads(self, lse, delta, ts: tuple, tensors: dict) -> dict:
+        """{tensor: gradient} of the f32 tensors the sink reads, from the saved LSE and the delta
+        pass's D - dLSE: dL/dsink = sum over the head's rows of p_sink (dLSE - D), p_sink =
+        exp(sink - LSE) (0 where LSE is -inf), a plain reduction per (b, h) (no atomics: the same
+        bits every run), then through the sink's derivative on the host (``compiler.sinks``)."""
+        import numpy as np
+        torch = self._torch
+        p = self.program
+        if p.sink is None:
+            return {}
+        sink = L.sink_values(self.module, lse.shape[0], ts, lse.device)[..., None]
+        finite = torch.isfinite(lse)
+        p_sink = torch.where(finite, torch.exp(sink - torch.where(finite, lse, 0.0)), 0.0)
+        dsink = -(p_sink.double() * delta.double()).sum(-1)
+        host = {n: t.detach().cpu().numpy() if hasattr(t, "detach") else np.asarray(t) for n, t in tensors.items()}
+        grads = sinks.tensor_gradients(p, dsink.cpu().numpy(), host)
+        return {n: torch.from_numpy(g).to(device=tensors[n].device, dtype=tensors[n].dtype) for n, g in grads.items()}

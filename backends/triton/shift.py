@@ -53,6 +53,9 @@ class ShiftLaunch:
         total_q = q.shape[0]
         if total_q == 0:
             return out, lse
+        if getattr(self.module, "sink_value", None) is not None:
+            raise PlanError("state = shared_shift runs the Triton backend's shared-frame kernels, which do not take a "
+                            "spec's sink (sink = ...) yet; use state = lse_o or mlu (or the numpy backend)")
         if plan.get("bounded"):
                 raise PlanError(f"state = shared_shift runs the Triton backend's block-share splits; this spec also "
                             f"declares split = {plan['policy']}, which the shared frame's kernels do not take yet "
