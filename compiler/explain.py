@@ -179,6 +179,13 @@ class Explanation:
             "tiles": plan.counts(),
             "density": plan.density(),
             "method": plan.method,
+            # which method classified the tiles: the interval analysis alone, or the predicate
+            # evaluated over the tiles it left undecided (analysis.tile_eval)
+            "tiles_classified_by": "evaluation" if plan.evaluated_by else "analysis",
+            "tiles_undecided": plan.undecided,
+            "tiles_evaluated_by": plan.evaluated_by,
+            "tiles_exact": plan.exact,
+            "tiles_evaluation_skipped": plan.skipped,
             "visible_fraction": self.visible_fraction(),
             "visible_fraction_bounds": [lo / rect, hi / rect],
             "metadata_bytes": self.ledger(),
@@ -202,13 +209,11 @@ class Explanation:
                          f"({self.intervals.reason})")
         elif self.skipped:
             lines.append(f"  per-column evaluation skipped: {self.skipped}")
-        if not self.intervals.exact:
-            lines.append("  the analysis is not exact: tiles it cannot prove FULL or SKIP are PARTIAL "
-                         "and the kernels evaluate the mask there")
         c = plan.counts()
         t_r, t_c = plan.classes.shape[2:]
         lines.append(f"tiles ({b_} x {h_} x {t_r} x {t_c} = {plan.classes.size}, method {plan.method}): "
-                     f"full {c['full']}, partial {c['partial']}, skip {c['skip']}")
+                     f"full {c['full']}, partial {c['partial']}, skip {c['skip']}; classified by "
+                     f"{plan.classified_by()}")
         frac = self.visible_fraction()
         if frac is None:
             lo, hi = self.visible_cells()

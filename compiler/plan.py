@@ -41,6 +41,8 @@ class Plan:
     key: PlanKey | None = None
     program: ir.Program | None = field(default=None, repr=False, compare=False)
     rows: RowIntervals | None = field(default=None, repr=False, compare=False)
+    # what classified the tiles the analysis left undecided (analysis.tile_eval), for retile
+    tile_evaluator: object = field(default=None, repr=False, compare=False)
 
     @property
     def block_m(self) -> int:
@@ -79,9 +81,10 @@ class Plan:
         return order.reshape(-1).astype(np.int32)
 
     def retile(self, block_m: int, block_n: int, method: str = "auto") -> "Plan":
-        """The same call planned with other tiles: the mask analysis (the costly part) is reused."""
+        """The same call planned with other tiles: the mask analysis (the costly part) is reused, and
+        so is the plan's tile evaluator (where the analysis is not exact)."""
         tiles = run_plan_pipeline(("tiles",), intervals=self.intervals, block_m=block_m, block_n=block_n,
-                                  method=method)["tiles"]
+                                  method=method, tile_evaluator=self.tile_evaluator)["tiles"]
         return replace(self, tiles=tiles)
 
     def check_call(self, program: ir.Program, batch: int, s_q: int, s_k: int, *, device: str | None = None,
@@ -141,18 +144,21 @@ class Plan:
 
 def plan(program: ir.Program, batch: int, s_q: int, s_k: int, tensors: dict | None = None,
          block_m: int = 64, block_n: int = 64, method: str = "auto", *, device: str | None = None,
-         workspace_device: str | None = None, graph_mode: bool = False) -> Plan:
+         workspace_device: str | None = None, graph_mode: bool = False, tile_evaluator=None) -> Plan:
     """The frozen plan of one call shape with its plan key (``device`` None: host arrays only):
-    the pipeline's intervals -> rows -> tiles (``analysis.PLAN_PIPELINE``)."""
+    the pipeline's intervals -> rows -> tiles (``analysis.PLAN_PIPELINE``).  ``tile_evaluator``
+    classifies the tiles an inexact analysis leaves undecided (default: the host's,
+    ``analysis.tile_eval``)."""
     if program.flashmask:
         from .inputs import check_flashmask
         check_flashmask(program, tensors or {})
-    r = run_plan_pipeline(("intervals", "rows", "tiles"), program=program, batch=batch, s_q=s_q, s_k=s_k,
-                          tensors=tensors or {}, block_m=block_m, block_n=block_n, method=method)
+    given = {} if tile_evaluator is None else {"tile_evaluator": tile_evaluator}
+    r = run_plan_pipeline(("intervals", "rows", "tile_evaluator", "tiles"), program=program, batch=batch, s_q=s_q,
+                          s_k=s_k, tensors=tensors or {}, block_m=block_m, block_n=block_n, method=method, **given)
     key = PlanKey.of(program, device=device, workspace_device=workspace_device, graph_mode=graph_mode)
     return Plan(ir.digest(program), batch, s_q, s_k, r["intervals"], r["tiles"],
                 mask_from_intervals=r["intervals"].representable and bool(ir.loads(program.mask)), key=key,
-                program=program, rows=r["rows"])
+                program=program, rows=r["rows"], tile_evaluator=r["tile_evaluator"])
 
 
 
@@ -191,8 +197,8 @@ def decode_blocks(program: ir.Program, kv_lens, tensors: dict | None, block_n: i
     position runs, or for a decode-shaped call the mask at each request's one row) where that
     applies, else runs the general route; "general" always runs the column analysis and the tile
     classifier once per distinct (q_len, kv_len) with the tile plan's rows = ``block_q``; "rows"
-    refuses to fall back (tests).  Both give the same lists wherever the general analysis is
-    exact (where it is not, the rows' lists are exact and the general ones only safe)."""
+    refuses to fall back (tests).  Both give the same, exact lists (where the general analysis is
+    not exact, the tiles it leaves undecided are classified by the predicate, ``analysis.tile_eval``)."""
     kv_lens = np.asarray(kv_lens, np.int64)
     batch = len(kv_lens)
     check_length(int(kv_lens.max(initial=0)), "a request's kv_len")

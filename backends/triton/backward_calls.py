@@ -6,7 +6,7 @@ from attnc.compiler import inputs, sinks
 from attnc.compiler.errors import InputError
 
 from . import blocks
-from . import grad as G
+from . import gluon_backward as GB, grad as G
 from . import launch as L
 from . import plans as P
 from .decode import _check_gpu_tile
@@ -30,8 +30,10 @@ class BackwardCalls:
         """dQ, dK, dV of a prefill call from its saved O and LSE and the gradient of O (``dlse``: of
         LSE, optional).  Inputs in the spec's layout as for the forward; gradients come back in
         the layout and dtype of q, k and v.  Planned from the same mask analysis as the forward and
-        cached like it (``grad.BackwardLaunch``).  ``sink_tensors``: also the gradients of the
-        f32 tensors the spec's sink reads, as a fourth result {name: gradient} (:meth:`_sink_grads`)."""
+        cached like it: the Gluon passes on Hopper where ``gluon_backward.choose`` takes the call
+        (``gluon_backward.GluonBackwardLaunch``), else the Triton ones (``grad.BackwardLaunch``).
+        ``sink_tensors``: also the gradients of the f32 tensors the spec's sink reads, as a fourth
+        result {name: gradient} (:meth:`_sink_grads`; both launches return the delta pass's D - dLSE)."""
         torch = self._torch
         bound = self._validate(q, k, v, tensors)
         for n, t, shape in (("o", o, bound.out_shape), ("do", do, bound.out_shape),
@@ -41,19 +43,24 @@ class BackwardCalls:
         if dlse is not None and tuple(dlse.shape) != tuple(lse.shape):
             raise InputError(f"inputs: 'dlse' has shape {list(dlse.shape)}; LSE's is {list(lse.shape)}")
         p = self.program
-        cfg = config or G.default_backward_config(p.d_qk, p.d_v, interpreted())
+        gluon = GB.choose(p, config, bound.s_q, bound.s_k, (q, k, v, o), bound.bshd, interpreted())
+        if gluon:
+            do = GB.tma_input(do)
+        cfg = (None if gluon else config) or G.default_backward_config(p.d_qk, p.d_v, interpreted())
         key = (self._key(q, k, v, tensors), o.stride(), do.stride(), o.data_ptr() % 16 == 0,
                do.data_ptr() % 16 == 0, dlse is not None)
-        named, pkey = self._plan_key("backward", key, cfg, tensors=tensors)
+        named, pkey = self._plan_key("backward", key, gluon or cfg, tensors=tensors)
         launch = P.PLANS.get(pkey, named)
         if launch is None:
             (bm1, bn1), (bm2, bn2) = cfg.tiles()
             for bm, bn in cfg.tiles():
                 _check_gpu_tile(bm, bn)
             dq_plan = self.plan(bound.batch, bound.s_q, bound.s_k, tensors, bm2, bn2)
-            dkdv_plan = dq_plan.retile(bm1, bn1)
-            launch = G.BackwardLaunch(self.module, cfg, dkdv_plan, dq_plan, (bound.batch, bound.s_q, bound.s_k),
-                                      q.device)
+            shape = (bound.batch, bound.s_q, bound.s_k)
+            if gluon:  # the Gluon passes (gluon_backward), on the same mask analysis
+                launch = GB.GluonBackwardLaunch(self.module, gluon, dq_plan.retile, shape, q.device)
+            else:
+                launch = G.BackwardLaunch(self.module, cfg, dq_plan.retile(bm1, bn1), dq_plan, shape, q.device)
             P.PLANS.put(pkey, launch, launch.nbytes, named)
         if bound.emulate:
             q, k, v, o, do = (x.float() for x in (q, k, v, o, do))

@@ -11,7 +11,7 @@ from attnc.compiler import inputs, ir
 from attnc.compiler.errors import InputError, PlanError
 from attnc.compiler.plan import Plan, plan as make_plan
 
-from . import choice, device
+from . import choice, device, tile_classes
 from . import launch as L
 from . import plans as P
 from .args import FP8_INPUTS, PREFILL_OPTIONS, _Bound
@@ -190,11 +190,13 @@ class PrefillCalls:
         host = {n: (t.detach().cpu().numpy() if hasattr(t, "detach") else np.asarray(t)) for n, t in tensors.items()}
         host = {n: a.astype(np.int64) if a.dtype.kind in "iu" else a for n, a in host.items()}
         made: dict = {}
+        evaluator = tile_classes.tile_evaluator(self.module, tensors, bound.batch, bound.s_q, bound.s_k, qb.device)
 
         def plan_for(bm, bn):
             _check_gpu_tile(bm, bn)
-            if not made:
-                made[(bm, bn)] = make_plan(p, bound.batch, bound.s_q, bound.s_k, host, bm, bn)
+            if not made:  # (tiles an inexact analysis leaves undecided: classified on the GPU)
+                made[(bm, bn)] = make_plan(p, bound.batch, bound.s_q, bound.s_k, host, bm, bn,
+                                           tile_evaluator=evaluator)
             elif (bm, bn) not in made:  # the mask analysis is reused; only the tiles change
                 made[(bm, bn)] = next(iter(made.values())).retile(bm, bn)
             return made[(bm, bn)]

@@ -23,7 +23,7 @@ from attnc.compiler.errors import BackendUnavailable, InputError, PlanError
 from attnc.compiler.plan import Plan, plan as make_plan
 from attnc.backends.common import load_module
 
-from . import choice, device
+from . import choice, device, tile_classes
 from . import plans as P
 from .args import FP8_INPUTS, TORCH_DTYPES, _Bound, _kind  # noqa: F401  (FP8_INPUTS: attnc.api's)
 from .backward_calls import BackwardCalls
@@ -82,7 +82,11 @@ class Kernel(PrefillCalls, BackwardCalls, SplitCalls):
         host = {n: (t.detach().cpu().numpy() if hasattr(t, "detach") else np.asarray(t))
                 for n, t in (tensors or {}).items()}
         host = {n: t.astype(np.int64) if t.dtype.kind in "iu" else t for n, t in host.items()}
-        return make_plan(self.program, batch, s_q, s_k, host, bm, bn)
+        given = dict(tensors or {})
+        on_gpu = self._device == "cuda" and all(getattr(t, "is_cuda", False) for t in given.values())
+        evaluator = (tile_classes.tile_evaluator(self.module, given, batch, s_q, s_k, self._torch.device("cuda"))
+                     if on_gpu else None)
+        return make_plan(self.program, batch, s_q, s_k, host, bm, bn, tile_evaluator=evaluator)
 
     def device_plan(self, plan: Plan, device) -> dict:
         """The plan's walk arrays on ``device`` (cached on the plan)."""

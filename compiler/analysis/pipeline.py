@@ -18,6 +18,7 @@ from . import ledger, schedule, splits
 from .intervals import analyze, require_columns, row_intervals
 from .layout import check_fits, slot_segments
 from .phases import Manifest
+from .tile_eval import numpy_evaluator
 from .tiles import plan_tiles, require_tiles
 
 # What a caller gives, by name: one call shape's mask analyses read the first eight, a split
@@ -81,7 +82,10 @@ PLAN_PIPELINE: tuple[Step, ...] = (
     # one call shape's mask (prefill and append plans, explain, split calls' block lists)
     Step("intervals", ("program", "batch", "s_q", "s_k", "tensors"), analyze),
     Step("rows", ("program", "batch", "s_q", "s_k", "tensors", "intervals"), row_runs),
-    Step("tiles", ("intervals", "block_m", "block_n", "method"), plan_tiles),
+    # the tiles an inexact analysis leaves undecided are classified by the predicate: on the host by
+    # default; a backend passes its own evaluator (the Triton backend's runs on the GPU)
+    Step("tile_evaluator", ("program", "batch", "s_q", "s_k", "tensors"), numpy_evaluator),
+    Step("tiles", ("intervals", "block_m", "block_n", "method", "tile_evaluator"), plan_tiles),
     # a split call (decode, append, mixed batches) over a concrete K/V layout
     Step("layout", ("kv_layout", "program"), check_fits),
     Step("manifest", ("layout", "q_lens"), phase_manifest),

@@ -8,6 +8,12 @@ Two classifiers feed one :class:`TilePlan`:
 * :func:`classify_exact` — from the analysis' per-column row sets (``must``/``may``):
   exact whenever the analysis is exact, safe (PARTIAL) where it is not.  This is
   the path for masks FlashMask cannot represent.
+
+Where the analysis is not exact (periodic ``%``, bitwise atoms, ...), a tile it calls PARTIAL
+without proof (no cell certainly visible, or no cell certainly hidden) is *undecided*:
+:func:`plan_tiles` hands those to a tile evaluator (``analysis.tile_eval``: the predicate over
+the tile's cells, numpy on the host, a Triton kernel for CUDA calls), so the classes are exact
+whatever the analysis proves.  Where the analysis is exact nothing is evaluated.
 """
 from __future__ import annotations
 
@@ -64,8 +70,11 @@ def classify_summaries(summ: dict[str, np.ndarray], s_q: int, block_m: int) -> n
     return classes
 
 
-def classify_exact(mi: MaskIntervals, block_m: int, block_n: int, chunk: int = 1 << 22) -> np.ndarray:
-    """int8 tile classes [B', H', T_r, T_c] from the per-column must/may row sets."""
+def classify_exact(mi: MaskIntervals, block_m: int, block_n: int, chunk: int = 1 << 22,
+                   undecided: np.ndarray | None = None) -> np.ndarray:
+    """int8 tile classes [B', H', T_r, T_c] from the per-column must/may row sets.  ``undecided``
+    (bool, the classes' shape), when given, is set where a tile is PARTIAL without proof: no cell
+    of it is certainly visible or none is certainly hidden (only an inexact analysis leaves any)."""
     b_, h_, s_k = mi.shape
     i0, i1 = _row_tiles(mi.s_q, block_m)
     starts = _block_starts(s_k, block_n)
@@ -76,12 +85,18 @@ def classify_exact(mi: MaskIntervals, block_m: int, block_n: int, chunk: int = 1
         sl = slice(r0, r0 + step)
         lo, hi = i0[sl, None], i1[sl, None]
         need = (hi - lo)
-        all_visible = (must.cells_in(lo, hi) == need).reshape(-1, b_, h_, s_k)
-        none_visible = (may.cells_in(lo, hi) == 0).reshape(-1, b_, h_, s_k)
+        sure = must.cells_in(lo, hi)
+        maybe = may.cells_in(lo, hi)
+        all_visible = (sure == need).reshape(-1, b_, h_, s_k)
+        none_visible = (maybe == 0).reshape(-1, b_, h_, s_k)
         full = np.logical_and.reduceat(all_visible, starts, axis=-1)
         skip = np.logical_and.reduceat(none_visible, starts, axis=-1)
         c = np.where(skip, SKIP, np.where(full, FULL, PARTIAL)).astype(np.int8)
         classes[:, :, sl] = c.transpose(1, 2, 0, 3)
+        if undecided is not None:  # PARTIAL is proven by a certainly visible and a certainly hidden cell
+            seen = np.logical_or.reduceat((sure > 0).reshape(-1, b_, h_, s_k), starts, axis=-1)
+            hidden = np.logical_or.reduceat((maybe < need).reshape(-1, b_, h_, s_k), starts, axis=-1)
+            undecided[:, :, sl] = ((c == PARTIAL) & ~(seen & hidden)).transpose(1, 2, 0, 3)
     return classes
 
 
@@ -98,14 +113,35 @@ class TilePlan:
     full_indptr: np.ndarray
     full_indices: np.ndarray
     method: str  # "summaries" | "exact"
+    # tiles the analysis left undecided (PARTIAL without proof; 0 where it is exact), and the tile
+    # evaluator that classified them ("numpy", "triton"; None: none did, they stay PARTIAL)
+    undecided: int = 0
+    evaluated_by: str | None = None
+    skipped: str | None = None  # why they were not evaluated (over the evaluator's limit)
 
     @classmethod
-    def from_classes(cls, classes: np.ndarray, block_m: int, block_n: int, method: str) -> "TilePlan":
+    def from_classes(cls, classes: np.ndarray, block_m: int, block_n: int, method: str,
+                     undecided: int = 0, evaluated_by: str | None = None, skipped: str | None = None) -> "TilePlan":
         """The CSR of given tile classes [B', H', T_r, T_c] (a whole call's, or a rectangle of one:
         ``compiler.cp`` cuts a call into blocks of query and key tiles)."""
         p_ptr, p_idx = _csr(classes == PARTIAL)
         f_ptr, f_idx = _csr(classes == FULL)
-        return cls(classes, block_m, block_n, p_ptr, p_idx, f_ptr, f_idx, method)
+        return cls(classes, block_m, block_n, p_ptr, p_idx, f_ptr, f_idx, method, undecided, evaluated_by, skipped)
+
+    @property
+    def exact(self) -> bool:
+        """Whether every tile's class is exact (the analysis proved it, or an evaluator decided it)."""
+        return self.undecided == 0 or self.evaluated_by is not None
+
+    def classified_by(self) -> str:
+        """Which method classified the tiles, for a reader (``attnc explain``)."""
+        if self.undecided == 0:
+            return "interval analysis (every tile proven)"
+        if self.evaluated_by is None:
+            why = f": {self.skipped}" if self.skipped else ""
+            return f"interval analysis (not exact: {self.undecided} undecided tiles left PARTIAL{why})"
+        return (f"interval analysis + predicate evaluation ({self.evaluated_by}) of the {self.undecided} "
+                "tiles it left undecided")
 
     def counts(self) -> dict[str, int]:
         return {"full": int((self.classes == FULL).sum()), "partial": int((self.classes == PARTIAL).sum()),
@@ -147,10 +183,16 @@ def require_tiles(shape: tuple[int, int, int], s_q: int, block_m: int, block_n: 
 EXACT_BUDGET = 1 << 24  # row-set cells the exact classifier may touch before "auto" prefers summaries
 
 
-def plan_tiles(mi: MaskIntervals, block_m: int, block_n: int, method: str = "auto") -> TilePlan:
+def plan_tiles(mi: MaskIntervals, block_m: int, block_n: int, method: str = "auto",
+               evaluator=None) -> TilePlan:
     """Tile plan.  "auto": the exact classifier when it is cheap (it never calls a tile PARTIAL
     that is really FULL or SKIP), else FlashMask's O(tiles) summaries when the mask is
-    representable, else the exact classifier regardless of cost (correct first)."""
+    representable, else the exact classifier regardless of cost (correct first).
+
+    Where the analysis is not exact, the tiles it leaves undecided go to ``evaluator``
+    (``analysis.tile_eval``: ``evaluator(tiles, block_m, block_n)``, with a ``name``, takes int64
+    ``[n, 4]`` rows (b', h', q tile, k tile) and returns their int8 classes); without one they
+    stay PARTIAL (safe)."""
     if block_m < 1 or block_n < 1:
         raise ValueError(f"tile sizes must be positive, got {block_m}x{block_n}")
     require_tiles(mi.shape, mi.s_q, block_m, block_n)
@@ -159,7 +201,19 @@ def plan_tiles(mi: MaskIntervals, block_m: int, block_n: int, method: str = "aut
         work = -(-mi.s_q // block_m) * mi.visible.must.columns * max(width, 1)
         method = "summaries" if mi.representable and work > EXACT_BUDGET else "exact"
     if method == "summaries":
-        classes = classify_summaries(summaries(mi, block_n), mi.s_q, block_m)
-    else:
-        classes = classify_exact(mi, block_m, block_n)
-    return TilePlan.from_classes(classes, block_m, block_n, method)
+        return TilePlan.from_classes(classify_summaries(summaries(mi, block_n), mi.s_q, block_m), block_m, block_n,
+                                     method)
+    if mi.exact:
+        return TilePlan.from_classes(classify_exact(mi, block_m, block_n), block_m, block_n, method)
+    undecided = np.zeros((mi.shape[0], mi.shape[1], -(-mi.s_q // block_m), -(-mi.s_k // block_n)), bool)
+    classes = classify_exact(mi, block_m, block_n, undecided=undecided)
+    todo = np.argwhere(undecided)
+    limit = getattr(evaluator, "max_cells", None)
+    if evaluator is None or not len(todo):
+        return TilePlan.from_classes(classes, block_m, block_n, method, len(todo))
+    if limit is not None and len(todo) * block_m * block_n > limit:  # too long to wait for: safe instead
+        return TilePlan.from_classes(classes, block_m, block_n, method, len(todo),
+                                     skipped=f"{len(todo) * block_m * block_n:,} cells to evaluate, over the "
+                                             f"{evaluator.name} evaluator's limit of {limit:,}")
+    classes[tuple(todo.T)] = evaluator(todo.astype(np.int64), block_m, block_n)
+    return TilePlan.from_classes(classes, block_m, block_n, method, len(todo), evaluator.name)

@@ -45,7 +45,8 @@ def test_text_report_says_why_a_mask_is_not_representable():
            "[4, 16)); FlashMask encodes at most two" in r.stdout
     assert "by per-column evaluation of the mask: the interval analysis is not exact here (atom " \
            "'(q - k) % 2 == 0' is not interval-analyzable" in r.stdout
-    assert "the analysis is not exact" in r.stdout
+    # the tiles the analysis could not decide were classified by the predicate
+    assert "classified by interval analysis + predicate evaluation (numpy) of the " in r.stdout
 
 
 def test_json_fields_agree_with_the_dense_oracle():
@@ -177,3 +178,49 @@ def test_png_without_matplotlib_says_how_to_install_it(tmp_path, monkeypatch, ca
     err = capsys.readouterr().err
     assert "--png needs matplotlib" in err and "pip install 'attnc[plot]'" in err
     assert not (tmp_path / "m.png").exists()
+
+
+# ---------------------------------------------------------------- exact tile classes (issue 34)
+PERIODIC = "causal & (window(24) | k < 4 | q % 40 < 4)"  # the issue's mask, scaled to S = 200
+
+
+def _brute_counts(program, batch, s, block_m, block_n, tensors=None):
+    """FULL / PARTIAL / SKIP over B' x H' tiles from the dense oracle mask."""
+    from tests.unit.test_tiles import brute_classes
+    e = explain.explain(program, batch, s, s, tensors or {}, block_m, block_n)
+    b_, h_ = e.intervals.shape[:2]
+    truth = brute_classes(dense_mask(program, batch, s, s, tensors or {})[:b_, :h_], block_m, block_n)
+    return {"full": int((truth == FULL).sum()), "partial": int((truth == PARTIAL).sum()),
+            "skip": int((truth == SKIP).sum())}, e
+
+
+def test_explain_counts_tiles_exactly_for_a_periodic_mask(tmp_path):
+    """The CLI's count equals the brute-force count over the dense mask, and says how the tiles were
+    classified; the analysis alone would compute far more of them."""
+    spec = tmp_path / "periodic.attn"
+    spec.write_text(f"attention periodic {{ heads = 2 head_dim = 8 mask = {PERIODIC} }}\n")
+    out = explain_json(spec, "--kv-len", "200", "--block", "16x8")
+    want, e = _brute_counts(compile_file(spec), 1, 200, 16, 8)
+    assert out["tiles"] == want and out["tiles_exact"] is True
+    assert out["tiles_classified_by"] == "evaluation" and out["tiles_evaluated_by"] == "numpy"
+    assert out["tiles_undecided"] > 0 and out["exact"] is False
+    assert out["density"] == pytest.approx((want["full"] + want["partial"]) / sum(want.values()))
+    from attnc.compiler.analysis.tiles import plan_tiles
+    safe = plan_tiles(e.intervals, 16, 8)  # the analysis alone: undecided tiles stay PARTIAL
+    assert safe.density() > 1.5 * out["density"]
+
+
+@pytest.mark.parametrize("mask, tensors", [
+    ("(q - k) % 3 == 0 & window(20)", ""),  # modular (a dilation)
+    ("k % 16 < 2 | q % 32 >= 28 | causal & window(10)", ""),  # periodic columns and rows
+    ("(q & k & 24) == 0", ""),  # bitwise
+    ("(q & 16) == (k & 16) & causal", ""),  # bitwise stripes
+    ("doc[b, q] == doc[b, k] & ((q ^ k) & 4) == 0 & h < 1", "tensor doc: i32[b, s] ~ segments(8, 40)"),
+])
+def test_explain_tile_counts_equal_brute_force(mask, tensors):
+    from attnc.compiler.lower import compile_spec
+    program = compile_spec(f"attention t {{ heads = 2 head_dim = 8 {tensors} mask = {mask} }}")
+    arrays = explain.call_tensors(program, 2, 100, 100, seed=3)
+    want, e = _brute_counts(program, 2, 100, 16, 8, arrays)
+    assert e.plan.counts() == want
+    assert e.to_json()["tiles"] == want and e.plan.exact

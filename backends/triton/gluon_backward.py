@@ -1,0 +1,334 @@
+"""The backward pass for Hopper (sm_90) in Gluon: D, then a dK/dV pass and a dQ pass, each on TMA
+loads and wgmma, walking the plan (SKIP blocks never loaded, FULL blocks without the element mask,
+PARTIAL blocks -- and, unless S_q / S_k are multiples of the tiles, the blocks across them -- with
+the spec's ``VISIBLE`` predicate and the bounds; the score program's derivative ``SCORE_GRAD``
+inlined as in the Triton backward).  Deterministic: no atomics, every gradient element written by
+one program, dK/dV summed over the GQA group in a fixed order.
+
+* D = rowsum(dO * O) - dLSE: the Triton backward's ``_bwd_delta``.
+* dK/dV (``_bwd_dkdv_ws``): one program per (K/V tile of 128 keys, request * K/V head), in
+  ``prefill._job``'s order over each plane's key tiles sorted by work.  A TMA warp loads the tile's
+  K and V once, then streams the Q and dO tiles (BLOCK_M rows) of the tile's *group column list*
+  (``group_lists``: for every query head of the GQA group in turn, the query blocks whose class is
+  not SKIP) through STAGES stages; two consumer warpgroups (FlashAttention-3's split), 64 keys each,
+  released stage by stage through mbarriers, run per entry
+      S^T = K Q^T and dP^T = V dO^T (issued together), P^T = exp2(S^T scale - LSE),
+      dV += P^T dO (under dS^T's arithmetic), dS^T = P^T (dP^T - D), dK += dS^T Q,
+  keeping dK and dV in registers; one warpgroup's arithmetic runs under the other's MMAs.
+* dQ (``_bwd_dq_ws``): the forward engine's structure -- one program per (128-row query tile,
+  request * query head), a TMA warp streaming the K/V blocks of the tile's row of the plan (FULL
+  blocks, then PARTIAL ones), two consumer warpgroups of 64 rows: S = Q K^T, dP = dO V^T, dS,
+  dQ += dS K.  Seven GEMMs per block in all (S and dP are computed in both passes) against
+  FlashAttention's five with atomic dQ, the price of bit-identical gradients.
+
+``GluonBackwardConfig`` also selects ``_bwd_dkdv`` (the same step on 8 warps that issue their own
+loads: no warp specialization) and dQ by the Triton backward's dQ pass or by float32 atomics inside
+``_bwd_dkdv`` (five GEMMs, not bit-reproducible; slower at d 128 on the H200).  ``choose`` is the
+one decision place (``refusal``: what the passes cannot run goes to the Triton backward).
+
+Tiles past S_q or S_k: TMA reads the next head's rows there (zeros past the tensor's end); their
+scores are masked, so P = 0 and nothing of them reaches this head's gradients (for finite inputs).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from . import choice, device, grad as G, launch as L, plans as P
+from .kernels import backward as K
+from .kernels.gluon_backward import HAS_GLUON, _bwd_dkdv, _bwd_dkdv_ws, _bwd_dq_ws
+from .kernels.gluon_engine import SMEM
+
+try:
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+except (ImportError, AttributeError):  # a Triton without Gluon: ``refusal`` refuses the engine
+    gl = TensorDescriptor = None
+
+HEAD_DIMS = (64, 128)  # q.k's and v's (equal)
+GROUP_BITS = 7  # an entry: query block << 8 | head within the group << 1 | PARTIAL
+MAX_GROUP = 1 << GROUP_BITS
+MIN_ROWS = 128  # (B * H * S rows of Q and of K/V: no TMA box is taller than its tensor)
+
+
+DQ_MODES = ("gluon", "triton", "atomic")
+
+
+@dataclass(frozen=True)
+class GluonBackwardConfig:
+    """The Gluon backward's launch: the dK/dV pass's tiles (``block_m`` query rows per entry,
+    ``block_n`` keys per program), Q/dO stages and kernel (``warp_specialize``: a TMA warp and two
+    consumer warpgroups, ``_bwd_dkdv_ws``; else ``_bwd_dkdv``, 8 warps issuing their own loads), and
+    how dQ is made (``dq``): "gluon", its own warp-specialized pass (``_bwd_dq_ws``, 128-row tiles over
+    ``dq_block_n``-key blocks, ``dq_stages`` K/V stages); "triton", the Triton backward's dQ pass;
+    "atomic", float32 atomics inside the (plain) dK/dV pass -- five GEMMs per block instead of
+    seven, not bit-reproducible."""
+
+    block_m: int = 64
+    block_n: int = 128
+    stages: int = 2
+    warp_specialize: bool = True
+    dq: str = "gluon"
+    dq_block_n: int = 64
+    dq_stages: int = 2
+
+    def __post_init__(self):
+        if self.dq not in DQ_MODES:
+            raise ValueError(f"GluonBackwardConfig.dq must be one of {', '.join(DQ_MODES)}, not {self.dq!r}")
+        if self.dq == "atomic" and self.warp_specialize:
+            raise ValueError("GluonBackwardConfig: dq='atomic' runs in the plain dK/dV kernel (warp_specialize=False)")
+        if self.warp_specialize and self.block_n != 128:
+            raise ValueError("GluonBackwardConfig: the warp-specialized dK/dV kernel takes 128-key tiles (two halves "
+                             f"of 64), not {self.block_n}")
+
+    def describe(self) -> str:
+        kind = "warp-specialized" if self.warp_specialize else "plain"
+        return (f"gluon dK/dV {kind} {self.block_m} x {self.block_n}, {self.stages} stages; dQ {self.dq}"
+                + (f" 128 x {self.dq_block_n}, {self.dq_stages} stages" if self.dq == "gluon" else ""))
+
+
+def default_config(d: int) -> GluonBackwardConfig:
+    """The untuned launch: 64 query rows per dK/dV entry (registers: a consumer holds dK, dV, S^T and
+    dP^T of its 64 keys), dQ on 128 x 64 tiles at d 128, 128 x 128 at d 64."""
+    return GluonBackwardConfig(dq_block_n=64 if d > 64 else 128)
+
+
+def smem_bytes(d: int, config: GluonBackwardConfig) -> int:
+    """Shared memory of the larger of the two passes' programs (2-byte elements, plus barriers): the
+    dK/dV pass's K and V tiles and STAGES Q and dO tiles (and dS^T, atomic dQ); the dQ pass's Q and
+    dO tiles and its K/V stages."""
+    c = config
+    dkdv = 2 * c.block_n * d + 2 * c.stages * c.block_m * d + (c.block_m * c.block_n if c.dq == "atomic" else 0)
+    dq = 2 * 128 * d + 2 * c.dq_stages * c.dq_block_n * d if c.dq == "gluon" else 0
+    return 2 * max(dkdv, dq) + 128
+
+
+def refusal(program, batch: int, s_q: int, s_k: int, bhsd_contiguous: bool, capability: int, interpreted: bool,
+            config: GluonBackwardConfig) -> str | None:
+    """Why the Gluon dK/dV pass cannot run this call (a sentence), or None: the one decision place
+    (everything it refuses runs the Triton backward)."""
+    if interpreted:
+        return "Gluon kernels do not run in Triton's interpreter"
+    if not HAS_GLUON:
+        return "this Triton has no Gluon (triton.experimental.gluon)"
+    if capability != 90:
+        return "the Gluon backward needs an sm_90 GPU (Hopper: wgmma and TMA)"
+    if program.dtype not in ("f16", "bf16"):
+        return f"the Gluon backward takes f16 / bf16, not {program.dtype}"
+    if program.d_qk != program.d_v or program.d_qk not in HEAD_DIMS:
+        return (f"the Gluon backward takes equal q.k and v head dims of {' or '.join(map(str, HEAD_DIMS))}, not "
+                f"{program.d_qk} / {program.d_v}")
+    if program.heads_q // program.heads_kv > MAX_GROUP:
+        return f"the Gluon backward takes GQA groups of at most {MAX_GROUP} query heads"
+    if not bhsd_contiguous:
+        return "the Gluon backward reads contiguous bhsd tensors at 16-byte aligned addresses (TMA)"
+    if min(batch * program.heads_q * s_q, batch * program.heads_kv * s_k) < MIN_ROWS:
+        return f"the Gluon backward's TMA boxes need at least {MIN_ROWS} rows of Q and of K/V in all"
+    if smem_bytes(program.d_qk, config) > SMEM:
+        return f"the Gluon backward's buffers on {config.block_m} x {config.block_n} tiles exceed shared memory"
+    return None
+
+
+# ---------------------------------------------------------------- host side: the group column lists
+def group_lists(classes: np.ndarray, group: int) -> dict:
+    """The dK/dV pass's walk from the plan's tile classes [PLAN_B, PLAN_H, q_tiles, k_tiles]
+    (0 SKIP, 1 PARTIAL, 2 FULL): for each (request plane, K/V head plane, key tile) -- K/V head
+    planes: PLAN_H // group where the plan depends on the head, else 1 --, the computed query
+    blocks of every query head of the group in turn, ascending, as ``ptr`` / ``ent`` (CSR; an
+    entry is query block << 8 | head in group << 1 | PARTIAL); ``order``: each plane's key tiles
+    by descending entries (the jobs' order); ``kv_planes``."""
+    pb, ph, qt, kt = classes.shape
+    if ph > 1:
+        kv_planes = ph // group
+        c = classes.reshape(pb, kv_planes, group, qt, kt)
+    else:
+        kv_planes = 1
+        c = np.broadcast_to(classes.reshape(pb, 1, 1, qt, kt), (pb, 1, group, qt, kt))
+    c = c.transpose(0, 1, 4, 2, 3).reshape(-1, group * qt)  # [lists, (g, query block)]
+    lists, flat = np.nonzero(c)  # row-major: by list, then head in group, then query block
+    g, qb = np.divmod(flat, qt)
+    ent = (qb.astype(np.int64) << 8) | (g.astype(np.int64) << 1) | (c[lists, flat] == 1)
+    counts = np.bincount(lists, minlength=len(c))
+    ptr = np.zeros(len(c) + 1, np.int32)
+    np.cumsum(counts, out=ptr[1:])
+    order = np.argsort(-counts.reshape(-1, kt), axis=1, kind="stable").reshape(-1).astype(np.int32)
+    return {"ptr": ptr, "ent": ent.astype(np.int32), "order": order, "kv_planes": kv_planes}
+
+
+# ---------------------------------------------------------------- host side: the launch
+# Whether the backward takes the Gluon passes by default where ``refusal`` allows it (else only when
+# a caller passes a GluonBackwardConfig).  Measured on the H200 (study r2, bench/results/README.md),
+# kernel alone, B4 S8K bf16, against the Triton backward: causal d128 H16 428.5 / 357 TFLOP/s, full
+# d128 457.5 / 375, causal d64 H32 324.9 / 115; every gradient within the Triton backward's error.
+DEFAULT = True
+REGS = (168, 240, 24)  # the warp-specialized kernels' maxnreg, consumer and producer registers
+
+
+def choose(program, config, s_q: int, s_k: int, tensors: tuple, bshd: bool, interpreted: bool):
+    """The backward's engine for a call: a GluonBackwardConfig (the Gluon passes), or None (the
+    Triton backward).  ``config``: the caller's -- a GluonBackwardConfig asks for the Gluon passes
+    (a ValueError says why they cannot run), a ``grad.BackwardConfig`` for the Triton ones; None:
+    the default (``DEFAULT``, where ``refusal`` allows).  ``tensors``: q, k, v and O (dO, which
+    autograd may hand over expanded or strided, is copied where TMA cannot read it: ``tma_input``)."""
+    asked = isinstance(config, GluonBackwardConfig)
+    if config is not None and not asked:
+        return None
+    if not asked and not DEFAULT:
+        return None
+    cfg = config if asked else default_config(program.d_qk)
+    t = tensors[0]
+    capability = device.capability(t.device) if t.is_cuda else 0
+    batch = t.shape[0]
+    why = refusal(program, batch, s_q, s_k, not bshd and device.tma_ready(*tensors), capability, interpreted, cfg)
+    if why is not None:
+        if asked:
+            raise ValueError(f"GluonBackwardConfig: {why}")
+        return None
+    return cfg
+
+
+def kernel_constexprs(module, config: GluonBackwardConfig, s_q: int, s_k: int) -> dict:
+    """The Gluon passes' kernels for a call: {"dkdv": (kernel, constexprs, launch options), and where
+    config.dq is "gluon", "dq": likewise} (the launch's and the compile test's one source)."""
+    c, spec = config, module.SPEC
+    score = dict(VISIBLE=module.visible, SCORE_GRAD=L.score_functions(module, L.position_end(s_q, s_k, None))[1],
+                 HAS_SCORE=spec["HAS_SCORE"], SCALE=spec["SCALE"], H_Q=spec["H_Q"], H_KV=spec["H_KV"],
+                 GROUP=spec["GROUP"])
+    maxnreg, consumer, producer = REGS
+    ws = dict(CONSUMER_REGS=consumer, PRODUCER_REGS=producer)
+    out = {"dkdv": (_bwd_dkdv_ws if c.warp_specialize else _bwd_dkdv, dict(
+        EVEN_M=s_q % c.block_m == 0, EVEN_N=s_k % c.block_n == 0, BLOCK_M=c.block_m, BLOCK_N=c.block_n,
+        D=spec["D_QK"], STAGES=c.stages, HEAD_GROUP=choice.HEAD_GROUP, ATOMIC_DQ=c.dq == "atomic",
+        NUM_WARPS=4 if c.warp_specialize else 8, **score, **(ws if c.warp_specialize else {})),
+        dict(num_warps=4, maxnreg=maxnreg) if c.warp_specialize else dict(num_warps=8))}
+    if c.dq == "gluon":
+        out["dq"] = (_bwd_dq_ws, dict(EVEN_M=s_q % 128 == 0, EVEN_N=s_k % c.dq_block_n == 0, ROWS=64,
+                                      BLOCK_N=c.dq_block_n, D=spec["D_QK"], STAGES=c.dq_stages,
+                                      HEAD_GROUP=choice.HEAD_GROUP, **ws, **score), dict(num_warps=4, maxnreg=maxnreg))
+    return out
+
+
+def tma_input(t):
+    """``t`` as the Gluon passes read it: itself where TMA can (contiguous, 16-byte aligned), else a
+    contiguous copy (autograd's dO of ``o.sum()`` is an expanded view, for example)."""
+    import torch
+    return t if device.tma_ready(t) else t.clone(memory_format=torch.contiguous_format)
+
+
+class GluonBackwardLaunch:
+    """The backward of one call shape on the Gluon passes: D by the Triton backward's ``_bwd_delta``,
+    dK and dV by ``_bwd_dkdv_ws`` (or ``_bwd_dkdv``), dQ by ``_bwd_dq_ws`` (or the Triton backward's dQ
+    pass, or atomics and ``_bwd_dq_store``).  ``retile(bm, bn)``: the call's plan on other tiles
+    (``Plan.retile``: the mask analysis is reused)."""
+
+    def __init__(self, module, config: GluonBackwardConfig, retile, shape: tuple, device):
+        self.module, self.config = module, config
+        self.batch, self.s_q, self.s_k = shape
+        spec = module.SPEC
+        self.h_q, self.h_kv, self.d = spec["H_Q"], spec["H_KV"], spec["D_QK"]
+        c = config
+        classes = retile(c.block_m, c.block_n).tiles.classes
+        lists = group_lists(classes, spec["GROUP"])
+        host = {"order": lists["order"], "ptr": lists["ptr"], "ent": lists["ent"]}
+        k_tiles = classes.shape[3]
+        bkv = self.batch * self.h_kv
+        self.grid = (k_tiles * bkv,)
+        q_off = self.s_k - self.s_q
+        self.ints = (self.s_q, self.s_k, q_off, 0, *classes.shape[:2], lists["kv_planes"], k_tiles, bkv)
+        kernels = kernel_constexprs(module, config, self.s_q, self.s_k)
+        fn, consts, options = kernels["dkdv"]
+        self.dkdv = L.Launcher(fn, consts, **options)
+        self.kv_rows = c.block_n // 2 if c.warp_specialize else c.block_n
+        self.delta = {n: L.Launcher(K._bwd_delta, dict(H_Q=self.h_q, HAS_DLSE=n, BLOCK=G.DELTA_ROWS, D_V=self.d,
+                                                       D_V_PAD=spec["D_V_PAD"])) for n in (False, True)}
+        self.triton = None
+        if c.dq == "gluon":
+            rows_plan = retile(128, c.dq_block_n)
+            rc = rows_plan.tiles.classes
+            r = G._lists(rc, False)
+            host.update(r_order=rows_plan.q_tile_order(), r_ptr=r["ptr"], r_idx=r["idx"])
+            self.dq_grid = (rc.shape[2] * self.batch * self.h_q,)
+            self.dq_ints = (self.s_q, self.s_k, q_off, 0, *rc.shape[:2], rc.shape[2], self.batch * self.h_q)
+            fn, consts, options = kernels["dq"]
+            self.dq = L.Launcher(fn, consts, **options)
+        elif c.dq == "triton":
+            t = G.default_backward_config(self.d, self.d, False)
+            self.triton = G.BackwardLaunch(module, replace(t, fused=False), retile(t.block_m1, t.block_n1),
+                                           retile(t.block_m2, t.block_n2), shape, device)
+        else:
+            self.store = L.Launcher(K._bwd_dq_store, dict(H_Q=self.h_q, BLOCK=G.DELTA_ROWS, D_QK=self.d,
+                                                          D_QK_PAD=spec["D_QK_PAD"], SCALE=spec["SCALE"]))
+        self.arrays = P.upload(host, device)
+        self.layouts, self.descs = {}, {}
+        self.nbytes = P.nbytes_of(self.arrays) + (self.triton.nbytes if self.triton else 0)
+
+    def _descriptor(self, t, rows: int, role: str | None = None):
+        """``t``'s TMA descriptor as [-1, d] in ``rows``-row boxes; with a ``role`` (q, k, v: inputs the
+        caller keeps anyway), kept and reused while the tensor (address, shape, strides) is the same."""
+        key = (rows, str(t.dtype))
+        layout = self.layouts.get(key)
+        if layout is None:
+            dt = {"torch.float16": gl.float16, "torch.bfloat16": gl.bfloat16}[str(t.dtype)]
+            layout = self.layouts[key] = gl.NVMMASharedLayout.get_default_for([rows, self.d], dt)
+        if role is None:
+            return TensorDescriptor.from_tensor(t.view(-1, self.d), [rows, self.d], layout)
+        seen = (t.data_ptr(), t.shape, t.stride())
+        hit = self.descs.get((role, rows))
+        if hit is None or hit[0] != seen:
+            hit = self.descs[(role, rows)] = (seen, TensorDescriptor.from_tensor(t.view(-1, self.d), [rows, self.d],
+                                                                                  layout))
+        return hit[1]
+
+    def __call__(self, q, k, v, o, lse, do, dlse, ts: tuple, dq, dk, dv, key=None):
+        """Launch on contiguous bhsd tensors; writes dq, dk, dv (``grad.BackwardLaunch.__call__``'s
+        arguments)."""
+        delta = self.delta_pass(o, do, dlse, key)
+        dqa = self.dkdv_pass(q, k, v, lse, do, ts, dk, dv, delta, key)
+        self.dq_pass(q, k, v, lse, do, ts, dq, dk, dv, delta, dqa, key)
+        return delta  # (D - dLSE: a sink's gradient is read from it, as from grad.BackwardLaunch)
+
+    def delta_pass(self, o, do, dlse, key):
+        """D = rowsum(dO * O) - dLSE, float32 [B, H_q, S_q]."""
+        import torch
+        DELTA_ROWS, triton_cdiv = G.DELTA_ROWS, G.triton_cdiv
+        delta = torch.empty((self.batch, self.h_q, self.s_q), device=o.device, dtype=torch.float32)
+        has_dlse = dlse is not None
+        self.delta[has_dlse].launch((triton_cdiv(self.s_q, DELTA_ROWS), self.batch * self.h_q),
+                                    (o, do, dlse if has_dlse else delta, delta, *o.stride(), *do.stride(), self.s_q),
+                                    key)
+        return delta
+
+    def dkdv_pass(self, q, k, v, lse, do, ts, dk, dv, delta, key):
+        """dK and dV; returns the float32 dQ accumulator the pass added into (dq 'atomic'), else delta
+        (an unused pointer)."""
+        import torch
+        dqa = delta
+        if self.config.dq == "atomic":
+            dqa = torch.zeros((self.batch * self.h_q * self.s_q * self.d,), device=q.device, dtype=torch.float32)
+        a, bm = self.arrays, self.config.block_m
+        args = (self._descriptor(q, bm, "q"), self._descriptor(k, self.kv_rows, "k"),
+                self._descriptor(v, self.kv_rows, "v"), self._descriptor(do, bm), dk, dv, dqa, lse, delta, a["order"],
+                a["ptr"], a["ent"], ts, *self.ints)
+        self.dkdv.launch(self.grid, args, key)
+        return dqa
+
+    def dq_pass(self, q, k, v, lse, do, ts, dq, dk, dv, delta, dqa, key):
+        DELTA_ROWS, triton_cdiv = G.DELTA_ROWS, G.triton_cdiv
+        mode, a = self.config.dq, self.arrays
+        if mode == "gluon":
+            bn = self.config.dq_block_n
+            args = (self._descriptor(q, 64, "q"), self._descriptor(k, bn, "k"), self._descriptor(v, bn, "v"),
+                    self._descriptor(do, 64), dq, lse, delta, a["r_order"], a["r_ptr"], a["r_idx"], ts, *self.dq_ints)
+            self.dq.launch(self.dq_grid, args, key)
+        elif mode == "atomic":
+            self.store.launch((triton_cdiv(self.s_q, DELTA_ROWS), self.batch * self.h_q),
+                              (dqa, dq, *dq.stride(), self.s_q), key)
+        else:
+            t = self.triton
+            ta = t.arrays
+            args = (q, k, v, do, dq, dk, dv, lse, delta, dqa, *q.stride(), *k.stride(), *v.stride(), *do.stride(),
+                    *dq.stride(), *dk.stride(), *dv.stride(), ta["c_order"], ta["c_ptr"], ta["c_idx"],
+                    ta["r_order"], ta["r_ptr"], ta["r_idx"], ts, *t.ints)
+            launcher, jobs = t.passes[-1]  # (the dQ pass: grad.BackwardLaunch with fused=False)
+            launcher.launch((jobs,), args, key)
