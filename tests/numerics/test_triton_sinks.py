@@ -80,6 +80,11 @@ def test_a_bad_sink_is_the_oracles_error():
     with pytest.raises(PlanError) as got:
         _prefill(shifted, {**arrays, "sinks": call.tensors["sinks"]})
     assert str(got.value) == str(want.value) and "tensor 'sinks' read out of range" in str(want.value)
+    paged = program("sinks[h + 1]", extra="cache = paged(page_size = 4)")  # the split calls check it too
+    cache = inputs.sample_cache(paged, [9, 5], seed=1)
+    with pytest.raises(PlanError) as got:
+        runtime.load(paged).run(_dev(cache))
+    assert str(got.value) == str(want.value)
 
 
 def test_backward_gives_dq_dk_dv_and_the_sinks_gradient():
