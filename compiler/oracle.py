@@ -5,7 +5,8 @@ It evaluates the IR mask and score program over the whole
 ``[B, H_q, S_q, S_k]`` score rectangle with an IR interpreter of its own (not
 the code generator's printer, so the two check each other), with
 bottom-right positions ``q = S_k - S_q + i`` (M4.5 §0x08B) and the all-masked
-policy ``O = 0, LSE = -inf`` (§0x02C).  Inputs are logical ``bhsd`` arrays.
+policy ``O = 0, LSE = -inf`` (§0x02C; ``LSE = sink`` where the spec has a sink, which joins every
+row's denominator once: ``compiler/sinks.py``).  Inputs are logical ``bhsd`` arrays.
 :func:`reference_backward` is the float64 backward pass, from the score program's symbolic
 derivatives (``compiler/autodiff.py``) evaluated by the same interpreter.
 """
