@@ -218,12 +218,13 @@ class Attention:
                                  "only float tensors read by the score program or the sink are differentiable "
                                  "(masks and indices are not); pass it detached")
         name, _ = self._kernel_for(q, k, v, tensors, backend)
-        beyond = [n for n in asked if n not in self._sink_only()]
-        if name == "triton" and beyond:
+        sink_only = self._sink_only()
+        beyond = [n for n in asked if n not in sink_only]
+        if name == "triton" and beyond and sink_only:
             raise BackendRefused(f"inputs: tensor '{beyond[0]}' requires grad: the triton backward gives dQ, dK, dV "
                                  "and the gradients of tensors only the sink reads (gradients of score tensors come "
                                  "from the numpy backend, on the CPU); pass the tensor detached")
-        if name not in ("numpy", "triton"):
+        if name not in ("numpy", "triton") or (name == "triton" and beyond):
             raise BackendRefused(f"inputs: tensor '{asked[0]}' requires grad: the {name} backward gives dQ, dK, dV "
                                  "only (gradients of score tensors come from the numpy backend, on the CPU); pass "
                                  "the tensor detached")
