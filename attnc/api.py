@@ -18,13 +18,14 @@ compilation it runs directly (no dispatcher cost).  Masks that read tensors are 
 the tensors' values on the host, so their op (``attnc::attention_planned``) is marked unsafe for
 CUDA graphs and ``mode="reduce-overhead"`` leaves it out of the captured graph.
 
-The call is differentiable in q, k and v (and in float tensors the score program reads, on the
-numpy backend): the op's autograd formula saves O and LSE only and runs the backend's backward
+The call is differentiable in q, k and v (and in float tensors the score program reads: on the
+numpy backend, and on the Triton backend where they are indexed by plain positions): the op's autograd formula saves O and LSE only and runs the backend's backward
 (``attnc::attention_backward``, also a custom op, so compiled training traces through it).
 float64 tensors on the CPU run the numpy backend in float64 end to end (``gradcheck``).
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import threading
@@ -54,10 +55,10 @@ def compile(spec: str | os.PathLike, *, name: str | None = None) -> "Attention":
     """Parse, check and lower a spec (a path to a ``.attn`` file, or the spec's text)."""
     from .compiler.lower import compile_file, compile_spec
     text = str(spec)
-    if isinstance(spec, os.PathLike) or ("{" not in text and text.endswith(".attn")):
-        program = compile_file(spec)
-    elif "{" not in text and Path(text).is_file():
-        program = compile_file(text)
+    looks_like_path = "{" not in text and (text.endswith(".attn") or "/" in text or os.sep in text
+                                           or not any(c.isspace() for c in text) or Path(text).is_file())
+    if isinstance(spec, os.PathLike) or looks_like_path:  # (spec text always has braces)
+        program = compile_file(spec)  # a missing file: "cannot read PATH: No such file or directory"
     else:
         program = compile_spec(text, name or "<spec>")
     return Attention(program)
@@ -128,14 +129,14 @@ class Attention:
     def _route(self, program: ir.Program, q, k, backend: str | None) -> tuple[str, object]:
         """Which backend runs calls like this one: the dispatch key's admission (auto, or forced)."""
         from .compiler.dispatch import DispatchError, dispatch, run_environment
-        from .backends.triton.device import capability
         cuda = q.is_cuda
         env = run_environment("cuda" if cuda else "cpu", backend or "auto")
         s_axis = 1 if self._bshd else 2
         call = {"B": int(q.shape[0]), "S_q": int(q.shape[s_axis]), "S_k": int(k.shape[s_axis]),
                 "device": "cuda" if cuda else "cpu", "last_dim_contiguous": bool(q.stride(-1) == 1 and
                                                                                 k.stride(-1) == 1)}
-        if cuda:
+        if cuda:  # (triton is imported only for CUDA tensors: a CPU install needs torch alone)
+            from .backends.triton.device import capability
             call["compute_capability"] = capability(q.device)
         if backend is not None:
             call["backend"] = backend
@@ -162,8 +163,12 @@ class Attention:
         if torch.is_grad_enabled() and (needs_grad or any(
                 getattr(tensors[n], "requires_grad", False) for n in self.tensor_names)):
             self._check_grads(q, k, v, tensors, backend)
-            op = torch.ops.attnc.attention_planned if self.reads_tensors else torch.ops.attnc.attention
-            o, lse = op(self.handle, q, k, v, [tensors[n] for n in self.tensor_names], backend or "")
+            listed = [tensors[n] for n in self.tensor_names]
+            if _eager(torch, q, k, v):  # the same formula without the custom op's dispatch (host time)
+                o, lse = _EagerAttention.apply(self.handle, backend or "", q, k, v, *listed)
+            else:
+                op = torch.ops.attnc.attention_planned if self.reads_tensors else torch.ops.attnc.attention
+                o, lse = op(self.handle, q, k, v, listed, backend or "")
         elif torch.compiler.is_compiling():
             op = torch.ops.attnc.attention_planned if self.reads_tensors else torch.ops.attnc.attention
             o, lse = op(self.handle, q, k, v, [tensors[n] for n in self.tensor_names], backend or "")
@@ -204,7 +209,8 @@ class Attention:
     def _check_grads(self, q, k, v, tensors: dict, backend: str | None) -> None:
         """Refuse, before the forward runs, a gradient the backward cannot give: of a tensor the score
         program does not read as a float (masks, indices), or of a score tensor on a backend
-        without tensor gradients (the Triton backward gives dQ, dK, dV)."""
+        without its gradient (Triton: tensors read at computed indices, ``score_grads.refusal``;
+        other backends: every score tensor)."""
         asked = [n for n in self.tensor_names if getattr(tensors[n], "requires_grad", False)]
         if not asked:
             return
@@ -217,23 +223,17 @@ class Attention:
                 raise InputError(f"inputs: tensor '{n}' requires grad, but spec '{self.name}' has no gradient for it: "
                                  "only float tensors read by the score program or the sink are differentiable "
                                  "(masks and indices are not); pass it detached")
-        name, _ = self._kernel_for(q, k, v, tensors, backend)
-        sink_only = self._sink_only()
-        beyond = [n for n in asked if n not in sink_only]
-        if name == "triton" and beyond and sink_only:
-            raise BackendRefused(f"inputs: tensor '{beyond[0]}' requires grad: the triton backward gives dQ, dK, dV "
-                                 "and the gradients of tensors only the sink reads (gradients of score tensors come "
-                                 "from the numpy backend, on the CPU); pass the tensor detached")
-        if name not in ("numpy", "triton") or (name == "triton" and beyond):
+        name, kernel = self._kernel_for(q, k, v, tensors, backend)
+        if name == "triton":
+            from .backends.triton.score_grads import refusal
+            for n in asked:
+                why = refusal(kernel.program, n)
+                if why is not None:
+                    raise BackendRefused(f"inputs: tensor '{n}' requires grad: {why}; or pass it detached")
+        elif name != "numpy":
             raise BackendRefused(f"inputs: tensor '{asked[0]}' requires grad: the {name} backward gives dQ, dK, dV "
-                                 "only (gradients of score tensors come from the numpy backend, on the CPU); pass "
+                                 "only (gradients of score tensors come from the numpy and Triton backends); pass "
                                  "the tensor detached")
-
-    def _sink_only(self) -> set:
-        """The f32 tensors only the sink reads (the Triton backward gives their gradients)."""
-        from .compiler import sinks
-        from .compiler.autodiff import score_grad
-        return set(sinks.tensors_read(self.program)) - set(score_grad(self.program).tensors)
 
     def _check_tensors(self, tensors: dict) -> None:
         unknown = sorted(set(tensors) - set(self.tensor_names))
@@ -251,6 +251,11 @@ class Attention:
         except AttributeError:
             raise InputError(f"inputs: q, k and v must be torch tensors (attnc.compile(...) takes torch tensors; "
                              f"got {type(q).__name__}, {type(k).__name__}, {type(v).__name__})") from None
+        torch = _torch_module()
+        for n, t in tensors.items():  # (every call, whichever backend: the same error on each)
+            if not isinstance(t, torch.Tensor):
+                raise InputError(f"inputs: '{n}' is a {type(t).__name__}; attnc.compile(...) takes torch tensors "
+                                 f"(torch.as_tensor(..., device=q.device))")
         route = self._routes.get(key)
         if route is None:
             program = self.specialize(*self._shape_of(q, k, v))
@@ -275,14 +280,10 @@ class Attention:
         import torch
         name, kernel = self._kernel_for(q, k, v, tensors, backend)
         if name == "triton":
-            beyond = [n for n in want if n not in self._sink_only()]
-            if beyond:
-                raise BackendRefused(f"tensor '{beyond[0]}': the Triton backward gives dQ, dK, dV and the gradients "
-                                     "of tensors only the sink reads")
-            if not want:
-                return (*kernel.backward(q, k, v, o, lse, do, dlse, **tensors), {})
-            dq, dk, dv, dts = kernel.backward(q, k, v, o, lse, do, dlse, sink_tensors=True, **tensors)
-            return dq, dk, dv, {n: dts[n] for n in want}
+            if want:
+                return kernel.backward_with_tensors(q, k, v, o, lse, do, dlse, tensors, want)
+            dq, dk, dv = kernel.backward(q, k, v, o, lse, do, dlse, **tensors)
+            return dq, dk, dv, {}
         if name != "numpy":
             raise BackendRefused(f"the {name} backend has no backward pass; run the call on the numpy or Triton "
                                  "backend")
@@ -390,6 +391,59 @@ BACKWARD_SCHEMA = ("(str handle, Tensor q, Tensor k, Tensor v, Tensor o, Tensor 
                    "Tensor[] tensors, int[] want, str backend) -> (Tensor, Tensor, Tensor, Tensor[])")
 
 
+def gradient_buffer(x):
+    """The layout of every gradient ``attnc::attention_backward`` returns, for the fake and the real
+    implementation alike: a contiguous tensor of x's shape, dtype and device, whatever x's strides
+    (q, k, v permuted out of a fused projection included: the fake must not inherit a layout the
+    real backward does not produce, or inductor's stride assertion fails)."""
+    return x.new_empty(x.shape)
+
+
+def as_gradient(g, x):
+    """A backend's gradient ``g`` of ``x`` in :func:`gradient_buffer`'s layout (no copy when it is)."""
+    if g.shape == x.shape and g.stride() == _contiguous_strides(x.shape) and g.dtype == x.dtype and \
+            g.device == x.device:
+        return g
+    out = gradient_buffer(x)
+    out.copy_(g)
+    return out
+
+
+@functools.lru_cache(maxsize=256)
+def _contiguous_strides(shape) -> tuple[int, ...]:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+_EagerAttention = None  # the torch.autograd.Function _register_ops defines (it closes over the op's parts)
+
+
+def _eager(torch, *xs) -> bool:
+    """Whether a call runs outside any tracing (plain tensors, no dispatch mode, not dynamo): then
+    autograd takes ``_EagerAttention`` instead of the custom op (the same formula)."""
+    # (is_compiling first: dynamo, tracing this, does not trace the dispatch-stack query)
+    return (not torch.compiler.is_compiling() and all(type(x) is torch.Tensor for x in xs)
+            and not torch._C._len_torch_dispatch_stack())
+
+
+def _gradients(ctx, grad_o, grad_lse, run):
+    """(dQ, dK, dV, [gradient or None per tensor]) of a saved call, by ``run`` (the backward op, or
+    its implementation called directly)."""
+    q, k, v, o, lse, *tensors = ctx.saved_tensors
+    if grad_o is None:
+        import torch
+        grad_o = torch.zeros_like(o)
+    dq, dk, dv, dts = run(ctx.handle, q, k, v, o, lse, grad_o.contiguous(), grad_lse, tensors, ctx.want,
+                          ctx.backend)
+    grads = [None] * ctx.n_tensors
+    for i, g in zip(ctx.want, dts):
+        grads[i] = g
+    return dq, dk, dv, grads
+
+
 def _register_ops() -> None:
     import torch
 
@@ -408,11 +462,12 @@ def _register_ops() -> None:
         named = dict(zip(attn.tensor_names, tensors))
         dq, dk, dv, dts = attn.backward(q, k, v, o, lse, do, dlse, named, backend or None,
                                         tuple(attn.tensor_names[i] for i in want))
-        return dq, dk, dv, [dts[attn.tensor_names[i]] for i in want]
+        return (as_gradient(dq, q), as_gradient(dk, k), as_gradient(dv, v),
+                [as_gradient(dts[attn.tensor_names[i]], tensors[i]) for i in want])
 
     def backward_fake(handle, q, k, v, o, lse, do, dlse, tensors, want, backend):
-        return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
-                [torch.empty_like(tensors[i]) for i in want])
+        return (gradient_buffer(q), gradient_buffer(k), gradient_buffer(v),
+                [gradient_buffer(tensors[i]) for i in want])
 
     unsafe = getattr(torch.Tag, "cudagraph_unsafe", None)
     bwd = torch.library.custom_op("attnc::attention_backward", backward_impl, mutates_args=(),
@@ -427,15 +482,26 @@ def _register_ops() -> None:
         ctx.save_for_backward(q, k, v, o, lse, *tensors)
 
     def grad_fn(ctx, grad_o, grad_lse):
-        q, k, v, o, lse, *tensors = ctx.saved_tensors
-        if grad_o is None:
-            grad_o = torch.zeros_like(o)
-        dq, dk, dv, dts = bwd(ctx.handle, q, k, v, o, lse, grad_o.contiguous(), grad_lse, tensors, ctx.want,
-                              ctx.backend)
-        grads = [None] * ctx.n_tensors
-        for i, g in zip(ctx.want, dts):
-            grads[i] = g
+        dq, dk, dv, grads = _gradients(ctx, grad_o, grad_lse, bwd)
         return None, dq, dk, dv, grads, None
+
+    global _EagerAttention
+
+    class _EagerAttention(torch.autograd.Function):
+        """The op's autograd formula for calls outside tracing (``_eager``): the same saved tensors
+        and backward, without the custom op's dispatch and argument flattening on every call."""
+
+        @staticmethod
+        def forward(ctx, handle, backend, q, k, v, *tensors):
+            o, lse = impl(handle, q, k, v, tensors, backend)
+            setup_context(ctx, (handle, q, k, v, tensors, backend), (o, lse))
+            ctx.want = [i for i in range(len(tensors)) if ctx.needs_input_grad[5 + i]]
+            return o, lse
+
+        @staticmethod
+        def backward(ctx, grad_o, grad_lse):
+            dq, dk, dv, grads = _gradients(ctx, grad_o, grad_lse, backward_impl)
+            return None, None, dq, dk, dv, *grads
 
     for name, tags in (("attnc::attention", ()), ("attnc::attention_planned", (unsafe,) if unsafe else ())):
         op = torch.library.custom_op(name, impl, mutates_args=(), tags=tags, schema=SCHEMA)

@@ -12,10 +12,18 @@ it is a transaction, on every backend and cache layout:
    (``kv_lens`` still says T);
 3. **attend**: the backend's split call over the post-commit view, query row i of request b at
    position ``T_b + i`` (it sees ``[0, T_b + i]``);
-4. **commit**: only once the output exists, ``kv_lens`` advances to ``T + C`` in place.
+4. **check** the output (one reduction on the device, the rows only on failure): a NaN LSE row
+   is the non-finite-score error every backend raises (``numerics.check_rows``), a non-finite O
+   row (NaN or inf in the V rows its tiles read) is refused too, on every backend alike;
+5. **commit**: only once the output exists and is finite, ``kv_lens`` advances to ``T + C`` in
+   place.
 
-A refusal writes nothing; an error after staging puts the staged slots' old bytes back, so a
-failed call leaves every byte of the cache and ``kv_lens`` as it found them.
+Validation also refuses what would make a commit unsafe: a ``kv_lens`` dtype that ``T + C``
+leaves, a ``kv_lens`` that cannot be written in place (an expanded or inference-mode tensor),
+and a written tensor (the K/V storage, ``kv_lens``) that shares memory with any other input.
+A refusal writes nothing; any failure after staging, the commit's included, puts the staged
+slots' old bytes and ``kv_lens`` back, so a failed call leaves every byte of the cache and
+``kv_lens`` as it found them (a retry appends once).
 """
 from __future__ import annotations
 
@@ -23,7 +31,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from .compiler import inputs, ir
+from .compiler import inputs, ir, numerics
 from .compiler.append import AppendCall, AppendPlan, append_keys, validate_append
 from .compiler.errors import InputError, PlanError
 
@@ -42,13 +50,7 @@ def append(attn, q, k_new, v_new, *, manifest=None, plan: AppendPlan | None = No
             raise PlanError(f"plan= takes the AppendPlan of attn.plan_append, got {type(plan).__name__}")
         plan.check(txn.program, txn.backend, txn.call)
         inner = plan.inner
-    saved = txn.stage()
-    try:
-        o, lse = txn.runner.run(txn, inner)
-    except BaseException:
-        txn.restore(saved)
-        raise
-    txn.commit()
+    o, lse = txn.execute(inner)
     return (o, lse) if return_lse else o
 
 
@@ -90,6 +92,10 @@ class _Transaction:
                                       and self.kv_lens.dtype != torch.bool):
             raise InputError("inputs: 'kv_lens' (the committed rows) advances in place when the append commits: "
                              f"pass it as an integer torch tensor, got {type(self.kv_lens).__name__}")
+        if self.kv_lens is not None:
+            _check_writable_lengths(self.kv_lens)
+        _check_aliasing({"q": q, "k_new": k_new, "v_new": v_new, **keys, **self.tensors},
+                        (self.k_key, self.v_key, "kv_lens"))
         meta = {k: (v if k in (self.k_key, self.v_key) else _host(v)) for k, v in keys.items()}
         self.call: AppendCall = validate_append(p, meta, q.shape[0], manifest=manifest, request_ids=request_ids)
         metas = {name: (tuple(t.shape), _kind(t), str(t.dtype)) for name, t in self.tensors.items()}
@@ -98,28 +104,156 @@ class _Transaction:
         self.q, self.k_new, self.v_new = q, k_new, v_new
         self.runner = RUNNERS[self.backend](attn, p)
 
-    # ------------------------------------------------------------ stage, restore, commit
+    # ------------------------------------------------------------ the transaction
+    def execute(self, inner):
+        """Stage, attend, check the output, commit (module docstring); any failure on the way,
+        the commit's included, puts the staged slots' old bytes and ``kv_lens`` back."""
+        saved, lengths = [], self.kv_lens.clone()
+        try:
+            self.stage(saved)
+            o, lse = self.runner.run(self, inner)
+            self.check_output(o, lse)
+            self.commit()
+        except BaseException as e:
+            self.rollback(saved, lengths, e)
+            raise
+        return o, lse
+
     def _index(self, store):
         torch = self.torch
         idx = tuple(torch.as_tensor(i, device=store.device) for i in self.call.targets)
         return idx if len(idx) == 1 else ((idx[0], slice(None), idx[1]) if self.call.head_major else idx)
 
-    def stage(self):
-        """Write the new rows to their slots; returns the slots' old contents."""
-        saved = []
+    def stage(self, saved: list) -> None:
+        """Write the new rows to their slots; ``saved`` collects each store's old contents before
+        its write (so a failure between the two writes restores the first)."""
         for store, rows in ((self.k, self.k_new), (self.v, self.v_new)):
             idx = self._index(store)
-            saved.append(store[idx].clone())
+            saved.append((store, idx, store[idx].clone()))
             store[idx] = rows.detach()
-        return saved
 
-    def restore(self, saved) -> None:
-        for store, old in zip((self.k, self.v), saved):
-            store[self._index(store)] = old
+    def rollback(self, saved: list, lengths, error: BaseException) -> None:
+        """The staged slots' old bytes and ``kv_lens`` back (each step tried; a step that fails
+        is noted on ``error``, which the caller re-raises)."""
+        steps = [lambda s=s: s[0].__setitem__(s[1], s[2]) for s in reversed(saved)]
+        steps.append(lambda: self.kv_lens.copy_(lengths))
+        for step in steps:
+            try:
+                step()
+            except Exception as failed:  # noqa: BLE001 (reported on the error being raised)
+                error.add_note(f"attnc: rolling the append back failed too: {failed!r}; the cache may be changed")
+
+    def check_output(self, o, lse) -> None:
+        """O and LSE finite where a row saw a key (LSE -inf: it saw none, O = 0): one reduction
+        and one host sync; the rows are located only when it fails."""
+        torch = self.torch
+        lse32 = lse.float()
+        total = o.sum(dtype=torch.float32) + torch.where(lse32 == -torch.inf, 0.0, lse32).sum()
+        if bool(torch.isfinite(total)):
+            return
+        _locate_nonfinite(self.call, o.float().cpu().numpy(), lse32.cpu().numpy())
 
     def commit(self) -> None:
         committed = self.torch.as_tensor(self.call.committed, dtype=self.kv_lens.dtype)
         self.kv_lens.copy_(committed.to(self.kv_lens.device))
+
+
+def _locate_nonfinite(call: AppendCall, o: np.ndarray, lse: np.ndarray) -> None:
+    """Raise for the first non-finite row in (b, h, q) order: a NaN LSE is the non-finite-score
+    error of every backend (numerics.check_rows); a non-finite O row or +inf LSE (a NaN or inf in
+    the V rows the row sees) is refused here.  (A finite output whose sum overflowed passes.)"""
+    C = np.asarray(call.manifest.C, np.int64)
+    indptr = np.concatenate([[0], np.cumsum(C)])
+    post = np.asarray(call.committed, np.int64)
+    numerics.check_rows(lse, qo_indptr=indptr, kv_lens=post)
+    bad = ~np.isfinite(o).all(axis=-1) | (lse == np.inf)
+    if not bad.any():
+        return
+    rows, heads = np.nonzero(bad)
+    reqs = np.searchsorted(indptr, rows, side="right") - 1
+    qs = post[reqs] - C[reqs] + rows - indptr[reqs]
+    first = np.lexsort((qs, heads, reqs))[0]
+    raise PlanError(f"append: the output of query row (b={int(reqs[first])}, h={int(heads[first])}, "
+                    f"q={int(qs[first])}) is not finite (a NaN or inf in the V rows its tiles read: the cache's "
+                    "committed rows or v_new); nothing was committed")
+
+
+def _check_writable_lengths(kv_lens) -> None:
+    """``kv_lens`` is written in place at the commit: refuse, before anything is staged, one whose
+    elements share memory (an expanded or stride-0 tensor), an inference-mode tensor outside
+    inference mode, or any tensor a same-values write fails on."""
+    import torch
+    if any(n > 1 and st == 0 for n, st in zip(kv_lens.shape, kv_lens.stride())):
+        raise InputError(f"inputs: 'kv_lens' (strides {list(kv_lens.stride())}) repeats one memory location "
+                         "(an expanded or stride-0 tensor): it advances in place when the append commits; pass "
+                         "a tensor of its own (kv_lens.clone())")
+    if kv_lens.is_inference() and not torch.is_inference_mode_enabled():
+        raise InputError("inputs: 'kv_lens' was made under torch.inference_mode(), and it advances in place when the "
+                         "append commits, which torch allows such a tensor only inside inference mode: call append "
+                         "inside torch.inference_mode() or pass kv_lens.clone()")
+    try:
+        with torch.no_grad():
+            kv_lens.copy_(kv_lens.clone())  # the same values: what the commit will do, minus the change
+    except RuntimeError as e:
+        raise InputError(f"inputs: 'kv_lens' cannot be written in place ({e}); it advances when the append commits: "
+                         "pass a writable integer tensor") from None
+
+
+def _memory(x):
+    """(device, first byte, end byte, storage) of a tensor's (or numpy array's) elements, or None
+    for an empty one or a non-array."""
+    import torch
+    if isinstance(x, torch.Tensor):
+        if x.numel() == 0:
+            return None
+        lo = sum(min(0, (n - 1) * st) for n, st in zip(x.shape, x.stride()))
+        hi = sum(max(0, (n - 1) * st) for n, st in zip(x.shape, x.stride()))
+        size = x.element_size()
+        return str(x.device), x.data_ptr() + lo * size, x.data_ptr() + (hi + 1) * size, x
+    if isinstance(x, np.ndarray) and x.size:
+        lo, hi = np.byte_bounds(x)
+        return "cpu", lo, hi, x
+    return None
+
+
+def _elements_overlap(a, b) -> bool:
+    """Whether two strided tensors whose byte spans intersect share an element.  Exact for the
+    common case (one shape and strides, each stride at least the extent of the smaller ones: the
+    K and V halves of one [pages, 2, ...] tensor); any other pair counts as overlapping."""
+    import torch
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+        return True
+    if a.shape != b.shape or a.stride() != b.stride() or a.element_size() != b.element_size():
+        return True
+    delta = abs(a.data_ptr() - b.data_ptr())
+    if delta % a.element_size():
+        return True
+    delta //= a.element_size()
+    dims = sorted((st, n) for n, st in zip(a.shape, a.stride()) if n > 1)
+    extent = 0
+    for st, n in dims:
+        if st <= extent:  # not nested: give up exactness
+            return True
+        extent += (n - 1) * st
+    for st, n in reversed(dims):  # greedy digits of delta in the mixed radix of the strides
+        delta -= min(delta // st, n - 1) * st
+    return delta == 0
+
+
+def _check_aliasing(inputs_: dict, written: tuple) -> None:
+    """A tensor the append writes (the K and V storage, ``kv_lens``) shares no memory with any
+    other input: the same tensor as K and V storage, or a view of one in another, is refused."""
+    spans = {n: m for n, m in ((n, _memory(x)) for n, x in inputs_.items()) if m is not None}
+    for w in written:
+        if w not in spans:
+            continue
+        dev, lo, hi, x = spans[w]
+        for n, (dev2, lo2, hi2, y) in spans.items():
+            if n == w or (n in written and written.index(n) < written.index(w)):
+                continue
+            if dev == dev2 and lo < hi2 and lo2 < hi and _elements_overlap(x, y):
+                raise InputError(f"inputs: '{w}' shares memory with '{n}' (the same tensor or overlapping views): "
+                                 f"the append writes '{w}' in place, so it must not alias another input")
 
 
 def _program_of_rows(attn, q, k_new, v_new) -> ir.Program:
@@ -257,10 +391,10 @@ class _AhbmRunner:
             k, v = gather_kv(call.layout, storage, b)
             rows = slice(*e.q_rows)
             mine = {n: _request_slice(p.tensor(n).axes, t, b, e.post_length) for n, t in tensors.items()}
-            o_b, lse_b = self.kernel(q[rows].transpose(1, 0, 2)[None], k.transpose(1, 0, 2)[None],
-                                     v.transpose(1, 0, 2)[None], return_lse=True,
-                                     case="decode" if e.C == 1 else "prefill", **mine)
-            o[rows], lse[rows] = o_b[0].transpose(1, 0, 2), lse_b[0].T
+            # (simulate: the rows unchecked; the transaction checks the whole batch's, as on every backend)
+            run = self.kernel.simulate(q[rows].transpose(1, 0, 2)[None], k.transpose(1, 0, 2)[None],
+                                       v.transpose(1, 0, 2)[None], case="decode" if e.C == 1 else "prefill", **mine)
+            o[rows], lse[rows] = run.o[0].transpose(1, 0, 2), run.lse[0].T
         return torch.from_numpy(o).to(txn.q.device, txn.q.dtype), torch.from_numpy(lse).to(txn.q.device)
 
 

@@ -4,15 +4,19 @@ Not a backend: backends import this, never each other (DESIGN §2).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import importlib.util
 import os
 import sys
+import tempfile
 from pathlib import Path
 from types import ModuleType
 
 import jinja2
+
+from attnc.compiler import cachedir
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
 
@@ -35,9 +39,24 @@ def render(backend: str, template: str, **context) -> str:
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("ATTNC_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "attnc")
-    return Path(root)
+    """Where generated modules are written (``compiler.cachedir.writable_root``: the cache root,
+    or a temporary directory when that cannot be written)."""
+    return cachedir.writable_root()
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file of its own (unique per call, in the
+    same directory) and ``os.replace``: a concurrent reader, thread or process, sees the old file
+    or the new one, never half of one, and two writers never share a temporary file."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def load_module(source: str, stem: str) -> ModuleType:
@@ -45,12 +64,13 @@ def load_module(source: str, stem: str) -> ModuleType:
     source through `inspect`, so generated code must live in a real file)."""
     key = hashlib.sha256(source.encode()).hexdigest()[:20]
     directory = cache_dir()
-    directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"{stem}_{key}.py"
-    if not path.exists() or path.read_text() != source:
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(source)
-        os.replace(tmp, path)  # atomic: a concurrent reader never sees half a file
+    try:
+        current = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        current = None
+    if current != source:
+        _write_atomically(path, source)
     name = f"attnc_generated.{path.stem}"
     if name in sys.modules:
         return sys.modules[name]

@@ -1,6 +1,10 @@
 """GPU benchmark of training: the backward pass and forward+backward of attnc's public call,
-against FlexAttention (compiled, the same BlockMask made once) and SDPA (cuDNN, flash; causal and
-full), in one process on the same inputs.
+against FlexAttention (compiled, the same BlockMask made once; its Triton kernels and, as
+``flex_flash``, ``kernel_options={"BACKEND": "FLASH"}``), FlashAttention-4
+(``flash_attn.cute.flash_attn_func``; ``flash_attn_varlen_func`` over the documents) and SDPA
+(cuDNN, flash; causal and full), in one process on the same inputs.  A peer that is not
+importable is skipped (a line says so); one that fails is an error row.  FlashAttention-4 takes
+its own bshd copies of q, k, v and dO (its layout: no transposing copy inside the timed call).
 
 ``attnc bench backward``.  Each implementation's dQ, dK, dV are checked
 first against a float32 dense reference (autograd over masked softmax on the GPU) on two (b, h)
@@ -12,6 +16,7 @@ forward+backward 3.5x.
 """
 from __future__ import annotations
 
+import importlib.util
 import math
 import time
 
@@ -35,8 +40,45 @@ def _reference_grads(q, k, v, do, planes, dense):
     return out
 
 
+def _fa4_peer(name, q, k, v, do, tensors):
+    """FlashAttention-4 on this mask: (forward, (its q, k, v leaves), its dO, gradients -> bhsd), or
+    why it is skipped.  Its own bshd copies of the inputs (FA4's layout); the documents run
+    ``flash_attn_varlen_func`` over the packed rows of every request, split where ``doc`` changes."""
+    try:
+        from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
+    except ImportError as e:
+        return f"flash_attn.cute is not importable: {e}"
+    import torch
+    windows = {"causal": (True, (None, None)), "full": (False, (None, None)),
+               "sliding_window_1024": (True, (1023, 0)), "causal_document": (True, (None, None))}
+    if name not in windows:
+        return f"FlashAttention-4 has no '{name}' mask"
+    causal, window = windows[name]
+    qs, ks, vs = (x.detach().transpose(1, 2).contiguous().requires_grad_() for x in (q, k, v))
+    dos = do.transpose(1, 2).contiguous()
+    batch, seq, heads = qs.shape[:3]
+
+    def first(r):
+        return r[0] if isinstance(r, tuple) else r
+    if name == "causal_document":
+        doc = tensors["doc"]
+        starts = [torch.nonzero(torch.diff(doc[b].long(), prepend=doc[b, :1].long() - 1)).flatten() + b * seq
+                  for b in range(batch)]
+        cu = torch.cat([*starts, torch.tensor([batch * seq], device=q.device)]).to(torch.int32)
+        longest = int(torch.diff(cu).max())
+
+        def forward():
+            flat = [x.view(batch * seq, *x.shape[2:]) for x in (qs, ks, vs)]
+            return first(flash_attn_varlen_func(*flat, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest,
+                                                max_seqlen_k=longest, causal=True)).view(qs.shape)
+    else:
+        def forward():
+            return first(flash_attn_func(qs, ks, vs, causal=causal, window_size=window))
+    return forward, (qs, ks, vs), dos, (lambda grads: [g.transpose(1, 2) for g in grads])
+
+
 def run_backward(batch=4, heads=16, seq=8192, head_dim=128, masks=None, out=None, seed=0, command="",
-                 flex_modes=("default",), sdpa=True):
+                 flex_modes=("default",), sdpa=True, flex_flash=True, fa4=True):
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
     import attnc
@@ -64,7 +106,7 @@ def run_backward(batch=4, heads=16, seq=8192, head_dim=128, masks=None, out=None
         dense = _dense_visible(program, seq, tensors)
         refs = _reference_grads(q, k, v, do, planes, dense)
 
-        def check(grads):
+        def check_bhsd(grads):
             worst = 0.0
             for (b, h), ref in zip(planes, refs):
                 for gx, r in zip(grads, ref):
@@ -96,11 +138,24 @@ def run_backward(batch=4, heads=16, seq=8192, head_dim=128, masks=None, out=None
                     with sdpa_kernel(backend):
                         return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=name == "causal")
                 impls[impl] = fn
+        if flex_flash and flex_modes and importlib.util.find_spec("flash_attn") is None:
+            print(f"{label} flex_flash: skipped (its FLASH backend needs flash_attn.cute, not importable)", flush=True)
+        elif flex_flash and flex_modes:
+            impls["flex_flash"] = (lambda c=torch.compile(flex_attention): c(
+                q, k, v, block_mask=block_mask, kernel_options={"BACKEND": "FLASH"}))
+        leaves = {impl: ((q, k, v), do, None) for impl in impls}
+        if fa4:
+            peer = _fa4_peer(name, q, k, v, do, tensors)
+            if isinstance(peer, str):
+                print(f"{label} fa4: skipped ({peer})", flush=True)
+            else:
+                impls["fa4"], leaves["fa4"] = peer[0], peer[1:]
         for impl, forward in impls.items():
+            grad_of, grad_o, to_bhsd = leaves[impl]
             t0 = time.perf_counter()
             try:
                 o = forward()
-                torch.autograd.grad(o, (q, k, v), do)
+                torch.autograd.grad(o, grad_of, grad_o)
                 torch.cuda.synchronize()
             except Exception as e:  # noqa: BLE001 - a peer failing is a row
                 rows.append({**record, "impl": impl, "error": f"{type(e).__name__}: {str(e)[-1200:]}"})
@@ -109,17 +164,18 @@ def run_backward(batch=4, heads=16, seq=8192, head_dim=128, masks=None, out=None
             first_ms = (time.perf_counter() - t0) * 1e3
             o = forward()
 
-            def bwd(o=o):
-                return torch.autograd.grad(o, (q, k, v), do, retain_graph=True)
+            def bwd(o=o, grad_of=grad_of, grad_o=grad_o):
+                return torch.autograd.grad(o, grad_of, grad_o, retain_graph=True)
 
-            def fwd_bwd(forward=forward):
-                return torch.autograd.grad(forward(), (q, k, v), do)
+            def fwd_bwd(forward=forward, grad_of=grad_of, grad_o=grad_o):
+                return torch.autograd.grad(forward(), grad_of, grad_o)
 
+            check = check_bhsd if to_bhsd is None else (lambda grads, f=to_bhsd: check_bhsd(f(grads)))
             timed(bwd, check, {**record, "impl": impl, "phase": "bwd", "first_call_ms": first_ms}, rows,
                   f"{label} {impl:14} bwd    ", 2.5 * fwd_flops, "TFLOPs", tol=2e-2)
             timed(fwd_bwd, check, {**record, "impl": impl, "phase": "fwd_bwd"}, rows,
                   f"{label} {impl:14} fwd+bwd", 3.5 * fwd_flops, "TFLOPs", tol=2e-2)
-            del o
-        del q, k, v, do
+            del o, grad_of, grad_o
+        del q, k, v, do, leaves, impls
         torch.cuda.empty_cache()
     return list(rows)

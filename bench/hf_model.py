@@ -18,6 +18,11 @@ initialised in bf16 on the GPU, batch 1, ``model(input_ids, use_cache=False)`` u
 - the logits against sdpa's at the same length: relative L2 error and the largest absolute
   difference (float32), and whether the greedy next tokens agree.
 
+``--train`` times a training step instead: ``loss = model(input_ids, labels=input_ids).loss`` and
+``torch.autograd.grad(loss, parameters)`` (forward + backward with every parameter's gradient, no
+optimizer), the model in train mode (dropout 0); each implementation's loss and gradients are
+compared with sdpa's (relative L2 over all parameter gradients together).
+
 Rows are JSON lines appended to ``--out`` as they are measured (the command line in each row);
 a table is printed at the end.  Sdpa runs first at each length (the reference).  ``--smoke``
 runs a tiny model on the CPU (the script's plumbing, not a measurement).
@@ -59,6 +64,8 @@ def _args(argv):
                     help="attnc: register(packed_sequences=False), no position_ids restart check (one sync per forward)")
     ap.add_argument("--use-cache", action="store_true", help="forward with a DynamicCache (default: use_cache=False)")
     ap.add_argument("--warm-cache", action="store_true", help="keep the Triton / Inductor caches (default: cold)")
+    ap.add_argument("--train", action="store_true", help="time a training step (forward + backward, parameter "
+                    "gradients, no optimizer) instead of the inference forward")
     ap.add_argument("--smoke", action="store_true", help="a tiny model on the CPU, to check the script")
     return ap.parse_args(argv)
 
@@ -98,7 +105,8 @@ def main(argv=None) -> int:
     model_desc = {"model": "llama", "layers": args.layers, "hidden": args.hidden, "heads": args.heads,
                   "kv_heads": args.kv_heads, "head_dim": args.head_dim, "intermediate": args.intermediate,
                   "vocab": args.vocab, "dtype": str(dtype).removeprefix("torch."), "batch": args.batch,
-                  "use_cache": args.use_cache, "attnc_packed_check": not args.no_packed_check}
+                  "use_cache": args.use_cache, "attnc_packed_check": not args.no_packed_check,
+                  "phase": "train" if args.train else "forward"}
 
     cfg = transformers.LlamaConfig(hidden_size=args.hidden, intermediate_size=args.intermediate,
                                    num_hidden_layers=args.layers, num_attention_heads=args.heads,
@@ -119,6 +127,23 @@ def main(argv=None) -> int:
         with torch.inference_mode():
             return model(ids, use_cache=args.use_cache).logits
 
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def train_step(ids):
+        """(loss, gradients flattened into one float32 vector): forward + backward, no optimizer."""
+        loss = model(ids, labels=ids, use_cache=False).loss
+        grads = torch.autograd.grad(loss, params)
+        return loss.detach(), grads
+
+    def flat(grads):
+        return torch.cat([g.float().reshape(-1) for g in grads])
+
+    if args.train:
+        model.train()
+        step = train_step
+    else:
+        step = forward
+
     impls = args.impls.split(",")
     if "sdpa" in impls:
         impls = ["sdpa"] + [i for i in impls if i != "sdpa"]
@@ -134,27 +159,32 @@ def main(argv=None) -> int:
                 assert model.config._attn_implementation == impl, model.config._attn_implementation
                 sync()
                 t = time.perf_counter()
-                logits = forward(ids)
+                logits = step(ids)
                 sync()
                 row["first_call_s"] = time.perf_counter() - t
                 for _ in range(args.warmup):
-                    forward(ids)
+                    step(ids)
                 samples = []
                 for _ in range(args.runs):
                     sync()
                     t = time.perf_counter()
-                    forward(ids)
+                    step(ids)
                     sync()
                     samples.append((time.perf_counter() - t) * 1e3)
                 row["median_ms"] = statistics.median(samples)
                 row["samples_ms"] = samples
+                if args.train:  # (loss, gradients): the gradients take the logits' place in the comparison
+                    loss, grads = logits
+                    row["loss"] = float(loss)
+                    logits = flat(grads)
                 if impl == "sdpa":
                     reference = logits.float()
                 elif reference is not None:
                     diff = logits.float() - reference
                     row["rel_l2_vs_sdpa"] = float(diff.norm() / reference.norm())
                     row["max_abs_vs_sdpa"] = float(diff.abs().max())
-                    row["argmax_agree_vs_sdpa"] = float((logits.argmax(-1) == reference.argmax(-1)).float().mean())
+                    if not args.train:
+                        row["argmax_agree_vs_sdpa"] = float((logits.argmax(-1) == reference.argmax(-1)).float().mean())
                 del logits
             except Exception as e:  # noqa: BLE001 - a failing implementation is a row, the others still run
                 row["error"] = f"{type(e).__name__}: {e}"[:2000]

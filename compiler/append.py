@@ -109,6 +109,9 @@ def validate_append(program: ir.Program, arrays: dict, new_rows: int, *, manifes
     and numpy metadata) for ``new_rows`` packed query rows; optional ``manifest`` (else one is
     frozen: ``request_ids`` or 0..B-1, the cache rows of the metadata)."""
     p = program
+    if manifest is not None and not isinstance(manifest, MicrobatchManifest):
+        raise InputError(f"inputs: manifest is a {type(manifest).__name__}; give an attnc.MicrobatchManifest "
+                         "(MicrobatchManifest.freeze(...)) or leave it out")
     if manifest is not None and request_ids is not None:
         raise InputError("inputs: give request_ids or a manifest (which names the requests), not both")
     required, optional = append_keys(p)
@@ -144,6 +147,7 @@ def validate_append(program: ir.Program, arrays: dict, new_rows: int, *, manifes
         rows = _meta(arrays, "cache_batch_idx", 1)
     dims = dict(heads_q=p.heads_q, heads_kv=p.heads_kv, d_qk=p.d_qk, d_v=p.d_v, elem_bytes=dtype_bytes(p.dtype))
     post = T + C
+    _check_length_dtype(np.asarray(arrays["kv_lens"]).dtype, T, C)
     view: dict = {"kv_lens": post, "q_lens": C}
     if kind == "contiguous":
         if len(shapes[k_key]) != 4:
@@ -187,7 +191,42 @@ def validate_append(program: ir.Program, arrays: dict, new_rows: int, *, manifes
     targets = _targets(layout, T, C, rows)
     if layout.kind == lay.PAGED:
         _check_page_writes(layout, targets[0], C)
+        if layout.table == "dense":
+            _check_unscheduled_rows(view["block_table"], rows, targets[0], C, shapes[k_key][0])
     return AppendCall(frozen, layout, view, targets, order in ("bhsd", "hnd"), (k_key, v_key))
+
+
+def _check_length_dtype(dtype: np.dtype, T: np.ndarray, C: np.ndarray) -> None:
+    """``kv_lens`` advances in place, in its own dtype: every ``T + C`` must fit that dtype."""
+    if dtype.kind not in "iu" or dtype.itemsize >= 8:
+        return
+    top = int(np.iinfo(dtype).max)
+    for b in np.flatnonzero(T + C > top)[:1]:
+        raise PlanError(f"append: kv_lens is {dtype}, and request {b} would commit T = {int(T[b])} + C = {int(C[b])} "
+                        f"= {int(T[b] + C[b])} rows, more than {dtype} holds ({top}): kv_lens advances in place in "
+                        "its own dtype; pass it as int32 or int64")
+
+
+def _check_unscheduled_rows(table: np.ndarray, rows: np.ndarray, written: np.ndarray, C, num_pages: int) -> None:
+    """A dense page table: a page the call writes is listed by no row of the table that the call
+    does not schedule (``cache_batch_idx``, or rows 0..B-1; that row's committed K/V would be
+    overwritten).  An
+    unscheduled row's committed length is not in the call, so every page id it lists counts."""
+    if not written.size:
+        return
+    idle = np.setdiff1d(np.arange(table.shape[0]), rows)
+    if not idle.size:
+        return
+    listed = table[idle]
+    hit = np.isin(listed, np.unique(written)) & (listed >= 0) & (listed < num_pages)
+    if hit.any():
+        r, j = (int(x[0]) for x in np.nonzero(hit))
+        page = int(listed[r, j])
+        writer = int(np.repeat(np.arange(len(C)), C)[np.flatnonzero(written == page)[0]])
+        raise PlanError(f"append: page {page} receives request {writer}'s new rows but is listed by block_table"
+                        f"[{int(idle[r])}, {j}], a row this call does not schedule (cache_batch_idx): its "
+                        "committed K/V would be overwritten; a page an append writes must belong to one request "
+                        "(clear a free row's entries to -1)")
 
 
 def _csr_view(p, arrays, T, C, k_shape, dims, view):

@@ -374,6 +374,8 @@ class Checker:
             elif hi.value < lo.value:
                 self.error(f"'max_len' of sample '{s.kind}' is {hi.value}, less than 'min_len' {lo.value}",
                            hi.span)
+            elif hi.value > MAX_SIZE:
+                self.error(f"'max_len' of sample '{s.kind}' must be at most {MAX_SIZE}", hi.span)
         elif s.kind == "randint" and not all(-2**31 <= a.value <= 2**31 for a in (args["low"], args["high"])):
             bad = next(a for a in (args["low"], args["high"]) if not -2**31 <= a.value <= 2**31)
             self.error(f"values of sample 'randint' must fit in i32, got {bad.value}", bad.span)
@@ -381,8 +383,6 @@ class Checker:
                 isinstance(a.value, float) and not abs(a.value) <= FLT_MAX for a in args.values()):
             bad = next(a for a in args.values() if isinstance(a.value, float) and not abs(a.value) <= FLT_MAX)
             self.error(f"value {bad.value} of sample '{s.kind}' is outside the f32 range", bad.span)
-        elif s.kind in ("segments", "prefix_ends") and args["max_len"].value > MAX_SIZE:
-            self.error(f"'max_len' of sample '{s.kind}' must be at most {MAX_SIZE}", args["max_len"].span)
         elif s.kind == "randint" and args["high"].value <= args["low"].value:  # draws from [low, high)
             self.error(f"'high' of sample 'randint' must be greater than 'low' ({args['low'].value}); "
                        f"values are drawn from [low, high), got {args['high'].value}", args["high"].span)

@@ -49,7 +49,10 @@ def _concrete(args):
 
 def _out(text: str, path: str | None) -> None:
     if path:
-        Path(path).write_text(text)
+        try:
+            Path(path).write_text(text)
+        except OSError as e:  # a directory, a missing folder, a read-only file
+            raise AttncError(f"cannot write {path}: {e.strerror or e}") from None
     else:
         sys.stdout.write(text)
 

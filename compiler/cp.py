@@ -30,7 +30,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from . import inputs, ir
+from . import inputs, ir, resources
 from .analysis.ledger import dtype_bytes
 from .analysis.partition import BALANCE_SLACK, balanced_owner, cut_crossings, even_owner, zigzag_owner
 from .analysis.tiles import SKIP, TilePlan
@@ -385,6 +385,9 @@ def plan_cp(program: ir.Program, batch: int, seq_len: int, ranks: int, tensors: 
     owners = {"even": lambda: even_owner(c.tiles, ranks), "zigzag": lambda: zigzag_owner(c.tiles, ranks),
               "balanced": lambda: balanced_owner(c.row_work, cut_crossings(c.needed), ranks, slack)}
     names = STRATEGIES if strategy == "auto" else (strategy,)
+    # each candidate's traffic matrix [N, N] (int64) and needed tiles [N, T] (bool)
+    resources.require(f"a context-parallel plan over {ranks} ranks",
+                      len(names) * (8 * int(ranks) ** 2 + int(ranks) * c.tiles))
     candidates = {n: _assess(n, owners[n](), c.row_work, c.needed, c.lens, ranks) for n in names}
     chosen = candidates[_choose(candidates) if strategy == "auto" else strategy]
     return CPPlan(program, batch, seq_len, ranks, c.block, chosen, candidates, c.classes, c.tensors, strategy)

@@ -150,6 +150,14 @@ def free_vars(e: Expr) -> frozenset[str]:
     return frozenset(n.name for n in walk(e) if isinstance(n, Var))
 
 
+def score_keeps_tile(program: "Program") -> bool:
+    """Whether every score statement reads ``score``: then each one's value has the shape of the
+    tile of scores it starts from.  A statement that does not (``score = 7``, ``score = q``) is
+    legal and its value is the same in every cell it does not vary over: a tiled backend
+    broadcasts the program's result to the tile (the one rule every emitter asks here)."""
+    return all("score" in free_vars(s) for s in program.score)
+
+
 def loads(e: Expr) -> frozenset[str]:
     return frozenset(n.tensor for n in walk(e) if isinstance(n, Load))
 
@@ -499,6 +507,10 @@ def specialize(program: Program, heads_q: int, heads_kv: int, d_qk: int, d_v: in
     if dtype not in ("f16", "bf16", "f32"):
         given = f"{flags['dtype']} {dtype}" if flags and "dtype" in flags else f"q has dtype {dtype}"
         raise InputError(f"{where}: {given}; attention stores f16, bf16 or f32")
+    if d_qk < 1 or d_v < 1:
+        given = f"{flags['head_dim']} {d_qk}/{d_v}" if flags and "head_dim" in flags else \
+            f"q/k have head dim {d_qk} and v {d_v}"
+        raise InputError(f"{where}: {given}; a head dim is at least 1")
     if not program.open_fields:
         return program
     import math

@@ -174,6 +174,15 @@ def _span(values, nan: bool) -> _F:
     return _F(_round(min(vals, default=-math.inf)), _round(max(vals, default=math.inf)), nan)
 
 
+def _exp(x: float) -> float:
+    """exp in f32's range: 0 below exp's underflow, inf past f32's largest (never OverflowError)."""
+    return 0.0 if x < -745 else math.inf if x > _EXP_MAX else math.exp(x)
+
+
+def _floor(x: float) -> float:
+    return float(math.floor(x)) if math.isfinite(x) else x  # (a quotient may overflow to inf)
+
+
 def _mul(a: float, b: float) -> float:
     return math.nan if (a == 0 and math.isinf(b)) or (b == 0 and math.isinf(a)) else a * b
 
@@ -246,7 +255,7 @@ def _float(e: ir.Expr, f, ints: IntRanges, score: _F) -> _F:
         if e.op == "div":
             return _span([x / y for x in (a.lo, a.hi) for y in (b.lo, b.hi)], nan)
         if e.op == "floordiv":
-            return _span([math.floor(x / y) for x in (a.lo, a.hi) for y in (b.lo, b.hi)], nan)
+            return _span([_floor(x / y) for x in (a.lo, a.hi) for y in (b.lo, b.hi)], nan)
         m = max(abs(b.lo), abs(b.hi))
         return _F(-m, m, nan)
     if isinstance(e, ir.Call):
@@ -260,7 +269,7 @@ def _float(e: ir.Expr, f, ints: IntRanges, score: _F) -> _F:
             lo = 0.0 if x.lo <= 0 <= x.hi else min(abs(x.lo), abs(x.hi))
             return _F(lo, max(abs(x.lo), abs(x.hi)), nan)
         if e.fn == "exp":
-            return _F(0.0 if x.lo < -745 else math.exp(x.lo), math.inf if x.hi > _EXP_MAX else math.exp(x.hi), nan)
+            return _F(_exp(x.lo), _exp(x.hi), nan)
         if e.fn in ("log", "sqrt"):
             fn = math.log if e.fn == "log" else math.sqrt
             lo = -math.inf if x.lo <= 0 else fn(x.lo)

@@ -42,16 +42,29 @@ class ResourceError(AttncError):
 
 
 # ---------------------------------------------------------------- sizes
-def parse_size(text: str) -> int:
+def parse_size(text: str, minimum: int = 1) -> int:
     """``"4GiB"``, ``"512M"``, ``"1000000"`` -> bytes (K, M, G, T are binary; KB, MB, GB, TB
-    decimal).  ValueError on anything else."""
+    decimal).  ValueError on anything else, or on a size below ``minimum``.  The one parser of
+    byte sizes: ``ATTNC_MEMORY_LIMIT``, ``--memory-limit`` and ``ATTNC_PLAN_CACHE_BYTES``."""
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
     if not m or m.group(2).lower() not in _UNITS:
         raise ValueError(f"expected a size such as 4GiB, 512MiB or a number of bytes, got {text!r}")
     value = float(m.group(1)) * _UNITS[m.group(2).lower()]
-    if value < 1 or not math.isfinite(value):
-        raise ValueError(f"a memory limit must be at least 1 byte, got {text!r}")
+    if value < minimum or not math.isfinite(value):
+        raise ValueError(f"a size of at least {minimum} byte{'s' if minimum != 1 else ''} is needed, got {text!r}")
     return int(value)
+
+
+def env_size(name: str, default: int, minimum: int = 1) -> int:
+    """The byte size in environment variable ``name`` (:func:`parse_size`), ``default`` when it
+    is unset or empty; a :class:`ResourceError` naming the variable when it cannot be read."""
+    text = os.environ.get(name)
+    if not text:
+        return default
+    try:
+        return parse_size(text, minimum)
+    except ValueError as e:
+        raise ResourceError(f"{name}={text!r}: {e}") from None
 
 
 def format_size(n: float) -> str:
@@ -65,13 +78,7 @@ def memory_limit() -> int:
     """The limit in force: an :func:`overridden` value, else ``ATTNC_MEMORY_LIMIT``, else the default."""
     if _override:
         return _override[-1]
-    text = os.environ.get(ENV_VAR)
-    if not text:
-        return DEFAULT_MEMORY_LIMIT
-    try:
-        return parse_size(text)
-    except ValueError as e:
-        raise ResourceError(f"{ENV_VAR}={text!r}: {e}") from None
+    return env_size(ENV_VAR, DEFAULT_MEMORY_LIMIT)
 
 
 @contextlib.contextmanager

@@ -150,6 +150,7 @@ def emit(program: ir.Program, block_m: int = BLOCK_M, block_n: int = BLOCK_N,
         mask_source=ir.format_expr(p.mask), score_source=[ir.format_expr(s) for s in p.score],
         sink_source=ir.format_expr(p.sink) if p.sink is not None else None,
         mask_code=mask_code, score_code=score_code,
+        broadcast_score=not ir.score_keeps_tile(p),
         mask_streams=stream(mask_loads), score_streams=stream(score_loads),
         mask_vars=repr(_uses([p.mask], ("h", "q", "k"))), score_vars=repr(_uses(list(p.score), ("h", "q", "k"))),
     )

@@ -38,6 +38,9 @@ from .sim.tree import tree_placement, tree_root
 
 SKIP, PARTIAL, FULL = (int(c) for c in (ir.TileClass.SKIP, ir.TileClass.PARTIAL, ir.TileClass.FULL))
 CASES = ("decode", "prefill")
+# PEs one simulated call with sp > 1 may use (work items x sp): a ring's simulated time grows faster than
+# sp^2 (2 items x sp 256, 512 PEs: ~35 s on one core), so larger meshes are refused up front
+MAX_PES = 512
 PROGRAMS = {("decode", False): "decode", ("decode", True): "decode-sp",
             ("prefill", False): "prefill", ("prefill", True): "ring"}
 
@@ -281,6 +284,7 @@ class Kernel:
         if case not in CASES:
             raise PlanError(f"ahbm: case must be one of {', '.join(CASES)}, got {case!r}")
         B, s_q, s_k = call.batch, call.s_q, call.s_k
+        _check_mesh(sp, B * p.heads_kv)
         bm, bn = self.module.BLOCK_M, self.module.BLOCK_N
         col_classes = case == "decode" and sp > 1  # round-robin tiles regroup single columns
         if plan is None:
@@ -336,6 +340,13 @@ def _check_sp(sp) -> int:
     if isinstance(sp, bool) or not isinstance(sp, (int, np.integer)) or sp < 1:
         raise PlanError(f"ahbm: sp (PEs per work item) must be a positive integer, got {sp!r}")
     return int(sp)
+
+
+def _check_mesh(sp: int, items: int) -> None:
+    """Refuse, before anything is simulated, an sp mesh over MAX_PES PEs."""
+    if sp > 1 and items * sp > MAX_PES:
+        raise PlanError(f"ahbm: sp = {sp} PEs for each of {items} work items (B x H_kv) is {items * sp} PEs; the "
+                        f"simulator runs at most {MAX_PES}: use sp <= {max(1, MAX_PES // items)} or a smaller batch")
 
 
 def _to_layout(program: ir.Program, o: np.ndarray) -> np.ndarray:

@@ -26,29 +26,47 @@ class BackwardCalls:
         return blocks.backward(self, q, k, v, o, lse, do, dlse, args, tensors, lengths)
 
     # ------------------------------------------------------------ backward
-    def backward(self, q, k, v, o, lse, do, dlse=None, *, config=None, sink_tensors: bool = False, **tensors):
+    def backward(self, q, k, v, o, lse, do, dlse=None, *, config=None, **tensors):
         """dQ, dK, dV of a prefill call from its saved O and LSE and the gradient of O (``dlse``: of
         LSE, optional).  Inputs in the spec's layout as for the forward; gradients come back in
         the layout and dtype of q, k and v.  Planned from the same mask analysis as the forward and
         cached like it: the Gluon passes on Hopper where ``gluon_backward.choose`` takes the call
-        (``gluon_backward.GluonBackwardLaunch``), else the Triton ones (``grad.BackwardLaunch``).
-        ``sink_tensors``: also the gradients of the f32 tensors the spec's sink reads, as a fourth
-        result {name: gradient} (:meth:`_sink_grads`; both launches return the delta pass's D - dLSE)."""
+        (``gluon_backward.GluonBackwardLaunch``), else the Triton ones (``grad.BackwardLaunch``)."""
+        return self._backward(q, k, v, o, lse, do, dlse, config, tensors, ())[:3]
+
+    def backward_with_tensors(self, q, k, v, o, lse, do, dlse, tensors: dict, want: tuple[str, ...],
+                              config=None):
+        """(dQ, dK, dV, {name: gradient}) with the gradients of the score tensors named in ``want``
+        (``score_grads``: each must be a float tensor the score program reads by plain positions;
+        such calls take the Triton passes, whose plan rows the tensor gradients walk) and of the
+        f32 tensors the spec's sink reads (:meth:`_sink_grads`; summed where both read one)."""
+        from . import score_grads
+        for n in want:
+            why = score_grads.refusal(self.program, n)
+            if why is not None:
+                raise InputError(f"inputs: tensor '{n}' requires grad: {why}")
+        return self._backward(q, k, v, o, lse, do, dlse, config, tensors, tuple(want))
+
+    def _backward(self, q, k, v, o, lse, do, dlse, config, tensors: dict, want: tuple):
         torch = self._torch
-        bound = self._validate(q, k, v, tensors)
-        for n, t, shape in (("o", o, bound.out_shape), ("do", do, bound.out_shape),
-                            ("lse", lse, (bound.batch, self.program.heads_q, bound.s_q))):
-            if tuple(t.shape) != tuple(shape):
-                raise InputError(f"inputs: '{n}' has shape {list(t.shape)}; this call's is {list(shape)}")
-        if dlse is not None and tuple(dlse.shape) != tuple(lse.shape):
-            raise InputError(f"inputs: 'dlse' has shape {list(dlse.shape)}; LSE's is {list(lse.shape)}")
-        p = self.program
-        gluon = GB.choose(p, config, bound.s_q, bound.s_k, (q, k, v, o), bound.bshd, interpreted())
+        try:  # everything the checks and the choice of passes depend on
+            call_key = self._key(q, k, v, tensors)
+            bind_key = ("backward", call_key, o.shape, o.stride(), do.shape, do.stride(), lse.shape,
+                        o.data_ptr() % 16 == 0, do.data_ptr() % 16 == 0, None if dlse is None else dlse.shape,
+                        config, bool(want))
+        except (NotImplementedError, RuntimeError, AttributeError):
+            call_key = bind_key = None  # (e.g. a meta tensor has no address: the checks name what is wrong)
+        hit = self._bound.get(bind_key) if bind_key is not None else None
+        if hit is None:  # validated and chosen once per key, as the forward's calls are
+            hit = self._backward_bind(q, k, v, o, lse, do, dlse, tensors, config, want)
+            if bind_key is not None:
+                self._bound[bind_key] = hit
+            if call_key is None:
+                call_key = self._key(q, k, v, tensors)
+        bound, gluon, cfg = hit
         if gluon:
             do = GB.tma_input(do)
-        cfg = (None if gluon else config) or G.default_backward_config(p.d_qk, p.d_v, interpreted())
-        key = (self._key(q, k, v, tensors), o.stride(), do.stride(), o.data_ptr() % 16 == 0,
-               do.data_ptr() % 16 == 0, dlse is not None)
+        key = (call_key, o.stride(), do.stride(), o.data_ptr() % 16 == 0, do.data_ptr() % 16 == 0, dlse is not None)
         named, pkey = self._plan_key("backward", key, gluon or cfg, tensors=tensors)
         launch = P.PLANS.get(pkey, named)
         if launch is None:
@@ -74,22 +92,29 @@ class BackwardCalls:
         ts = L.call_tensor_args(self.module, tensors, bound.batch, bound.s_q, bound.s_k, q.device)
         delta = launch(qb, kb, vb, ob, lse, dob, dlse, ts, dqb, dkb, dvb,
                        key if not bound.emulate else None)
+        dts = {}
+        if want:
+            from . import score_grads
+            if any(load.tensor in want for load in score_grads.loads(self.program)):
+                dts = score_grads.tensor_gradients(self, launch, qb, kb, vb, ob, lse, dob, dlse, ts, tensors, want)
+            sunk = [n for n in want if n in sinks.tensors_read(self.program)]
+            if sunk:
+                grads = self._sink_grads(lse, delta, ts, tensors)
+                for n in sunk:
+                    dts[n] = dts[n] + grads[n] if n in dts else grads[n]
         if bound.emulate:
             dq, dk, dv = (x.to(torch.bfloat16) for x in (dq, dk, dv))
-        if sink_tensors:
-            return dq, dk, dv, self._sink_grads(lse, delta, ts, tensors)
-        return dq, dk, dv
+        return dq, dk, dv, dts
 
     def _sink_grads(self, lse, delta, ts: tuple, tensors: dict) -> dict:
         """{tensor: gradient} of the f32 tensors the sink reads, from the saved LSE and the delta
-        pass's D - dLSE: dL/dsink = sum over the head's rows of p_sink (dLSE - D), p_sink =
-        exp(sink - LSE) (0 where LSE is -inf), a plain reduction per (b, h) (no atomics: the same
-        bits every run), then through the sink's derivative on the host (``compiler.sinks``)."""
+        pass's D - dLSE (every backward launch returns it): dL/dsink = sum over the head's rows of
+        p_sink (dLSE - D), p_sink = exp(sink - LSE) (0 where LSE is -inf), a plain reduction per
+        (b, h) (no atomics: the same bits every run), then through the sink's derivative on the host
+        (``compiler.sinks``)."""
         import numpy as np
         torch = self._torch
         p = self.program
-        if p.sink is None:
-            return {}
         sink = L.sink_values(self.module, lse.shape[0], ts, lse.device)[..., None]
         finite = torch.isfinite(lse)
         p_sink = torch.where(finite, torch.exp(sink - torch.where(finite, lse, 0.0)), 0.0)
@@ -97,3 +122,19 @@ class BackwardCalls:
         host = {n: t.detach().cpu().numpy() if hasattr(t, "detach") else np.asarray(t) for n, t in tensors.items()}
         grads = sinks.tensor_gradients(p, dsink.cpu().numpy(), host)
         return {n: torch.from_numpy(g).to(device=tensors[n].device, dtype=tensors[n].dtype) for n, g in grads.items()}
+
+    def _backward_bind(self, q, k, v, o, lse, do, dlse, tensors: dict, config, want: tuple):
+        """(what a backward call's key fixes, the Gluon passes' choice or None, the Triton passes'
+        config): the call's checks, once per key.  Calls asking score-tensor gradients take the
+        Triton passes (``score_grads`` walks their plan rows)."""
+        bound = self._validate(q, k, v, tensors)
+        for n, t, shape in (("o", o, bound.out_shape), ("do", do, bound.out_shape),
+                            ("lse", lse, (bound.batch, self.program.heads_q, bound.s_q))):
+            if tuple(t.shape) != tuple(shape):
+                raise InputError(f"inputs: '{n}' has shape {list(t.shape)}; this call's is {list(shape)}")
+        if dlse is not None and tuple(dlse.shape) != tuple(lse.shape):
+            raise InputError(f"inputs: 'dlse' has shape {list(dlse.shape)}; LSE's is {list(lse.shape)}")
+        p = self.program
+        gluon = None if want else GB.choose(p, config, bound.s_q, bound.s_k, (q, k, v, o), bound.bshd, interpreted())
+        cfg = (None if gluon else config) or G.default_backward_config(p.d_qk, p.d_v, interpreted())
+        return bound, gluon, cfg

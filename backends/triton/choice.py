@@ -147,12 +147,19 @@ def default_prefill_config(d_qk: int, d_v: int, interpreter: bool, capability: i
     if interpreter:
         bm, bn = INTERPRETER_TILES
         return {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": 4, "num_stages": 2, "use_tma": False}
-    tma = all(d & (d - 1) == 0 for d in (d_qk, d_v)) and (capability or 0) >= 90
+    tma = tma_head_dims(d_qk, d_v) and (capability or 0) >= 90
     if max(d_qk, d_v) > 128:
         return {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "use_tma": False}
     if reads_tensors:
         return {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "use_tma": tma}
     return {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3, "use_tma": tma}
+
+
+def tma_head_dims(d_qk: int, d_v: int) -> bool:
+    """Whether the Triton kernel can copy K/V tiles by TMA at these head dims: its boxes are d
+    columns wide and its tiles D_PAD = max(16, the next power of two) wide, equal only for powers
+    of two from 16 up (a d = 8 box against 16-wide Q tiles does not compile)."""
+    return all(d >= 16 and d & (d - 1) == 0 for d in (d_qk, d_v))
 
 
 def mean_row_blocks(plan) -> float:
@@ -317,8 +324,11 @@ def choose_prefill(program: ir.Program, s_q: int, s_k: int, plan_for, *, asked: 
     if warps is None:  # warps follow the plan's tile
         warps = 4 if interp else (8 if plan.block_m * plan.block_n >= 128 * 128 else 4)
     use_tma = asked.get("use_tma")
+    if use_tma and not tma_head_dims(program.d_qk, program.d_v):
+        raise ValueError(f"use_tma=True: the Triton kernel copies K/V by TMA at power-of-two head dims from 16 up, "
+                         f"not {program.d_qk} / {program.d_v}")
     if use_tma is None:
-        use_tma = tuned.get("use_tma", default["use_tma"] and contiguous)
+        use_tma = tuned.get("use_tma", default["use_tma"] and contiguous) and tma_head_dims(program.d_qk, program.d_v)
     mask_source = asked.get("mask_source")
     if mask_source == "intervals" and not plan.mask_from_intervals:
         raise ValueError("mask_source='intervals': this plan has no exact interval vectors for the mask")

@@ -109,6 +109,25 @@ def _grad_code(p: ir.Program, names: dict, fast: bool) -> list[tuple[str, str]]:
             for d, s in zip(g.dscore, g.forward)]
 
 
+def _load_grad_code(p: ir.Program, names: dict) -> list[dict]:
+    """Per f32 load of the score program (``score_grad``'s dloads, in order): the printed lines
+    that take the scaled q.k in ``score`` to d (final score) / d (that load) in ``grad``."""
+    if not p.score:
+        return []
+    from attnc.compiler.autodiff import score_grad
+    g = score_grad(p)
+    functions = calls(p.dtype)
+    out = []
+    for n, (j, load, d) in enumerate(g.dloads):
+        lines = [f"score = {triton_expr(s, names, functions)}" for s in g.forward[:j]]
+        lines.append(f"grad = {triton_expr(d, names, functions)}")
+        for m in range(j + 1, len(g.forward)):
+            lines.append(f"score = {triton_expr(g.forward[m - 1], names, functions)}")
+            lines.append(f"grad = grad * ({triton_expr(g.dscore[m], names, functions)})")
+        out.append({"n": n, "source": ir.format_expr(load), "lines": lines})
+    return out
+
+
 def _separable_code(p: ir.Program, names: dict) -> dict | None:
     """The separable form's parts, printed, and the positions below which the Gluon engine takes
     it, with its column part per key and per block (compiler/separable.py), for a spec that has
@@ -152,7 +171,8 @@ def emit(program: ir.Program) -> Source:
         mask_code=triton_expr(p.mask, names), score_code=score, fast_code=fast if fast != score else None,
         grad_code=grad, fast_grad_code=fast_grad if fast_grad != grad else None,
         lengths=uses_lengths(p), fast_positions=f"2**{fast_score.FAST_POSITIONS.bit_length() - 1}",
-        separable=_separable_code(p, names),
+        separable=_separable_code(p, names), load_grads=_load_grad_code(p, names),
+        broadcast_score=not ir.score_keeps_tile(p),
         sink_source=ir.format_expr(p.sink) if p.sink is not None else None,
         sink_code=triton_expr(p.sink, names, calls(p.dtype)) if p.sink is not None else None,
     )

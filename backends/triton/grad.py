@@ -102,7 +102,7 @@ class BackwardLaunch:
         q_off, k_off = offsets if offsets is not None else (self.s_k - self.s_q, 0)
         self.ints = (self.s_q, self.s_k, q_off, k_off, *cc.shape[:2], k_tiles, q_tiles,
                      self.batch * self.h_kv, self.batch * self.h_q, self.jobs[0])
-        score_grad = score_functions(module, position_end(self.s_q, self.s_k, offsets))[1]
+        score_grad = self.score_grad = score_functions(module, position_end(self.s_q, self.s_k, offsets))[1]
         consts = dict(VISIBLE=module.visible, SCORE_GRAD=score_grad,
                       HAS_SCORE=spec["HAS_SCORE"], SCALE=spec["SCALE"], H_Q=spec["H_Q"], H_KV=spec["H_KV"],
                       GROUP=spec["GROUP"], D_QK=spec["D_QK"], D_V=spec["D_V"], D_QK_PAD=spec["D_QK_PAD"],

@@ -24,16 +24,17 @@ in one copy.
 from __future__ import annotations
 
 import hashlib
-import os
 import threading
 import weakref
 from collections import OrderedDict
 
 import numpy as np
 
+from attnc.compiler import resources
 from attnc.compiler.plan import Plan
 
 DEFAULT_BUDGET = 512 << 20
+BUDGET_ENV = "ATTNC_PLAN_CACHE_BYTES"
 
 
 # ---------------------------------------------------------------- the arrays the kernels walk
@@ -205,12 +206,20 @@ class PlanCache:
     """An LRU of plans (with their device arrays) bounded by bytes; thread-safe."""
 
     def __init__(self, budget: int | None = None):
-        env = os.environ.get("ATTNC_PLAN_CACHE_BYTES")
-        self.budget = int(env) if budget is None and env else (DEFAULT_BUDGET if budget is None else budget)
+        self._budget = budget
         self._items: OrderedDict = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
         self.hits = self.misses = 0
+
+    @property
+    def budget(self) -> int:
+        """The given budget, else ``ATTNC_PLAN_CACHE_BYTES`` (a size such as ``512MiB``; 0 keeps
+        nothing), read when a plan is stored: a bad value is the call's located error, not the
+        import's."""
+        if self._budget is not None:
+            return self._budget
+        return resources.env_size(BUDGET_ENV, DEFAULT_BUDGET, minimum=0)
 
     @property
     def nbytes(self) -> int:
@@ -233,7 +242,8 @@ class PlanCache:
             return None
 
     def put(self, key, value, nbytes: int, tensors=()) -> None:
-        if nbytes > self.budget:
+        budget = self.budget
+        if nbytes > budget:
             return
         refs = tuple(weakref.ref(t) if t is not None and _tracked(t) else None for t in tensors)
         with self._lock:
@@ -241,7 +251,7 @@ class PlanCache:
                 self._drop(key)
             self._items[key] = _Entry(value, nbytes, refs)
             self._bytes += nbytes
-            while self._bytes > self.budget and self._items:
+            while self._bytes > budget and self._items:
                 self._drop(next(iter(self._items)))
 
     def _drop(self, key) -> None:

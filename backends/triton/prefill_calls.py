@@ -15,7 +15,16 @@ from . import choice, device, tile_classes
 from . import launch as L
 from . import plans as P
 from .args import FP8_INPUTS, PREFILL_OPTIONS, _Bound
-from .decode import _check_gpu_tile, device_tensor
+from .decode import GPU_MIN_TILE, _check_gpu_tile, device_tensor
+
+
+def runnable_tiles(tuned: dict | None) -> dict | None:
+    """A tuned config, or None where this machine cannot launch its tiles (a hand-edited cache's
+    8-row tile on a GPU): then the untuned default runs, never an error."""
+    if tuned and not device.interpreted() and min(tuned.get("BLOCK_M", GPU_MIN_TILE),
+                                                  tuned.get("BLOCK_N", GPU_MIN_TILE)) < GPU_MIN_TILE:
+        return None
+    return tuned
 
 
 class PrefillCalls:
@@ -27,6 +36,9 @@ class PrefillCalls:
         options = {n: kwargs.pop(n) for n in PREFILL_OPTIONS if n in kwargs}
         if isinstance(q, np.ndarray):
             return self._numpy_call(q, k, v, kwargs, plan, options, return_lse)
+        if not isinstance(q, self._torch.Tensor):
+            raise InputError(f"inputs: 'q' is a {type(q).__name__}; the Triton backend takes torch tensors (or q, k, v "
+                             "and every tensor as numpy arrays)")
         if q.dtype is self._fp8:
             o, lse = self._fp8_call(q, k, v, kwargs, plan, options)
             self._check_scores(lse, k)
@@ -184,7 +196,7 @@ class PrefillCalls:
         asked = dict(options)
         tuned = None
         if plan is None and asked.get("block_m") is None and asked.get("block_n") is None and not fp8:
-            tuned = tune.tuned_tiles(p, bound.batch, bound.s_q, bound.s_k, "triton")
+            tuned = runnable_tiles(tune.tuned_tiles(p, bound.batch, bound.s_q, bound.s_k, "triton"))
         if fp8:
             asked["engine"] = "gluon"
         host = {n: (t.detach().cpu().numpy() if hasattr(t, "detach") else np.asarray(t)) for n, t in tensors.items()}

@@ -125,8 +125,13 @@ class Kernel(PrefillCalls, BackwardCalls, SplitCalls):
         if stray:
             raise InputError(f"inputs: '{stray[0]}' is given but q is {q.dtype}: descales go with float8_e4m3fn q, k "
                              "and v (attnc.fp8.quantize)")
-        device.check_device({"q": q, "k": k, "v": v, **tensors}, self.device)
-        metas = {n: (tuple(t.shape), _kind(t), str(t.dtype)) for n, t in {"q": q, "k": k, "v": v, **tensors}.items()}
+        given = {"q": q, "k": k, "v": v, **tensors}
+        stray = next((n for n, t in given.items() if not isinstance(t, torch.Tensor)), None)
+        if stray is not None:
+            raise InputError(f"inputs: '{stray}' is a {type(given[stray]).__name__}; the Triton backend takes torch "
+                             "tensors (or q, k, v and every tensor as numpy arrays)")
+        device.check_device(given, self.device)
+        metas = {n: (tuple(t.shape), _kind(t), str(t.dtype)) for n, t in given.items()}
         batch, s_q, s_k = inputs.check_shapes(self.program, metas)
         if self.program.sink is not None:  # the kernels clamp their reads: a sink's read outside a tensor is refused
             sinks.check_reads(self.program, batch, {n: metas[n][0] for n in self._tensor_names})

@@ -9,12 +9,16 @@ from __future__ import annotations
 import os
 from typing import Any, Mapping
 
+from .. import resources
 from ..errors import AttncError, Diagnostic
 from ..resources import MAX_LENGTH
 from .coordinates import phase_of_lengths, representable, spec_fields
 from .environment import Environment, distribution_version
 from .schema import (ALL_FIELDS, CACHE_ALIASES, CACHE_LAYOUTS, CALL_ALIASES, DEVICE_TYPES, DTYPES, KEY_GROUPS,
                      PHASES, SPEC_FIELDS)
+
+# host bytes a request costs a key and a plan at least (its lengths, offsets and row pointers)
+REQUEST_BYTES = 64
 
 
 class CallError(AttncError):
@@ -135,6 +139,8 @@ def _validate(v: dict) -> dict:
             if isinstance(v[n], tuple) and len(v[n]) != v["B"]:
                 bad.append(f"{n} lists {len(v[n])} requests but B = {v['B']}")
     if not bad:
+        # every request gets its lengths here and its rows of the plan's arrays later
+        resources.require(f"a call of B = {v['B']} requests", REQUEST_BYTES * v["B"])
         for n in ("S_q", "S_k"):
             if _is_int(v[n]):
                 v[n] = (v[n],) * v["B"]

@@ -19,11 +19,13 @@ import contextlib
 import json
 import math
 import os
+import stat
 import sys
 import tempfile
 from pathlib import Path
 from typing import Callable, Iterator
 
+from .. import cachedir
 from ..errors import TuneError
 
 CACHE_FORMAT = "attnc-tune"
@@ -43,9 +45,7 @@ class CacheWriteError(TuneError):
 def default_cache_path() -> Path:
     if os.environ.get("ATTNC_TUNE_CACHE"):
         return Path(os.environ["ATTNC_TUNE_CACHE"])
-    root = os.environ.get("ATTNC_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "attnc")
-    return Path(root) / FILE_NAME
+    return cachedir.root() / FILE_NAME
 
 
 def cache_file(path: str | os.PathLike | None = None) -> Path:
@@ -54,19 +54,73 @@ def cache_file(path: str | os.PathLike | None = None) -> Path:
     return p / FILE_NAME if p.is_dir() else p
 
 
+def _int_in(lo: int, hi: int, pow2: bool = False, none: bool = False) -> Callable[[object], bool]:
+    def ok(v) -> bool:
+        if v is None:
+            return none
+        return (isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
+                and (not pow2 or v & (v - 1) == 0))
+    return ok
+
+
+# A launch parameter a config may carry -> whether a value is one some backend's launch can take
+# (a backend's own limits, such as a GPU's 16-row tiles, stay its own).  Keys not named here
+# belong to some backend's own space and pass unchecked.
+CONFIG_FIELDS: dict[str, Callable[[object], bool]] = {
+    "BLOCK_M": _int_in(1, 1024, pow2=True),
+    "BLOCK_N": _int_in(1, 1024, pow2=True),
+    "num_warps": _int_in(1, 32, pow2=True),
+    "num_stages": _int_in(1, 8),
+    "splits": _int_in(1, 1 << 16, none=True),
+    "use_tma": lambda v: isinstance(v, bool),
+}
+
+
 def entry_problem(digest: str, e) -> str | None:
-    """Why an entry cannot be used (None: it can): every reader indexes ``config`` and the
-    tuner's report ``median_ms``."""
+    """Why an entry cannot be used (None: it can): every reader indexes ``config`` (whose
+    launch parameters must be ones a launch can take, :data:`CONFIG_FIELDS`) and the tuner's
+    report ``median_ms``."""
     if not isinstance(e, dict):
         return "is not an object"
     if e.get("digest") != digest:
         return "names another digest"
     if not isinstance(e.get("config"), dict):
         return "has no config object"
+    for name, ok in CONFIG_FIELDS.items():
+        if name in e["config"] and not ok(e["config"][name]):
+            return f"has an unusable {name} ({e['config'][name]!r})"
     ms = e.get("median_ms")
     if isinstance(ms, bool) or not isinstance(ms, (int, float)) or not math.isfinite(ms) or ms < 0:
         return f"has no usable median_ms ({ms!r})"
     return None
+
+
+class NotRegularFile(OSError):
+    """The cache path names something other than a regular file (a FIFO, a device, a socket)."""
+
+
+def regular_or_missing(path: Path) -> bool:
+    """Whether ``path`` is a regular file (through links) or names nothing: the only paths the
+    cache reads or replaces (a FIFO would block a reader, a device node must never be replaced)."""
+    try:
+        return stat.S_ISREG(os.stat(path).st_mode)
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return True  # unreadable for another reason: the read reports it
+
+
+def _read_regular(path: Path) -> bytes:
+    """The bytes of a regular file; :class:`NotRegularFile` for anything else, without blocking
+    (the open is non-blocking, the type checked on the open descriptor)."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise NotRegularFile(f"{path} is not a regular file")
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            return f.read()
+    finally:
+        os.close(fd)
 
 
 class TuneCache:
@@ -94,9 +148,12 @@ class TuneCache:
                 self.report(f"attnc tune: {text}")
 
         try:
-            raw = self.path.read_bytes()
+            raw = _read_regular(self.path)
         except FileNotFoundError:
             return {}, {}, False, False
+        except NotRegularFile:
+            problem(f"tuning cache {self.path} is not a regular file; ignoring it")
+            return {}, {}, False, True
         except OSError as e:
             problem(f"cannot read tuning cache {self.path}: {e.strerror or e}; ignoring it")
             return {}, {}, False, True
@@ -107,6 +164,9 @@ class TuneCache:
             return {}, {}, True, False
         except ValueError as e:
             problem(f"tuning cache {self.path} is corrupt ({e}); ignoring it")
+            return {}, {}, True, False
+        except RecursionError:
+            problem(f"tuning cache {self.path} is corrupt (nested too deeply); ignoring it")
             return {}, {}, True, False
         if not isinstance(doc, dict) or doc.get("format") != CACHE_FORMAT:
             problem(f"{self.path} is not an attnc tuning cache; ignoring it")
@@ -138,6 +198,8 @@ class TuneCache:
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
         lock = self.path.with_name(self.path.name + ".lock")
+        if not regular_or_missing(self.path):  # never lock beside, nor replace, a FIFO or a device
+            raise CacheWriteError(f"cannot write tuning cache {self.path}: not a regular file")
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)

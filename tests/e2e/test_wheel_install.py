@@ -4,7 +4,8 @@ venv, and use it from outside the repository.
 The wheel is built from a copy of the sources (a build writes build/ and *.egg-info beside
 them) without build isolation, so nothing is downloaded; the venv sees the system site-packages
 for numpy, lark and jinja2, and attnc itself must come from the venv, not from an editable
-install of this checkout."""
+install of this checkout.  Run inside a virtual environment, the new venv also sees that
+environment's site-packages (see_outer_environment)."""
 import os
 import shutil
 import subprocess
@@ -23,6 +24,22 @@ def _run(cmd, cwd, env, timeout=120):
                        timeout=timeout)
     assert r.returncode == 0, f"{' '.join(map(str, cmd))} exited {r.returncode}\n{r.stdout}\n{r.stderr}"
     return r
+
+
+OUTER_PTH = "test-outer-environment.pth"
+
+
+def see_outer_environment(site_dir: Path) -> None:
+    """When this test itself runs in a virtual environment, the venv it makes sees the *base*
+    interpreter's site-packages, not this environment's (where numpy, lark, jinja2 and pip were
+    installed): list this environment's site-packages in a .pth of the new venv.  They come after
+    the new venv's own (its attnc wins), and their .pth files are not run (an editable attnc of
+    this checkout stays out)."""
+    if sys.prefix == sys.base_prefix:
+        return
+    import site
+    outer = [p for p in site.getsitepackages() if Path(p).is_relative_to(sys.prefix)]
+    (site_dir / OUTER_PTH).write_text("".join(f"{p}\n" for p in outer))
 
 
 def _data_files(folder: str, pattern: str) -> set[str]:
@@ -61,14 +78,15 @@ def test_wheel_installs_one_package_that_runs_the_demo(tmp_path):
     _run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", venv], tmp_path, env)
     py, bin_dir = venv / "bin" / "python", venv / "bin"
     env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"
+    where = _run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], tmp_path, env)
+    site = Path(where.stdout.strip())
+    see_outer_environment(site)
     # --ignore-installed: an editable attnc of this checkout in the system site-packages is not this install
     _run([py, "-m", "pip", "install", "--no-deps", "--no-index", "--ignore-installed", wheel], tmp_path, env)
 
-    where = _run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], tmp_path, env)
-    site = Path(where.stdout.strip())
     assert site.is_relative_to(venv)
-    # nothing but attnc and its dist-info at the top level of site-packages
-    assert {p.name for p in site.iterdir()} == {"attnc", f"attnc-{attnc.__version__}.dist-info"}
+    # nothing but attnc and its dist-info at the top level of site-packages (and the test's .pth)
+    assert {p.name for p in site.iterdir()} - {OUTER_PTH} == {"attnc", f"attnc-{attnc.__version__}.dist-info"}
     for folder in PACKAGE_FOLDERS:
         assert not (site / folder).exists()
 

@@ -104,15 +104,48 @@ def test_float64_on_the_gpu_is_refused():
         attn(q, k, k, doc=torch.zeros(1, 6, dtype=torch.int32, device="cuda"))
 
 
-def test_triton_refuses_a_score_tensor_gradient():
+LEARNED = ("attention lt { heads = 4 / 2 head_dim = 4 tensor bias: f32[h, s, s] tensor slope: f32[h] "
+           "tensor kb: f32[b, s] score = score + bias[h, q, k] - slope[h] * (q - k) + kb[b, k] "
+           "score = softcap(score, 5.0) mask = causal }")
+
+
+def test_triton_score_tensor_gradients_match_the_float64_reference_and_repeat_bit_for_bit():
+    """dBias [h, q, k], dSlope [h] and dKeyBias [b, k] through the Triton backward (GQA, S_q < S_k:
+    bottom-right rows) against the numpy backend's float64 backward, within the declared f32
+    gradient tolerance; a second run gives the same bits (no atomics)."""
     pytest.importorskip("triton")
-    attn = attnc.compile(BIAS)
+    from attnc.compiler import numerics
+    attn = attnc.compile(LEARNED)
+    gen = torch.Generator().manual_seed(8)
+    q = torch.randn(2, 4, 5, 4, generator=gen)
+    k, v = (torch.randn(2, 2, 9, 4, generator=gen) for _ in range(2))
+    tensors = {"bias": torch.randn(4, 9, 9, generator=gen), "slope": torch.rand(4, generator=gen),
+               "kb": torch.randn(2, 9, generator=gen)}
+    do = torch.randn(2, 4, 5, 4, generator=gen)
+    runs = []
+    for backend, dt, dev in (("numpy", torch.float64, "cpu"), ("triton", torch.float32, TRITON_DEVICE),
+                             ("triton", torch.float32, TRITON_DEVICE)):
+        leaves = [x.to(dev, dt).clone().requires_grad_() for x in (q, k, v, *tensors.values())]
+        named = dict(zip(tensors, leaves[3:]))
+        (attn(*leaves[:3], backend=backend, **named) * do.to(dev, dt)).sum().backward()
+        runs.append([x.grad.cpu() for x in leaves])
+    reference, first, again = runs
+    for name, want, got in zip(("dq", "dk", "dv", *tensors), reference, first):
+        c = numerics.compare_gradient(name, "f32", got.double().numpy(), want.numpy())
+        assert c.ok, str(c)
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+
+
+def test_triton_refuses_a_tensor_read_at_a_computed_index():
+    pytest.importorskip("triton")
+    attn = attnc.compile("attention rp { heads = 2 head_dim = 4 tensor rel: f32[s] score = score + rel[q - k] "
+                         "mask = causal }")
     q = torch.randn(1, 2, 6, 4, device=TRITON_DEVICE, requires_grad=True)
-    bias = torch.zeros(2, 6, 6, device=TRITON_DEVICE, requires_grad=True)
-    with pytest.raises(attnc.api.BackendRefused, match="tensor 'bias' requires grad: the triton backward gives "
-                                                      "dQ, dK, dV only"):
-        attn(q, q.detach(), q.detach(), bias=bias, backend="triton")
-    attn(q, q.detach(), q.detach(), bias=bias.detach(), backend="triton").sum().backward()  # detached: runs
+    rel = torch.zeros(6, device=TRITON_DEVICE, requires_grad=True)
+    with pytest.raises(attnc.api.BackendRefused, match=r"tensor 'rel' requires grad: the Triton backward "
+                                                       r"differentiates tensors indexed by distinct positions.*rel\[q - k\]"):
+        attn(q, q.detach(), q.detach(), rel=rel, backend="triton")
+    attn(q, q.detach(), q.detach(), rel=rel.detach(), backend="triton").sum().backward()  # detached: runs
     assert q.grad is not None
 
 
@@ -132,6 +165,54 @@ def test_torch_compile_traces_the_backward():
     compiled(*leaves).backward()
     for a, b in zip(eager, leaves):
         assert torch.allclose(a.grad, b.grad, atol=1e-6)
+
+
+def _fused(gen, b=2, s=12, heads=2, d=8):
+    """q, k, v as transformers make them: views permuted out of one fused [B, S, 3, H, d] projection."""
+    return torch.randn(b, s, 3, heads, d, generator=gen)
+
+
+def test_torch_compile_inductor_through_backward_on_permuted_views():
+    """The default backend (inductor) checks every custom op's output strides against its fake:
+    the backward's gradients of q, k, v permuted out of a fused qkv must be declared as produced."""
+    import torch._inductor.config as inductor
+    attn = attnc.compile("attention c { heads = 2 head_dim = 8 mask = causal }")
+
+    def loss(qkv):
+        q, k, v = qkv.permute(2, 0, 3, 1, 4)
+        return (attn(q, k, v) ** 2).sum()
+    base = _fused(torch.Generator().manual_seed(6))
+    eager = base.clone().requires_grad_()
+    loss(eager).backward()
+    torch._dynamo.reset()
+    leaf = base.clone().requires_grad_()
+    with inductor.patch(compile_threads=1):
+        torch.compile(loss, fullgraph=True)(leaf).backward()
+    assert torch.allclose(leaf.grad, eager.grad, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["numpy", "triton"])
+def test_backward_fake_declares_the_real_gradient_layout(backend):
+    """``attnc::attention_backward``'s fake and real implementations agree on every output's shape,
+    dtype and strides (api.gradient_buffer), for permuted q/k/v and a learned bias, per backend."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    if backend == "triton":
+        pytest.importorskip("triton")
+    attn = attnc.compile(BIAS)
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = _fused(gen, s=6, d=4).permute(2, 0, 3, 1, 4)
+    bias = torch.randn(2, 6, 6, generator=gen)
+    o, lse = attn(q, k, v, bias=bias, return_lse=True, backend=backend)
+    args = (attn.handle, q, k, v, o, lse, torch.randn_like(o), None, [bias], [0], backend)
+    real = torch.ops.attnc.attention_backward(*args)
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake = torch.ops.attnc.attention_backward(*(mode.from_tensor(a) if isinstance(a, torch.Tensor) else
+                                                    [mode.from_tensor(t) for t in a] if a and isinstance(a, list)
+                                                    and isinstance(a[0], torch.Tensor) else a for a in args))
+    flat = lambda outs: [*outs[:3], *outs[3]]  # noqa: E731
+    assert len(flat(real)) == len(flat(fake)) == 4  # dQ, dK, dV, dBias
+    for r, f in zip(flat(real), flat(fake)):
+        assert (tuple(r.shape), r.stride(), r.dtype) == (tuple(f.shape), f.stride(), f.dtype)
 
 
 class _TinyLM(torch.nn.Module):

@@ -68,10 +68,10 @@ def test_refusals(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(BackendRefused, match="TRITON_INTERPRET=1"):
         cp(*shards, plan=two, backend="triton")
-    monkeypatch.setattr(cpd, "_backend_config", lambda group: {"cuda": "nccl"})
+    monkeypatch.setattr(cpd.shards, "_backend_config", lambda group: {"cuda": "nccl"})
     with pytest.raises(BackendRefused, match="backend is 'cuda:nccl' and q, k, v are on cpu"):
         cp(*shards, plan=two)
-    monkeypatch.setattr(cpd, "_backend_config", lambda group: {"cpu": "gloo", "cuda": "gloo"})
+    monkeypatch.setattr(cpd.shards, "_backend_config", lambda group: {"cpu": "gloo", "cuda": "gloo"})
     assert two.transport("cpu") == "device" and two.transport("cuda") == "host"
     learned = cpd.ShardPlan(two.cp, 0, None, {"doc": doc.float().requires_grad_()})
     with pytest.raises(InputError, match="tensor 'doc' requires grad"):

@@ -40,6 +40,8 @@ def test_default_launch_config():
                                          "use_tma": True}
     assert cfg(128, 128, False, 80)["use_tma"] is False  # TMA is Hopper's
     assert cfg(96, 96, False, 90)["use_tma"] is False  # padded head dims take pointer loads
+    assert cfg(8, 8, False, 90)["use_tma"] is False and cfg(4, 16, False, 90)["use_tma"] is False  # (D_PAD = 16)
+    assert cfg(16, 16, False, 90)["use_tma"] is True
     assert cfg(128, 128, False, 90, reads_tensors=True)["BLOCK_M"] == 64
     assert cfg(256, 256, False, 90) == {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3,
                                          "use_tma": False}
