@@ -87,9 +87,13 @@ def test_a_bad_sink_is_the_oracles_error():
     assert str(got.value) == str(want.value)
 
 
-def test_backward_gives_dq_dk_dv_and_the_sinks_gradient():
+@pytest.mark.parametrize("body", ["sink = sinks[h] * 2.0", "score = score + sinks[h] sink = sinks[h] * 2.0"],
+                         ids=["sink", "score_and_sink"])
+def test_backward_gives_dq_dk_dv_and_the_sinks_gradient(body):
+    """The sink's tensor gets dL/dsink through the sink's derivative; read by the score program too,
+    the two gradients add."""
     attn = attnc.compile("attention g { heads = 4 / 2 head_dim = 16 dtype = f32 tensor sinks: f32[h] "
-                         "mask = causal & (k > 0 | q > 1) sink = sinks[h] * 2.0 }")
+                         f"mask = causal & (k > 0 | q > 1) {body} }}")
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(2, 4, 5, 16, generator=gen).to(DEVICE).requires_grad_()
     k, v = (torch.randn(2, 2, 7, 16, generator=gen).to(DEVICE).requires_grad_() for _ in range(2))
