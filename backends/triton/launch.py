@@ -186,6 +186,23 @@ def sink_constexprs(module, partial: bool = False) -> dict:
     return {"HAS_SINK": sink is not None and not partial, "SINK": None if partial else sink}
 
 
+def row_sinks(module, launchers: dict, total_q: int, arrays: dict, ts: tuple, unused):
+    """Every packed row's sink [total_q * H_q] float32 (``split._sink_rows``), for a split call's
+    combine to join once per row; ``unused`` (returned as is) where the spec has no sink.
+    ``launchers`` keeps the launcher (the caller's cache)."""
+    if not sink_constexprs(module)["HAS_SINK"]:
+        return unused
+    import torch
+    h_q = module.SPEC["H_Q"]
+    lz = launchers.get("sink_rows")
+    if lz is None:
+        lz = launchers["sink_rows"] = Launcher(split._sink_rows, dict(SINK=module.sink_value, H_Q=h_q,
+                                                                      H_PAD=W.next_power_of_2(h_q)), num_warps=1)
+    out = torch.empty(total_q * h_q, device=unused.device, dtype=torch.float32)
+    lz.launch((arrays["kv_lens"].numel(),), (out, arrays["qo_indptr"], ts), ("sink_rows", spec_key(ts)))
+    return out
+
+
 def sink_values(module, batch: int, ts: tuple, device):
     """The spec's sink of every (request, query head), float32 [batch, H_q], on the device (the
     generated ``sink_value`` through ``split._sink_rows``, one row per request)."""
@@ -421,9 +438,6 @@ class SplitLaunch:
             if which == "split":
                 lz = Launcher(split._decode_split, {**constexprs, **spec}, num_warps=self.num_warps,
                               num_stages=self.num_stages)
-            elif which == "sink_rows":
-                lz = Launcher(split._sink_rows, dict(SINK=self.module.sink_value, H_Q=spec["H_Q"],
-                                                     H_PAD=W.next_power_of_2(spec["H_Q"])), num_warps=1)
             else:
                 keep = {n: spec[n] for n in ("H_Q", "D_V", "D_V_PAD")}
                 has_sink = sink_constexprs(self.module)["HAS_SINK"]
@@ -467,11 +481,7 @@ class SplitLaunch:
         key = (aligned, spec_key(q.stride() + tuple(ks) + tuple(vs) + (plan["table_stride"], s_cap)), spec_key(ts))
         producer.launch((s_cap, plan["tiles"] * spec["H_KV"]), args, key)
         pad = max(2, W.next_power_of_2(min(s_cap, COMBINE_SLOTS)))
-        sinks = lse  # (unread without a sink)
-        if sink_constexprs(self.module)["HAS_SINK"]:  # every row's sink, for the combine to join once
-            sinks = torch.empty(total_q * spec["H_Q"], device=q.device, dtype=torch.float32)
-            self._launcher("sink_rows", {}).launch((arrays["kv_lens"].numel(),), (sinks, arrays["qo_indptr"], ts),
-                                                   ("sink_rows", spec_key(ts)))
+        sinks = row_sinks(self.module, self._launchers, total_q, arrays, ts, lse)  # (lse: unread, no sink)
         combine = self._launcher("combine", dict(ABI_MLU=abi_mlu, SPLITS_PAD=pad))
         cargs = (p_o, p_m, p_l, p_valid, out, lse, *out.stride(), s_cap, sinks)
         combine.launch((total_q * spec["H_Q"],), cargs,

@@ -1,10 +1,11 @@
 """Learned attention sinks (``sink = expr``) on the Triton kernels (CPU interpreter unless
 ATTNC_TEST_GPU=1) against the float64 oracle: prefill with rows that see nothing (LSE = sink),
 a paged mixed batch through the split producer and combine (the combine adds the sink once, not
-per split; an empty request's row gets the sink), a NaN sink and a read outside the sink's
+per split; an empty request's row gets the sink; every state ABI, the shared shift's guard
+included), a NaN sink and a read outside the sink's
 tensor (the oracle's errors), dQ, dK, dV and the sink's tensor gradient through attnc.compile's
-autograd, and the paths that refuse a sink with the reason (the Gluon engines, the shared-shift
-kernels, a sink whose reads depend on tensor values).  The host backends: tests/unit/test_sinks.py."""
+autograd, and the paths that refuse a sink with the reason (the Gluon engines, a sink whose reads
+depend on tensor values).  The host backends: tests/unit/test_sinks.py."""
 from __future__ import annotations
 
 import numpy as np
@@ -52,16 +53,22 @@ def test_prefill_and_append_match_the_oracle(dtype):
             assert c.ok, f"{dtype} {s_q}x{s_k}: {c}"
 
 
-@pytest.mark.parametrize("state", ["lse_o", "mlu"])
+@pytest.mark.parametrize("state", ["lse_o", "mlu", "shared_shift(0.0, -30.0, 30.0)", "shared_shift(0.0, -2.5, 2.5)"],
+                         ids=["lse_o", "mlu", "shift", "shift_fallback"])
 def test_split_decode_adds_the_sink_once_per_row(state):
-    p = program("sinks[h]", extra=f"cache = paged(page_size = 4) split = balanced(3) state = {state}")
+    """The shared shift adds exp(sink - phi) to its sums under the guard; a sink of 3.0 leaves the
+    window (-2.5, 2.5) and its rows take the fallback, whose combine joins it exactly."""
+    split = "" if "shift" in state else "split = balanced(3)"  # (the shared frame's kernels take split = auto)
+    p = program("sinks[h]", extra=f"cache = paged(page_size = 4) {split} state = {state}")
     arrays = inputs.sample_cache(p, [13, 0, 6], q_lens=[3, 1, 1], seed=3)
     arrays["sinks"] = np.array([0.5, -1.0, 3.0, -np.inf], np.float32)
     want = oracle.reference_cache(p, inputs.validate_cache(p, arrays))
     o, lse = runtime.load(p).run(_dev(arrays), return_lse=True)
     for c in numerics.compare_outputs("f32", o.cpu().numpy(), lse.cpu().numpy(), *want):
         assert c.ok, f"{state}: {c}"
-    assert lse[3].tolist() == [0.5, -1.0, 3.0, -np.inf] and not o[3].any()  # the empty request's row
+    # the empty request's row: O = 0, LSE = the sinks (the shared frame's phi + log exp(sink - phi) rounds)
+    np.testing.assert_allclose(lse[3].cpu().numpy(), arrays["sinks"], rtol=0, atol=1e-6)
+    assert not o[3].any()
 
 
 def test_a_bad_sink_is_the_oracles_error():
@@ -116,9 +123,5 @@ def test_the_paths_without_sinks_refuse_them():
     if gluon_engine.HAS_GLUON:  # a spec the engine would take but for its sink
         example = compile_file(ROOT / "examples" / "sink_attention.attn")
         assert choice.gluon_spec_refusal(example) == choice.SINK_REFUSAL
-    shift = program("sinks[h]", extra="cache = paged(page_size = 4) state = shared_shift(0.0, -30.0, 30.0)")
-    arrays = inputs.sample_cache(shift, [9, 5], seed=1)
-    with pytest.raises(PlanError, match="shared-frame kernels, which do not take a spec's sink"):
-        runtime.load(shift).run(_dev(arrays))
     with pytest.raises(PlanError, match="reads a tensor element chosen by a tensor's value"):
         runtime.load(program("sinks[slot[h]]", extra="tensor slot: i32[h] ~ randint(0, 4)"))
