@@ -31,12 +31,12 @@ import os
 import threading
 from pathlib import Path
 
-import numpy as np
-
 from .compiler import ir
-from .compiler.errors import AttncError, InputError
+from .compiler.dispatch.protocol import BackendRefused, require
+from .compiler.errors import InputError
 
 _DTYPES = {"torch.float16": "f16", "torch.bfloat16": "bf16", "torch.float32": "f32"}
+_TORCH_NAMES = {name: t.split(".")[1] for t, name in _DTYPES.items()}  # "bf16" -> "bfloat16"
 _FP8 = "torch.float8_e4m3fn"  # compared with a torch dtype by its string (torch is imported lazily)
 _HANDLES: dict[str, "Attention"] = {}
 _LOCK = threading.Lock()
@@ -45,10 +45,6 @@ _LOCK = threading.Lock()
 def _torch_module():
     import torch
     return torch
-
-
-class BackendRefused(AttncError):
-    """The backend asked for (or every backend) refuses the call; the message has every reason."""
 
 
 def compile(spec: str | os.PathLike, *, name: str | None = None) -> "Attention":  # noqa: A001 - the API's name
@@ -75,7 +71,7 @@ class Attention:
         self._bshd = program.cache.layout is ir.Layout.BSHD
         self._programs: dict = {}  # (H_q, H_kv, d_qk, d_v, dtype) -> concrete program
         self._kernels: dict = {}  # (backend, program digest) -> backend kernel
-        self._routes: dict = {}  # call key -> (backend name, kernel)
+        self._routes: dict = {}  # call key -> (backend protocol object, kernel)
         self.handle = f"{program.name}-{ir.digest(program)[:16]}"
         with _LOCK:
             _HANDLES.setdefault(self.handle, self)
@@ -126,18 +122,19 @@ class Attention:
             k = self._kernels[key] = load_backend(backend).load(program)
         return k
 
-    def _route(self, program: ir.Program, q, k, backend: str | None) -> tuple[str, object]:
-        """Which backend runs calls like this one: the dispatch key's admission (auto, or forced)."""
-        from .compiler.dispatch import DispatchError, dispatch, run_environment
+    def _route(self, program: ir.Program, q, k, backend: str | None) -> tuple[object, object]:
+        """Which backend runs calls like this one: the dispatch key's admission (auto, or forced);
+        its protocol object (``compiler/dispatch/protocol.py``) and its kernel."""
+        from .compiler.dispatch import DispatchError, dispatch, run_environment, torch_backend
+        from .compiler.dispatch.environment import device_capability
         cuda = q.is_cuda
         env = run_environment("cuda" if cuda else "cpu", backend or "auto")
         s_axis = 1 if self._bshd else 2
         call = {"B": int(q.shape[0]), "S_q": int(q.shape[s_axis]), "S_k": int(k.shape[s_axis]),
                 "device": "cuda" if cuda else "cpu", "last_dim_contiguous": bool(q.stride(-1) == 1 and
                                                                                 k.stride(-1) == 1)}
-        if cuda:  # (triton is imported only for CUDA tensors: a CPU install needs torch alone)
-            from .backends.triton.device import capability
-            call["compute_capability"] = capability(q.device)
+        if cuda:  # (read by dispatch's environment, not a backend: a CPU install needs torch alone)
+            call["compute_capability"] = device_capability(q.device)
         if backend is not None:
             call["backend"] = backend
         try:
@@ -145,7 +142,7 @@ class Attention:
             name = selection.require()
         except DispatchError as e:
             raise BackendRefused(str(e)) from None
-        return name, self.kernel(name, program)
+        return torch_backend(name), self.kernel(name, program)
 
     # ------------------------------------------------------------ the call
     def __call__(self, q, k, v, *, return_lse: bool = False, backend: str | None = None, **tensors):
@@ -182,7 +179,6 @@ class Attention:
         torch.compile.  The Triton backend takes it (FP8 tensor cores on the Gluon engine); other
         backends compute the same attention of the dequantized values."""
         from . import fp8 as F
-        from .backends.triton.runtime import FP8_INPUTS, TORCH_DTYPES
         torch = _torch_module()
         if torch.compiler.is_compiling():
             raise InputError("inputs: FP8 calls are not traced by torch.compile; call the attention outside the "
@@ -190,20 +186,20 @@ class Attention:
         if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
             raise InputError("inputs: FP8 calls are forward only (no backward through e4m3 inputs); pass q, k, v "
                              "detached, or bf16 / f16 tensors for training")
-        descales = {n: tensors.pop(n) for n in FP8_INPUTS if n in tensors}
+        descales = {n: tensors.pop(n) for n in F.DESCALES if n in tensors}
         if set(tensors) != set(self.tensor_names):
             self._check_tensors(tensors)
-        name, kernel = self._kernel_for(q, k, v, tensors, backend)
-        if name == "triton":
-            return kernel(q, k, v, return_lse=True, **descales, **tensors)
+        be, kernel = self._kernel_for(q, k, v, tensors, backend)
+        if "fp8" in be.capabilities:
+            return be.forward_fp8(kernel, q, k, v, descales, tensors)
         program = kernel.program
-        want = getattr(torch, TORCH_DTYPES[program.dtype])
+        want = getattr(torch, _TORCH_NAMES[program.dtype])
         axis = 2 if self._bshd else 1
         F.check_inputs(q, k, v)
         deq = [F.dequantize(x.cpu(), F.descale(n, descales.get(n), (q.shape[0], heads), q.device).cpu(),
                             torch.float32, heads_axis=axis)
-               for n, x, heads in zip(FP8_INPUTS, (q, k, v), (program.heads_q, program.heads_kv, program.heads_kv))]
-        o, lse = self._host_call(kernel, *deq, tensors)
+               for n, x, heads in zip(F.DESCALES, (q, k, v), (program.heads_q, program.heads_kv, program.heads_kv))]
+        o, lse = be.forward(kernel, *deq, tensors)
         return o.to(device=q.device, dtype=want), lse.to(q.device)
 
     def _check_grads(self, q, k, v, tensors: dict, backend: str | None) -> None:
@@ -223,17 +219,11 @@ class Attention:
                 raise InputError(f"inputs: tensor '{n}' requires grad, but spec '{self.name}' has no gradient for it: "
                                  "only float tensors read by the score program or the sink are differentiable "
                                  "(masks and indices are not); pass it detached")
-        name, kernel = self._kernel_for(q, k, v, tensors, backend)
-        if name == "triton":
-            from .backends.triton.score_grads import refusal
-            for n in asked:
-                why = refusal(kernel.program, n)
-                if why is not None:
-                    raise BackendRefused(f"inputs: tensor '{n}' requires grad: {why}; or pass it detached")
-        elif name != "numpy":
-            raise BackendRefused(f"inputs: tensor '{asked[0]}' requires grad: the {name} backward gives dQ, dK, dV "
-                                 "only (gradients of score tensors come from the numpy and Triton backends); pass "
-                                 "the tensor detached")
+        be, kernel = self._kernel_for(q, k, v, tensors, backend)
+        for n in asked:
+            why = be.tensor_grad_refusal(kernel, n)
+            if why is not None:
+                raise BackendRefused(why)
 
     def _check_tensors(self, tensors: dict) -> None:
         unknown = sorted(set(tensors) - set(self.tensor_names))
@@ -244,7 +234,7 @@ class Attention:
         raise InputError(f"inputs: missing tensor '{missing[0]}' (spec '{self.name}' reads it)")
 
     def _kernel_for(self, q, k, v, tensors: dict, backend: str | None):
-        """(backend name, kernel) of calls shaped like this one: specialised, checked and selected
+        """(backend protocol object, kernel) of calls shaped like this one: specialised, checked and selected
         once per (shapes, dtype, devices, backend asked), then looked up."""
         try:
             key = (q.shape, k.shape, v.shape, q.dtype, q.device, k.device, v.device, backend)
@@ -268,48 +258,15 @@ class Attention:
 
     def forward(self, q, k, v, tensors: dict, backend: str | None = None, plan=None):
         """(O, LSE) of one call, on the backend the call's key selects (no autograd, no tracing)."""
-        name, kernel = self._kernel_for(q, k, v, tensors, backend)
-        if name == "triton":
-            return kernel(q, k, v, return_lse=True, plan=plan, **tensors)
-        return self._host_call(kernel, q, k, v, tensors, plan)
+        be, kernel = self._kernel_for(q, k, v, tensors, backend)
+        return require(be, "run" if plan is not None else "forward").forward(kernel, q, k, v, tensors, plan)
 
     def backward(self, q, k, v, o, lse, do, dlse, tensors: dict, backend: str | None = None,
                  want: tuple[str, ...] = ()):
         """(dQ, dK, dV, {tensor: gradient} for the names in ``want``) of one call from its saved O
         and LSE, on the backend that ran its forward."""
-        import torch
-        name, kernel = self._kernel_for(q, k, v, tensors, backend)
-        if name == "triton":
-            if want:
-                return kernel.backward_with_tensors(q, k, v, o, lse, do, dlse, tensors, want)
-            dq, dk, dv = kernel.backward(q, k, v, o, lse, do, dlse, **tensors)
-            return dq, dk, dv, {}
-        if name != "numpy":
-            raise BackendRefused(f"the {name} backend has no backward pass; run the call on the numpy or Triton "
-                                 "backend")
-        wide = torch.float64
-        arrays = [x.detach().to("cpu", wide).numpy() for x in (q, k, v, o, lse, do)]
-        host = {n: t.detach().cpu().numpy() if isinstance(t, torch.Tensor) else t for n, t in tensors.items()}
-        wide_dlse = dlse.detach().to("cpu", wide).numpy() if dlse is not None else None
-        dq, dk, dv, dts = kernel.backward(*arrays, dlse=wide_dlse, **host)
-        back = [torch.from_numpy(np.ascontiguousarray(g)).to(device=x.device, dtype=x.dtype)
-                for g, x in ((dq, q), (dk, k), (dv, v))]
-        dtensors = {n: torch.from_numpy(np.ascontiguousarray(dts[n])).to(device=tensors[n].device,
-                                                                          dtype=tensors[n].dtype) for n in want}
-        return (*back, dtensors)
-
-    def _host_call(self, kernel, q, k, v, tensors: dict, plan=None):
-        """A numpy backend call on torch tensors: float32 copies in (bf16 and f16 are exact in it),
-        O back as q's dtype on q's device.  float64 inputs run the float64 reference path."""
-        import torch
-        host = {n: t.detach().cpu().numpy() if isinstance(t, torch.Tensor) else t for n, t in tensors.items()}
-        if q.dtype == torch.float64:
-            o, lse = kernel.forward64(*(x.detach().cpu().numpy() for x in (q, k, v)), **host)
-            return torch.from_numpy(np.ascontiguousarray(o)), torch.from_numpy(np.ascontiguousarray(lse))
-        arrays = [x.detach().to("cpu", torch.float32).numpy() for x in (q, k, v)]
-        o, lse = kernel(*arrays, return_lse=True, plan=plan, **host)
-        return (torch.from_numpy(o).to(device=q.device, dtype=q.dtype),
-                torch.from_numpy(lse).to(device=q.device, dtype=torch.float32))
+        be, kernel = self._kernel_for(q, k, v, tensors, backend)
+        return require(be, "backward").backward(kernel, q, k, v, o, lse, do, dlse, tensors, want)
 
     def out_shapes(self, q, k, v) -> tuple[tuple, tuple]:
         """The shapes of O and LSE for these inputs (the custom op's fake implementation)."""
@@ -324,9 +281,9 @@ class Attention:
         manage plans themselves (pass it back as ``attn.run(q, k, v, plan=...)``).  Calls without
         ``plan=`` find their plan in the process's plan cache, keyed by shape and, for masks that
         read tensors, by the tensors' identity and version."""
-        _, kernel = self._kernel_for(q, k, v, tensors, None)
+        be, kernel = self._kernel_for(q, k, v, tensors, None)
         s_axis = 1 if self._bshd else 2
-        return kernel.plan(int(q.shape[0]), int(q.shape[s_axis]), int(k.shape[s_axis]), tensors)
+        return require(be, "plan").plan(kernel, int(q.shape[0]), int(q.shape[s_axis]), int(k.shape[s_axis]), tensors)
 
     def run(self, q, k, v, *, plan, return_lse: bool = False, **tensors):
         """A call with a plan the caller made (``plan``)."""
@@ -340,6 +297,7 @@ class Attention:
         optional q_lens / qo_indptr, and the spec's tensors by name.  Returns O [total_q, H_q, d_v]
         (and LSE [total_q, H_q])."""
         import torch
+        from .compiler.dispatch import device_default, torch_backend
         if not isinstance(q, torch.Tensor) or q.dim() != 3:
             raise InputError("inputs: a split call takes q as a torch tensor [total_q, H_q, d_qk]")
         kv = cache.get("k_cache", cache.get("k"))
@@ -355,16 +313,10 @@ class Attention:
             if dtype is None:
                 raise InputError(f"inputs: 'q' has dtype {q.dtype}; attention takes float16, bfloat16 or float32")
             program = self.specialize(q.shape[1], kv.shape[h_ax], q.shape[2], vv.shape[-1], dtype)
-            route = self._routes[route_key] = (program, self.kernel("triton" if q.is_cuda else "numpy", program))
-        program, kernel = route
-        if q.is_cuda:
-            return kernel.decode(q, return_lse=return_lse, **cache)
-        host = {n: (t.detach().to("cpu", torch.float32).numpy() if t.dtype.is_floating_point else t.cpu().numpy())
-                if isinstance(t, torch.Tensor) else t for n, t in cache.items()}
-        o, lse = kernel.run({"q": q.detach().float().cpu().numpy(), **host}, return_lse=True)
-        o = torch.from_numpy(o).to(q.device, q.dtype)
-        lse = torch.from_numpy(lse).to(q.device)
-        return (o, lse) if return_lse else o
+            name = device_default("cuda" if q.is_cuda else "cpu")
+            route = self._routes[route_key] = (require(torch_backend(name), "decode"), self.kernel(name, program))
+        be, kernel = route
+        return be.decode(kernel, q, return_lse, cache)
 
     def append(self, q, k_new, v_new, *, manifest=None, plan=None, request_ids=None, return_lse: bool = False,
                backend: str | None = None, **cache):

@@ -27,15 +27,12 @@ slots' old bytes and ``kv_lens`` back, so a failed call leaves every byte of the
 """
 from __future__ import annotations
 
-from dataclasses import replace
-
 import numpy as np
 
 from .compiler import inputs, ir, numerics
 from .compiler.append import AppendCall, AppendPlan, append_keys, validate_append
 from .compiler.errors import InputError, PlanError
 
-BACKENDS = ("numpy", "triton", "ahbm")
 _DTYPES = {"torch.float16": "f16", "torch.bfloat16": "bf16", "torch.float32": "f32"}
 
 
@@ -71,9 +68,11 @@ class _Transaction:
         import torch
         self.torch = torch
         self.program = p = _program_of_rows(attn, q, k_new, v_new)
-        self.backend = backend or ("triton" if q.is_cuda else "numpy")
-        if self.backend not in BACKENDS:
-            raise InputError(f"inputs: backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        from .compiler.dispatch import device_default, torch_backend, with_capability
+        self.backend = backend or device_default("cuda" if q.is_cuda else "cpu")
+        able = with_capability("append")
+        if self.backend not in able:
+            raise InputError(f"inputs: backend must be one of {', '.join(sorted(able))}, got {self.backend!r}")
         names = set(attn.tensor_names)
         self.tensors = {k: v for k, v in cache.items() if k in names}
         missing = sorted(names - set(self.tensors))
@@ -102,7 +101,8 @@ class _Transaction:
         inputs._check_tensors(p, metas, {"b": self.call.layout.batch, "h": p.heads_q,
                                          "s": int(self.call.committed.max(initial=0))})
         self.q, self.k_new, self.v_new = q, k_new, v_new
-        self.runner = RUNNERS[self.backend](attn, p)
+        name = self.backend
+        self.runner = torch_backend(name).append_runner(lambda program: attn.kernel(name, program), p)
 
     # ------------------------------------------------------------ the transaction
     def execute(self, inner):
@@ -151,21 +151,21 @@ class _Transaction:
         total = o.sum(dtype=torch.float32) + torch.where(lse32 == -torch.inf, 0.0, lse32).sum()
         if bool(torch.isfinite(total)):
             return
-        _locate_nonfinite(self.call, o.float().cpu().numpy(), lse32.cpu().numpy())
+        _locate_nonfinite(self.call, o.float().cpu().numpy(), lse32.cpu().numpy(), self.program.sink is not None)
 
     def commit(self) -> None:
         committed = self.torch.as_tensor(self.call.committed, dtype=self.kv_lens.dtype)
         self.kv_lens.copy_(committed.to(self.kv_lens.device))
 
 
-def _locate_nonfinite(call: AppendCall, o: np.ndarray, lse: np.ndarray) -> None:
+def _locate_nonfinite(call: AppendCall, o: np.ndarray, lse: np.ndarray, sink: bool = False) -> None:
     """Raise for the first non-finite row in (b, h, q) order: a NaN LSE is the non-finite-score
     error of every backend (numerics.check_rows); a non-finite O row or +inf LSE (a NaN or inf in
     the V rows the row sees) is refused here.  (A finite output whose sum overflowed passes.)"""
     C = np.asarray(call.manifest.C, np.int64)
     indptr = np.concatenate([[0], np.cumsum(C)])
     post = np.asarray(call.committed, np.int64)
-    numerics.check_rows(lse, qo_indptr=indptr, kv_lens=post)
+    numerics.check_rows(lse, qo_indptr=indptr, kv_lens=post, sink=sink)
     bad = ~np.isfinite(o).all(axis=-1) | (lse == np.inf)
     if not bad.any():
         return
@@ -306,114 +306,3 @@ def _kind(t) -> str:
     if a.dtype.is_floating_point if hasattr(a.dtype, "is_floating_point") else a.dtype.kind == "f":
         return "f"
     return "b" if str(a.dtype) in ("torch.bool", "bool") else "i"
-
-
-def _host_tensors(txn: _Transaction) -> dict:
-    return {n: _host(t) for n, t in txn.tensors.items()}
-
-
-def _f32(t) -> np.ndarray:
-    """A torch tensor's values as a float32 numpy array (a view when it already is one on the CPU)."""
-    import torch
-    return t.detach().to("cpu", torch.float32).numpy()
-
-
-# ---------------------------------------------------------------- backends
-class _NumpyRunner:
-    """The numpy backend's split program over the post-commit view (``Kernel.run``)."""
-
-    def __init__(self, attn, program):
-        self.kernel = attn.kernel("numpy", program)
-
-    def _arrays(self, txn: _Transaction) -> dict:
-        return {"q": _f32(txn.q), txn.k_key: _f32(txn.k), txn.v_key: _f32(txn.v), **txn.call.view,
-                **_host_tensors(txn)}
-
-    def plan(self, txn: _Transaction):
-        from .compiler.plan import plan_split
-        return plan_split(txn.program, txn.call.layout, txn.call.manifest.C, num_sms=self.kernel.num_sms)
-
-    def run(self, txn: _Transaction, plan):
-        torch = txn.torch
-        o, lse = self.kernel.run(self._arrays(txn), plan=plan, return_lse=True)
-        return torch.from_numpy(o).to(txn.q.device, txn.q.dtype), torch.from_numpy(lse).to(txn.q.device)
-
-
-class _TritonRunner:
-    """The Triton split-K/V kernels over the post-commit view (``Kernel.decode`` with a plan)."""
-
-    def __init__(self, attn, program):
-        self.kernel = attn.kernel("triton", program)
-
-    def plan(self, txn: _Transaction):
-        storage = {txn.k_key: txn.k, txn.v_key: txn.v}
-        return self.kernel.decode_plan({**storage, **txn.call.view}, tensors=dict(txn.tensors),
-                                       total_q=int(txn.q.shape[0]))
-
-    def run(self, txn: _Transaction, plan):
-        from .backends.triton.device import interpreted
-        q, k, v = txn.q, txn.k, txn.v
-        carry = interpreted() and q.dtype == txn.torch.bfloat16  # the interpreter reads bf16 as garbage
-        if carry:
-            q, k, v = q.float(), k.float(), v.float()
-        o, lse = self.kernel.decode(q, plan=plan, return_lse=True, **{txn.k_key: k, txn.v_key: v}, **txn.tensors)
-        return (o.to(txn.q.dtype) if carry else o), lse
-
-
-class _AhbmRunner:
-    """ADR-0060's programs on the mesh simulator: each request's committed and staged rows are laid
-    out on its PEs (ADR-0060 P3: the new K/V rows are in the cache before the kernel), and the
-    decode program (C = 1) or the prefill program (C > 1) attends at bottom-right positions."""
-
-    def __init__(self, attn, program):
-        self.program = program  # the request's rows are handed over as contiguous bhsd K/V
-        self.kernel = attn.kernel("ahbm", replace(program, cache=ir.Cache()))
-
-    def plan(self, txn: _Transaction):
-        sink = (self.program.sink,) if self.program.sink is not None else ()
-        for expr in (self.program.mask, *self.program.score, *sink):
-            if _reads_b_as_value(self.program, expr):
-                raise PlanError(f"ahbm: an append runs one request per launch, and {ir.format_expr(expr)} reads "
-                                "the request index b other than as a tensor's b subscript")
-        return None
-
-    def run(self, txn: _Transaction, plan):
-        from .compiler.analysis.layout import gather_kv
-        torch, p, call = txn.torch, self.program, txn.call
-        storage = {txn.k_key: _f32(txn.k), txn.v_key: _f32(txn.v)}
-        q = _f32(txn.q)
-        tensors = _host_tensors(txn)
-        o = np.zeros((q.shape[0], p.heads_q, p.d_v), np.float32)
-        lse = np.full((q.shape[0], p.heads_q), -np.inf, np.float32)
-        for b, e in enumerate(call.manifest.entries):
-            if e.C == 0:
-                continue
-            k, v = gather_kv(call.layout, storage, b)
-            rows = slice(*e.q_rows)
-            mine = {n: _request_slice(p.tensor(n).axes, t, b, e.post_length) for n, t in tensors.items()}
-            # (simulate: the rows unchecked; the transaction checks the whole batch's, as on every backend)
-            run = self.kernel.simulate(q[rows].transpose(1, 0, 2)[None], k.transpose(1, 0, 2)[None],
-                                       v.transpose(1, 0, 2)[None], case="decode" if e.C == 1 else "prefill", **mine)
-            o[rows], lse[rows] = run.o[0].transpose(1, 0, 2), run.lse[0].T
-        return torch.from_numpy(o).to(txn.q.device, txn.q.dtype), torch.from_numpy(lse).to(txn.q.device)
-
-
-def _reads_b_as_value(program: ir.Program, e) -> bool:
-    """Whether ``e`` uses ``b`` other than as the subscript of a tensor's ``b`` axis."""
-    if isinstance(e, ir.Var):
-        return e.name == "b"
-    if isinstance(e, ir.Load):
-        axes = program.tensor(e.tensor).axes
-        return any(not (a == "b" and isinstance(i, ir.Var) and i.name == "b") and _reads_b_as_value(program, i)
-                   for a, i in zip(axes, e.index))
-    return any(_reads_b_as_value(program, c) for c in ir.children(e))
-
-
-def _request_slice(axes, t: np.ndarray, b: int, length: int) -> np.ndarray:
-    """A declared tensor cut to one request: its ``b`` axis to row b, its ``s`` axis to the
-    request's ``T + C`` positions."""
-    index = tuple(slice(b, b + 1) if a == "b" else slice(0, length) if a == "s" else slice(None) for a in axes)
-    return np.ascontiguousarray(t[index])
-
-
-RUNNERS = {"numpy": _NumpyRunner, "triton": _TritonRunner, "ahbm": _AhbmRunner}

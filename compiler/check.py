@@ -14,6 +14,7 @@ from typing import Callable
 
 from . import ast, ir
 from .errors import DiagnosticSink, Span
+from .policies import MAX_SIZE, POLICIES, POSITIONAL_OK, Param  # noqa: F401  (Param: the table's, re-exported)
 from .ir import BOOL, F32, I32, Type
 from .scalar import FLT_MAX, float_floordiv, float_mod, int_floordiv, int_mod
 from .scalar import f32 as fold_f32
@@ -29,7 +30,6 @@ FUNCTIONS = {**ir.CALL_FNS, "window": 1, "softcap": 2, "where": 3, "flashmask": 
 FLASHMASK_BOUNDS = {True: (1, 2), False: (2, 4)}
 FLASHMASK_LAYOUT = "i32[b, heads, s, n] with heads = h, 1, H_q or H_kv and n = 1, 2 or 4"
 MAX_NAME = 64  # identifiers (the attention name names generated files)
-MAX_SIZE = 2**31 - 1  # heads, head dims, axis sizes and policy arguments are i32
 # Declared tensors are passed by name next to these: the inputs of a call (attnc run's npz keys,
 # DESIGN §5) and every keyword argument of an entry point that takes tensors as **keywords
 # (tests/unit/test_language_names.py reads the entry points' signatures and keeps this list whole).
@@ -85,54 +85,7 @@ def _expected_one_of(values) -> str:
 
 
 # ---------------------------------------------------------------- policies
-@dataclass(frozen=True)
-class Param:
-    name: str
-    kind: type  # int, float or str
-    choices: tuple[str, ...] = ()
-    default: object = None
-    required: bool = False
-    check: Callable[[object], str | None] | None = None  # returns an error message
-
-
-def _positive(v):
-    if v > MAX_SIZE:
-        return f"must be at most {MAX_SIZE}, got {v}"
-    return None if v >= 1 else f"must be at least 1, got {v}"
-
-
-def _within(v, bound):
-    return None if math.isfinite(v) and -bound <= v <= bound else f"must be in [-{bound:g}, {bound:g}], got {v}"
-
-
-def _fraction(v):
-    return None if 0 < v <= 1 else f"must be in (0, 1], got {v}"
-
-
-POLICIES: dict[str, dict[str, tuple[Param, ...]]] = {
-    "cache": {
-        "contiguous": (Param("layout", str, ("bhsd", "bshd"), "bhsd"),),
-        "ragged": (),
-        "paged": (Param("page_size", int, required=True, check=_positive),
-                  Param("layout", str, ("nhd", "hnd"), "nhd"),
-                  Param("table", str, ("dense", "csr"), "dense")),
-    },
-    "split": {
-        "auto": (),
-        "balanced": (Param("splits", int, required=True, check=_positive),),
-        "chunk": (Param("size", int, required=True, check=_positive),),
-        "capacity": (Param("splits", int, required=True, check=_positive),
-                     Param("capacity", int, required=True, check=_positive)),
-        "heuristic": (Param("fraction", float, required=True, check=_fraction),),
-    },
-    "state": {"lse_o": (), "mlu": (),
-              "shared_shift": (Param("phi", float, required=True, check=lambda v: _within(v, 1e4)),
-                               Param("lower", float, required=True, check=lambda v: _within(v, ir.SHIFT_WINDOW)),
-                               Param("upper", float, required=True, check=lambda v: _within(v, ir.SHIFT_WINDOW)))},
-    "masked_rows": {"zero": ()},
-}
-POSITIONAL_OK = {"split", "state"}  # cache arguments read better as keywords: page_size = 16
-
+# the kinds, typed parameters and defaults of cache / split / state / masked_rows: compiler/policies.py
 SAMPLES: dict[str, tuple[tuple[str, type], ...]] = {
     # kind -> parameters; see compiler/inputs.py for what each draws
     "segments": (("min_len", int), ("max_len", int)),

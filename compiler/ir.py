@@ -11,6 +11,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import Iterator, Union
 
+from . import policies
+
 node = dataclass(frozen=True, slots=True)
 
 
@@ -248,7 +250,7 @@ class StateABI(str, enum.Enum):
 # ``state = shared_shift(phi, lower, upper)``: the window (lower, upper) of s - phi must keep
 # exp(s - phi) a normal float32 and the sum of 2**32 such terms finite (e**64 * 2**32 < 3.4e38,
 # e**-64 > 1.2e-38), so a split whose guard holds cannot overflow or flush to zero.
-SHIFT_WINDOW = 64.0
+SHIFT_WINDOW = policies.SHIFT_WINDOW  # declared with the policy table's other bounds
 
 
 @node
@@ -285,7 +287,12 @@ class Cache:
 @node
 class Split:
     kind: SplitKind = SplitKind.AUTO
-    args: tuple[Union[int, float], ...] = ()
+    args: tuple[Union[int, float], ...] = ()  # in compiler/policies.py's parameter order
+
+    @property
+    def params(self) -> dict[str, Union[int, float, None]]:
+        """The arguments by their declared names (``compiler/policies.py``), defaults filled in."""
+        return policies.named("split", self.kind, self.args)
 
 
 @node

@@ -44,6 +44,11 @@ class Plan:
     # what classified the tiles the analysis left undecided (analysis.tile_eval), for retile
     tile_evaluator: object = field(default=None, repr=False, compare=False)
 
+    def host_bytes(self) -> int:
+        """The bytes of the numpy arrays this plan holds (tile classes, CSR lists, the interval
+        vectors and row runs): what a plan keeps alive while a backend builds from it."""
+        return resources.array_bytes((self.intervals, self.tiles, self.rows))
+
     @property
     def block_m(self) -> int:
         return self.tiles.block_m
@@ -463,6 +468,15 @@ class SplitPlan:
         return MicrobatchManifest.freeze(b if request_ids is None else request_ids, b if rows is None else rows,
                                          self.manifest.T, self.manifest.C)
 
+    def allocated_bytes(self) -> int:
+        """The bytes of the workspace a split launch of this plan allocates (``ledger.allocation``:
+        every (query row, head, slot) state, 16-byte aligned fields), what the Triton launch
+        allocates for it."""
+        from .analysis.ledger import allocation, dtype_bytes, vector_dtype
+        c = self.call
+        vector = dtype_bytes(vector_dtype(c.abi, c.cache_dtype))
+        return allocation(c.abi, self.total_q, c.heads_q, self.capacity, c.d_v, vector)[2]
+
     # ------------------------------------------------------------ reports (`attnc plan`)
     def ledgers(self):
         """The plan's ledgers (``analysis.schedule.SplitLedgers``), the pipeline's last step over
@@ -497,7 +511,8 @@ class SplitPlan:
             "reducer_grid": list(grids["reducer"]), "owners": owners,
             "workspace": {"abi": ws.abi, "fields": fields},
             "workspace_bytes": {"per_state": ws.per_state, "configured": ws.logical,
-                                "capacity": ws.capacity, "padding": ws.padding},
+                                "capacity": ws.capacity, "padding": ws.padding,
+                                "allocated": self.allocated_bytes()},
             "ledgers": {**led.as_dict(), "kv_reuse_factor": led.kv_reuse_factor,
                         "metadata": {"fields": dict(meta.fields), "table": meta.table, "total": meta.total},
                         "page_lookups": ledgers.page_lookups},
@@ -543,7 +558,7 @@ class SplitPlan:
                   f"{o['nonempty_binary_merges']} non-empty merges, {o['identity_bypasses']} identity bypasses"]
         w = r["workspace_bytes"]
         lines.append(f"workspace ({r['state']}): {w['per_state']} B/state, configured {n(w['configured'])} B, "
-                     f"capacity {n(w['capacity'])} B")
+                     f"capacity {n(w['capacity'])} B, a launch allocates {n(w['allocated'])} B")
         for f in r["workspace"]["fields"]:
             lines.append(f"  {f['name']:<14} {f['dtype']:>4} {str(f['shape']):<22} {n(f['bytes']):>12} B")
         if "fallback" in r:

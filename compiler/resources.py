@@ -143,3 +143,39 @@ def split_plan_bytes(runs: int) -> int:
 
 def dense_bytes(cells: int, per_cell: float = CELL_BYTES) -> int:
     return int(per_cell * cells)
+
+
+# the exact tile classifier (analysis.tiles.classify_exact), per (query-tile row, column) cell of
+# one step: int64 covered-cell counts of the must and may row sets and their comparisons (16 B),
+# plus 8 B per run of the row sets (their temporaries); measured 32 / 48 / 64 B at 2 / 4 / 6 runs
+EXACT_CELL_BYTES = 16
+EXACT_RUN_BYTES = 8
+
+
+def exact_classify_bytes(cells: int, runs: int) -> int:
+    return cells * (EXACT_CELL_BYTES + EXACT_RUN_BYTES * runs)
+
+
+def array_bytes(obj, seen: set | None = None, depth: int = 0) -> int:
+    """The bytes of the numpy arrays reachable from ``obj`` (dataclasses, mappings, sequences, a
+    few levels deep), each buffer counted once: what a result keeps alive."""
+    import numpy as np
+    seen = set() if seen is None else seen
+    if isinstance(obj, np.ndarray):
+        base = obj if not isinstance(obj.base, np.ndarray) else obj.base
+        if id(base) in seen:
+            return 0
+        seen.add(id(base))
+        return int(base.nbytes)
+    if depth > 4 or obj is None or isinstance(obj, (str, bytes, int, float, bool)):
+        return 0
+    if isinstance(obj, dict):
+        items = obj.values()
+    elif isinstance(obj, (list, tuple)):
+        items = obj
+    elif hasattr(obj, "__dataclass_fields__"):
+        items = [getattr(obj, f, None) for f in obj.__dataclass_fields__]
+    else:
+        return 0
+    return sum(array_bytes(x, seen, depth + 1) for x in items)
+

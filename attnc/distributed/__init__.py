@@ -35,8 +35,8 @@ rank-local refusal is every rank's error and calls that differ are refused on ev
 The package: ``shards`` (:class:`ShardPlan`), ``agree``, ``blocks`` (the block backends and a
 rank's merged rows), ``exchange`` (the K/V messages).
 
-**Blocks and devices.**  A block backend (``_NumpyBlocks``, ``_TritonBlocks``,
-``_ReferenceBlocks``) has ``prepare(t)`` (a bhsd torch tensor -> its container: CPU float32,
+**Blocks and devices.**  A block backend (a backend's ``block_runner``: ``NumpyBlocks``,
+``TritonBlocks``; or ``_ReferenceBlocks``) has ``prepare(t)`` (a bhsd torch tensor -> its container: CPU float32,
 the storage dtype on the call's device, CPU float64), ``forward(q, k, v, args)`` (a partial O,
 LSE), ``backward(q, k, v, o, lse, do, dlse, args)`` (the block's dQ, dK, dV shares) and
 ``output(o)``; ``args`` is ``CPPlan.block_args`` (tile lists, ``classes``, offsets, the whole
@@ -65,7 +65,6 @@ differentiates score tensors on the numpy backend).
 """
 from __future__ import annotations
 
-import os
 
 import numpy as np
 import torch
@@ -73,16 +72,18 @@ import torch.distributed as dist
 
 from ..api import Attention, BackendRefused, compile as compile_spec
 from ..compiler import numerics
+from ..compiler.dispatch import device_default, torch_backend, with_capability
 from ..compiler.cp import DEFAULT_BLOCK, CPPlan, plan_cp
 from ..compiler.errors import InputError, PlanError
 from .agree import agree
-from .blocks import (_DTYPES, _NumpyBlocks, _ReferenceBlocks, _TritonBlocks, merge_states, rank_attention,
+from .blocks import (_DTYPES, _ReferenceBlocks, merge_states, rank_attention,
                      rank_attention_backward)
 from .exchange import _Exchange, _return_gradients
 from .shards import ShardPlan, _pair
 
 __all__ = ["BACKENDS", "ContextParallel", "ShardPlan", "merge_states", "rank_attention", "rank_attention_backward"]
-BACKENDS = ("numpy", "triton", "reference")  # what a multi-rank call runs its blocks with
+# what a multi-rank call runs its blocks with: the backends with blocks, and the float64 oracle
+BACKENDS = (*with_capability("block"), "reference")
 CALL_KEYWORDS = ("plan", "return_lse", "gather", "backend")
 
 
@@ -203,10 +204,11 @@ class ContextParallel:
                 raise InputError(f"inputs: '{n}' has shape {list(t.shape)}; rank {plan.rank}'s shard holds "
                                  f"B = {plan.cp.batch} requests of {plan.tokens} tokens (plan.shard(...))")
         if backend not in (None, *BACKENDS):
-            raise InputError(f"unknown backend {backend!r}; expected numpy, triton or reference")
+            raise InputError(f"unknown backend {backend!r}; expected {', '.join(sorted(BACKENDS))}")
         if plan.ranks == 1 and backend != "reference":
             return None
-        backend = backend or ("triton" if q.is_cuda else "reference" if q.dtype == torch.float64 else "numpy")
+        if backend is None:  # the device's backend; float64 CPU tensors: the float64 oracle
+            backend = "reference" if not q.is_cuda and q.dtype == torch.float64 else device_default(q.device.type)
         self._check_call(q, k, v, plan, backend)
         if torch.is_grad_enabled():
             asked = [n for n, t in plan.tensors.items() if getattr(t, "requires_grad", False)]
@@ -245,19 +247,16 @@ class ContextParallel:
             raise InputError(f"inputs: q/k/v have heads {shape[0]}/{shape[1]}, head_dim {shape[2]}/{shape[3]}, "
                              f"dtype {q.dtype}/{k.dtype}/{v.dtype}; the plan is for heads {p.heads_q}/{p.heads_kv}, "
                              f"head_dim {p.d_qk}/{p.d_v}, {p.dtype}")
-        if backend == "triton" and not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-            raise BackendRefused(f"attnc.distributed: backend 'triton' on CPU tensors (q is on {q.device}) runs in "
-                                 "Triton's interpreter: set TRITON_INTERPRET=1 before importing triton, or pass CUDA "
-                                 "tensors, or use backend='numpy'")
+        refusal = None if backend == "reference" else torch_backend(backend).device_refusal(q.device)
+        if refusal:
+            raise BackendRefused(f"attnc.distributed: {refusal}")
         if plan.ranks > 1:
             plan.transport(q.device)  # refuses a group that cannot move this device's tensors
 
     def _blocks(self, cp: CPPlan, backend: str, device, dtype):
-        if backend == "numpy":
-            return _NumpyBlocks(self.attn, cp, device, dtype)
         if backend == "reference":
             return _ReferenceBlocks(cp, device)
-        return _TritonBlocks(self.attn, cp, device, dtype)
+        return torch_backend(backend).block_runner(self.attn, cp, device, dtype)
 
 
 class _Call:

@@ -5,52 +5,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..api import Attention
 from ..backends.numpy.state import OutputState
-from ..compiler import ir, oracle, sinks
+from ..compiler import oracle, sinks
 from ..compiler.cp import CPPlan
 
 _DTYPES = {torch.float16: "f16", torch.bfloat16: "bf16", torch.float32: "f32"}
-_TORCH_DTYPES = {name: dtype for dtype, name in _DTYPES.items()}
-
-
-class _NumpyBlocks:
-    """Blocks on the numpy backend: CPU float32 containers, partial O unrounded, O rounded once to
-    the call's dtype; the backward's blocks in float64 (the numpy backward module at the block's
-    offsets), their shares accumulated in float32."""
-
-    acc = torch.float32
-
-    def __init__(self, attn: Attention, cp: CPPlan, device=None, dtype=None):
-        self.cp = cp
-        self.kernel = attn.kernel("numpy", cp.program)
-        self.bshd = cp.program.cache.layout is ir.Layout.BSHD
-        self.device = torch.device("cpu") if device is None else torch.device(device)
-        self.dtype = _TORCH_DTYPES[cp.program.dtype] if dtype is None else dtype
-
-    @staticmethod
-    def prepare(t: torch.Tensor) -> torch.Tensor:
-        return t.detach().to("cpu", torch.float32)
-
-    def _spec(self, t: torch.Tensor) -> np.ndarray:  # bhsd torch -> the kernel's layout, numpy
-        a = t.numpy()
-        return a.transpose(0, 2, 1, 3) if self.bshd else a
-
-    def _bhsd(self, a: np.ndarray, dtype=torch.float32) -> torch.Tensor:
-        a = a.transpose(0, 2, 1, 3) if self.bshd else a
-        return torch.from_numpy(np.ascontiguousarray(a)).to(dtype)
-
-    def forward(self, q, k, v, args):
-        o, lse = self.kernel.block(*(self._spec(x) for x in (q, k, v)), args, self.cp.tensors)
-        return self._bhsd(o), torch.from_numpy(np.asarray(lse, np.float32))
-
-    def backward(self, q, k, v, o, lse, do, dlse, args):
-        grads = self.kernel.block_backward(*(self._spec(x) for x in (q, k, v, o)), lse.numpy(), self._spec(do),
-                                           None if dlse is None else dlse.numpy(), args, self.cp.tensors)
-        return tuple(self._bhsd(g, self.acc) for g in grads)
-
-    def output(self, o: torch.Tensor) -> torch.Tensor:
-        return o.to(device=self.device, dtype=self.dtype)
 
 
 class _ReferenceBlocks:
@@ -86,34 +45,6 @@ class _ReferenceBlocks:
 
     def output(self, o: torch.Tensor) -> torch.Tensor:
         return o.to(self.device)
-
-
-class _TritonBlocks:
-    """Blocks on the Triton backend (``Kernel.block`` / ``Kernel.block_backward``): containers in
-    the storage dtype on the call's device, float32 partial O and LSE, float32 gradient shares;
-    the spec's tensors (the whole call's) are uploaded once per call."""
-
-    acc = torch.float32
-
-    def __init__(self, attn: Attention, cp: CPPlan, device, dtype):
-        self.cp = cp
-        self.kernel = attn.kernel("triton", cp.program)
-        self.device, self.dtype = torch.device(device), dtype
-        from ..backends.triton.decode import device_tensor
-        self.tensors = {n: device_tensor(t, self.device) for n, t in cp.tensors.items()}
-
-    def prepare(self, t: torch.Tensor) -> torch.Tensor:
-        dtype = torch.float32 if t.dim() == 3 else self.dtype  # LSE and dLSE stay float32
-        return t.detach().to(device=self.device, dtype=dtype).contiguous()
-
-    def forward(self, q, k, v, args):
-        return self.kernel.block(q, k, v, args, self.tensors, self.cp.lengths)
-
-    def backward(self, q, k, v, o, lse, do, dlse, args):
-        return self.kernel.block_backward(q, k, v, o, lse, do, dlse, args, self.tensors, self.cp.lengths)
-
-    def output(self, o: torch.Tensor) -> torch.Tensor:
-        return o.to(device=self.device, dtype=self.dtype)
 
 
 def merge_states(a: OutputState, b: OutputState) -> OutputState:

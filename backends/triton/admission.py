@@ -21,6 +21,22 @@ def _graph(k: DispatchKey) -> str | None:
     return None
 
 
+def shared_shift_refusal(split: str) -> str:
+    """Why a split call refuses ``state = shared_shift`` under ``split = <split>`` (the admission's
+    and the launch's one message)."""
+    return (f"state = shared_shift runs the Triton backend's block-share splits; this spec also declares split = "
+            f"{split}, which the shared frame's kernels do not take yet (use split = auto, or state = lse_o / mlu)")
+
+
+def _shift_split(k: DispatchKey) -> str | None:
+    """shared_shift with an explicit split policy, on a split call (a paged or ragged cache, or
+    per-request lengths): the shift kernels take block shares, not a policy's bounds."""
+    split_call = not k.cache_layout.startswith("contiguous") or not k.uniform
+    if k.state == "shared_shift" and k.split != "auto" and split_call:
+        return shared_shift_refusal(k.split)
+    return None
+
+
 SPEC = BackendSpec(
     "triton", platforms=("cuda", "interpreter"), phases=("prefill", "append", "decode", "mixed"),
     description="generated Triton kernels: prefill/append over the tile CSR on contiguous K/V; "
@@ -37,6 +53,8 @@ SPEC = BackendSpec(
         bounded("Q", "d_qk", 1, 256), bounded("Q", "d_v", 1, 256),
         requires("L", "last_dim_contiguous", True, detail="unit stride in the head dim"),
         *FORWARD_ONLY,
+        rule("N", "state = shared_shift with split = auto on split calls", _shift_split,
+             detail="the shared-shift kernels split by block shares"),
         rule("C", "graph_mode: split calls on a CUDA device", _graph,
              detail="Kernel.decode_graph captures the split-K/V calls (decode, append, mixed, prefill "
                     "over pages) on a GPU; the contiguous prefill launcher allocates per call"),

@@ -22,6 +22,7 @@ from attnc.compiler.analysis import layout as kvl
 from attnc.compiler.analysis.decode_rows import constant
 from attnc.compiler.errors import InputError, PlanError
 from attnc.compiler.analysis.pipeline import spec_split_policy
+from attnc.compiler.analysis import splits as policies
 from attnc.compiler.analysis.splits import occupancy_for
 from attnc.compiler.plan import DEFAULT_SMS, split_blocks
 
@@ -170,9 +171,10 @@ def _is_auto(split) -> bool:
 
 
 # ---------------------------------------------------------------- the untuned launch
-# Programs a split launch aims for, per SM (see default_decode_config), and the most splits
-MAX_SPLITS = 128
-PROGRAMS_PER_SM = 4
+# Programs a split launch aims for, per SM (see default_decode_config), and the most splits: the
+# `split = auto` rule's, declared once in compiler/analysis/splits.py
+MAX_SPLITS = policies.MAX_SPLITS
+PROGRAMS_PER_SM = policies.PROGRAMS_PER_SM
 
 
 def default_decode_config(program, kv_lens, q_lens, num_sms: int | None = None, *,
@@ -212,13 +214,17 @@ def default_decode_config(program, kv_lens, q_lens, num_sms: int | None = None, 
 
 def _default_config(program, batch: int, one_row: bool, q_lens: np.ndarray, longest: int,
                     num_sms: int | None, block_n: int | None, block_q: int | None) -> dict:
-    block_n = 64 if block_n is None else int(block_n)
+    # the split count is `split = auto`'s (compiler/analysis/splits.py, the one place it is decided:
+    # `attnc plan` reports the same): counted in the GPU's query tiles, so an interpreted launch
+    # allocates what the plan says; tiles or block_n the caller gives count as given
+    rule_q = block_q
     if block_q is None:
         block_q = 1 if one_row else default_block_q(program.group, q_lens, interpreted())
-    tiles = batch if one_row else int((-(-q_lens // block_q)).sum())
-    most = -(-max(longest, 1) // block_n)
-    want = PROGRAMS_PER_SM * (num_sms or DEFAULT_SMS) / max(tiles * program.heads_kv, 1)
-    splits = min(max(int(want + 0.5), 1), max(min(most, MAX_SPLITS), 1))
+        rule_q = 1 if one_row else default_block_q(program.group, q_lens)
+    tiles = batch if one_row else policies.query_tiles(q_lens, rule_q)
+    splits = policies.auto_splits(program.heads_kv, tiles, longest, num_sms or DEFAULT_SMS,
+                                  policies.AUTO_BLOCK_N if block_n is None else int(block_n))
+    block_n = policies.AUTO_BLOCK_N if block_n is None else int(block_n)
     return {"block_n": block_n, "splits": splits, "num_warps": 4, "num_stages": 2, "block_q": int(block_q)}
 
 
@@ -315,17 +321,8 @@ def _check_gpu_tile(block_m: int | None, block_n: int) -> None:
 
 
 def default_block_q(group: int, q_lens, interpreter: bool = False) -> int:
-    """Query rows per tile of a split call: 1 when every request has one row (decode: the tile
-    is the request); else enough rows that a tile of rows x the G heads of a K/V head fills a
-    16-row dot (64 rows on a GPU, so each K/V block serves more queries), never more than the
-    longest request needs."""
-    q_lens = np.asarray(q_lens, np.int64)
-    if q_lens.size and np.all(q_lens == 1):
-        return 1
-    g_pad = 1 << max(int(group) - 1, 0).bit_length()
-    target = 16 if interpreter else 64
-    longest = 1 << max(int(q_lens.max(initial=1)) - 1, 0).bit_length()
-    return max(16 // g_pad, 1, min(target // g_pad, longest))
+    """Query rows per tile of a split call (``compiler.analysis.splits.auto_block_q``)."""
+    return policies.auto_block_q(group, q_lens, interpreter)
 
 
 def _query_rows(meta: dict, batch: int, total_q: int | None) -> tuple[np.ndarray | None, np.ndarray]:

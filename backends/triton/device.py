@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+from attnc.compiler.dispatch.environment import device_capability
 from attnc.compiler.errors import InputError
 
 
@@ -13,22 +14,10 @@ def interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-_CAPABILITY: dict = {}
-
-
 def capability(device=None) -> int:
-    """The GPU's compute capability as 10 * major + minor; 0 under the interpreter or without CUDA."""
-    if interpreted():
-        return 0
-    import torch
-    if not torch.cuda.is_available():
-        return 0
-    index = torch.cuda.current_device() if device is None or getattr(device, "index", None) is None \
-        else device.index
-    if index not in _CAPABILITY:
-        major, minor = torch.cuda.get_device_capability(index)
-        _CAPABILITY[index] = 10 * major + minor
-    return _CAPABILITY[index]
+    """The GPU's compute capability as 10 * major + minor; 0 under the interpreter or without CUDA
+    (the dispatch key's own reading of the device, one place)."""
+    return device_capability(device)
 
 
 def sm_count(device) -> int:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from attnc.compiler import inputs, ir, numerics, sinks
+from attnc.compiler import inputs, ir, numerics, resources, sinks
 from attnc.compiler.ranges import may_be_nonfinite
 from attnc.compiler.errors import BackendUnavailable, InputError, PlanError
 from attnc.compiler.plan import Plan, plan as make_plan
@@ -25,7 +25,7 @@ from attnc.backends.common import load_module
 
 from . import choice, device, tile_classes
 from . import plans as P
-from .args import FP8_INPUTS, TORCH_DTYPES, _Bound, _kind  # noqa: F401  (FP8_INPUTS: attnc.api's)
+from .args import FP8_INPUTS, TORCH_DTYPES, _Bound, _kind  # noqa: F401  (FP8_INPUTS)
 from .backward_calls import BackwardCalls
 from .decode import GPU_MIN_TILE, _check_gpu_tile  # noqa: F401  (GPU_MIN_TILE: the tests')
 from .device import interpreted
@@ -92,7 +92,10 @@ class Kernel(PrefillCalls, BackwardCalls, SplitCalls):
         """The plan's walk arrays on ``device`` (cached on the plan)."""
         cache = plan.__dict__.setdefault("_device_args", {})
         key = str(device)
-        if key not in cache:
+        if key not in cache:  # (the plan's arrays stay alive meanwhile: the limit counts them too)
+            t = plan.tiles
+            resources.require(f"the plan's device arrays ({t.partial_indices.size + t.full_indices.size:,} K/V blocks "
+                              f"of {t.classes.size:,} tiles)", P.device_plan_bytes(plan))
             cache[key] = P.upload(P.walk_arrays(plan), device)
         return cache[key]
 

@@ -2,6 +2,7 @@
 four launches of a shared-shift split call."""
 from attnc.compiler.errors import PlanError
 
+from .admission import shared_shift_refusal
 from .kernels.shared_shift import LOG2E, _fallback_combine, _fallback_split, _shift_combine, _shift_split
 from .launch import Launcher, qk_scale, row_sinks, sink_constexprs, spec_constexprs, spec_key
 from .workspace import next_power_of_2, shift_layout
@@ -55,9 +56,7 @@ class ShiftLaunch:
         if total_q == 0:
             return out, lse
         if plan.get("bounded"):
-                raise PlanError(f"state = shared_shift runs the Triton backend's block-share splits; this spec also "
-                            f"declares split = {plan['policy']}, which the shared frame's kernels do not take yet "
-                            "(use split = auto, or state = lse_o / mlu)")
+            raise PlanError(shared_shift_refusal(plan["policy"].split(" -> ")[0]))
         s_cap = plan["splits"]
         f = self.fields(workspace, total_q, s_cap)
         block_q = plan["block_q"]

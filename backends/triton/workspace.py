@@ -7,23 +7,14 @@ import functools
 
 import triton
 
-from attnc.compiler.analysis.ledger import vector_dtype
+from attnc.compiler.analysis.ledger import allocation, vector_dtype
 
 
 def split_layout(total_q: int, splits: int, abi: str, heads_q: int, d_v: int,
                  vector_bytes: int = 4) -> tuple[int, dict, int]:
-    """(states, {field: (byte offset, elements)}, bytes) of the workspace: ``states`` (row, head,
-    split) slots, each a partial O or u (d_v elements of ``vector_bytes``, the declared vector
-    dtype: ``compiler.analysis.ledger.vector_dtype``), m or LSE, and l when the ABI is (m, l, u)
-    (float32), then one valid byte each; every field starts 16-byte aligned (the kernels'
-    pointer specialization then never changes with the call's size)."""
-    n = total_q * heads_q * splits
-    fields, offset = {}, 0
-    for name, count, size in (("o", n * d_v, vector_bytes), ("m", n, 4), ("l", n if abi == "mlu" else 0, 4),
-                              ("valid", n, 1)):
-        fields[name] = (offset, count)
-        offset += -(-count * size // 16) * 16
-    return n, fields, offset
+    """(states, {field: (byte offset, elements)}, bytes) of the (m, l, u) / (LSE, O) workspace:
+    ``compiler.analysis.ledger.allocation``, the layout ``attnc plan`` reports."""
+    return allocation(abi, total_q, heads_q, splits, d_v, vector_bytes)
 
 
 def next_power_of_2(n: int) -> int:
@@ -31,16 +22,10 @@ def next_power_of_2(n: int) -> int:
 
 
 def shift_layout(total_q: int, splits: int, heads_q: int, d_v: int) -> tuple[int, dict, int]:
-    """(states, {field: (byte offset, elements)}, bytes): per (row, head, split) state the
+    """(states, {field: (byte offset, elements)}, bytes) of the shared shift's workspace: the
     numerator ``o`` (float32 x d_v; the fallback's u), ``m`` (the fallback's), ``l``, ``valid``
-    and ``guard``, then one ``need`` byte per (row, head); 16-byte aligned fields."""
-    n = total_q * heads_q * splits
-    fields, offset = {}, 0
-    for name, count, size in (("o", n * d_v, 4), ("m", n, 4), ("l", n, 4), ("valid", n, 1), ("guard", n, 1),
-                              ("need", total_q * heads_q, 1)):
-        fields[name] = (offset, count)
-        offset += -(-count * size // 16) * 16
-    return n, fields, offset
+    and ``guard`` per state, one ``need`` byte per (row, head) (``ledger.allocation``)."""
+    return allocation("shared_shift", total_q, heads_q, splits, d_v)
 
 
 def workspace_bytes(module, total_q: int, splits: int, abi: str) -> int:

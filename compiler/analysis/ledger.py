@@ -235,6 +235,36 @@ def workspace(abi: str, d_v: int, states: int, *, capacity_states: int | None = 
                      round_up(int(d_v), vector_alignment))
 
 
+# The alignment of every field of an allocated workspace: the kernels' pointer specialization then
+# never changes with the call's size.
+FIELD_ALIGNMENT = 16
+
+
+def allocation(abi: str, total_q: int, heads_q: int, splits: int, d_v: int,
+               vector_bytes: int = 4) -> tuple[int, dict[str, tuple[int, int]], int]:
+    """(states, {field: (byte offset, elements)}, bytes) of the workspace a split launch allocates:
+    ``states`` = (query row, head, split) slots, each a partial O / u / numerator (``d_v``
+    elements of ``vector_bytes``: :func:`vector_dtype`), m or LSE, l when the ABI is (m, l, u),
+    one valid byte; the shared shift's fields are the numerator, m (its fallback's), l, valid
+    and guard, then one ``need`` byte per (row, head).  Every field starts
+    :data:`FIELD_ALIGNMENT`-aligned.  The one layout: the Triton backend allocates it and
+    ``attnc plan`` reports its bytes."""
+    abi = getattr(abi, "value", abi)
+    n = int(total_q) * int(heads_q) * int(splits)
+    if abi == "shared_shift":
+        parts = (("o", n * d_v, 4), ("m", n, 4), ("l", n, 4), ("valid", n, 1), ("guard", n, 1),
+                 ("need", int(total_q) * int(heads_q), 1))
+    elif abi in ("mlu", "lse_o"):
+        parts = (("o", n * d_v, vector_bytes), ("m", n, 4), ("l", n if abi == "mlu" else 0, 4), ("valid", n, 1))
+    else:
+        raise PlanError(f"unknown state ABI {abi!r}; expected one of {ABIS}")
+    fields, offset = {}, 0
+    for name, count, size in parts:
+        fields[name] = (offset, count)
+        offset += round_up(count * size, FIELD_ALIGNMENT)
+    return n, fields, offset
+
+
 # ---------------------------------------------------------------- payload vs demand (§0x03F)
 def q_unique_bytes(q_rows: int, heads_q: int, d_qk: int, q_dtype: str = "bf16") -> int:
     """``sum_b C_b H_q d_qk b_Q``: every query row of every head once."""

@@ -14,7 +14,12 @@ Policies (the ``split =`` statement of a spec, DESIGN §3.1):
 * :func:`capacity` ``(S, S_cap)`` -- balanced ``S`` inside ``S_cap`` slots (graph-stable shapes).
 * :func:`heuristic` ``(f)`` -- FlashAttention's ``num_splits_heuristic`` picks ``S`` (§0x0AB),
   then the bounds are balanced.
-* :func:`auto` -- until tuning exists (DESIGN §6), ``heuristic(0.85)``.
+* :func:`auto` -- ``attnc tune``'s split count for the call's dispatch key when the tuning cache
+  has one (``compiler.tune.tuned_split_policy`` / ``tuned_tiles``), else the untuned rule of
+  :func:`auto_splits` (about four programs per SM, measured on the H200), then balanced bounds.
+  This module is the one place ``auto`` is resolved: ``attnc plan``, the numpy backend and the
+  Triton split launch all take its count, so the plan reports the slots and workspace a launch
+  allocates.
 """
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from attnc.compiler.errors import PlanError
+from attnc.compiler.policies import named
 
 
 def _lens(kv_lens) -> np.ndarray:
@@ -275,6 +281,7 @@ class Occupancy:
     ctas_per_sm: int = 2
     max_splits: int = 128
     pack_gqa: bool = False
+    tiles: int | None = None  # the split launch's query tiles (auto); None: one per request (decode)
 
     def producer_blocks(self, batch: int) -> int:
         heads_kv = self.heads_kv or self.heads_q
@@ -298,8 +305,50 @@ def occupancy_for(program, q_lens, num_sms: int, **overrides) -> Occupancy:
     query rows on ``num_sms`` SMs; ``overrides`` replace fields."""
     q = np.asarray(q_lens, np.int64)
     base = dict(num_sms=num_sms, heads_q=program.heads_q, heads_kv=program.heads_kv,
-                q_len=max(int(q.max(initial=1)), 1), head_dim=program.d_qk)
+                q_len=max(int(q.max(initial=1)), 1), head_dim=program.d_qk,
+                tiles=query_tiles(q, auto_block_q(program.group, q)))
     return Occupancy(**{**base, **overrides})
+
+
+# ---------------------------------------------------------------- auto's untuned rule
+# Programs a split launch aims for per SM, the most splits, and the K/V block the rule counts in
+# (the Triton split producer's untuned tile; ``backends/triton/decode.py``'s default_decode_config
+# cites the H200 rows behind each number).
+PROGRAMS_PER_SM = 4
+MAX_SPLITS = 128
+AUTO_BLOCK_N = 64
+
+
+def auto_block_q(group: int, q_lens, interpreter: bool = False) -> int:
+    """Query rows per tile of a split call: 1 when every request has one row (decode: the tile
+    is the request); else enough rows that a tile of rows x the G heads of a K/V head fills a
+    16-row dot (64 rows on a GPU, 16 in Triton's interpreter), never more than the longest
+    request needs."""
+    q_lens = np.asarray(q_lens, np.int64)
+    if q_lens.size and np.all(q_lens == 1):
+        return 1
+    g_pad = 1 << max(int(group) - 1, 0).bit_length()
+    target = 16 if interpreter else 64
+    longest = 1 << max(int(q_lens.max(initial=1)) - 1, 0).bit_length()
+    return max(16 // g_pad, 1, min(target // g_pad, longest))
+
+
+def query_tiles(q_lens, block_q: int) -> int:
+    """The split launch's query tiles: ``sum_b ceil(q_lens[b] / block_q)`` (one per request for
+    decode)."""
+    q = np.asarray(q_lens, np.int64)
+    if q.size and np.all(q == 1):
+        return int(q.size)
+    return int((-(-q // block_q)).sum())
+
+
+def auto_splits(heads_kv: int, tiles: int, longest: int, num_sms: int, block_n: int = AUTO_BLOCK_N) -> int:
+    """``split = auto`` untuned: about ``PROGRAMS_PER_SM`` programs per SM, a program per (query
+    tile, K/V head, split): ``round(4 * num_sms / (tiles * H_kv))``, at least 1, at most the
+    longest request's ``block_n``-row blocks and ``MAX_SPLITS``."""
+    most = -(-max(int(longest), 1) // int(block_n))
+    want = PROGRAMS_PER_SM * int(num_sms) / max(int(tiles) * int(heads_kv), 1)
+    return min(max(int(want + 0.5), 1), max(min(most, MAX_SPLITS), 1))
 
 
 # ---------------------------------------------------------------- policies
@@ -321,21 +370,21 @@ class Balanced:
 
 @dataclass(frozen=True)
 class Chunk:
-    chunk: int
+    size: int
     capacity: int | None = None
 
     def __post_init__(self):
-        _count("chunk", self.chunk)
+        _count("chunk", self.size)
         if self.capacity is not None:
             _count("capacity", self.capacity)
 
     def bounds(self, kv_lens, occupancy: Occupancy | None = None) -> SplitBounds:
         lens = _lens(kv_lens)
-        starts, ends, active = chunk_bounds(lens, self.chunk, self.capacity)
+        starts, ends, active = chunk_bounds(lens, self.size, self.capacity)
         return SplitBounds(lens, starts, ends, active, str(self))
 
     def __str__(self):
-        return f"chunk({self.chunk})" if self.capacity is None else f"chunk({self.chunk}, {self.capacity})"
+        return f"chunk({self.size})" if self.capacity is None else f"chunk({self.size}, {self.capacity})"
 
 
 @dataclass(frozen=True)
@@ -393,15 +442,31 @@ class Heuristic:
 
 
 @dataclass(frozen=True)
-class Auto(Heuristic):
-    """``auto``: the tuned choice for the dispatch key (DESIGN §6).  No tuning cache exists
-    yet, so it falls back to ``heuristic(0.85)``, FlashAttention's rule."""
+class Auto:
+    """``auto``: the tuned choice for the dispatch key (``attnc tune``: the caller resolves a
+    cached winner to ``balanced(S)`` before planning, ``compiler.tune.tuned_split_policy``);
+    untuned, :func:`auto_splits`'s count, balanced."""
+
+    def choose(self, kv_lens, occupancy: Occupancy | None) -> int:
+        if occupancy is None:
+            raise PlanError("split = auto needs the launch occupancy (num_sms, heads): pass an Occupancy")
+        lens = _lens(kv_lens)
+        if lens.size == 0:
+            return 1
+        tiles = lens.size if occupancy.tiles is None else occupancy.tiles
+        return auto_splits(occupancy.heads_kv or occupancy.heads_q, tiles, int(lens.max()), occupancy.num_sms,
+                           occupancy.block_n or AUTO_BLOCK_N)
+
+    def bounds(self, kv_lens, occupancy: Occupancy | None = None) -> SplitBounds:
+        lens = _lens(kv_lens)
+        b = Balanced(self.choose(lens, occupancy)).bounds(lens)
+        return SplitBounds(b.kv_lens, b.starts, b.ends, b.active, f"auto -> balanced({b.capacity})")
 
     def __str__(self):
         return "auto"
 
 
-SplitPolicy = Balanced | Chunk | Capacity | Heuristic
+SplitPolicy = Balanced | Chunk | Capacity | Heuristic | Auto
 
 
 def balanced(S: int) -> Balanced:
@@ -421,19 +486,21 @@ def heuristic(f: float = 0.85) -> Heuristic:
 
 
 def auto() -> Auto:
-    """Falls back to ``heuristic(0.85)`` until autotuning (``attnc tune``) exists."""
+    """The untuned ``auto`` (a tuned one is resolved by ``compiler.tune.tuned_split_policy``)."""
     return Auto()
 
 
+# ``split = <kind>(...)`` -> its policy, built from the arguments by their declared names
+# (``compiler/policies.py``: the policies' fields are the table's parameter names)
+POLICY_CLASSES = {"auto": Auto, "balanced": Balanced, "chunk": Chunk, "capacity": Capacity, "heuristic": Heuristic}
+
+
 def from_ir(split) -> SplitPolicy:
-    """The policy of an ``ir.Split`` (``kind`` + ``args``)."""
+    """The policy of an ``ir.Split`` (``kind`` + ``args``, read by name)."""
     kind = getattr(split.kind, "value", split.kind)
-    args = tuple(split.args)
-    makers = {"balanced": balanced, "chunk": chunk, "capacity": capacity, "heuristic": heuristic,
-              "auto": auto}
-    if kind not in makers:
+    if kind not in POLICY_CLASSES:
         raise PlanError(f"unknown split policy {kind!r}")
-    return makers[kind](*args)
+    return POLICY_CLASSES[kind](**named("split", kind, tuple(split.args)))
 
 
 def split_bounds(policy: SplitPolicy, kv_lens, occupancy: Occupancy | None = None) -> SplitBounds:

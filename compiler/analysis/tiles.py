@@ -80,7 +80,13 @@ def classify_exact(mi: MaskIntervals, block_m: int, block_n: int, chunk: int = 1
     starts = _block_starts(s_k, block_n)
     classes = np.empty((b_, h_, len(i0), len(starts)), np.int8)
     must, may = mi.visible.must, mi.visible.may
-    step = max(1, chunk // max(1, must.start.shape[1] + may.start.shape[1]) // max(1, s_k))
+    runs = must.start.shape[1] + may.start.shape[1]
+    step = max(1, chunk // max(1, runs) // max(1, s_k))
+    # one step's working set, with the row sets and the classes alive meanwhile
+    resources.require(f"the exact tile classifier ({min(step, len(i0)):,} query tiles x {b_ * h_ * s_k:,} columns "
+                      f"at a time, {runs} row-set runs)",
+                      resources.exact_classify_bytes(min(step, len(i0)) * b_ * h_ * s_k, runs)
+                      + resources.array_bytes(mi) + classes.nbytes * (2 if undecided is not None else 1))
     for r0 in range(0, len(i0), step):  # bounded memory: a few Q tiles at a time
         sl = slice(r0, r0 + step)
         lo, hi = i0[sl, None], i1[sl, None]
@@ -97,6 +103,8 @@ def classify_exact(mi: MaskIntervals, block_m: int, block_n: int, chunk: int = 1
             seen = np.logical_or.reduceat((sure > 0).reshape(-1, b_, h_, s_k), starts, axis=-1)
             hidden = np.logical_or.reduceat((maybe < need).reshape(-1, b_, h_, s_k), starts, axis=-1)
             undecided[:, :, sl] = ((c == PARTIAL) & ~(seen & hidden)).transpose(1, 2, 0, 3)
+            del seen, hidden
+        del sure, maybe, all_visible, none_visible, full, skip, c  # before the next step allocates its own
     return classes
 
 

@@ -11,6 +11,8 @@ In the order a call goes through it:
 * ``admission``   rejection factors, predicates, ``BackendSpec`` (each backend declares its own
                   in ``backends/<name>/admission.py``)
 * ``selection``   candidates, rejection vectors, the winner and its fallbacks
+* ``protocol``    ``Backend``: what the torch front doors ask of a backend (each backend
+                  implements it in ``backends/<name>/torch_api.py``)
 * ``registry``    the registered backends in priority order, ``select`` and ``dispatch``; the
                   only place the compiler reaches a backend
 """
@@ -24,14 +26,16 @@ from .coordinates import (cache_layout_of, mask_digest_of, mask_kind_of, phase_o
 from .environment import Environment, distribution_version, run_environment
 from .keys import DispatchKey
 from .plan_key import PLAN_DYNAMIC_FIELDS, PLAN_KEY_FIELDS, PlanKey
-from .registry import (ADMISSION, REGISTRY, Registry, backend, backend_module, default_registry, dispatch,
-                       select)
+from .protocol import CAPABILITIES, Backend, BackendBase, BackendRefused, require
+from .registry import (ADMISSION, DEVICE_DEFAULT, REGISTRY, Registry, backend, backend_module, default_registry,
+                       device_default, dispatch, select, torch_backend, with_capability)
 from .schema import (CACHE_LAYOUTS, CALL_ALIASES, DEVICE_TYPES, KEY_GROUPS, KEY_VERSION, PHASES, canonical_json,
                      sha256_of)
 from .selection import Candidate, DispatchError, Selection
 
 __all__ = [
-    "ADMISSION", "CACHE_LAYOUTS", "CALL_ALIASES", "DEVICE_TYPES", "FACTORS", "FORWARD_ONLY", "KEY_GROUPS",
+    "CAPABILITIES", "Backend", "BackendBase", "BackendRefused", "require", "DEVICE_DEFAULT", "device_default",
+    "torch_backend", "with_capability", "ADMISSION", "CACHE_LAYOUTS", "CALL_ALIASES", "DEVICE_TYPES", "FACTORS", "FORWARD_ONLY", "KEY_GROUPS",
     "KEY_VERSION", "KV_IN_QUERY_DTYPE", "PHASES", "PLAN_DYNAMIC_FIELDS", "PLAN_KEY_FIELDS", "REGISTRY",
     "STORAGE_DTYPES", "BackendSpec", "CallError", "Candidate", "DispatchError", "DispatchKey", "Environment",
     "PlanKey", "Predicate", "Registry", "Rejection", "Selection", "allowed", "backend", "backend_module", "bounded",

@@ -71,3 +71,23 @@ def run_environment(device_type: str | None = None, backend_request: str = "auto
         from dataclasses import replace
         env = replace(env, interpreter=False)
     return env
+
+
+_CAPABILITY: dict = {}
+
+
+def device_capability(device=None) -> int:
+    """The compute capability (10 * major + minor) of the CUDA device a call's tensors live on;
+    0 under Triton's interpreter (``TRITON_INTERPRET=1``: kernels run on the CPU) or without CUDA.
+    A call's ``compute_capability`` coordinate, read before dispatch chooses a backend."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return 0
+    import torch
+    if not torch.cuda.is_available():
+        return 0
+    index = torch.cuda.current_device() if device is None or getattr(device, "index", None) is None \
+        else device.index
+    if index not in _CAPABILITY:
+        major, minor = torch.cuda.get_device_capability(index)
+        _CAPABILITY[index] = 10 * major + minor
+    return _CAPABILITY[index]

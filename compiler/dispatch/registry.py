@@ -20,6 +20,7 @@ from .admission import BackendSpec, Rejection
 from .call import CallError
 from .environment import Environment
 from .keys import DispatchKey
+from .protocol import Backend, BackendRefused, implements
 from .selection import Candidate, Selection
 
 REGISTRY: dict[str, str] = {
@@ -43,6 +44,34 @@ def backend_module(name: str, part: str) -> ModuleType | None:
     backend(name)  # an unknown name is reported as one
     module = f"{REGISTRY[name]}.{part}"
     return importlib.import_module(module) if importlib.util.find_spec(module) is not None else None
+
+
+# The backend a call on a device's tensors runs when the caller names none and dispatch is not
+# asked (split calls, appends, multi-rank blocks): the device's own backend.
+DEVICE_DEFAULT: dict[str, str] = {"cuda": "triton", "cpu": "numpy"}
+
+
+def torch_backend(name: str) -> Backend:
+    """The backend's :class:`~.protocol.Backend` (``backends/<name>/torch_api.py: BACKEND``)."""
+    module = backend_module(name, "torch_api")
+    if module is None:
+        raise BackendRefused(f"the {name} backend takes no torch tensors")
+    obj = module.BACKEND
+    problems = implements(obj)
+    if problems:
+        raise TypeError(f"backend {name} does not implement the backend protocol: {'; '.join(problems)}")
+    return obj
+
+
+def device_default(device_type: str) -> str:
+    """The name of the backend that runs calls on ``device_type`` ("cuda", "cpu") by default."""
+    return DEVICE_DEFAULT["cuda" if device_type == "cuda" else "cpu"]
+
+
+def with_capability(capability: str) -> tuple[str, ...]:
+    """The registered backends (priority order) whose protocol object has ``capability``."""
+    return tuple(n for n in REGISTRY if backend_module(n, "torch_api") is not None
+                 and capability in torch_backend(n).capabilities)
 
 
 class _Admission(Mapping[str, BackendSpec]):

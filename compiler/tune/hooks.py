@@ -58,7 +58,7 @@ def tuned_split_policy(program: ir.Program, key: DispatchKey | None = None,
                        cache: TuneCache | str | os.PathLike | None = None):
     """The split policy to plan with: ``split = auto`` becomes ``balanced(S)`` with the tuned
     S when the cache has ``key``; any other policy, or a miss, is the spec's own (``auto``
-    then falls back to ``heuristic(0.85)``)."""
+    then takes ``analysis.splits.auto_splits``'s untuned count)."""
     policy = splits.from_ir(program.split)
     if isinstance(policy, splits.Auto) and key is not None:
         cfg = tuned_config(key, key.backend_request if key.backend_request != "auto" else "triton", cache)

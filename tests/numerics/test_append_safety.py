@@ -183,7 +183,8 @@ def test_failure_injected_after_staging_rolls_back(step, monkeypatch):
             real(txn, saved)
         monkeypatch.setattr(serving._Transaction, "stage", stage)
     elif step == "run":
-        monkeypatch.setattr(serving._NumpyRunner, "run", lambda self, txn, plan: 1 / 0)
+        from attnc.backends.numpy.torch_api import NumpyAppend
+        monkeypatch.setattr(NumpyAppend, "run", lambda self, txn, plan: 1 / 0)
     else:
         monkeypatch.setattr(serving._Transaction, "check_output", lambda self, o, lse: 1 / 0)
     e = attempt("contiguous_bshd", "numpy")

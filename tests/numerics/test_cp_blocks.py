@@ -15,8 +15,8 @@ from attnc.compiler import inputs, numerics, oracle  # noqa: E402
 from attnc.compiler.cp import plan_cp  # noqa: E402
 from attnc.backends.numpy.state import OutputState, merge_output_state  # noqa: E402
 from attnc.compiler.lower import compile_file, compile_spec  # noqa: E402
-from attnc.distributed import (_NumpyBlocks, _ReferenceBlocks, merge_states, rank_attention,  # noqa: E402
-                               rank_attention_backward)
+from attnc.backends.numpy.cp_blocks import NumpyBlocks as _NumpyBlocks  # noqa: E402
+from attnc.distributed import _ReferenceBlocks, merge_states, rank_attention, rank_attention_backward  # noqa: E402
 from tests.conftest import EXAMPLES  # noqa: E402
 
 BATCH, SEQ, BLOCK = 2, 44, 8

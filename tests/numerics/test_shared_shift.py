@@ -233,3 +233,22 @@ def test_bench_smoke(capsys):
     assert shared_shift.main(["--smoke"]) == 0
     rows = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
     assert [(x["variant"], x["fallback_outputs"]) for x in rows] == [("sync", None), ("shift", 0), ("fallback", 8)]
+
+
+def test_dispatch_refuses_triton_for_a_split_policy_with_the_launchs_message():
+    """state = shared_shift with split = balanced(3): Triton's shift kernels take block shares, so
+    dispatch refuses it (auto takes numpy) with the reason the launch itself gives."""
+    from attnc.backends.triton.admission import shared_shift_refusal
+    from attnc.compiler.dispatch import Environment, dispatch
+    from attnc.compiler.errors import PlanError
+    p = program(heads="4 / 2")
+    call = {"B": 2, "S_q": [1, 1], "S_k": [30, 17], "device": "cpu"}
+    env = Environment(device_type="cpu", interpreter=True, torch="2", triton="3")
+    reason = shared_shift_refusal("balanced(3)")
+    forced = dispatch(p, {**call, "backend": "triton"}, env)
+    assert forced.selected is None and reason in forced.error
+    assert dispatch(p, call, env).selected == "numpy"
+    pytest.importorskip("triton")
+    with pytest.raises(PlanError) as e:
+        tr_runtime.load(p).run(sample(p, seed=1, kv_lens=KV_T, q_lens=Q_T), return_lse=True)
+    assert reason in str(e.value)

@@ -102,7 +102,13 @@ def test_heuristic_policy_uses_the_call_occupancy():
     assert b.capacity == S and b.policy == f"heuristic(0.85) -> balanced({S})"
     packed = sp.Occupancy(num_sms=132, heads_q=8, heads_kv=2, head_dim=128, pack_gqa=True)
     assert packed.producer_blocks(2) == 2 * 2 * 1
-    assert sp.auto().bounds(MAIN["T"], occ).split_lengths() == b.split_lengths()
+    # auto is not FlashAttention's heuristic: it is the untuned launch rule (about 4 programs per SM,
+    # one per (request, K/V head, split)), capped by the longest request's 64-row blocks
+    rule = sp.auto_splits(MAIN["H_kv"], len(MAIN["T"]), max(MAIN["T"]), 132)
+    assert rule == min(round(4 * 132 / (len(MAIN["T"]) * MAIN["H_kv"])), -(-max(MAIN["T"]) // 64), sp.MAX_SPLITS)
+    a = sp.auto().bounds(MAIN["T"], occ)
+    assert a.capacity == rule and a.policy == f"auto -> balanced({rule})"
+    assert a.split_lengths() == sp.balanced(rule).bounds(MAIN["T"]).split_lengths()
     with pytest.raises(PlanError, match="needs the launch occupancy"):
         sp.heuristic(0.85).bounds(MAIN["T"])
 
@@ -171,5 +177,18 @@ def test_split_bounds_cover_each_request_exactly_and_disjointly(T, policy, occ):
         if isinstance(policy, (sp.Balanced, sp.Capacity, sp.Heuristic)) and lens:
             assert max(lens) - min(lens) <= 1 and lens == sorted(lens, reverse=True)
         if isinstance(policy, sp.Chunk):
-            assert all(x == policy.chunk for x in lens[:-1]) and (not lens or 0 < lens[-1] <= policy.chunk)
+            assert all(x == policy.size for x in lens[:-1]) and (not lens or 0 < lens[-1] <= policy.size)
     assert (b.lengths[~b.active] == 0).all()
+
+
+def test_every_declared_split_kind_is_a_policy_with_the_declared_parameter_names():
+    """compiler/policies.py declares each split kind's parameters once; from_ir builds the policy
+    from them by name, so a policy's fields are the table's names, in its order."""
+    import dataclasses
+    from attnc.compiler.policies import POLICIES
+    assert set(sp.POLICY_CLASSES) == set(POLICIES["split"])
+    for kind, params in POLICIES["split"].items():
+        fields = [f.name for f in dataclasses.fields(sp.POLICY_CLASSES[kind])]
+        assert fields[:len(params)] == [p.name for p in params], kind
+    assert ir.Split(ir.SplitKind.CAPACITY, (5, 8)).params == {"splits": 5, "capacity": 8}
+    assert sp.from_ir(ir.Split(ir.SplitKind.CHUNK, (64,))).size == 64
