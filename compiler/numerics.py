@@ -99,10 +99,11 @@ def compare_gradient(what: str, dtype: str, g, ref) -> Comparison:
 
 # ---------------------------------------------------------------- non-finite scores
 NONFINITE_SCORE = ("the score program produced NaN or +inf at a visible key of query row (b={b}, h={h}, q={q}); "
-                   "a visible cell's score must be finite, or -inf to drop the cell")
+                   "a visible cell's score must be finite, or -inf to drop the cell (NaN or inf in q or K, "
+                   "or a scale that overflows q.k, make one too)")
 NONFINITE_ROW = ("query row (b={b}, h={h}, q={q}) is NaN: the score program produced NaN or +inf at a visible key, "
                  "or the row's sink is NaN or +inf; a visible cell's score and a sink must be finite, or -inf to "
-                 "drop them")
+                 "drop them (NaN or inf in q or K, or a scale that overflows q.k, make one too)")
 
 
 def nonfinite_message(b: int, h: int, q: int, sink: bool = False) -> str:
