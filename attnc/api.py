@@ -233,8 +233,11 @@ class Attention:
     def _kernel_for(self, q, k, v, tensors: dict, backend: str | None):
         """(backend protocol object, kernel) of calls shaped like this one: specialised, checked and selected
         once per (shapes, dtype, devices, backend asked), then looked up."""
-        try:
-            key = (q.shape, k.shape, v.shape, q.dtype, q.device, k.device, v.device, backend)
+        try:  # everything the checks below and the route's admission read (issue 35: a check must not
+            # depend on the calls before): shapes, dtypes, devices (every tensor's), last-dim contiguity
+            key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
+                   q.stride(-1) == 1 and k.stride(-1) == 1, backend,
+                   *[getattr(t, "device", None) for t in tensors.values()])
         except AttributeError:
             raise InputError(f"inputs: q, k and v must be torch tensors (attnc.compile(...) takes torch tensors; "
                              f"got {type(q).__name__}, {type(k).__name__}, {type(v).__name__})") from None
