@@ -41,9 +41,15 @@ _HANDLES: dict[str, "Attention"] = {}
 _LOCK = threading.Lock()
 
 
+_TORCH = None
+
+
 def _torch_module():
-    import torch
-    return torch
+    global _TORCH
+    if _TORCH is None:  # (imported once: every call asks)
+        import torch
+        _TORCH = torch
+    return _TORCH
 
 
 def compile(spec: str | os.PathLike, *, name: str | None = None) -> "Attention":  # noqa: A001 - the API's name
@@ -296,8 +302,7 @@ class Attention:
         kv_lens, or kv_indptr + kv_indices + kv_last_page_len; k / v with kv_lens or kv_indptr),
         optional q_lens / qo_indptr, and the spec's tensors by name.  Returns O [total_q, H_q, d_v]
         (and LSE [total_q, H_q])."""
-        import torch
-        from .compiler.dispatch import device_default, torch_backend
+        torch = _torch_module()
         if not isinstance(q, torch.Tensor) or q.dim() != 3:
             raise InputError("inputs: a split call takes q as a torch tensor [total_q, H_q, d_qk]")
         kv = cache.get("k_cache", cache.get("k"))
@@ -307,6 +312,7 @@ class Attention:
         route_key = ("decode", q.shape, kv.shape, vv.shape, q.dtype, q.device)
         route = self._routes.get(route_key)
         if route is None:
+            from .compiler.dispatch import device_default, torch_backend
             h_ax = {"paged": 2 if self.program.cache.layout.value == "nhd" else 1, "ragged": 1}.get(
                 self.program.cache.kind.value, 2 if self._bshd else 1)
             dtype = _DTYPES.get(str(q.dtype))

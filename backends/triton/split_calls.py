@@ -237,10 +237,11 @@ class _Split(NamedTuple):
 
 def _split_key_part(n, t):
     """A split call's input as a plan-cache key part: metadata and mask tensors by identity and
-    version (and layout); the K/V tensors by layout and address only (the plan never reads their
-    values, and a step writes new tokens into them); anything else makes the call uncacheable."""
-    if not P._tracked(t):
+    version (and layout: ``plans.tensor_key``); the K/V tensors by layout and address only (the plan
+    never reads their values, and a step writes new tokens into them); anything else (numpy
+    arrays, inference tensors) makes the call uncacheable."""
+    if not hasattr(t, "is_inference") or t.is_inference():  # (plans._tracked, inlined: per call)
         return None
     if n in KV_KEYS:
-        return (n, tuple(t.shape), t.stride(), t.dtype, t.device, t.data_ptr())
-    return (n, tuple(t.shape), t.stride(), t.dtype, t.device, *P.tensor_key(n, t))
+        return (n, t.shape, t.stride(), t.dtype, t.device, t.data_ptr())
+    return (n, t.shape, t.stride(), t.dtype, t.device, id(t), t._version, t.data_ptr())
