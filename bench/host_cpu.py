@@ -48,8 +48,8 @@ def cases():
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--calls", type=int, default=3000)
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--calls", type=int, default=500)
+    ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--profile", default=None, help="a case name to cProfile")
     a = ap.parse_args()
     launches = [0]
