@@ -72,6 +72,7 @@ class Attention:
         self.program = program
         self.name = program.name
         self.tensor_names = tuple(t.name for t in program.tensors)
+        self._name_set = frozenset(self.tensor_names)
         self.reads_tensors = bool(ir.loads(program.mask)) or any(ir.loads(s) for s in program.score)
         self._bshd = program.cache.layout is ir.Layout.BSHD
         self._programs: dict = {}  # (H_q, H_kv, d_qk, d_v, dtype) -> concrete program
@@ -160,9 +161,9 @@ class Attention:
         if q.dtype == torch.float8_e4m3fn:
             o, lse = self._fp8_call(q, k, v, tensors, backend)
             return (o, lse) if return_lse else o
-        if len(tensors) != len(self.tensor_names) or (tensors and set(tensors) != set(self.tensor_names)):
+        if tensors.keys() != self._name_set:
             self._check_tensors(tensors)
-        if torch.is_grad_enabled() and (needs_grad or any(
+        if torch.is_grad_enabled() and (needs_grad or tensors and any(
                 getattr(tensors[n], "requires_grad", False) for n in self.tensor_names)):
             self._check_grads(q, k, v, tensors, backend)
             listed = [tensors[n] for n in self.tensor_names]

@@ -149,8 +149,8 @@ class PrefillCalls:
             launch = self._cached_launch(bound, key, qb, kb, vb, tensors)
         else:
             launch = self._make_launch(bound, qb, kb, vb, tensors, *asked)
-        out = torch.empty(bound.out_shape, device=q.device, dtype=qb.dtype)
-        lse = torch.empty((bound.batch, self.program.heads_q, bound.s_q), device=q.device, dtype=torch.float32)
+        out = qb.new_empty(bound.out_shape)  # (qb's dtype and q's device; new_empty: the cheapest allocation call)
+        lse = qb.new_empty((bound.batch, self.program.heads_q, bound.s_q), dtype=torch.float32)
         ob = out.transpose(1, 2) if bound.bshd else out
         self._run_launch(launch, qb, kb, vb, ts, ob, lse, key)
         if bound.emulate:

@@ -133,9 +133,9 @@ class SplitCalls:
         """Allocate O, LSE and the workspace; launch the producer and the combine."""
         torch = self._torch
         total_q = q.shape[0]
-        out = torch.empty(total_q, self.program.heads_q, self.program.d_v, device=q.device, dtype=q.dtype)
-        lse = torch.empty(total_q, self.program.heads_q, device=q.device, dtype=torch.float32)
-        ws = torch.empty(bound.workspace_bytes, device=q.device, dtype=torch.uint8)
+        out = q.new_empty((total_q, self.program.heads_q, self.program.d_v))  # (q's dtype and device)
+        lse = q.new_empty((total_q, self.program.heads_q), dtype=torch.float32)
+        ws = q.new_empty(bound.workspace_bytes, dtype=torch.uint8)
         return bound.launch(q, k_cache, v_cache, bound.plan, bound.arrays, bound.ts, out, lse, ws)
 
     def prepare_decode(self, q, plan: dict, *, num_warps: int | None = None, num_stages: int | None = None,
