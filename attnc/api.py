@@ -128,6 +128,13 @@ class Attention:
             k = self._kernels[key] = load_backend(backend).load(program)
         return k
 
+    def check_numerics(self) -> None:
+        """Raise the non-finite rows that GPU calls since the last check marked without a host
+        sync (README, "Limits and failures": non-finite values); one sync."""
+        for k in list(self._kernels.values()):
+            if hasattr(k, "check_numerics"):
+                k.check_numerics()
+
     def _route(self, program: ir.Program, q, k, backend: str | None) -> tuple[object, object]:
         """Which backend runs calls like this one: the dispatch key's admission (auto, or forced);
         its protocol object (``compiler/dispatch/protocol.py``) and its kernel."""

@@ -196,13 +196,20 @@ def _check_tensors(program: ir.Program, metas, sizes: dict[str, int]) -> None:
                              f"(declared {t.signature()})")
 
 
+def check_i32_values(name: str, a) -> None:
+    """Refuse an integer tensor declared i32 whose values leave i32 (an int64 document id past
+    2**31 would otherwise wrap where a backend reads it as int32): every backend's check."""
+    a = np.asarray(a)
+    if a.dtype.kind in "iu" and a.size and a.dtype.itemsize >= 4 and (a.min() < -2**31 or a.max() >= 2**31):
+        raise InputError(f"inputs: tensor '{name}' has values outside the i32 range")
+
+
 def _convert_tensors(program: ir.Program, arrays, float_dtype=np.float32) -> dict[str, np.ndarray]:
     tensors = {}
     for t in program.tensors:
         a = arrays[t.name]
         if t.dtype is ir.I32:
-            if a.size and (a.min() < -2**31 or a.max() >= 2**31):
-                raise InputError(f"inputs: tensor '{t.name}' has values outside the i32 range")
+            check_i32_values(t.name, a)
             a = a.astype(np.int64)
         elif t.dtype is ir.F32:
             a = a.astype(float_dtype)

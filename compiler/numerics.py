@@ -99,7 +99,8 @@ def compare_gradient(what: str, dtype: str, g, ref) -> Comparison:
 
 # ---------------------------------------------------------------- non-finite scores
 NONFINITE_SCORE = ("the score program produced NaN or +inf at a visible key of query row (b={b}, h={h}, q={q}); "
-                   "a visible cell's score must be finite, or -inf to drop the cell")
+                   "a visible cell's score must be finite, or -inf to drop the cell (NaN or inf in q or K, "
+                   "or a scale that overflows q.k, make one too)")
 
 
 def check_rows(lse, *, s_q: int | None = None, s_k: int | None = None, qo_indptr=None, kv_lens=None) -> None:

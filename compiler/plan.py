@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from . import ir, resources
+from . import ir, reads, resources
 from .analysis import run_plan_pipeline
 from .analysis.intervals import MaskIntervals, RowIntervals
 from .analysis.splits import occupancy_for
@@ -157,6 +157,7 @@ def plan(program: ir.Program, batch: int, s_q: int, s_k: int, tensors: dict | No
     if program.flashmask:
         from .inputs import check_flashmask
         check_flashmask(program, tensors or {})
+    reads.check_prefill(program, tensors or {}, batch, s_q, s_k)
     given = {} if tile_evaluator is None else {"tile_evaluator": tile_evaluator}
     r = run_plan_pipeline(("intervals", "rows", "tile_evaluator", "tiles"), program=program, batch=batch, s_q=s_q,
                           s_k=s_k, tensors=tensors or {}, block_m=block_m, block_n=block_n, method=method, **given)
@@ -240,6 +241,7 @@ def split_blocks(program: ir.Program, kv_lens: np.ndarray, tensors: dict, block_
         from .inputs import check_flashmask
         check_flashmask(program, tensors)
     one_row = q_lens is None and batch > 0
+    reads.check_requests(program, tensors, kv_lens, q_lens)
     if q_lens is None:
         q_lens = decode_rows.constant("ones", batch)
     n_tiles = q_lens if block_q == 1 or one_row else -(-q_lens // block_q)

@@ -140,7 +140,11 @@ def emit(program: ir.Program, block_m: int = BLOCK_M, block_n: int = BLOCK_N,
     mask_loads = stream_loads([p.mask])
     score_loads = stream_loads(p.score)
     stream = lambda loads: repr(tuple((ir.format_expr(n), tuple(sorted(stream_vars(n)))) for n in loads))  # noqa: E731
-    mask_code, score_code = tl_expr(p.mask, mask_loads), [tl_expr(s, score_loads) for s in p.score]
+    # (a statement that does not read the score may be a scalar or miss axes: it is broadcast to
+    # the score's [G, T, W])
+    mask_code = tl_expr(p.mask, mask_loads)
+    score_code = [tl_expr(s, score_loads) if "score" in ir.free_vars(s) else
+                  f"tl.zeros(score.shape) + {tl_expr(s, score_loads)}" for s in p.score]
     text = render(
         "ahbm", "module.py.j2",
         name=p.name, version=__version__, digest=ir.digest(p),

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from attnc.compiler import inputs, ir, numerics
+from attnc.compiler import inputs, ir, numerics, reads
 from attnc.compiler.errors import InputError, PlanError
 from attnc.compiler.plan import DEFAULT_SMS, Plan, SplitPlan, plan as make_plan, plan_split
 from attnc.backends.common import load_module
@@ -200,6 +200,7 @@ class Kernel:
         elif not isinstance(plan, SplitPlan):
             raise PlanError("a split call needs a SplitPlan (Kernel.plan_split), not a tile plan")
         plan.check_call(self.program, call.layout, call.q_lens)
+        reads.check_requests(self.program, call.tensors, call.kv_lens, call.q_lens)  # (the oracle's read errors)
         module = self.split_module
         try:
             o, lse = module.attention(call.q, call.k, call.v, plan=plan.kernel_args(), return_lse=True,

@@ -241,7 +241,11 @@ def _split_tensors(program, arrays: dict, tensors: dict | None) -> tuple[dict, d
     missing = [n for n in names[1] if n not in given]
     if missing:
         raise InputError(f"inputs: missing key '{missing[0]}' (a tensor the mask of spec '{program.name}' reads)")
-    return arrays, {n: _to_numpy(t) for n, t in given.items()}
+    given = {n: _to_numpy(t) for n, t in given.items()}
+    for t in program.tensors:
+        if t.dtype is ir.I32 and t.name in given:
+            inputs.check_i32_values(t.name, given[t.name])
+    return arrays, given
 
 
 _DECLARED: dict = {}
@@ -297,11 +301,14 @@ DECODE_ARRAYS = {"kv_lens": "int32", "qo_indptr": "int32", "tile_req": "int32", 
                  "split_bounds": "int32"}
 
 
-def device_tensor(t, device):
-    """A declared tensor (numpy or torch) as the kernels read it: integers as int32, on ``device``."""
+def device_tensor(t, device, name: str = "?"):
+    """A declared tensor (numpy or torch) as the kernels read it: integers as int32 (values outside
+    i32 refused: ``inputs.check_i32_values``), on ``device``."""
     import torch
     a = _to_numpy(t)
-    a = a.astype(np.int32) if a.dtype.kind in "iu" else a
+    if a.dtype.kind in "iu":
+        inputs.check_i32_values(name, a)
+        a = a.astype(np.int32)
     return torch.as_tensor(np.ascontiguousarray(a)).to(device)
 
 

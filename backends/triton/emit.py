@@ -20,7 +20,7 @@ _BINARY = {"add": "+", "sub": "-", "mul": "*", "and": "&", "or": "|", "bitand": 
            "shl": "<<", "shr": ">>"}
 _COMPARE = {"eq": "==", "ne": "!=", "lt": "<", "le": "<=", "gt": ">", "ge": ">="}
 # sqrt and f32 division round correctly (as numpy's); exp, log, tanh, erf, sin, cos are the
-# device's (within a few ulp)
+# device's (within a few ulp); f32 min and max propagate NaN (triton_expr), as np.minimum/np.maximum
 _CALLS = {"min": "tl.minimum", "max": "tl.maximum", "abs": "tl.abs", "exp": "tl.exp", "log": "tl.log",
           "sqrt": "tl.math.sqrt_rn", "tanh": "_tanh", "erf": "tl.math.erf", "sin": "tl.sin", "cos": "tl.cos"}
 # Storage whose tolerance takes the GPU's tanh.approx.f32 (lang._tanh_approx): measured on the
@@ -75,11 +75,19 @@ def triton_expr(e: ir.Expr, names: dict[str, str] | None = None, functions: dict
         total = "" if isinstance(e.right, ir.Const) and e.right.value != 0 else "_total"
         return {"floordiv": f"_floordiv{total}({a}, {b})", "mod": f"_mod{total}({a}, {b})"}[e.op]
     if isinstance(e, ir.Compare):
-        return f"({rec(e.left)} {_COMPARE[e.op]} {rec(e.right)})"
+        cmp = f"({rec(e.left)} {_COMPARE[e.op]} {rec(e.right)})"
+        if e.left.type is ir.F32 and not (ir.free_vars(e) & {"q", "k", "score"}):
+            # a scalar f32 comparison (`h >= 0.5`): Triton 3.9's interpreter stores its result as
+            # float32 data, which `&` then refuses; as an integer select it is a bool everywhere
+            return f"(tl.where({cmp}, 1, 0) != 0)"
+        return cmp
     if isinstance(e, ir.Select):
         return f"tl.where({rec(e.cond)}, {rec(e.if_true)}, {rec(e.if_false)})"
     if isinstance(e, ir.Call):
-        return f"{functions[e.fn]}({', '.join(rec(a) for a in e.args)})"
+        args = ", ".join(rec(a) for a in e.args)
+        if e.fn in ("min", "max") and e.type is ir.F32:  # NaN wins, as numpy's np.maximum (max.NaN.f32)
+            return f"{functions[e.fn]}({args}, propagate_nan=tl.PropagateNan.ALL)"
+        return f"{functions[e.fn]}({args})"
     raise TypeError(e)
 
 

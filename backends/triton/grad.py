@@ -92,8 +92,9 @@ class BackwardLaunch:
         cc, rc = dkdv_plan.tiles.classes, dq_plan.tiles.classes
         cols, rows = _lists(cc, True), _lists(rc, False)
         host = {"c_order": _column_order(cc), "c_ptr": cols["ptr"], "c_idx": cols["idx"],
-                "r_order": dq_plan.q_tile_order(), "r_ptr": rows["ptr"], "r_idx": rows["idx"]}
-        self.arrays = P.upload(host, device)
+                "r_order": dq_plan.q_tile_order(), "r_ptr": rows["ptr"], "r_idx": rows["idx"],
+                "r_cls": rc.reshape(-1)}  # the dQ tiles' classes, dense (score_grads' walk)
+        self.arrays = P.upload(host, device, {"r_cls": "int8"})
         spec = module.SPEC
         c = config
         self.h_q, self.h_kv = spec["H_Q"], spec["H_KV"]

@@ -111,7 +111,7 @@ class DecodeGraph:
             size = self.capacity[n] if n in self.capacity else a.size
             shape = (size,) if a.ndim <= 1 or n != "table" else a.shape
             self.buffers[n] = torch.zeros(shape, dtype=getattr(torch, dt), device=self.device)
-        self.tensors = {n: device_tensor(t, self.device) for n, t in tensors.items()}
+        self.tensors = {n: device_tensor(t, self.device, n) for n, t in tensors.items()}
         self._ts = None
         self.q = q.detach().clone()
         self.out = torch.empty(q.shape[0], p.heads_q, p.d_v, device=self.device, dtype=q.dtype)
@@ -194,7 +194,7 @@ class DecodeGraph:
         meta = {n: a for n, a in call.items() if n not in names}
         plan = self.kernel.decode_plan({**meta, **self.kv}, tensors=tensors, total_q=self.plan["total_q"],
                                        **self._options)
-        new = {n: device_tensor(t, self.device) for n, t in tensors.items()}
+        new = {n: device_tensor(t, self.device, n) for n, t in tensors.items()}
         for n, t in new.items():
             if t.shape != self.tensors[n].shape:
                 raise InputError(f"DecodeGraph.update: tensor '{n}' has shape {list(t.shape)}; the graph "

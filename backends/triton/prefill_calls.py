@@ -171,7 +171,7 @@ class PrefillCalls:
     def _plan_key(self, *key, tensors: dict) -> tuple[list, tuple]:
         """(the tensors the plan cache watches, the plan cache's key): the spec and ``key`` and,
         for a mask that reads tensors, each tensor's identity and version (plans.tensor_key)."""
-        if not self._mask_reads:
+        if not (self._mask_reads or self._index_reads):  # (a subscript that reads a tensor: its reads' check)
             return [], (self.digest, *key)
         named = [tensors[n] for n in self._tensor_names if n in tensors]
         return named, (self.digest, *key, tuple(P.tensor_key(n, tensors[n]) for n in self._tensor_names if n in tensors))
@@ -292,7 +292,7 @@ class PrefillCalls:
                          for x in (call.q, call.k, call.v))
         if self.program.cache.layout is ir.Layout.BSHD:  # validate gave bhsd; the call takes the spec's layout
             q_t, k_t, v_t = (x.transpose(1, 2) for x in (q_t, k_t, v_t))
-        ts = {n: device_tensor(t, dev) for n, t in call.tensors.items()}
+        ts = {n: device_tensor(t, dev, n) for n, t in call.tensors.items()}
         o, lse = self._call_slow(q_t, k_t, v_t, ts, plan, options) if plan is not None or any(
             v is not None for v in options.values()) else self(q_t, k_t, v_t, return_lse=True, **ts)
         o = o.float().cpu().numpy()

@@ -15,11 +15,13 @@ set before triton is imported; the tests do).
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
-from attnc.compiler import inputs, ir, numerics, resources
+from attnc.compiler import inputs, ir, numerics, reads, resources
 from attnc.compiler.ranges import may_be_nonfinite
-from attnc.compiler.errors import BackendUnavailable, InputError
+from attnc.compiler.errors import BackendUnavailable, InputError, PlanError
 from attnc.compiler.plan import Plan, plan as make_plan
 from attnc.backends.common import load_module
 
@@ -31,6 +33,8 @@ from .decode import GPU_MIN_TILE, _check_gpu_tile  # noqa: F401  (GPU_MIN_TILE: 
 from .device import interpreted
 from .emit import Source, emit
 from .prefill_calls import PrefillCalls
+
+CHECK_FINITE_VAR = "ATTNC_CHECK_FINITE"  # "1": GPU calls check their rows at the call (a host sync each)
 from .split_calls import SplitCalls
 
 
@@ -49,8 +53,10 @@ class Kernel(PrefillCalls, BackwardCalls, SplitCalls):
         self.digest = ir.digest(program)
         self._tensor_names = tuple(t.name for t in program.tensors)
         self._mask_reads = bool(ir.loads(program.mask))
+        self._index_reads = reads.index_reads_tensor(program)
         self._scores_may_fail = may_be_nonfinite(program)
         self._bound: dict = {}
+        self._nonfinite: dict = {}  # device -> bool flag: a call marked a non-finite row (_mark_rows)
         self._splits: dict = {}
         self._torch = torch
         self._dtype = getattr(torch, TORCH_DTYPES[program.dtype])
@@ -96,17 +102,49 @@ class Kernel(PrefillCalls, BackwardCalls, SplitCalls):
         return cache[key]
 
     def _check_scores(self, lse, k=None, plan: dict | None = None):
-        """The non-finite-score policy (compiler.numerics.check_rows): the kernels mark a row whose
-        visible score was NaN or +inf with LSE NaN; a spec whose score program can produce one
-        (compiler.ranges.may_be_nonfinite) pays one reduction and a host sync to raise it (a
-        DecodeGraph checks after each replay; nothing is checked while a graph is captured)."""
-        if not self._scores_may_fail or (lse.is_cuda and self._torch.cuda.is_current_stream_capturing()):
+        """The non-finite-score rule (README "Limits and failures"; compiler.numerics.check_rows):
+        the kernels mark a row whose visible score was NaN or +inf (the score program, NaN or inf
+        in q or K, a scale that overflows q.k) with LSE NaN.  Host LSE (the CPU, the interpreter)
+        and specs whose score program can produce one (compiler.ranges.may_be_nonfinite) raise at
+        the call; elsewhere on a GPU (or with ATTNC_CHECK_FINITE=1, at every call) the call only
+        marks the kernel's device flag, asynchronously (a reduction over LSE, no host sync), and
+        :meth:`check_numerics` raises it.  While a CUDA graph is captured the marking is captured
+        (each replay marks) once an uncaptured call made the flag; DecodeGraph checks after each
+        replay."""
+        torch = self._torch
+        if lse.is_cuda and torch.cuda.is_current_stream_capturing():
+            if str(lse.device) in self._nonfinite:  # (the flag is made by an uncaptured call, not in the graph's pool)
+                self._mark_rows(lse)
+            return
+        if lse.is_cuda and not (self._scores_may_fail or os.environ.get(CHECK_FINITE_VAR) == "1"):
+            self._mark_rows(lse)
             return
         if plan is None:
             s_k = k.shape[1 if self.program.cache.layout is ir.Layout.BSHD else 2]
             numerics.check_rows(lse, s_q=lse.shape[2], s_k=s_k)
         else:
             numerics.check_rows(lse, qo_indptr=plan["qo_indptr"], kv_lens=plan["kv_lens"])
+
+    def _mark_rows(self, lse) -> None:
+        """flag |= any(LSE is NaN), on lse's device and stream (no host sync)."""
+        key = str(lse.device)
+        flag = self._nonfinite.get(key)
+        if flag is None:
+            flag = self._nonfinite[key] = self._torch.zeros((), dtype=self._torch.bool, device=lse.device)
+        flag.logical_or_(lse.isnan().any())
+
+    def check_numerics(self) -> None:
+        """Raise (and clear) what GPU calls since the last check marked without a host sync: a
+        PlanError saying that a call of this kernel had a visible NaN or +inf score.  Waits for
+        those calls (one host sync).  ATTNC_CHECK_FINITE=1 checks every call instead, naming the
+        call's first such row."""
+        for key, flag in self._nonfinite.items():
+            if bool(flag):
+                flag.zero_()
+                raise PlanError(f"a call of '{self.program.name}' on {key} since the last check had NaN or +inf "
+                                "at a visible key (NaN or inf in q or K, a scale that overflows q.k, or the "
+                                "score program): its LSE and O rows are NaN; set ATTNC_CHECK_FINITE=1 to "
+                                "raise at that call, naming the row")
 
     def _key(self, q, k, v, tensors: dict) -> tuple:
         ts = tuple((n, tuple(t.shape), t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0)

@@ -125,7 +125,7 @@ class SplitCalls:
         else:
             launch = self.split_launch(num_warps or plan.get("num_warps", 4), num_stages or plan.get("num_stages", 2))
             ws = workspace.workspace_bytes(self.module, plan["total_q"], plan["splits"], p.state.value)
-        ts = L.tensor_args(self.module, {n: device_tensor(t, device) for n, t in tensors.items()},
+        ts = L.tensor_args(self.module, {n: device_tensor(t, device, n) for n, t in tensors.items()},
                            (arrays["kv_lens"], arrays["qo_indptr"]))
         return _Split(plan, arrays, ts, launch, ws)
 

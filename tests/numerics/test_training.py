@@ -104,36 +104,49 @@ def test_float64_on_the_gpu_is_refused():
         attn(q, k, k, doc=torch.zeros(1, 6, dtype=torch.int32, device="cuda"))
 
 
-LEARNED = ("attention lt { heads = 4 / 2 head_dim = 4 tensor bias: f32[h, s, s] tensor slope: f32[h] "
-           "tensor kb: f32[b, s] score = score + bias[h, q, k] - slope[h] * (q - k) + kb[b, k] "
-           "score = softcap(score, 5.0) mask = causal }")
+LEARNED = ("attention lt { heads = 2 / 1 head_dim = 4 tensor bias: f32[h, s, s] tensor slope: f32[h] "
+           "tensor kb: f32[b, s] tensor rb: f32[b, h, s] tensor doc: i32[b, s] "
+           "score = score + bias[h, q, k] - slope[h] * (q - k) + kb[b, k] + rb[b, h, q] "
+           "score = softcap(score, 5.0) mask = causal & doc[b, q] == doc[b, k] }")
 
 
-def test_triton_score_tensor_gradients_match_the_float64_reference_and_repeat_bit_for_bit():
-    """dBias [h, q, k], dSlope [h] and dKeyBias [b, k] through the Triton backward (GQA, S_q < S_k:
-    bottom-right rows) against the numpy backend's float64 backward, within the declared f32
-    gradient tolerance; a second run gives the same bits (no atomics)."""
+def test_triton_score_tensor_gradients_match_the_float64_reference_and_repeat_bit_for_bit(monkeypatch):
+    """dBias [h, q, k], dSlope [h], dKeyBias [b, k] and a row bias [b, h, q] through the Triton
+    backward of O and LSE (GQA, S_q < S_k: bottom-right rows; 24 x 40 positions: SKIP, PARTIAL and
+    FULL tiles of the interpreter's 16 x 16, lengths not multiples of them) against the numpy
+    backend's float64 backward, within the declared f32 gradient tolerance (documents: each request
+    its own tile classes); a second run gives the same bits (no atomics).  Each load's launch writes a buffer the size of its gradient over the call (kb: per
+    head), never times the batch: bias [H, S_q, S_k], slope one float per (head, query tile)."""
     pytest.importorskip("triton")
+    from attnc.backends.triton import score_grads
     from attnc.compiler import numerics
+    shapes = []
+    allocate = score_grads._workspace
+    monkeypatch.setattr(score_grads, "_workspace", lambda shape, device: shapes.append(shape) or
+                        allocate(shape, device))
     attn = attnc.compile(LEARNED)
     gen = torch.Generator().manual_seed(8)
-    q = torch.randn(2, 4, 5, 4, generator=gen)
-    k, v = (torch.randn(2, 2, 9, 4, generator=gen) for _ in range(2))
-    tensors = {"bias": torch.randn(4, 9, 9, generator=gen), "slope": torch.rand(4, generator=gen),
-               "kb": torch.randn(2, 9, generator=gen)}
-    do = torch.randn(2, 4, 5, 4, generator=gen)
+    q = torch.randn(2, 2, 24, 4, generator=gen)
+    k, v = (torch.randn(2, 1, 40, 4, generator=gen) for _ in range(2))
+    tensors = {"bias": torch.randn(2, 40, 40, generator=gen), "slope": torch.rand(2, generator=gen) * 0.1,
+               "kb": torch.randn(2, 40, generator=gen), "rb": torch.randn(2, 2, 40, generator=gen)}
+    do, dlse = torch.randn(2, 2, 24, 4, generator=gen), torch.randn(2, 2, 24, generator=gen)
+    doc = torch.tensor([[0] * 40, [0] * 12 + [1] * 28], dtype=torch.int32)
     runs = []
     for backend, dt, dev in (("numpy", torch.float64, "cpu"), ("triton", torch.float32, TRITON_DEVICE),
                              ("triton", torch.float32, TRITON_DEVICE)):
         leaves = [x.to(dev, dt).clone().requires_grad_() for x in (q, k, v, *tensors.values())]
         named = dict(zip(tensors, leaves[3:]))
-        (attn(*leaves[:3], backend=backend, **named) * do.to(dev, dt)).sum().backward()
+        o, lse = attn(*leaves[:3], backend=backend, return_lse=True, doc=doc.to(dev), **named)
+        ((o * do.to(dev, dt)).sum() + (lse * dlse.to(dev, dt)).sum()).backward()
         runs.append([x.grad.cpu() for x in leaves])
     reference, first, again = runs
     for name, want, got in zip(("dq", "dk", "dv", *tensors), reference, first):
         c = numerics.compare_gradient(name, "f32", got.double().numpy(), want.numpy())
         assert c.ok, str(c)
     assert all(torch.equal(a, b) for a, b in zip(first, again))
+    if TRITON_DEVICE == "cpu":  # the interpreter's 16 x 16 tiles: 2 query tiles
+        assert shapes == [(2, 24, 40), (2, 2), (2, 2, 40), (2, 2, 24)] * 2
 
 
 def test_triton_refuses_a_tensor_read_at_a_computed_index():
@@ -216,44 +229,71 @@ def test_backward_fake_declares_the_real_gradient_layout(backend):
 
 
 class _TinyLM(torch.nn.Module):
-    """Embedding, two causal attention blocks, a head: with attnc's attention or eager attention."""
+    """Embedding, two causal attention blocks, a head: with attnc's attention or eager attention;
+    ``seq``: each block learns a score bias [heads, seq, seq] (the attnc spec reads it as ``bias``)."""
 
-    def __init__(self, attn=None, vocab=32, d=16, heads=2):
+    def __init__(self, attn=None, vocab=32, d=16, heads=2, seq=None):
         super().__init__()
         self.attn, self.heads = attn, heads
         self.emb = torch.nn.Embedding(vocab, d)
         self.qkv = torch.nn.ModuleList(torch.nn.Linear(d, 3 * d) for _ in range(2))
         self.out = torch.nn.Linear(d, vocab)
+        self.bias = None if seq is None else torch.nn.ParameterList(
+            torch.nn.Parameter(0.5 * torch.randn(heads, seq, seq)) for _ in range(2))
 
     def forward(self, ids):
         x = self.emb(ids)
         b, s, d = x.shape
-        for proj in self.qkv:
+        for i, proj in enumerate(self.qkv):
             q, k, v = proj(x).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+            tensors = {} if self.bias is None else {"bias": self.bias[i]}
             if self.attn is not None:
-                a = self.attn(q, k, v)
+                a = self.attn(q, k, v, **tensors)
             else:
-                a = _dense(q, k, v, torch.ones(s, s, dtype=torch.bool).tril(), (d // self.heads) ** -0.5)
+                scores = q @ k.transpose(-1, -2) * (d // self.heads) ** -0.5 + tensors.get("bias", 0.0)
+                visible = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
+                a = torch.softmax(scores.masked_fill(~visible, float("-inf")), -1) @ v
             x = x + a.transpose(1, 2).reshape(b, s, d)
         return self.out(x)
 
 
+def _train(attn, data, seq=None, steps=50) -> tuple:
+    """(losses of ``steps`` Adam steps, the model) from the same initialisation."""
+    torch.manual_seed(0)
+    model = _TinyLM(attn, seq=seq).to(data.device)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(steps):
+        logits = model(data[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 32), data[:, 1:].reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return np.array(losses), model
+
+
 def test_fifty_training_steps_follow_eager_attention():
     data = torch.randint(0, 32, (4, 17), generator=torch.Generator().manual_seed(5))
-    curves = []
-    for attn in (attnc.compile("attention c { mask = causal }"), None):
-        torch.manual_seed(0)
-        model = _TinyLM(attn)
-        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-        losses = []
-        for _ in range(50):
-            logits = model(data[:, :-1])
-            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 32), data[:, 1:].reshape(-1))
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
-        curves.append(np.array(losses))
-    ours, eager = curves
+    ours, eager = (_train(attn, data)[0] for attn in (attnc.compile("attention c { mask = causal }"), None))
+    assert ours[-1] < 0.5 * ours[0]  # it learns
+    assert np.abs(ours - eager).max() < 1e-3 * eager.max()
+
+
+LEARNED_BIAS = ("attention lb2 { heads = 2 head_dim = 8 tensor bias: f32[h, s, s] score = score + bias[h, q, k] "
+                "mask = causal }")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    TRITON_DEVICE != "cuda", reason="the Triton backend's dBias on the GPU (ATTNC_TEST_GPU=1)"))])
+def test_a_learned_bias_trains_fifty_steps_as_eager_attention(device):
+    """A model whose attention blocks learn bias[h, q, k] follows eager attention's loss curve for 50
+    Adam steps: on the CPU through the numpy backend, on the GPU through the Triton backward's
+    in-kernel dBias; the biases move (their gradient is not dropped)."""
+    data = torch.randint(0, 32, (4, 17), generator=torch.Generator().manual_seed(5)).to(device)
+    (ours, model), (eager, _) = (_train(attn, data, seq=16) for attn in (attnc.compile(LEARNED_BIAS), None))
+    torch.manual_seed(0)
+    start = _TinyLM(seq=16).bias
+    assert all((b.detach().cpu() - s).abs().max() > 0.1 for b, s in zip(model.bias, start))
     assert ours[-1] < 0.5 * ours[0]  # it learns
     assert np.abs(ours - eager).max() < 1e-3 * eager.max()

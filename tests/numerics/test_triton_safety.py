@@ -1,0 +1,128 @@
+"""Issue 35's silent wrong answers on the Triton kernels (CPU interpreter): NaN through min/max,
+int64 tensor values past i32, reads outside a tensor at any subscript, non-finite inputs.  Each
+gives the oracle's answer or the oracle's error, as numpy and AHBM do."""
+import numpy as np
+import pytest
+
+pytest.importorskip("torch", reason="the Triton backend's tests need torch (pip install -e '.[test]')")
+pytest.importorskip("triton", reason="the Triton backend's tests need triton (pip install -e '.[test]')")
+
+from test_triton_language import assert_agree, prefill_and_split  # noqa: E402
+
+from attnc.backends.numpy import runtime as numpy_runtime  # noqa: E402
+from attnc.backends.triton import runtime  # noqa: E402
+from attnc.compiler import inputs, reads  # noqa: E402
+from attnc.compiler.errors import AttncError, InputError, PlanError  # noqa: E402
+from attnc.compiler.lower import compile_spec  # noqa: E402
+
+HEAD = "heads = 2 head_dim = 16 dtype = f32"
+
+
+@pytest.mark.parametrize("body", ["mask = causal & max(0.0, sqrt(q - k - 3.0)) == 0.0",
+                                  "mask = causal & min(sqrt(q - k - 3.0), 1.0) != 1.0",
+                                  "mask = causal score = max(score, sqrt(q - k - 3.0))"])
+def test_min_and_max_keep_a_nan_operand(body):
+    """Triton's maximum dropped the NaN (O error 3.65); numpy's np.maximum and the oracle keep it."""
+    want, *got = prefill_and_split(body, 6, 9)
+    assert_agree(want, *got)
+
+
+def _cache_call(doc_dtype=np.int64):
+    p = compile_spec(f"attention t {{ {HEAD} cache = paged(page_size = 4) tensor doc: i32[b, s] ~ segments(2, 4) "
+                     "mask = causal & doc[b, q] == doc[b, k] }")
+    arrays = inputs.sample_cache(p, [9, 7], [3, 1], seed=3, poison=False)
+    doc = np.zeros((2, 9), doc_dtype)
+    doc[:, 4:] = 2**32  # equal to 0 once cast to int32: the two documents would merge
+    return p, {**arrays, "doc": doc}
+
+
+def test_int64_tensor_values_past_i32_are_refused_on_every_backend():
+    import torch
+    p, arrays = _cache_call()
+    errors = []
+    for run in (lambda: numpy_runtime.load(p).run(arrays), lambda: runtime.load(p).run(arrays),
+                lambda: runtime.load(p).decode(**{n: torch.as_tensor(a) for n, a in arrays.items()})):
+        with pytest.raises(InputError) as e:
+            run()
+        errors.append(str(e.value))
+    assert len(set(errors)) == 1 and "tensor 'doc' has values outside the i32 range" in errors[0]
+
+
+T = "tensor d: i32[b, s] ~ randint(0, 3) "
+
+
+@pytest.mark.parametrize("index", ["q ^ 1", "(q * 7) % 23", "q // 2 * 3", "abs(q - 30)", "q << 1", "max(q, k) + 1"])
+def test_reads_outside_a_tensor_are_the_oracles_error(index):
+    """Only `q + c` subscripts were checked; Triton clamped the others silently."""
+    want, *got = prefill_and_split(f"{T} mask = d[b, {index}] >= 0", 9, 9)
+    assert isinstance(want, PlanError) and "read out of range" in str(want)
+    assert_agree(want, *got)
+
+
+@pytest.mark.parametrize("body", ["mask = causal & where(q > 0, d[b, q - 1], 0) >= 0",  # guarded: never read
+                                  "mask = k < 3 | d[b, q + k] > 0",  # read where k >= 3 only
+                                  "mask = causal score = score + where(q > 3, d[b, q ^ 1], 0)"])
+def test_guarded_reads_count_where_they_are_used(body):
+    want, *got = prefill_and_split(f"{T} {body}", 6, 9)
+    assert_agree(want, *got)
+
+
+def test_the_read_check_evaluates_only_what_ranges_cannot_bound(monkeypatch):
+    """Subscripts bounded by the call's ranges (tensor values included) are not evaluated."""
+    p = compile_spec(f"attention t {{ {HEAD} {T} tensor e: i32[b, s] ~ randint(0, 3) "
+                     "mask = d[b, e[b, k]] == d[b, min(q, S_k - 1)] & d[b, q // 2] >= 0 }")
+    called = []
+    monkeypatch.setattr(reads, "_evaluate", lambda *a: called.append(a))
+    ok = {"d": np.zeros((2, 12), np.int64), "e": np.full((2, 12), 11, np.int64)}
+    reads.check_prefill(p, ok, 2, 12, 12)
+    reads.check_requests(p, ok, [12, 5], [3, 1])
+    assert not called
+    reads.check_prefill(p, {**ok, "e": np.full((2, 12), 12, np.int64)}, 2, 12, 12)
+    assert len(called) == 1
+    with pytest.raises(AttncError, match="read out of range: axis 1 index 12"):
+        monkeypatch.undo()
+        reads.check_requests(p, {**ok, "e": np.full((2, 12), 12, np.int64)}, [12, 5], [3, 1])
+
+
+def _outcome(fn):
+    try:
+        return fn()
+    except AttncError as e:
+        return e
+
+
+@pytest.mark.parametrize("where", ["q", "k", "scale"])
+def test_non_finite_inputs_are_one_error_on_every_backend(where):
+    """NaN or inf in q or K, or `scale = 1e38`: numpy and AHBM raised, Triton returned NaN rows."""
+    from attnc.backends.ahbm import runtime as ahbm_runtime
+    p = compile_spec(f"attention t {{ {HEAD} {'scale = 1e38' if where == 'scale' else ''} mask = causal }}")
+    a = inputs.sample(p, 1, 4, 6, seed=1)
+    if where != "scale":
+        a[where][0, 1, 2, 3] = np.inf if where == "q" else np.nan
+    got = [_outcome(lambda m=m: m.load(p)(a["q"], a["k"], a["v"], return_lse=True))
+           for m in (numpy_runtime, runtime, ahbm_runtime)]
+    assert all(isinstance(g, PlanError) and "NaN or +inf at a visible key" in str(g) for g in got), got
+    assert len({str(g) for g in got}) == 1
+
+
+def test_non_finite_cache_rows_are_an_error_in_split_calls():
+    p = compile_spec(f"attention t {{ {HEAD} cache = paged(page_size = 4) mask = causal }}")
+    arrays = inputs.sample_cache(p, [9, 7], [3, 1], seed=3)
+    lay = inputs.validate_cache(p, arrays).layout
+    page = int(lay.block_table[1, 1])  # request 1's second page: its keys 4..7, visible to its row
+    arrays["k_cache"][page, 0, 1, 0] = np.nan
+    got = [_outcome(lambda k=k: k.run(arrays, return_lse=True)) for k in (numpy_runtime.load(p), runtime.load(p))]
+    assert all(isinstance(g, PlanError) for g in got) and str(got[0]) == str(got[1]), got
+
+
+def test_gpu_calls_mark_a_device_flag_that_check_numerics_raises():
+    """The GPU's default path marks without a host sync (exercised here on host tensors)."""
+    import torch
+    kernel = runtime.load(compile_spec(f"attention t {{ {HEAD} mask = causal }}"))
+    kernel._mark_rows(torch.zeros(1, 2, 3))
+    kernel.check_numerics()  # nothing marked
+    kernel._mark_rows(torch.tensor([[[0.0, float("nan")]]]))
+    kernel._mark_rows(torch.zeros(1, 2, 3))  # a later good call does not clear it
+    with pytest.raises(PlanError, match="since the last check had NaN or \\+inf at a visible key"):
+        kernel.check_numerics()
+    kernel.check_numerics()  # cleared
