@@ -250,7 +250,7 @@ class Attention:
         try:  # everything the checks below and the route's admission read (issue 35: a check must not
             # depend on the calls before): shapes, dtypes, devices (every tensor's), last-dim contiguity
             key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
-                   q.stride(-1) == 1 and k.stride(-1) == 1, backend,
+                   q.stride()[-1:] == (1,) and k.stride()[-1:] == (1,), backend,  # (no IndexError at rank 0)
                    *[getattr(t, "device", None) for t in tensors.values()])
         except AttributeError:
             raise InputError(f"inputs: q, k and v must be torch tensors (attnc.compile(...) takes torch tensors; "

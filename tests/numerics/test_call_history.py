@@ -60,3 +60,10 @@ def test_contiguity_admission_holds_after_a_good_call():
                             lambda a: a(q, strided, v, backend="triton"))
     _same_after_a_good_call(OPEN, lambda a: a(q, k, v, backend="triton"),
                             lambda a: a(strided, k, v, backend="triton"))
+
+
+def test_a_rank_0_tensor_is_a_located_error():
+    q, k, v = _qkv()
+    fresh = _refusal(lambda: attnc.compile(OPEN)(torch.tensor(1.0), k, v))
+    assert "rank 0" in fresh[1]
+    _same_after_a_good_call(OPEN, lambda a: a(q, k, v), lambda a: a(q, torch.tensor(1.0), v))
