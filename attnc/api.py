@@ -5,7 +5,8 @@
 tensors run the Triton backend, CPU tensors the numpy backend; ``backend=`` forces one, and a
 backend that refuses the call says why (the dispatch key's admission, DESIGN §6).  O comes back
 as a torch tensor of q's dtype, device and layout; ``return_lse=True`` adds LSE [B, H_q, S_q]
-(float32, natural log, -inf on rows that see no key).
+(float32, natural log, -inf on rows that see no key; with a sink, ``sink = ...``, LSE includes it
+and is the sink on those rows).
 
 A spec may leave ``heads``, ``head_dim`` and ``dtype`` out: each call then supplies them (GQA
 from q's and k's head counts), and the compiled kernel is cached per specialisation, keyed
@@ -223,13 +224,15 @@ class Attention:
         asked = [n for n in self.tensor_names if getattr(tensors[n], "requires_grad", False)]
         if not asked:
             return
+        from .compiler import sinks
         from .compiler.autodiff import score_grad
         differentiable = set(score_grad(self.program).tensors) if self.program.score else set()
+        differentiable |= set(sinks.tensors_read(self.program))
         for n in asked:
             if n not in differentiable:
                 raise InputError(f"inputs: tensor '{n}' requires grad, but spec '{self.name}' has no gradient for it: "
-                                 "only float tensors read by the score program are differentiable (masks and "
-                                 "indices are not); pass it detached")
+                                 "only float tensors read by the score program or the sink are differentiable "
+                                 "(masks and indices are not); pass it detached")
         be, kernel = self._kernel_for(q, k, v, tensors, backend)
         for n in asked:
             why = be.tensor_grad_refusal(kernel, n)

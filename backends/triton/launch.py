@@ -190,6 +190,44 @@ def spec_constexprs(module, end: int | None = None) -> dict:
     return {"VISIBLE": module.visible, "SCORE": score_functions(module, end)[0], **module.SPEC}
 
 
+def sink_constexprs(module, partial: bool = False) -> dict:
+    """HAS_SINK and SINK of a kernel that finishes rows: the spec module's ``sink_value`` where
+    the spec has a sink (``sink = ...``), unless the launch writes a ``partial`` state (a block of
+    a larger call: the merge adds the sink once per row)."""
+    sink = getattr(module, "sink_value", None)
+    return {"HAS_SINK": sink is not None and not partial, "SINK": None if partial else sink}
+
+
+def row_sinks(module, launchers: dict, total_q: int, arrays: dict, ts: tuple, unused):
+    """Every packed row's sink [total_q * H_q] float32 (``split._sink_rows``), for a split call's
+    combine to join once per row; ``unused`` (returned as is) where the spec has no sink.
+    ``launchers`` keeps the launcher (the caller's cache)."""
+    if not sink_constexprs(module)["HAS_SINK"]:
+        return unused
+    import torch
+    h_q = module.SPEC["H_Q"]
+    lz = launchers.get("sink_rows")
+    if lz is None:
+        lz = launchers["sink_rows"] = Launcher(split._sink_rows, dict(SINK=module.sink_value, H_Q=h_q,
+                                                                      H_PAD=W.next_power_of_2(h_q)), num_warps=1)
+    out = torch.empty(total_q * h_q, device=unused.device, dtype=torch.float32)
+    lz.launch((arrays["kv_lens"].numel(),), (out, arrays["qo_indptr"], ts), ("sink_rows", spec_key(ts)))
+    return out
+
+
+def sink_values(module, batch: int, ts: tuple, device):
+    """The spec's sink of every (request, query head), float32 [batch, H_q], on the device (the
+    generated ``sink_value`` through ``split._sink_rows``, one row per request)."""
+    import torch
+    h_q = module.SPEC["H_Q"]
+    out = torch.empty((batch, h_q), device=device, dtype=torch.float32)
+    if batch:
+        rows = torch.arange(batch + 1, dtype=torch.int32, device=device)
+        Launcher(split._sink_rows, dict(SINK=module.sink_value, H_Q=h_q, H_PAD=W.next_power_of_2(h_q)),
+                 num_warps=1).launch((batch,), (out, rows, ts))
+    return out
+
+
 def tensor_args(module, tensors: dict, lengths=None) -> tuple:
     """TS: the spec's tensors, each followed by its strides and sizes, in the module's order;
     then, for a spec that reads S_q or S_k (``module.LENGTHS``), the call's ``lengths``:
@@ -320,7 +358,8 @@ class PrefillLaunch(_GluonDescriptors):
             from_intervals = c.mask_source == "intervals"
             self.launcher = Launcher(prefill._attn_fwd, dict(
                 MASK_FROM_INTERVALS=from_intervals, EVEN_N=(self.s_k % c.block_n == 0), USE_TMA=c.use_tma,
-                WALK=prefill.WALKS[walk], BLOCK_M=c.block_m, BLOCK_N=c.block_n, HEAD_GROUP=c.head_group, **spec),
+                WALK=prefill.WALKS[walk], BLOCK_M=c.block_m, BLOCK_N=c.block_n, HEAD_GROUP=c.head_group, **spec,
+                **sink_constexprs(module, partial=offsets is not None)),
                 num_warps=c.num_warps, num_stages=c.num_stages)
             vecs = [arrays.get(n, arrays["partial_indptr"]) for n in ("UTS", "UTE", "LTS", "LTE")]
             self.plan_args = (arrays["q_tile_order"], arrays["full_run_ptr"], arrays["full_run_lo"],
@@ -414,7 +453,8 @@ class SplitLaunch:
                               num_stages=self.num_stages)
             else:
                 keep = {n: spec[n] for n in ("H_Q", "D_V", "D_V_PAD")}
-                lz = Launcher(split._combine, {**constexprs, **keep}, num_warps=4)
+                has_sink = sink_constexprs(self.module)["HAS_SINK"]
+                lz = Launcher(split._combine, {**constexprs, **keep, "HAS_SINK": has_sink}, num_warps=4)
             self._launchers[key] = lz
         return lz
 
@@ -450,7 +490,8 @@ class SplitLaunch:
         aligned = (q.data_ptr() % 16 == 0, k_cache.data_ptr() % 16 == 0, v_cache.data_ptr() % 16 == 0,
                    workspace.data_ptr() % 16 == 0)
         producer.launch(grid, args, (aligned, static_key, spec_key(ts)))
-        cargs = (p_o, p_m, p_l, p_valid, out, lse, *out.stride(), s_cap)
+        sinks = row_sinks(self.module, self._launchers, total_q, arrays, ts, lse)  # (lse: unread, no sink)
+        cargs = (p_o, p_m, p_l, p_valid, out, lse, *out.stride(), s_cap, sinks)
         combine.launch((total_q * self.module.SPEC["H_Q"],), cargs,
                        (aligned[3], out.data_ptr() % 16 == 0, _int_spec_key(out.stride() + (s_cap,))))
         return out, lse
