@@ -5,7 +5,8 @@
 tensors run the Triton backend, CPU tensors the numpy backend; ``backend=`` forces one, and a
 backend that refuses the call says why (the dispatch key's admission, DESIGN §6).  O comes back
 as a torch tensor of q's dtype, device and layout; ``return_lse=True`` adds LSE [B, H_q, S_q]
-(float32, natural log, -inf on rows that see no key).
+(float32, natural log, -inf on rows that see no key; with a sink, ``sink = ...``, LSE includes it
+and is the sink on those rows).
 
 A spec may leave ``heads``, ``head_dim`` and ``dtype`` out: each call then supplies them (GQA
 from q's and k's head counts), and the compiled kernel is cached per specialisation, keyed
@@ -41,9 +42,15 @@ _HANDLES: dict[str, "Attention"] = {}
 _LOCK = threading.Lock()
 
 
+_TORCH = None
+
+
 def _torch_module():
-    import torch
-    return torch
+    global _TORCH
+    if _TORCH is None:  # (imported once: every call asks)
+        import torch
+        _TORCH = torch
+    return _TORCH
 
 
 def compile(spec: str | os.PathLike, *, name: str | None = None) -> "Attention":  # noqa: A001 - the API's name
@@ -66,6 +73,7 @@ class Attention:
         self.program = program
         self.name = program.name
         self.tensor_names = tuple(t.name for t in program.tensors)
+        self._name_set = frozenset(self.tensor_names)
         self.reads_tensors = bool(ir.loads(program.mask)) or any(ir.loads(s) for s in program.score)
         self._bshd = program.cache.layout is ir.Layout.BSHD
         self._programs: dict = {}  # (H_q, H_kv, d_qk, d_v, dtype) -> concrete program
@@ -161,9 +169,9 @@ class Attention:
         if q.dtype == torch.float8_e4m3fn:
             o, lse = self._fp8_call(q, k, v, tensors, backend)
             return (o, lse) if return_lse else o
-        if len(tensors) != len(self.tensor_names) or (tensors and set(tensors) != set(self.tensor_names)):
+        if tensors.keys() != self._name_set:
             self._check_tensors(tensors)
-        if torch.is_grad_enabled() and (needs_grad or any(
+        if torch.is_grad_enabled() and (needs_grad or tensors and any(
                 getattr(tensors[n], "requires_grad", False) for n in self.tensor_names)):
             self._check_grads(q, k, v, tensors, backend)
             listed = [tensors[n] for n in self.tensor_names]
@@ -216,13 +224,15 @@ class Attention:
         asked = [n for n in self.tensor_names if getattr(tensors[n], "requires_grad", False)]
         if not asked:
             return
+        from .compiler import sinks
         from .compiler.autodiff import score_grad
         differentiable = set(score_grad(self.program).tensors) if self.program.score else set()
+        differentiable |= set(sinks.tensors_read(self.program))
         for n in asked:
             if n not in differentiable:
                 raise InputError(f"inputs: tensor '{n}' requires grad, but spec '{self.name}' has no gradient for it: "
-                                 "only float tensors read by the score program are differentiable (masks and "
-                                 "indices are not); pass it detached")
+                                 "only float tensors read by the score program or the sink are differentiable "
+                                 "(masks and indices are not); pass it detached")
         be, kernel = self._kernel_for(q, k, v, tensors, backend)
         for n in asked:
             why = be.tensor_grad_refusal(kernel, n)
@@ -240,8 +250,11 @@ class Attention:
     def _kernel_for(self, q, k, v, tensors: dict, backend: str | None):
         """(backend protocol object, kernel) of calls shaped like this one: specialised, checked and selected
         once per (shapes, dtype, devices, backend asked), then looked up."""
-        try:
-            key = (q.shape, k.shape, v.shape, q.dtype, q.device, k.device, v.device, backend)
+        try:  # everything the checks below and the route's admission read (issue 35: a check must not
+            # depend on the calls before): shapes, dtypes, devices (every tensor's), last-dim contiguity
+            key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
+                   q.stride()[-1:] == (1,) and k.stride()[-1:] == (1,), backend,  # (no IndexError at rank 0)
+                   *[getattr(t, "device", None) for t in tensors.values()])
         except AttributeError:
             raise InputError(f"inputs: q, k and v must be torch tensors (attnc.compile(...) takes torch tensors; "
                              f"got {type(q).__name__}, {type(k).__name__}, {type(v).__name__})") from None
@@ -300,8 +313,7 @@ class Attention:
         kv_lens, or kv_indptr + kv_indices + kv_last_page_len; k / v with kv_lens or kv_indptr),
         optional q_lens / qo_indptr, and the spec's tensors by name.  Returns O [total_q, H_q, d_v]
         (and LSE [total_q, H_q])."""
-        import torch
-        from .compiler.dispatch import device_default, torch_backend
+        torch = _torch_module()
         if not isinstance(q, torch.Tensor) or q.dim() != 3:
             raise InputError("inputs: a split call takes q as a torch tensor [total_q, H_q, d_qk]")
         kv = cache.get("k_cache", cache.get("k"))
@@ -311,6 +323,7 @@ class Attention:
         route_key = ("decode", q.shape, kv.shape, vv.shape, q.dtype, q.device)
         route = self._routes.get(route_key)
         if route is None:
+            from .compiler.dispatch import device_default, torch_backend
             h_ax = {"paged": 2 if self.program.cache.layout.value == "nhd" else 1, "ragged": 1}.get(
                 self.program.cache.kind.value, 2 if self._bshd else 1)
             dtype = _DTYPES.get(str(q.dtype))

@@ -151,21 +151,21 @@ class _Transaction:
         total = o.sum(dtype=torch.float32) + torch.where(lse32 == -torch.inf, 0.0, lse32).sum()
         if bool(torch.isfinite(total)):
             return
-        _locate_nonfinite(self.call, o.float().cpu().numpy(), lse32.cpu().numpy())
+        _locate_nonfinite(self.call, o.float().cpu().numpy(), lse32.cpu().numpy(), self.program.sink is not None)
 
     def commit(self) -> None:
         committed = self.torch.as_tensor(self.call.committed, dtype=self.kv_lens.dtype)
         self.kv_lens.copy_(committed.to(self.kv_lens.device))
 
 
-def _locate_nonfinite(call: AppendCall, o: np.ndarray, lse: np.ndarray) -> None:
+def _locate_nonfinite(call: AppendCall, o: np.ndarray, lse: np.ndarray, sink: bool = False) -> None:
     """Raise for the first non-finite row in (b, h, q) order: a NaN LSE is the non-finite-score
     error of every backend (numerics.check_rows); a non-finite O row or +inf LSE (a NaN or inf in
     the V rows the row sees) is refused here.  (A finite output whose sum overflowed passes.)"""
     C = np.asarray(call.manifest.C, np.int64)
     indptr = np.concatenate([[0], np.cumsum(C)])
     post = np.asarray(call.committed, np.int64)
-    numerics.check_rows(lse, qo_indptr=indptr, kv_lens=post)
+    numerics.check_rows(lse, qo_indptr=indptr, kv_lens=post, sink=sink)
     bad = ~np.isfinite(o).all(axis=-1) | (lse == np.inf)
     if not bad.any():
         return

@@ -169,13 +169,22 @@ class MaskStmt:
 
 
 @node
+class SinkStmt:
+    """``sink = expr``: a learned logit per (request, query head) that joins every row's softmax
+    denominator and carries no value."""
+
+    expr: Expr
+    span: Span
+
+
+@node
 class PolicyStmt:
     field: str  # cache | split | state | masked_rows
     policy: Policy
     span: Span
 
 
-Statement = Union[Heads, HeadDim, DType, Scale, TensorDecl, ScoreStmt, MaskStmt, PolicyStmt]
+Statement = Union[Heads, HeadDim, DType, Scale, TensorDecl, ScoreStmt, MaskStmt, SinkStmt, PolicyStmt]
 
 
 @node

@@ -63,6 +63,7 @@ class Spec:
     tensor_types: dict[str, ir.TensorDecl]
     score: list[ast.Expr]
     mask: ast.Expr | None
+    sink: ast.Expr | None = None  # sink = expr: an f32 logit of (b, h) in every row's softmax denominator
     cache: ir.Cache = field(default_factory=ir.Cache)
     split: ir.Split = field(default_factory=ir.Split)
     open_fields: tuple[str, ...] = ()
@@ -167,6 +168,8 @@ class Checker:
                 self.error(f"mask is numeric ({t.value}); a mask is a condition that is true "
                            "where (q, k) is visible", m.span)
             spec.mask = m
+        if "sink" in seen:
+            spec.sink = self._sink(seen["sink"])
         for fld in POLICIES:
             if fld in seen:
                 value = self._policy(fld, seen[fld].policy)
@@ -182,7 +185,7 @@ class Checker:
         if isinstance(stmt, ast.PolicyStmt):
             return stmt.field
         return {ast.Heads: "heads", ast.HeadDim: "head_dim", ast.DType: "dtype", ast.Scale: "scale",
-                ast.ScoreStmt: "score", ast.MaskStmt: "mask"}[type(stmt)]
+                ast.ScoreStmt: "score", ast.MaskStmt: "mask", ast.SinkStmt: "sink"}[type(stmt)]
 
     # ------------------------------------------------------------ scalars
     def _check_identifier(self, name: str, span: Span, what: str) -> bool:
@@ -235,6 +238,23 @@ class Checker:
             self.error(f"scale must be a positive finite number, got {value}", stmt.expr.span)
             return 1.0
         return float(value)
+
+    def _sink(self, stmt: ast.SinkStmt) -> ast.Expr | None:
+        """``sink = expr``: an f32 value of the request ``b``, the query head ``h``, constants and
+        tensor reads indexed by them (``sinks[h]``): one logit per (b, h) row set."""
+        errors_before = len(self.sink.diagnostics)
+        t = self.expr(stmt.expr, "sink")
+        if t is None or len(self.sink.diagnostics) > errors_before:
+            return None
+        if t is BOOL:
+            self.error("sink is a condition; a sink is an f32 logit that joins every row's softmax "
+                       "denominator", stmt.expr.span, "e.g. declare tensor sinks: f32[h] and write sink = sinks[h]")
+            return None
+        if t is not F32:
+            self.error(f"sink is {t.value}; a sink is an f32 logit (read an f32 tensor, e.g. sinks[h], or "
+                       "write a float such as 0.0)", stmt.expr.span)
+            return None
+        return stmt.expr
 
     # ------------------------------------------------------------ tensors
     def _tensor(self, t: ast.TensorDecl) -> None:
@@ -493,6 +513,11 @@ class Checker:
         return None
 
     def _name(self, e: ast.Name, ctx: str) -> Type | None:
+        if ctx == "sink" and (e.id in ("q", "k") or e.id in ir.LENGTH_VARS):
+            what = f"the {'query' if e.id == 'q' else 'key'} position" if len(e.id) == 1 else "the request's length"
+            self.error(f"'{e.id}' is {what}; a sink depends only on the request 'b' and the query head 'h'",
+                       e.span, "a sink is one logit per (b, h), shared by every query row of the head")
+            return None
         if e.id in ("q", "k", "b", "h") or e.id in ir.LENGTH_VARS:
             if ctx == "scale":
                 what = "a position" if len(e.id) == 1 else "the request's length"
@@ -502,13 +527,15 @@ class Checker:
         if e.id == "score":
             if ctx == "score":
                 return F32
-            where = {"mask": "the mask", "scale": "scale", "index": "a subscript"}[ctx]
-            self.error(f"'score' is not available in {where}; it exists only in score statements", e.span,
-                       "a mask decides visibility before scores exist")
+            where = {"mask": "the mask", "scale": "scale", "index": "a subscript", "sink": "the sink"}[ctx]
+            notes = () if ctx == "sink" else ("a mask decides visibility before scores exist",)
+            self.error(f"'score' is not available in {where}; it exists only in score statements", e.span, *notes)
             return None
         if e.id == "causal":
-            if ctx == "scale":
-                self.error("'causal' is a condition; scale must be a constant", e.span)
+            if ctx in ("scale", "sink"):
+                what = "a condition; scale must be a constant" if ctx == "scale" else \
+                    "a condition on q and k; a sink depends only on the request 'b' and the query head 'h'"
+                self.error(f"'causal' is {what}", e.span)
                 return None
             return BOOL
         if e.id in self.tensors:
@@ -583,8 +610,10 @@ class Checker:
         if any(t is None for t in types):
             return None
         if e.func == "window":
-            if ctx == "scale":
-                self.error("'window' is a condition; scale must be a constant", e.span)
+            if ctx in ("scale", "sink"):
+                what = "a condition; scale must be a constant" if ctx == "scale" else \
+                    "a condition on q and k; a sink depends only on the request 'b' and the query head 'h'"
+                self.error(f"'window' is {what}", e.span)
                 return None
             if types[0] is not I32:
                 self.error(f"window(n) takes an integer width, got {types[0].value}", e.args[0].span)
@@ -618,8 +647,10 @@ class Checker:
         """``flashmask(sri, causal)``: a Paddle FlashMask mask brought unchanged.  The first
         argument names a tensor in Paddle's ``startend_row_indices`` layout, the second is
         Paddle's ``causal`` flag as a literal; lowering expands the call into plain IR."""
-        if ctx == "scale":
-            self.error("'flashmask' is a condition; scale must be a constant", e.span)
+        if ctx in ("scale", "sink"):
+            what = "a condition; scale must be a constant" if ctx == "scale" else \
+                "a condition on q and k; a sink depends only on the request 'b' and the query head 'h'"
+            self.error(f"'flashmask' is {what}", e.span)
             return None
         if len(e.args) != 2:
             self.error(f"'flashmask' takes 2 arguments (startend_row_indices, causal), got {len(e.args)}",

@@ -72,7 +72,8 @@ def cmd_check(args) -> int:
             dims = "from the call" if "head_dim" in p.open_fields else f"{p.d_qk}/{p.d_v}"
             dtype = "dtype from the call" if "dtype" in p.open_fields else p.dtype
             print(f"{path}: ok ({p.name}: heads {heads}, head_dim {dims}, "
-                  f"{dtype}, {len(p.tensors)} tensor(s), {len(p.score)} score statement(s))")
+                  f"{dtype}, {len(p.tensors)} tensor(s), {len(p.score)} score statement(s)"
+                  + (f", sink {ir.format_expr(p.sink)})" if p.sink is not None else ")"))
     return 1 if failed else 0
 
 

@@ -57,7 +57,7 @@ def parse_file(path: str | Path) -> ast.Attention:
 
 # --------------------------------------------------------------- syntax errors
 _EXPRESSION_START = {"NAME", "INT", "FLOAT_LIT", "LPAR"}
-_STATEMENT_START = {"HEADS", "HEAD_DIM", "DTYPE", "SCALE", "TENSOR", "SCORE", "MASK", "CACHE",
+_STATEMENT_START = {"HEADS", "HEAD_DIM", "DTYPE", "SCALE", "TENSOR", "SCORE", "MASK", "SINK", "CACHE",
                     "SPLIT", "STATE", "MASKED_ROWS"}
 _COMPARISONS = {"==", "!=", "<", "<=", ">", ">="}
 
@@ -282,6 +282,9 @@ class _Builder:
 
     def mask(self, meta, children):
         return ast.MaskStmt(children[0], self._meta_span(meta))
+
+    def sink(self, meta, children):
+        return ast.SinkStmt(children[0], self._meta_span(meta))
 
     def _policy_stmt(field):
         def build(self, meta, children):

@@ -55,6 +55,7 @@ CALL_FNS = {
 FLOAT_FNS = ("exp", "log", "sqrt", "tanh", "erf", "sin", "cos")
 POSITION_VARS = ("q", "k", "b", "h")
 LENGTH_VARS = ("S_q", "S_k")  # the request's query rows and keys (per request in a batch)
+SINK_VARS = ("b", "h")  # what a sink may depend on: one logit per (request, query head)
 
 # Surface spellings (the .attn language) of IR operators.  `&`, `|` and `^` are logical on
 # conditions and bitwise on integers (`^` on conditions lowers to `!=`).
@@ -322,6 +323,11 @@ class Program:
     # the tensors flashmask(...) reads, with the contract their values keep; implied by the mask
     # (which reads them), so the spec digest (repr) leaves it out
     flashmask: tuple[FlashmaskBounds, ...] = field(default=(), repr=False)
+    # ``sink = expr``: an f32 logit of b and h (constants, loads indexed by b and h) that joins every
+    # row's softmax denominator with no value: O = sum_k e^(s_k - m) v_k / (e^(sink - m) + sum_k
+    # e^(s_k - m)), LSE = log(e^sink + sum_k e^s_k); a row that sees no key has O = 0, LSE = sink.
+    # None: no sink.  Left out of repr (a program without one keeps its digest); ``digest`` adds it.
+    sink: Expr | None = field(default=None, repr=False)
 
     @property
     def generic(self) -> tuple[str, ...]:
@@ -433,6 +439,10 @@ def verify(program: Program) -> Program:
         verify_expr(s, program, POSITION_VARS + LENGTH_VARS + ("score",))
         if s.type is not F32:
             raise VerifyError("score statement is not f32")
+    if program.sink is not None:
+        verify_expr(program.sink, program, SINK_VARS)
+        if program.sink.type is not F32:
+            raise VerifyError("sink is not f32")
     return program
 
 
@@ -482,7 +492,8 @@ def _fmt(e: Expr, outer: int) -> str:
 def digest(program: Program) -> str:
     """sha256 of the program's canonical form: the compile-time cache key."""
     import hashlib
-    return hashlib.sha256(repr(program).encode()).hexdigest()
+    text = repr(program) if program.sink is None else f"{program!r} sink={program.sink!r}"
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def specialize(program: Program, heads_q: int, heads_kv: int, d_qk: int, d_v: int, dtype: str, *,

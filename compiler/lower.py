@@ -209,7 +209,8 @@ def lower(spec: Spec) -> ir.Program:
         name=spec.name, heads_q=spec.heads_q, heads_kv=spec.heads_kv, d_qk=spec.d_qk, d_v=spec.d_v,
         dtype=spec.dtype, scale=spec.scale, tensors=tuple(spec.tensor_types.values()), score=score,
         mask=mask, cache=spec.cache, split=spec.split, state=spec.state, masked_rows=spec.masked_rows,
-        open_fields=spec.open_fields, flashmask=flashmask_contracts(spec.mask, spec))
+        open_fields=spec.open_fields, flashmask=flashmask_contracts(spec.mask, spec),
+        sink=_cast(lower_expr(spec.sink, spec, ranges), F32) if spec.sink is not None else None)
 
 
 # ---------------------------------------------------------------- passes
@@ -232,7 +233,8 @@ def map_expr(e: ir.Expr, f: Callable[[ir.Expr], ir.Expr]) -> ir.Expr:
 
 def map_program(p: ir.Program, f: Callable[[ir.Expr], ir.Expr]) -> ir.Program:
     from dataclasses import replace
-    return replace(p, mask=map_expr(p.mask, f), score=tuple(map_expr(s, f) for s in p.score))
+    return replace(p, mask=map_expr(p.mask, f), score=tuple(map_expr(s, f) for s in p.score),
+                   sink=None if p.sink is None else map_expr(p.sink, f))
 
 
 _FOLD = {

@@ -101,13 +101,24 @@ def compare_gradient(what: str, dtype: str, g, ref) -> Comparison:
 NONFINITE_SCORE = ("the score program produced NaN or +inf at a visible key of query row (b={b}, h={h}, q={q}); "
                    "a visible cell's score must be finite, or -inf to drop the cell (NaN or inf in q or K, "
                    "or a scale that overflows q.k, make one too)")
+NONFINITE_ROW = ("query row (b={b}, h={h}, q={q}) is NaN: the score program produced NaN or +inf at a visible key, "
+                 "or the row's sink is NaN or +inf; a visible cell's score and a sink must be finite, or -inf to "
+                 "drop them (NaN or inf in q or K, or a scale that overflows q.k, make one too)")
 
 
-def check_rows(lse, *, s_q: int | None = None, s_k: int | None = None, qo_indptr=None, kv_lens=None) -> None:
+def nonfinite_message(b: int, h: int, q: int, sink: bool = False) -> str:
+    """The error of a marked row (its LSE NaN): a spec with a sink (``sink = ...``) names both causes,
+    since the kernels mark a NaN or +inf sink like a NaN or +inf visible score."""
+    return (NONFINITE_ROW if sink else NONFINITE_SCORE).format(b=b, h=h, q=q)
+
+
+def check_rows(lse, *, s_q: int | None = None, s_k: int | None = None, qo_indptr=None, kv_lens=None,
+               sink: bool = False) -> None:
     """The language's policy for a non-finite score at a visible cell, on every backend: the
     kernel marks the row's LSE NaN (its O too), and the call raises a PlanError naming the first
     such row in (b, h, q) order.  ``lse`` is [B, H_q, S_q] (with ``s_q``, ``s_k``) or packed
-    [total_q, H_q] (with the call's ``qo_indptr`` and ``kv_lens``); numpy or torch."""
+    [total_q, H_q] (with the call's ``qo_indptr`` and ``kv_lens``); numpy or torch.  ``sink``: the
+    spec has a sink (the message names it too)."""
     from .errors import PlanError
     if hasattr(lse, "isnan"):  # torch: one reduction on the device, the rows only when one is marked
         if not bool(lse.isnan().any()):
@@ -128,4 +139,4 @@ def check_rows(lse, *, s_q: int | None = None, s_k: int | None = None, qo_indptr
         qs = lens[reqs] - (indptr[reqs + 1] - indptr[reqs]) + rows - indptr[reqs]
         first = np.lexsort((qs, heads, reqs))[0]
         b, h, q = int(reqs[first]), int(heads[first]), int(qs[first])
-    raise PlanError(NONFINITE_SCORE.format(b=b, h=h, q=q))
+    raise PlanError(nonfinite_message(b, h, q, sink))

@@ -5,7 +5,8 @@ It evaluates the IR mask and score program over the whole
 ``[B, H_q, S_q, S_k]`` score rectangle with an IR interpreter of its own (not
 the code generator's printer, so the two check each other), with
 bottom-right positions ``q = S_k - S_q + i`` (M4.5 §0x08B) and the all-masked
-policy ``O = 0, LSE = -inf`` (§0x02C).  Inputs are logical ``bhsd`` arrays.
+policy ``O = 0, LSE = -inf`` (§0x02C; ``LSE = sink`` where the spec has a sink, which joins every
+row's denominator once: ``compiler/sinks.py``).  Inputs are logical ``bhsd`` arrays.
 :func:`reference_backward` is the float64 backward pass, from the score program's symbolic
 derivatives (``compiler/autodiff.py``) evaluated by the same interpreter.
 """
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from attnc.compiler import ir, resources
+from attnc.compiler import ir, resources, sinks
 from attnc.compiler.autodiff import score_grad
 from attnc.compiler.errors import PlanError
 from attnc.compiler.interp import evaluate, load  # noqa: F401 (load: re-exported)
@@ -51,19 +52,21 @@ def dense_mask(program: ir.Program, batch: int, s_q: int, s_k: int, tensors: dic
 
 
 def reference(program: ir.Program, q, k, v, tensors: dict | None = None, *, q_offset: int | None = None,
-              k_offset: int = 0, lengths: tuple[int, int] | None = None, wide: bool = False):
+              k_offset: int = 0, lengths: tuple[int, int] | None = None, wide: bool = False,
+              sink: bool = True):
     """Float64 attention: returns (O [B,H_q,S_q,d_v], LSE [B,H_q,S_q]).
 
     q [B,H_q,S_q,d_qk], k [B,H_kv,S_k,d_qk], v [B,H_kv,S_k,d_v] (bhsd).  ``q_offset``/``k_offset``:
     a block of a larger call, rows and keys at those positions (:func:`positions`), the
     tensors and ``lengths`` (S_q, S_k) the whole call's.  ``wide``: the score program in float64 instead of the language's
-    f32 (the backward reference's finite-difference checks)."""
+    f32 (the backward reference's finite-difference checks).  ``sink=False``: without the spec's
+    sink (``sink = ...``, compiler/sinks.py): a partial state that a merge completes once."""
     q = np.asarray(q)
     batch, _, s_q, _ = q.shape
     s_k = np.asarray(k).shape[2]
     env = positions(batch, program.heads_q, s_q, s_k, q_offset, k_offset, lengths)
-    o, lse = _attend(program, q, k, v, env, tensors or {}, wide)
-    check_rows(lse, s_q=s_q, s_k=s_k)
+    o, lse = _attend(program, q, k, v, env, tensors or {}, wide, sink)
+    check_rows(lse, s_q=s_q, s_k=s_k, sink=sink and program.sink is not None)
     return o, lse
 
 
@@ -73,7 +76,10 @@ def reference_request(program: ir.Program, b: int, q, k, v, tensors: dict | None
     the batch's (``b`` indexes them).  Row i is at position ``T - C + i``.  Returns
     ``(O [C, H_q, d_v], LSE [C, H_q])``."""
     o, lse = _request(program, b, q, k, v, tensors)
-    check_rows(lse, qo_indptr=np.array([0, lse.shape[0]]), kv_lens=np.array([np.asarray(k).shape[0]]))
+    if program.sink is not None:
+        o, lse = sinks.join(o, lse, sinks.values(program, b + 1, tensors or {})[b].astype(np.float64))
+    check_rows(lse, qo_indptr=np.array([0, lse.shape[0]]), kv_lens=np.array([np.asarray(k).shape[0]]),
+               sink=program.sink is not None)
     return o, lse
 
 
@@ -81,14 +87,15 @@ def _request(program: ir.Program, b: int, q, k, v, tensors: dict | None):
     q, k, v = (np.asarray(x).transpose(1, 0, 2)[None] for x in (q, k, v))
     env = positions(1, program.heads_q, q.shape[2], k.shape[2])
     env["b"] = np.full((1, 1, 1, 1), b)
-    o, lse = _attend(program, q, k, v, env, tensors or {})
+    o, lse = _attend(program, q, k, v, env, tensors or {}, sink=False)
     return o[0].transpose(1, 0, 2), lse[0].T
 
 
 def reference_cache(program: ir.Program, call):
     """Float64 attention of a validated split call (compiler.inputs.CacheCall), request by
     request on its gathered logical K/V: ``(O [total_q, H_q, d_v], LSE [total_q, H_q])``.  The
-    rows of a request with no keys see nothing: the all-masked policy (O = 0, LSE = -inf)."""
+    rows of a request with no keys see nothing: the all-masked policy (O = 0, LSE = -inf, or the
+    sink where the spec has one)."""
     require_rectangle(program, program.heads_q * int((call.q_lens * call.kv_lens).sum()))
     o = np.zeros((call.q.shape[0], program.heads_q, program.d_v))
     lse = np.full((call.q.shape[0], program.heads_q), -np.inf)
@@ -97,7 +104,10 @@ def reference_cache(program: ir.Program, call):
         if rows.stop > rows.start and call.kv_lens[b] > 0:
             k, v = call.kv(b)
             o[rows], lse[rows] = _request(program, b, call.q_rows(b), k, v, call.tensors)
-    check_rows(lse, qo_indptr=call.qo_indptr, kv_lens=call.kv_lens)
+    if program.sink is not None:  # once per row, after its keys: rows of an empty request get O = 0, LSE = sink
+        request = np.searchsorted(call.qo_indptr, np.arange(call.q.shape[0]), side="right") - 1
+        o, lse = sinks.join(o, lse, sinks.values(program, call.batch, call.tensors)[request].astype(np.float64))
+    check_rows(lse, qo_indptr=call.qo_indptr, kv_lens=call.kv_lens, sink=program.sink is not None)
     return o, lse
 
 
@@ -111,13 +121,16 @@ def require_rectangle(program: ir.Program, cells: int) -> None:
                       resources.dense_bytes(cells, ORACLE_BYTES_PER_CELL))
 
 
-def _attend(program: ir.Program, q, k, v, env: dict, tensors: dict, wide: bool = False):
+def _attend(program: ir.Program, q, k, v, env: dict, tensors: dict, wide: bool = False, sink: bool = True):
     require_rectangle(program, np.shape(q)[0] * program.heads_q * np.shape(q)[2] * np.shape(k)[2])
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
     kv_head = np.arange(program.heads_q) // program.group
     k, v = k[:, kv_head], v[:, kv_head]  # GQA: query head h reads K/V head h // G
     values, visible = _score_values(program, q, k, env, tensors, wide)
-    return _softmax(values[-1], visible, v)
+    o, lse = _softmax(values[-1], visible, v)
+    if sink and program.sink is not None:
+        o, lse = sinks.join(o, lse, sinks.at(program, env, tensors, wide=wide))
+    return o, lse
 
 
 def _score_values(program: ir.Program, q, k, env: dict, tensors: dict, wide: bool = False):
@@ -149,7 +162,7 @@ def _softmax(scores, visible, v):
 
 def reference_backward(program: ir.Program, q, k, v, do, tensors: dict | None = None, *, o=None, lse=None,
                        dlse=None, q_offset: int | None = None, k_offset: int = 0,
-                       lengths: tuple[int, int] | None = None):
+                       lengths: tuple[int, int] | None = None, sink: bool = True):
     """Float64 gradients of attention for the incoming ``do [B,H_q,S_q,d_v]`` (bhsd, like
     :func:`reference`): returns ``(dq, dk, dv, dtensors)`` with ``dtensors`` mapping each f32
     tensor the score program reads to its gradient (its own shape; a tensor element read by
@@ -162,7 +175,12 @@ def reference_backward(program: ir.Program, q, k, v, do, tensors: dict | None = 
     (context parallelism): ``q_offset``, ``k_offset`` and ``lengths`` as in :func:`reference`,
     and ``o``, ``lse`` the rows' final O and LSE over the whole call's keys (not the block's):
     the gradients are then the block's share, and the shares of every block add up to the
-    call's (dK, dV of the block's keys, summed over each K/V head's query group)."""
+    call's (dK, dV of the block's keys, summed over each K/V head's query group).
+
+    A spec with a sink: ``o`` and ``lse`` include it, and ``dtensors`` includes the gradients of
+    the f32 tensors the sink reads (``compiler/sinks.py``: dL/dsink = sum over rows of
+    p_sink (dLSE - rowsum(dO * O))); ``sink=False`` leaves that term out (the blocks of a
+    context-parallel call but one)."""
     grad = score_grad(program)
     tensors = tensors or {}
     q, k, v, do = (np.asarray(x, np.float64) for x in (q, k, v, do))
@@ -171,9 +189,12 @@ def reference_backward(program: ir.Program, q, k, v, do, tensors: dict | None = 
     kv_head = np.arange(program.heads_q) // program.group
     kx, vx = k[:, kv_head], v[:, kv_head]
     values, visible = _score_values(program, q, kx, env, tensors, wide=True)
+    sink_at = sinks.at(program, env, tensors, wide=True) if program.sink is not None else None
     if o is None or lse is None:
         o, lse = _softmax(values[-1], visible, vx)
-        check_rows(lse, s_q=s_q, s_k=k.shape[2])
+        if sink_at is not None:
+            o, lse = sinks.join(o, lse, sink_at)
+        check_rows(lse, s_q=s_q, s_k=k.shape[2], sink=program.sink is not None)
     o, lse = np.asarray(o, np.float64), np.asarray(lse, np.float64)
     row = lse[..., None]  # -inf on rows with no visible key, and those rows have no visible cell
     p = np.exp(np.where(visible, values[-1] - np.where(np.isfinite(row), row, 0.0), -np.inf))
@@ -189,6 +210,11 @@ def reference_backward(program: ir.Program, q, k, v, do, tensors: dict | None = 
             index = tuple(np.broadcast_to(evaluate(x, env, tensors, wide=True), shape) for x in read.index)
             np.add.at(dtensors[read.tensor], index, ds * _derivative(d, at, tensors, visible, i, ir.format_expr(read)))
         ds = ds * _derivative(grad.dscore[i], at, tensors, visible, i, "score")
+    if sink_at is not None and sink:
+        dsink = sinks.row_gradient(o, lse, do, dlse, sink_at).sum(axis=-1)
+        dsink = np.broadcast_to(dsink, (batch, program.heads_q))
+        for name, g in sinks.tensor_gradients(program, dsink, tensors).items():
+            dtensors[name] = dtensors.get(name, 0.0) + g
     dq = program.scale * ds @ kx
     group = (batch, program.heads_kv, program.group)
     dk = (program.scale * ds.swapaxes(-1, -2) @ q).reshape(*group, *k.shape[2:]).sum(axis=2)

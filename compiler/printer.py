@@ -24,7 +24,8 @@ comparisons are one ``attn.cmp`` op with a ``predicate``; identical ops in a
 region are printed once (value numbering on the printed text, so ``0.0`` and
 ``-0.0`` stay apart); each region numbers its values from ``%0``; the
 ``attn.score_program`` op is always present and, with no score statements,
-yields its ``%score`` argument (the language's default ``score = score``).
+yields its ``%score`` argument (the language's default ``score = score``).  A spec with a sink
+adds an ``attn.sink_program`` region over ``%b`` and ``%h`` yielding the sink's f32 value.
 Policy attributes are flat (``cache_kind``, ``split_args``, ...); ``cache_page_size``
 and ``cache_table`` are left out when the cache has none.
 """
@@ -174,5 +175,8 @@ def print_program(program: ir.Program) -> str:
     lines += [inner + _tensor(t) for t in program.tensors]
     lines += mask.render("mask_program", mask.value(program.mask), ir.BOOL, inner)
     lines += score.render("score_program", score.names["score"], ir.F32, inner)
+    if program.sink is not None:  # one f32 logit per (b, h): a region over b and h only
+        sink = _Region({n: ir.I32 for n in ir.SINK_VARS})
+        lines += sink.render("sink_program", sink.value(program.sink), ir.F32, inner)
     lines += [f"  }}) {_dict(_attention_attrs(program))} : () -> ()", "}) : () -> ()"]
     return "\n".join(lines) + "\n"

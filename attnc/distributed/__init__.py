@@ -345,4 +345,4 @@ def _check_rows(lse: torch.Tensor, plan: ShardPlan) -> None:
     if not bool(lse.isnan().any()):
         return
     b, h, i = (int(x[0]) for x in torch.nonzero(lse.isnan().cpu(), as_tuple=True))
-    raise PlanError(numerics.NONFINITE_SCORE.format(b=b, h=h, q=int(plan.positions[i])))
+    raise PlanError(numerics.nonfinite_message(b, h, int(plan.positions[i]), plan.cp.program.sink is not None))

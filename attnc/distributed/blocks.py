@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from ..backends.numpy.state import OutputState
-from ..compiler import oracle
+from ..compiler import oracle, sinks
 from ..compiler.cp import CPPlan
 
 _DTYPES = {torch.float16: "f16", torch.bfloat16: "bf16", torch.float32: "f32"}
@@ -33,6 +33,7 @@ class _ReferenceBlocks:
 
     def forward(self, q, k, v, args):
         o, lse = oracle.reference(self.cp.program, q.numpy(), k.numpy(), v.numpy(), self.cp.tensors, wide=True,
+                                  sink=False,  # a partial state: the merge adds the sink
                                   **self._where(args))
         return torch.from_numpy(o), torch.from_numpy(lse)
 
@@ -121,6 +122,9 @@ def rank_attention(cp: CPPlan, rank: int, blocks, q, k, v, fetch):
                 states[i] = merge_states(states[i], _partial(lse_p, o_p, dtype))
     if not states:
         return (q.new_zeros((batch, heads, 0, v.shape[3]), dtype=dtype), q.new_zeros((batch, heads, 0), dtype=dtype))
+    if cp.program.sink is not None:  # once per row, after all its blocks: one more state, O = 0 and LSE = sink
+        sink = torch.as_tensor(sinks.values(cp.program, batch, cp.tensors), dtype=dtype, device=dev)[..., None]
+        states = [merge_states(s, _partial(sink.expand_as(s.lse), torch.zeros_like(s.o), dtype)) for s in states]
     o = torch.cat([torch.where(s.valid[..., None], s.o, 0) for s in states], dim=2)
     lse = torch.cat([torch.where(s.valid, s.lse, -torch.inf) for s in states], dim=2)
     return o, lse

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from attnc.compiler import inputs, interp, ir, numerics
+from attnc.compiler import inputs, interp, ir, numerics, sinks
 from attnc.compiler.analysis.splits import balanced_bounds
 from attnc.compiler.errors import PlanError
 from attnc.compiler.plan import Plan, plan as make_plan
@@ -264,7 +264,7 @@ class Kernel:
                             "driver's: round-robin slots or ring blocks per PE)")
         run = self.simulate(q, k, v, plan=plan, sp=sp, case=case, mask_from=mask_from, **tensors)
         numerics.check_rows(run.lse, s_q=run.lse.shape[2], s_k=np.asarray(k).shape[
-            1 if self.program.cache.layout is ir.Layout.BSHD else 2])
+            1 if self.program.cache.layout is ir.Layout.BSHD else 2], sink=self.program.sink is not None)
         return (run.o, run.lse) if return_lse else run.o
 
     def report(self) -> str:
@@ -312,6 +312,14 @@ class Kernel:
         if launch.kernel != "ring":
             kwargs["prefetch"] = self.prefetch
         machine = Machine(launch.config, self.latency)
+        if p.sink is not None:  # each PE's HBM holds its work item's G sinks [G, 1, 1], joined once per row
+            values = sinks.values(p, B, call.tensors)
+            per_item, G = sp if launch.kernel != "prefill" else 1, p.group
+            for rank in range(len(layout.items) * per_item):
+                b, kh = layout.items[rank // per_item]
+                machine.hbm(rank).alloc("SINK", values[b, kh * G:(kh + 1) * G].reshape(G, 1, 1))
+            kwargs["sink_ptr"] = PerPE(lambda r: machine.hbm(r).ptr("SINK") if r < len(layout.items) * per_item
+                                       else None)
         for rank, buffers in launch.hbm.items():  # the host writes every PE's HBM
             for name, data in buffers:
                 machine.hbm(rank).alloc(name, data)

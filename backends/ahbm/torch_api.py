@@ -32,7 +32,8 @@ class AhbmAppend:
         self.kernel = kernel
 
     def plan(self, txn):
-        for expr in (self.program.mask, *self.program.score):
+        sink = (self.program.sink,) if self.program.sink is not None else ()
+        for expr in (self.program.mask, *self.program.score, *sink):
             if _reads_b_as_value(self.program, expr):
                 raise PlanError(f"ahbm: an append runs one request per launch, and {ir.format_expr(expr)} reads "
                                 "the request index b other than as a tensor's b subscript")

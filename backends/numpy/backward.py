@@ -7,8 +7,8 @@ two check each other.  Contiguous calls only (:func:`compiler.inputs.contiguous_
 """
 from __future__ import annotations
 
-from attnc.compiler import inputs, ir
-from attnc.compiler.autodiff import score_grad
+from attnc.compiler import inputs, ir, sinks
+from attnc.compiler.autodiff import derivative, f32_loads, score_grad
 from attnc.backends.common import render
 from .emit import Source, _spec_context, numpy_expr, shape_docs
 
@@ -27,9 +27,16 @@ def emit_backward(program: ir.Program) -> Source:
                     for j, load, d in grad.dloads if j == i])
         for i, s in enumerate(grad.forward)]
     layout = p.cache.layout.value
+    sink_loads = [dict(tensor=load.tensor, source=ir.format_expr(load), index=[code(x) for x in load.index],
+                       code=code(derivative(p.sink, load)), derivative_source=ir.format_expr(derivative(p.sink, load)))
+                  for load in (f32_loads(p.sink) if p.sink is not None else ())]
+    read = set(grad.tensors) | set(sinks.tensors_read(p))
+    grad_tensors = tuple(t.name for t in p.tensors if t.name in read)
     text = render(
-        "numpy", "backward.py.j2", **{**_spec_context(p), "mask_code": code(p.mask)}, layout=layout,
-        statements=statements, grad_tensors=list(grad.tensors), grad_tensors_repr=repr(grad.tensors),
+        "numpy", "backward.py.j2", **{**_spec_context(p), "mask_code": code(p.mask),
+                                      "sink_code": code(p.sink) if p.sink is not None else None},
+        layout=layout, sink_loads=sink_loads,
+        statements=statements, grad_tensors=list(grad_tensors), grad_tensors_repr=repr(grad_tensors),
         **shape_docs(p, layout),
     )
     return Source(text, f"{p.name}_numpy_backward", entry="backward", family="backward")

@@ -93,8 +93,13 @@ def language_helpers(program: ir.Program) -> str:
 
     from attnc.compiler import interp
     used = {n.fn for e in (program.mask, *program.score) for n in ir.walk(e) if isinstance(n, ir.Call)}
+    from attnc.compiler import sinks
+    used = used | {n.fn for n in ir.walk(program.sink) if isinstance(n, ir.Call)} if program.sink is not None else used
     fns = [interp.floordiv, interp.mod] + ([interp.erf] if "erf" in used else [])
-    return "\n\n".join(inspect.getsource(f).replace(f"def {f.__name__}(", f"def _{f.__name__}(") for f in fns)
+    text = "\n\n".join(inspect.getsource(f).replace(f"def {f.__name__}(", f"def _{f.__name__}(") for f in fns)
+    if program.sink is not None:  # the sink's merge, once per row (compiler/sinks.py)
+        text += "\n\n" + inspect.getsource(sinks.join).replace("def join(", "def _join_sink(")
+    return text
 
 
 @dataclass(frozen=True)
@@ -127,6 +132,8 @@ def _spec_context(p: ir.Program) -> dict:
         tensors=[{"name": t.name, "dtype": t.dtype.value, "axes": tuple(t.axes)} for t in p.tensors],
         mask_source=ir.format_expr(p.mask), score_source=[ir.format_expr(s) for s in p.score],
         mask_code=numpy_expr(p.mask), score_code=[numpy_expr(s) for s in p.score],
+        sink_source=ir.format_expr(p.sink) if p.sink is not None else None,
+        sink_code=numpy_expr(p.sink) if p.sink is not None else None,
         language_helpers=language_helpers(p), uses_math="erf" in language_helpers(p),
     )
 

@@ -145,7 +145,7 @@ class Kernel:
                         return_lse=True, stats=stats, **call.tensors)
         except self.module.AttncRuntimeError as e:
             raise PlanError(str(e)) from None
-        numerics.check_rows(lse, s_q=call.s_q, s_k=call.s_k)
+        numerics.check_rows(lse, s_q=call.s_q, s_k=call.s_k, sink=self.program.sink is not None)
         if self.program.dtype == "f16":
             o = o.astype(np.float16)
         return (o, lse) if return_lse else o
@@ -207,7 +207,8 @@ class Kernel:
                                       stats=stats, **call.tensors)
         except module.AttncRuntimeError as e:
             raise PlanError(str(e)) from None
-        numerics.check_rows(lse, qo_indptr=call.qo_indptr, kv_lens=call.kv_lens)
+        numerics.check_rows(lse, qo_indptr=call.qo_indptr, kv_lens=call.kv_lens,
+                            sink=self.program.sink is not None)
         if self.program.dtype == "f16":
             o = o.astype(np.float16)
         return (o, lse) if return_lse else o

@@ -2,7 +2,7 @@
 a mixin of ``runtime.Kernel``."""
 from __future__ import annotations
 
-from attnc.compiler import inputs
+from attnc.compiler import inputs, sinks
 from attnc.compiler.errors import InputError
 
 from . import blocks
@@ -38,7 +38,8 @@ class BackwardCalls:
                               config=None):
         """(dQ, dK, dV, {name: gradient}) with the gradients of the score tensors named in ``want``
         (``score_grads``: each must be a float tensor the score program reads by plain positions;
-        such calls take the Triton passes, whose plan rows the tensor gradients walk)."""
+        such calls take the Triton passes, whose plan rows the tensor gradients walk) and of the
+        f32 tensors the spec's sink reads (:meth:`_sink_grads`; summed where both read one)."""
         from . import score_grads
         for n in want:
             why = score_grads.refusal(self.program, n)
@@ -89,15 +90,38 @@ class BackwardCalls:
         lse = lse.contiguous()
         dlse = dlse.contiguous() if dlse is not None else None
         ts = L.call_tensor_args(self.module, tensors, bound.batch, bound.s_q, bound.s_k, q.device)
-        launch(qb, kb, vb, ob, lse, dob, dlse, ts, dqb, dkb, dvb,
-               key if not bound.emulate else None)
+        delta = launch(qb, kb, vb, ob, lse, dob, dlse, ts, dqb, dkb, dvb,
+                       key if not bound.emulate else None)
         dts = {}
         if want:
             from . import score_grads
-            dts = score_grads.tensor_gradients(self, launch, qb, kb, vb, ob, lse, dob, dlse, ts, tensors, want)
+            if any(load.tensor in want for load in score_grads.loads(self.program)):
+                dts = score_grads.tensor_gradients(self, launch, qb, kb, vb, ob, lse, dob, dlse, ts, tensors, want)
+            sunk = [n for n in want if n in sinks.tensors_read(self.program)]
+            if sunk:
+                grads = self._sink_grads(lse, delta, ts, tensors)
+                for n in sunk:
+                    dts[n] = dts[n] + grads[n] if n in dts else grads[n]
         if bound.emulate:
             dq, dk, dv = (x.to(torch.bfloat16) for x in (dq, dk, dv))
         return dq, dk, dv, dts
+
+    def _sink_grads(self, lse, delta, ts: tuple, tensors: dict) -> dict:
+        """{tensor: gradient} of the f32 tensors the sink reads, from the saved LSE and the delta
+        pass's D - dLSE (every backward launch returns it): dL/dsink = sum over the head's rows of
+        p_sink (dLSE - D), p_sink = exp(sink - LSE) (0 where LSE is -inf), a plain reduction per
+        (b, h) (no atomics: the same bits every run), then through the sink's derivative on the host
+        (``compiler.sinks``)."""
+        import numpy as np
+        torch = self._torch
+        p = self.program
+        sink = L.sink_values(self.module, lse.shape[0], ts, lse.device)[..., None]
+        finite = torch.isfinite(lse)
+        p_sink = torch.where(finite, torch.exp(sink - torch.where(finite, lse, 0.0)), 0.0)
+        dsink = -(p_sink.double() * delta.double()).sum(-1)
+        host = {n: t.detach().cpu().numpy() if hasattr(t, "detach") else np.asarray(t) for n, t in tensors.items()}
+        grads = sinks.tensor_gradients(p, dsink.cpu().numpy(), host)
+        return {n: torch.from_numpy(g).to(device=tensors[n].device, dtype=tensors[n].dtype) for n, g in grads.items()}
 
     def _backward_bind(self, q, k, v, o, lse, do, dlse, tensors: dict, config, want: tuple):
         """(what a backward call's key fixes, the Gluon passes' choice or None, the Triton passes'

@@ -17,7 +17,7 @@ import os
 
 import numpy as np
 
-from attnc.compiler import inputs, ir, tune
+from attnc.compiler import inputs, ir, sinks, tune
 from attnc.compiler.analysis import layout as kvl
 from attnc.compiler.analysis.decode_rows import constant
 from attnc.compiler.errors import InputError, PlanError
@@ -67,6 +67,8 @@ def decode_plan(program, arrays: dict, *, block_n: int | None = None, splits: in
                          f"declares {p.d_qk}/{p.d_v}")
     kv_lens = lay.kv_lens  # int64, read-only
     batch = kv_lens.size
+    if p.sink is not None and all(n in tensors for n in ir.loads(p.sink)):  # the kernels clamp their reads:
+        sinks.check_reads(p, batch, {n: np.shape(tensors[n]) for n in ir.loads(p.sink)})  # refuse one outside
     longest = int(kv_lens.max()) if batch else 0
     q_lens, qo_indptr = _query_rows(meta, batch, total_q)
     one_row = q_lens is None  # decode: one row per request (q_lens and qo_indptr not given)

@@ -187,5 +187,7 @@ def emit(program: ir.Program) -> Source:
         lengths=uses_lengths(p), fast_positions=f"2**{fast_score.FAST_POSITIONS.bit_length() - 1}",
         separable=_separable_code(p, names), load_grads=_load_grad_code(p, names),
         broadcast_score=not ir.score_keeps_tile(p),
+        sink_source=ir.format_expr(p.sink) if p.sink is not None else None,
+        sink_code=triton_expr(p.sink, names, calls(p.dtype)) if p.sink is not None else None,
     )
     return Source(text, f"{p.name}_triton", entry="visible")

@@ -286,6 +286,7 @@ class GluonBackwardLaunch:
         delta = self.delta_pass(o, do, dlse, key)
         dqa = self.dkdv_pass(q, k, v, lse, do, ts, dk, dv, delta, key)
         self.dq_pass(q, k, v, lse, do, ts, dq, dk, dv, delta, dqa, key)
+        return delta  # (D - dLSE: a sink's gradient is read from it, as from grad.BackwardLaunch)
 
     def delta_pass(self, o, do, dlse, key):
         """D = rowsum(dO * O) - dLSE, float32 [B, H_q, S_q]."""

@@ -124,8 +124,9 @@ class BackwardLaunch:
         self.nbytes = P.nbytes_of(self.arrays)
 
     def __call__(self, q, k, v, o, lse, do, dlse, ts: tuple, dq, dk, dv, key=None):
-        """Launch on bhsd views (strides carry the layout); writes dq, dk, dv.  ``key``: the
-        caller's binding key (None: through the JIT)."""
+        """Launch on bhsd views (strides carry the layout); writes dq, dk, dv and returns the delta
+        pass's D - dLSE [B, H_q, S_q] (a sink's gradient is read from it).  ``key``: the caller's
+        binding key (None: through the JIT)."""
         import torch
         a = self.arrays
         delta = torch.empty((self.batch, self.h_q, self.s_q), device=q.device, dtype=torch.float32)
@@ -145,6 +146,7 @@ class BackwardLaunch:
         if not self.config.deterministic:
             self.store.launch((triton_cdiv(self.s_q, DELTA_ROWS), self.batch * self.h_q),
                               (dqa, dq, *dq.stride(), self.s_q), key)
+        return delta
 
 
 DELTA_ROWS = 64

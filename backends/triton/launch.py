@@ -13,6 +13,7 @@ multiples of 16, which pointers are 16-byte aligned): the caller's key must fix 
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 
 import numpy as np
@@ -81,7 +82,7 @@ class Launcher:
     def launch(self, grid, args: tuple, key=None, stream=None):
         kernel = self.compiled.get(key) if key is not None else None
         if kernel is not None:
-            from triton import knobs
+            knobs = _knobs()
             stream = _stream() if stream is None else stream
             g = tuple(grid) + (1,) * (3 - len(grid))
             enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
@@ -114,6 +115,17 @@ class Launcher:
         if key is not None and self.raw.get(key) is not None:
             return raw_launch.TensorView(out, cols)
         return make()
+
+
+_KNOBS = []
+
+
+def _knobs():
+    """``triton.knobs`` (imported once: every launch reads its hooks)."""
+    if not _KNOBS:
+        from triton import knobs
+        _KNOBS.append(knobs)
+    return _KNOBS[0]
 
 
 def _stream():
@@ -176,6 +188,44 @@ def spec_constexprs(module, end: int | None = None) -> dict:
     """What a generated spec module gives the kernels as constexpr arguments, for a call whose
     positions all lie below ``end`` (``score_functions``)."""
     return {"VISIBLE": module.visible, "SCORE": score_functions(module, end)[0], **module.SPEC}
+
+
+def sink_constexprs(module, partial: bool = False) -> dict:
+    """HAS_SINK and SINK of a kernel that finishes rows: the spec module's ``sink_value`` where
+    the spec has a sink (``sink = ...``), unless the launch writes a ``partial`` state (a block of
+    a larger call: the merge adds the sink once per row)."""
+    sink = getattr(module, "sink_value", None)
+    return {"HAS_SINK": sink is not None and not partial, "SINK": None if partial else sink}
+
+
+def row_sinks(module, launchers: dict, total_q: int, arrays: dict, ts: tuple, unused):
+    """Every packed row's sink [total_q * H_q] float32 (``split._sink_rows``), for a split call's
+    combine to join once per row; ``unused`` (returned as is) where the spec has no sink.
+    ``launchers`` keeps the launcher (the caller's cache)."""
+    if not sink_constexprs(module)["HAS_SINK"]:
+        return unused
+    import torch
+    h_q = module.SPEC["H_Q"]
+    lz = launchers.get("sink_rows")
+    if lz is None:
+        lz = launchers["sink_rows"] = Launcher(split._sink_rows, dict(SINK=module.sink_value, H_Q=h_q,
+                                                                      H_PAD=W.next_power_of_2(h_q)), num_warps=1)
+    out = torch.empty(total_q * h_q, device=unused.device, dtype=torch.float32)
+    lz.launch((arrays["kv_lens"].numel(),), (out, arrays["qo_indptr"], ts), ("sink_rows", spec_key(ts)))
+    return out
+
+
+def sink_values(module, batch: int, ts: tuple, device):
+    """The spec's sink of every (request, query head), float32 [batch, H_q], on the device (the
+    generated ``sink_value`` through ``split._sink_rows``, one row per request)."""
+    import torch
+    h_q = module.SPEC["H_Q"]
+    out = torch.empty((batch, h_q), device=device, dtype=torch.float32)
+    if batch:
+        rows = torch.arange(batch + 1, dtype=torch.int32, device=device)
+        Launcher(split._sink_rows, dict(SINK=module.sink_value, H_Q=h_q, H_PAD=W.next_power_of_2(h_q)),
+                 num_warps=1).launch((batch,), (out, rows, ts))
+    return out
 
 
 def tensor_args(module, tensors: dict, lengths=None) -> tuple:
@@ -308,7 +358,8 @@ class PrefillLaunch(_GluonDescriptors):
             from_intervals = c.mask_source == "intervals"
             self.launcher = Launcher(prefill._attn_fwd, dict(
                 MASK_FROM_INTERVALS=from_intervals, EVEN_N=(self.s_k % c.block_n == 0), USE_TMA=c.use_tma,
-                WALK=prefill.WALKS[walk], BLOCK_M=c.block_m, BLOCK_N=c.block_n, HEAD_GROUP=c.head_group, **spec),
+                WALK=prefill.WALKS[walk], BLOCK_M=c.block_m, BLOCK_N=c.block_n, HEAD_GROUP=c.head_group, **spec,
+                **sink_constexprs(module, partial=offsets is not None)),
                 num_warps=c.num_warps, num_stages=c.num_stages)
             vecs = [arrays.get(n, arrays["partial_indptr"]) for n in ("UTS", "UTE", "LTS", "LTE")]
             self.plan_args = (arrays["q_tile_order"], arrays["full_run_ptr"], arrays["full_run_lo"],
@@ -390,6 +441,7 @@ class SplitLaunch:
         self.module = module
         self.num_warps, self.num_stages = num_warps, num_stages
         self._launchers: dict = {}
+        self._static: dict = {}  # (total_q, q's strides, the plan's launch fields) -> SplitLaunch._derive's
 
     def _launcher(self, which, constexprs):
         key = (which, tuple(sorted((n, v) for n, v in constexprs.items() if n not in ("VISIBLE", "SCORE"))))
@@ -401,7 +453,8 @@ class SplitLaunch:
                               num_stages=self.num_stages)
             else:
                 keep = {n: spec[n] for n in ("H_Q", "D_V", "D_V_PAD")}
-                lz = Launcher(split._combine, {**constexprs, **keep}, num_warps=4)
+                has_sink = sink_constexprs(self.module)["HAS_SINK"]
+                lz = Launcher(split._combine, {**constexprs, **keep, "HAS_SINK": has_sink}, num_warps=4)
             self._launchers[key] = lz
         return lz
 
@@ -409,43 +462,70 @@ class SplitLaunch:
         """Both launches of one split call.  The plan's arrays and the workspace's fields are 16-byte
         aligned by construction, so the arguments' specialization is fixed by the strides, the
         split count, the table's width and the caller's pointers (the key below)."""
-        spec = self.module.SPEC
         total_q = q.shape[0]
         if total_q == 0:
             return out, lse
-        s_cap = plan["splits"]
-        abi_mlu = plan["abi"] == "mlu"
+        ks, vs = plan["k_strides"], plan["v_strides"]
+        # what the launch derives from the plan and q's shape and strides, derived once per their values
+        memo_key = (total_q, q.stride(), plan["splits"], plan["abi"], plan["block_q"], plan["cache"],
+                    plan["page_size"], plan["one_row"], plan["block_n"], plan["bounded"], plan["table_stride"],
+                    tuple(ks), tuple(vs), plan["tiles"])
+        st = self._static.get(memo_key)
+        if st is None:
+            if len(self._static) >= 256:  # (a server's batch sizes vary: bounded)
+                self._static.clear()
+            st = self._static[memo_key] = self._derive(total_q, q.stride(), plan, ks, vs)
+        size, fields, producer, combine, grid, static_key = st
         import torch
-        vec = W.vector_torch_dtype(self.module, plan["abi"])
-        n, fields, size = W.split_layout(total_q, s_cap, plan["abi"], spec["H_Q"], spec["D_V"], vec.itemsize)
         if workspace.dtype != torch.uint8 or workspace.numel() < size:
             raise PlanError(f"workspace: {workspace.numel()} {workspace.dtype} elements; this call needs {size} uint8")
-
-        def field(name, dtype):
-            off, count = fields[name]
-            return workspace[off:off + count * dtype.itemsize].view(dtype)
-        p_o, p_m, p_valid = field("o", vec), field("m", torch.float32), field("valid", torch.uint8)
-        p_l = field("l", torch.float32) if abi_mlu else p_m
-        block_q = plan["block_q"]
-        ks, vs = plan["k_strides"], plan["v_strides"]
-        g_pad = max(W.next_power_of_2(spec["GROUP"]), 16 // block_q)
-        producer = self._launcher("split", dict(
-            CACHE=plan["cache"], PAGE_SIZE=plan["page_size"], ABI_MLU=abi_mlu, ONE_ROW=bool(plan["one_row"]),
-            BLOCK_Q=block_q, BLOCK_N=plan["block_n"], G_PAD=g_pad, BOUNDED=bool(plan["bounded"])))
+        (o0, o1, o_t), (m0, m1, m_t), (l0, l1, l_t), (v0, v1, v_t) = fields
+        p_o, p_m, p_l, p_valid = (workspace[o0:o1].view(o_t), workspace[m0:m1].view(m_t), workspace[l0:l1].view(l_t),
+                                  workspace[v0:v1].view(v_t))
+        s_cap = plan["splits"]
         args = (q, k_cache, v_cache, p_o, p_m, p_l, p_valid, *q.stride(), *ks, *vs,
                 arrays["kv_lens"], arrays["qo_indptr"], arrays["tile_req"], arrays["tile_row0"], arrays["base"],
                 arrays["table"], plan["table_stride"], arrays["entry_ptr"], arrays["blocks"], arrays["partial"], ts,
                 s_cap, qk_scale(self.module), arrays["split_bounds"])
         aligned = (q.data_ptr() % 16 == 0, k_cache.data_ptr() % 16 == 0, v_cache.data_ptr() % 16 == 0,
                    workspace.data_ptr() % 16 == 0)
-        key = (aligned, spec_key(q.stride() + tuple(ks) + tuple(vs) + (plan["table_stride"], s_cap)), spec_key(ts))
-        producer.launch((s_cap, plan["tiles"] * spec["H_KV"]), args, key)
+        producer.launch(grid, args, (aligned, static_key, spec_key(ts)))
+        sinks = row_sinks(self.module, self._launchers, total_q, arrays, ts, lse)  # (lse: unread, no sink)
+        cargs = (p_o, p_m, p_l, p_valid, out, lse, *out.stride(), s_cap, sinks)
+        combine.launch((total_q * self.module.SPEC["H_Q"],), cargs,
+                       (aligned[3], out.data_ptr() % 16 == 0, _int_spec_key(out.stride() + (s_cap,))))
+        return out, lse
+
+    def _derive(self, total_q: int, q_stride: tuple, plan: dict, ks, vs) -> tuple:
+        """(workspace bytes, the fields as (start, end, dtype), the producer and combine launchers,
+        the producer's grid, the strides' part of its key) of a call of this plan and q layout."""
+        import torch
+        spec = self.module.SPEC
+        s_cap = plan["splits"]
+        abi_mlu = plan["abi"] == "mlu"
+        vec = W.vector_torch_dtype(self.module, plan["abi"])
+        n, fields, size = W.split_layout(total_q, s_cap, plan["abi"], spec["H_Q"], spec["D_V"], vec.itemsize)
+
+        def field(name, dtype):
+            off, count = fields[name]
+            return (off, off + count * dtype.itemsize, dtype)
+        f_l = field("l", torch.float32) if abi_mlu else field("m", torch.float32)
+        views = (field("o", vec), field("m", torch.float32), f_l, field("valid", torch.uint8))
+        block_q = plan["block_q"]
+        g_pad = max(W.next_power_of_2(spec["GROUP"]), 16 // block_q)
+        producer = self._launcher("split", dict(
+            CACHE=plan["cache"], PAGE_SIZE=plan["page_size"], ABI_MLU=abi_mlu, ONE_ROW=bool(plan["one_row"]),
+            BLOCK_Q=block_q, BLOCK_N=plan["block_n"], G_PAD=g_pad, BOUNDED=bool(plan["bounded"])))
         pad = max(2, W.next_power_of_2(min(s_cap, COMBINE_SLOTS)))
         combine = self._launcher("combine", dict(ABI_MLU=abi_mlu, SPLITS_PAD=pad))
-        cargs = (p_o, p_m, p_l, p_valid, out, lse, *out.stride(), s_cap)
-        combine.launch((total_q * spec["H_Q"],), cargs,
-                       (aligned[3], out.data_ptr() % 16 == 0, spec_key(out.stride() + (s_cap,))))
-        return out, lse
+        static_key = spec_key(tuple(q_stride) + tuple(ks) + tuple(vs) + (plan["table_stride"], s_cap))
+        return size, views, producer, combine, (s_cap, plan["tiles"] * spec["H_KV"]), static_key
+
+
+@functools.lru_cache(maxsize=1024)
+def _int_spec_key(ints: tuple) -> tuple:
+    """``spec_key`` of a tuple of ints (strides, counts), remembered."""
+    return spec_key(ints)
 
 
 class CacheLaunch(_GluonDescriptors):

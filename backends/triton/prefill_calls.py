@@ -33,7 +33,8 @@ class PrefillCalls:
         q's layout (and LSE [B, H_q, S_q], natural log).  Keyword arguments are the spec's tensors
         and, optionally, launch options (PREFILL_OPTIONS: tiles, warps, stages, TMA, walk, mask
         source, head group, engine, schedule) that override the launch layer's choice."""
-        options = {n: kwargs.pop(n) for n in PREFILL_OPTIONS if n in kwargs}
+        options = {n: kwargs.pop(n) for n in PREFILL_OPTIONS if n in kwargs} \
+            if kwargs and not kwargs.keys().isdisjoint(PREFILL_OPTIONS) else {}
         if isinstance(q, np.ndarray):
             return self._numpy_call(q, k, v, kwargs, plan, options, return_lse)
         if not isinstance(q, self._torch.Tensor):
@@ -43,7 +44,7 @@ class PrefillCalls:
             o, lse = self._fp8_call(q, k, v, kwargs, plan, options)
             self._check_scores(lse, k)
             return (o, lse) if return_lse else o
-        if plan is None and not any(v is not None for v in options.values()):
+        if plan is None and (not options or not any(v is not None for v in options.values())):
             try:
                 key = self._key(q, k, v, kwargs)
             except (NotImplementedError, RuntimeError, AttributeError):
@@ -148,8 +149,8 @@ class PrefillCalls:
             launch = self._cached_launch(bound, key, qb, kb, vb, tensors)
         else:
             launch = self._make_launch(bound, qb, kb, vb, tensors, *asked)
-        out = torch.empty(bound.out_shape, device=q.device, dtype=qb.dtype)
-        lse = torch.empty((bound.batch, self.program.heads_q, bound.s_q), device=q.device, dtype=torch.float32)
+        out = qb.new_empty(bound.out_shape)  # (qb's dtype and q's device; new_empty: the cheapest allocation call)
+        lse = qb.new_empty((bound.batch, self.program.heads_q, bound.s_q), dtype=torch.float32)
         ob = out.transpose(1, 2) if bound.bshd else out
         self._run_launch(launch, qb, kb, vb, ts, ob, lse, key)
         if bound.emulate:

@@ -19,7 +19,7 @@ import os
 
 import numpy as np
 
-from attnc.compiler import inputs, ir, numerics, reads, resources
+from attnc.compiler import inputs, ir, numerics, reads, resources, sinks
 from attnc.compiler.ranges import may_be_nonfinite
 from attnc.compiler.errors import BackendUnavailable, InputError, PlanError
 from attnc.compiler.plan import Plan, plan as make_plan
@@ -34,7 +34,7 @@ from .device import interpreted
 from .emit import Source, emit
 from .prefill_calls import PrefillCalls
 
-CHECK_FINITE_VAR = "ATTNC_CHECK_FINITE"  # "1": GPU calls check their rows at the call (a host sync each)
+CHECK_FINITE_VAR = "ATTNC_CHECK_FINITE"  # "1": GPU calls check their rows at the call (a host sync each); "0": no mark
 from .split_calls import SplitCalls
 
 
@@ -54,7 +54,11 @@ class Kernel(PrefillCalls, BackwardCalls, SplitCalls):
         self._tensor_names = tuple(t.name for t in program.tensors)
         self._mask_reads = bool(ir.loads(program.mask))
         self._index_reads = reads.index_reads_tensor(program)
-        self._scores_may_fail = may_be_nonfinite(program)
+        self._scores_may_fail = may_be_nonfinite(program) or (program.sink is not None and sinks.may_be_nonfinite(program))
+        if program.sink is not None and sinks.reads_by_value(program):
+            raise PlanError(f"spec '{program.name}': the Triton kernels take a sink whose reads are fixed by b and h "
+                            f"({ir.format_expr(program.sink)} reads a tensor element chosen by a tensor's value); "
+                            "use the numpy backend")
         self._bound: dict = {}
         self._nonfinite: dict = {}  # device -> bool flag: a call marked a non-finite row (_mark_rows)
         self._splits: dict = {}
@@ -117,13 +121,15 @@ class Kernel(PrefillCalls, BackwardCalls, SplitCalls):
                 self._mark_rows(lse)
             return
         if lse.is_cuda and not (self._scores_may_fail or os.environ.get(CHECK_FINITE_VAR) == "1"):
-            self._mark_rows(lse)
+            if os.environ.get(CHECK_FINITE_VAR) != "0":  # "0": GPU calls neither check nor mark
+                self._mark_rows(lse)
             return
         if plan is None:
             s_k = k.shape[1 if self.program.cache.layout is ir.Layout.BSHD else 2]
-            numerics.check_rows(lse, s_q=lse.shape[2], s_k=s_k)
+            numerics.check_rows(lse, s_q=lse.shape[2], s_k=s_k, sink=self.program.sink is not None)
         else:
-            numerics.check_rows(lse, qo_indptr=plan["qo_indptr"], kv_lens=plan["kv_lens"])
+            numerics.check_rows(lse, qo_indptr=plan["qo_indptr"], kv_lens=plan["kv_lens"],
+                                sink=self.program.sink is not None)
 
     def _mark_rows(self, lse) -> None:
         """flag |= any(LSE is NaN), on lse's device and stream (no host sync)."""
@@ -169,6 +175,8 @@ class Kernel(PrefillCalls, BackwardCalls, SplitCalls):
         device.check_device(given, self.device)
         metas = {n: (tuple(t.shape), _kind(t), str(t.dtype)) for n, t in given.items()}
         batch, s_q, s_k = inputs.check_shapes(self.program, metas)
+        if self.program.sink is not None:  # the kernels clamp their reads: a sink's read outside a tensor is refused
+            sinks.check_reads(self.program, batch, {n: metas[n][0] for n in self._tensor_names})
         if storage and any(x.dtype != self._dtype for x in (q, k, v)):
             raise InputError(f"inputs: q/k/v have dtypes {q.dtype}/{k.dtype}/{v.dtype}; "
                              f"the spec stores {self.program.dtype}")

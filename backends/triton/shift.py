@@ -4,7 +4,7 @@ from attnc.compiler.errors import PlanError
 
 from .admission import shared_shift_refusal
 from .kernels.shared_shift import LOG2E, _fallback_combine, _fallback_split, _shift_combine, _shift_split
-from .launch import Launcher, qk_scale, spec_constexprs, spec_key
+from .launch import Launcher, qk_scale, row_sinks, sink_constexprs, spec_constexprs, spec_key
 from .workspace import next_power_of_2, shift_layout
 
 
@@ -31,7 +31,8 @@ class ShiftLaunch:
                               num_stages=self.num_stages)
             else:
                 keep = {n: spec[n] for n in ("H_Q", "D_V", "D_V_PAD")}
-                lz = Launcher(self.KERNELS[which], {**constexprs, **keep}, num_warps=4)
+                lz = Launcher(self.KERNELS[which], {**constexprs, **keep, **{"HAS_SINK": sink_constexprs(
+                    self.module)["HAS_SINK"]}}, num_warps=4)
             self._launchers[key] = lz
         return lz
 
@@ -76,12 +77,14 @@ class ShiftLaunch:
                                sh.phi * LOG2E, sh.lower * LOG2E, sh.upper * LOG2E), key)
         pad = max(2, next_power_of_2(s_cap))
         okey = (aligned[3], out.data_ptr() % 16 == 0, spec_key(out.stride() + (s_cap,)))
+        sinks = row_sinks(self.module, self._launchers, total_q, arrays, ts, lse)  # (lse: unread, no sink)
         combine = self._launcher("combine", dict(SPLITS_PAD=pad))
         combine.launch((total_q * spec["H_Q"],), (f["o"], f["l"], f["valid"], f["guard"], f["need"], out, lse,
-                                                   *out.stride(), s_cap, float(sh.phi)), okey)
+                                                   *out.stride(), s_cap, float(sh.phi), sinks, float(sh.lower),
+                                                   float(sh.upper)), okey)
         fallback = self._launcher("fallback_split", dict(walk, ABI_MLU=True))
         fallback.launch(grid, (f["need"], q, k_cache, v_cache, f["o"], f["m"], f["l"], f["valid"], *common), key)
         merge = self._launcher("fallback_combine", dict(ABI_MLU=True, SPLITS_PAD=pad))
         merge.launch((total_q * spec["H_Q"],), (f["need"], f["o"], f["m"], f["l"], f["valid"], out, lse,
-                                                *out.stride(), s_cap), okey)
+                                                *out.stride(), s_cap, sinks), okey)
         return out, lse

@@ -133,9 +133,9 @@ class SplitCalls:
         """Allocate O, LSE and the workspace; launch the producer and the combine."""
         torch = self._torch
         total_q = q.shape[0]
-        out = torch.empty(total_q, self.program.heads_q, self.program.d_v, device=q.device, dtype=q.dtype)
-        lse = torch.empty(total_q, self.program.heads_q, device=q.device, dtype=torch.float32)
-        ws = torch.empty(bound.workspace_bytes, device=q.device, dtype=torch.uint8)
+        out = q.new_empty((total_q, self.program.heads_q, self.program.d_v))  # (q's dtype and device)
+        lse = q.new_empty((total_q, self.program.heads_q), dtype=torch.float32)
+        ws = q.new_empty(bound.workspace_bytes, dtype=torch.uint8)
         return bound.launch(q, k_cache, v_cache, bound.plan, bound.arrays, bound.ts, out, lse, ws)
 
     def prepare_decode(self, q, plan: dict, *, num_warps: int | None = None, num_stages: int | None = None,
@@ -237,10 +237,11 @@ class _Split(NamedTuple):
 
 def _split_key_part(n, t):
     """A split call's input as a plan-cache key part: metadata and mask tensors by identity and
-    version (and layout); the K/V tensors by layout and address only (the plan never reads their
-    values, and a step writes new tokens into them); anything else makes the call uncacheable."""
-    if not P._tracked(t):
+    version (and layout: ``plans.tensor_key``); the K/V tensors by layout and address only (the plan
+    never reads their values, and a step writes new tokens into them); anything else (numpy
+    arrays, inference tensors) makes the call uncacheable."""
+    if not hasattr(t, "is_inference") or t.is_inference():  # (plans._tracked, inlined: per call)
         return None
     if n in KV_KEYS:
-        return (n, tuple(t.shape), t.stride(), t.dtype, t.device, t.data_ptr())
-    return (n, tuple(t.shape), t.stride(), t.dtype, t.device, *P.tensor_key(n, t))
+        return (n, t.shape, t.stride(), t.dtype, t.device, t.data_ptr())
+    return (n, t.shape, t.stride(), t.dtype, t.device, id(t), t._version, t.data_ptr())

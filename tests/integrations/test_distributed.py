@@ -32,6 +32,10 @@ CASES = {  # name -> (spec, B, S, strategy)
                   "mask = causal & doc[b, q] == doc[b, k] & doc[b, q] >= 0 }", 2, 64, "even"),
     "prefix_lm": ("attention cp_prefix { heads = 2 head_dim = 8 dtype = f16 mask = causal | k < 20 }", 1, 56, "auto"),
     "tiny": ("attention cp_tiny { heads = 2 head_dim = 8 dtype = f32 mask = causal }", 1, 20, "even"),
+    # a learned sink per head, added once per row after the blocks merge (padding rows: LSE = sink)
+    "sinks": ("attention cp_sinks { heads = 4 / 2 head_dim = 8 dtype = f32 tensor doc: i32[b, s] "
+              "tensor sinks: f32[h] mask = causal & doc[b, q] == doc[b, k] & doc[b, q] >= 0 sink = sinks[h] }",
+              1, 48, "even"),
 }
 BLOCK = 8
 
@@ -45,7 +49,9 @@ def _inputs(name: str, program, batch: int, seq: int, ranks: int):
     q, k, v = (torch.randn(*shape(h, d), generator=g).to(dtype) for h, d in
                ((program.heads_q, program.d_qk), (program.heads_kv, program.d_qk), (program.heads_kv, program.d_v)))
     tensors = {}
-    if name == "documents":  # documents of 3..17 tokens, the last 1/ranks of the tokens padding (-1)
+    if any(t.name == "sinks" for t in program.tensors):
+        tensors["sinks"] = torch.randn(program.heads_q, generator=g)
+    if any(t.name == "doc" for t in program.tensors):  # documents of 3..17 tokens, the last 1/ranks of the tokens padding (-1)
         real = seq - seq // ranks
         doc = torch.full((batch, seq), -1, dtype=torch.int32)
         for b in range(batch):
@@ -55,7 +61,7 @@ def _inputs(name: str, program, batch: int, seq: int, ranks: int):
     return q, k, v, tensors
 
 
-GRAD_CASES = {"causal": "gather", "window": "o", "documents": "lse", "prefix_lm": "o"}  # what the loss reads
+GRAD_CASES = {"causal": "gather", "window": "o", "documents": "lse", "prefix_lm": "o", "sinks": "lse"}  # what the loss reads
 
 
 def _loss(name: str, o, lse, g_o, g_lse):
@@ -184,6 +190,9 @@ def _worker(rank: int, ranks: int, init: str) -> None:
                 assert {p for _, p, _ in posted} <= {rank - 1, rank + 1}, where
             if name == "documents" and rank == ranks - 1:  # padding only: nothing visible, nothing received
                 assert torch.isinf(lse_local).all() and not o_local.any() and not [p for p in posted if p[0] == "irecv"]
+            if name == "sinks" and rank == ranks - 1:  # padding: no key, so O = 0 and LSE = the head's sink, once
+                want_sink = tensors["sinks"][None, :, None].expand_as(lse_local)
+                assert not o_local.any() and torch.equal(lse_local, want_sink), where
             # float64 reference per block against the float64 oracle on the whole call
             o64, lse64 = cp(*shards, plan=plan, return_lse=True, gather=True, backend="reference")
             bhsd = (lambda t: t.transpose(1, 2)) if program.cache.layout.value == "bshd" else (lambda t: t)  # noqa: E731

@@ -255,6 +255,16 @@ def test_mixed_batch_commits_to_cache_rows(layout, backend):
     check_call(attn, cache, backend, {"doc": doc_ids(T_MIX, C_MIX)})
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_mixed_batch_with_a_sink(backend):
+    """A learned sink per head (``sink = sinks[h]``) on a paged mixed batch: every backend's
+    append adds it once per row (the reference: the oracle per request)."""
+    attn = compiled(LAYOUTS["paged_csr_nhd"], DOC, score="tensor sinks: f32[h] sink = sinks[h]")
+    cache = Cache("paged_csr_nhd", T_MIX, C_MIX, seed=5)
+    sinks = torch.tensor([0.5, -1.0, 2.0, -float("inf")])
+    check_call(attn, cache, backend, {"doc": doc_ids(T_MIX, C_MIX), "sinks": sinks})
+
+
 def test_bf16_cache():
     attn = compiled(LAYOUTS["paged_dense_hnd"], "causal & window(5)", "bf16")
     for backend in ("numpy", "triton"):

@@ -151,12 +151,12 @@ def test_triton_score_tensor_gradients_match_the_float64_reference_and_repeat_bi
 
 def test_triton_refuses_a_tensor_read_at_a_computed_index():
     pytest.importorskip("triton")
-    attn = attnc.compile("attention rp { heads = 2 head_dim = 4 tensor rel: f32[s] score = score + rel[q - k] "
+    attn = attnc.compile("attention rp { heads = 2 head_dim = 4 tensor rel: f32[s] score = score + rel[abs(q - k)] "
                          "mask = causal }")
     q = torch.randn(1, 2, 6, 4, device=TRITON_DEVICE, requires_grad=True)
     rel = torch.zeros(6, device=TRITON_DEVICE, requires_grad=True)
     with pytest.raises(attnc.api.BackendRefused, match=r"tensor 'rel' requires grad: the Triton backward "
-                                                       r"differentiates tensors indexed by distinct positions.*rel\[q - k\]"):
+                                                       r"differentiates tensors indexed by distinct positions.*rel\[abs\(q - k\)\]"):
         attn(q, q.detach(), q.detach(), rel=rel, backend="triton")
     attn(q, q.detach(), q.detach(), rel=rel.detach(), backend="triton").sum().backward()  # detached: runs
     assert q.grad is not None

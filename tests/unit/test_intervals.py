@@ -168,7 +168,7 @@ def test_examples_are_sound_exact_and_representable(path, shape):
 
 ONE_RUN_EXAMPLES = {"alibi", "bidirectional_document", "causal", "causal_blockwise", "causal_document",
                     "causal_document_gqa", "chunked", "full", "prefix_lm", "qk_sparse", "sliding_window_bidirectional",
-                    "sliding_window_causal", "softcap"}
+                    "sliding_window_causal", "softcap", "sink_attention"}
 
 
 @pytest.mark.parametrize("shape", list(SHAPES), ids=list(SHAPES))

@@ -65,14 +65,21 @@ def name(op) -> str:
 
 
 def attention_parts(module):
-    """(attention op, tensor ops, mask block, score block)."""
+    """(attention op, tensor ops, mask block, score block); a sink's block is ``sink_block``'s."""
     (att,) = module.body.block.ops
     assert name(att) == "attn.attention"
     ops = list(att.regions[0].block.ops)
     tensors = [o for o in ops if name(o) == "attn.tensor"]
     programs = {name(o): o.regions[0].block for o in ops if name(o) != "attn.tensor"}
-    assert [name(o) for o in ops[len(tensors):]] == ["attn.mask_program", "attn.score_program"]
+    assert [name(o) for o in ops[len(tensors):]] in (["attn.mask_program", "attn.score_program"],
+                                                     ["attn.mask_program", "attn.score_program", "attn.sink_program"])
     return att, tensors, programs["attn.mask_program"], programs["attn.score_program"]
+
+
+def sink_block(module):
+    """The ``attn.sink_program`` block of a spec with a sink, else None."""
+    (att,) = module.body.block.ops
+    return next((o.regions[0].block for o in att.regions[0].block.ops if name(o) == "attn.sink_program"), None)
 
 
 def attr_value(a):
@@ -149,7 +156,8 @@ def eval_block(block, env, tensors):
 
 
 def check_module(p: ir.Program, text: str) -> None:
-    att, tensors, mask, score = attention_parts(parse(text))
+    module = parse(text)
+    att, tensors, mask, score = attention_parts(module)
     a = {k: attr_value(v) for k, v in att.attributes.items()}
     assert a["sym_name"] == p.name and a["dtype"] == p.dtype and a["scale"] == p.scale
     assert (a["heads_q"], a["heads_kv"], a["d_qk"], a["d_v"]) == (p.heads_q, p.heads_kv, p.d_qk, p.d_v)
@@ -170,6 +178,11 @@ def check_module(p: ir.Program, text: str) -> None:
         for s in p.score:
             want = eval_ir(s, {**env, "score": want}, data)
         np.testing.assert_equal(eval_block(score, env, data), want)
+        sink = sink_block(module)
+        assert (sink is None) == (p.sink is None)
+        if sink is not None:  # a region over b and h only
+            assert [arg.name_hint for arg in sink.args] == ["b", "h"]
+            np.testing.assert_equal(eval_block(sink, env, data), eval_ir(p.sink, env, data))
 
 
 # ---------------------------------------------------------------- tests

@@ -119,6 +119,19 @@ def _tile(q, K, V, desc_k, desc_v, kv_row0, s_kn, s_kd, s_vn, s_vd, start_n, m_i
 
 
 @triton.jit
+def _join_sink(m_i, l_i, acc, sink):
+    """The sink (natural units) as one more term of each row's denominator with no value
+    (attnc.compiler.sinks), into the row state (m in base-2 units): a row that saw nothing gets
+    m = sink, l = 1, acc = 0 (O = 0, LSE = sink); a sink of -inf leaves the row as it is; a NaN
+    or +inf sink makes l NaN, which marks the row."""
+    s2 = sink * LOG2E
+    m_new = tl.maximum(m_i, s2)
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.math.exp2(m_i - m_use)
+    return m_new, l_i * alpha + tl.math.exp2(s2 - m_use), acc * alpha[:, None]
+
+
+@triton.jit
 def _job(t, BH, Q_TILES, HEAD_GROUP: tl.constexpr):
     """The launch's t-th (query tile rank, request * query head): heads in groups of
     HEAD_GROUP, one group after another; within a group, every head's heaviest tile, then
@@ -152,8 +165,9 @@ def _attn_fwd(Q, K, V, O, LSE, desc_k, desc_v,
               VISIBLE: tl.constexpr, SCORE: tl.constexpr, HAS_SCORE: tl.constexpr, SCALE: tl.constexpr,
               H_Q: tl.constexpr, H_KV: tl.constexpr, GROUP: tl.constexpr,
               D_QK: tl.constexpr, D_V: tl.constexpr, D_QK_PAD: tl.constexpr, D_V_PAD: tl.constexpr,
-              DOT_PRECISION: tl.constexpr):
-    """One query tile of one (request, query head): the program's job in ``_job``'s order."""
+              DOT_PRECISION: tl.constexpr, HAS_SINK: tl.constexpr = False, SINK: tl.constexpr = None):
+    """One query tile of one (request, query head): the program's job in ``_job``'s order.  HAS_SINK:
+    the spec's sink (``SINK(b, h, TS)``, natural units) joins every row once after its keys."""
     rank, bh = _job(tl.program_id(0), BH, Q_TILES, HEAD_GROUP)
     pid_m, b, h, row = _tile_of(rank, bh, ORDER, PLAN_B, PLAN_H, Q_TILES, H_Q)
     kv_h = h // GROUP
@@ -208,6 +222,8 @@ def _attn_fwd(Q, K, V, O, LSE, desc_k, desc_v,
                                   qk_scale, UTS, UTE, LTS, LTE, TS, 1, True, False,
                                   MASK_FROM_INTERVALS, EVEN_N, USE_TMA, BLOCK_N, VISIBLE, SCORE, HAS_SCORE, SCALE,
                                   D_QK, D_V, D_QK_PAD, D_V_PAD, DOT_PRECISION)
+    if HAS_SINK:
+        m_i, l_i, acc = _join_sink(m_i, l_i, acc, SINK(b, h, TS))
     seen = (l_i > 0) | (l_i != l_i)  # NaN: a visible score was NaN or +inf; LSE NaN marks the row
     l_safe = tl.where(seen, l_i, 1.0)
     out = tl.where(seen[:, None], acc / l_safe[:, None], 0.0)

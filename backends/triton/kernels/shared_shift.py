@@ -90,9 +90,13 @@ def _shift_split(Q, K, V, P_N, P_L, P_VALID, P_GUARD,
 
 
 @triton.jit
-def _shift_combine(P_N, P_L, P_VALID, P_GUARD, NEED, O, LSE, s_ot, s_oh, s_od, S_CAP, phi,
-                   SPLITS_PAD: tl.constexpr, H_Q: tl.constexpr, D_V: tl.constexpr, D_V_PAD: tl.constexpr):
-    """Add the S_cap shared-frame states of one (packed query row, query head): sums only."""
+def _shift_combine(P_N, P_L, P_VALID, P_GUARD, NEED, O, LSE, s_ot, s_oh, s_od, S_CAP, phi, SINKS, lower, upper,
+                   SPLITS_PAD: tl.constexpr, H_Q: tl.constexpr, D_V: tl.constexpr, D_V_PAD: tl.constexpr,
+                   HAS_SINK: tl.constexpr = False):
+    """Add the S_cap shared-frame states of one (packed query row, query head): sums only.
+    HAS_SINK: the row's sink (SINKS, natural units) is one more term exp(sink - phi) of l, under
+    the guard: a sink with sink - phi outside (lower, upper) (NaN and +inf included; -inf is no
+    sink) marks the row for the fallback, whose combine joins it exactly."""
     rh = tl.program_id(0)
     row = rh // H_Q
     h = rh % H_Q
@@ -105,6 +109,11 @@ def _shift_combine(P_N, P_L, P_VALID, P_GUARD, NEED, O, LSE, s_ot, s_oh, s_od, S
     l = tl.sum(tl.load(P_L + state, mask=valid, other=0.0), 0)
     n = tl.sum(tl.load(P_N + state[:, None] * D_V + offs_dv[None, :], mask=valid[:, None] & (offs_dv[None, :] < D_V),
                        other=0.0), 0)
+    if HAS_SINK:
+        d = tl.load(SINKS + rh) - phi
+        inside = (d > lower) & (d < upper)
+        l = l + tl.where(inside, tl.exp(tl.where(inside, d, 0.0)), 0.0)  # noqa: E741
+        tripped = tl.maximum(tripped, tl.where(inside | (d == float("-inf")), 0, 1))
     seen = l > 0
     l_safe = tl.where(seen, l, 1.0)
     out = tl.where(seen, n / l_safe, 0.0)
@@ -154,10 +163,10 @@ def _fallback_split(NEED, Q, K, V, P_O, P_M, P_L, P_VALID,
 
 
 @triton.jit
-def _fallback_combine(NEED, P_O, P_M, P_L, P_VALID, O, LSE, s_ot, s_oh, s_od, S_CAP,
+def _fallback_combine(NEED, P_O, P_M, P_L, P_VALID, O, LSE, s_ot, s_oh, s_od, S_CAP, SINKS,
                       ABI_MLU: tl.constexpr, SPLITS_PAD: tl.constexpr, H_Q: tl.constexpr, D_V: tl.constexpr,
-                      D_V_PAD: tl.constexpr):
+                      D_V_PAD: tl.constexpr, HAS_SINK: tl.constexpr = False):
     """``split._combine`` of the (m, l, u) states, only where NEED marks the (row, head)."""
     if tl.load(NEED + tl.program_id(0)) != 0:
-        split._combine(P_O, P_M, P_L, P_VALID, O, LSE, s_ot, s_oh, s_od, S_CAP, ABI_MLU, SPLITS_PAD, H_Q, D_V,
-                       D_V_PAD)
+        split._combine(P_O, P_M, P_L, P_VALID, O, LSE, s_ot, s_oh, s_od, S_CAP, SINKS, ABI_MLU, SPLITS_PAD, H_Q, D_V,
+                       D_V_PAD, HAS_SINK)

@@ -147,12 +147,14 @@ def _decode_split(Q, K, V, P_O, P_M, P_L, P_VALID,
 
 
 @triton.jit
-def _combine(P_O, P_M, P_L, P_VALID, O, LSE, s_ot, s_oh, s_od, S_CAP,
+def _combine(P_O, P_M, P_L, P_VALID, O, LSE, s_ot, s_oh, s_od, S_CAP, SINKS,
              ABI_MLU: tl.constexpr, SPLITS_PAD: tl.constexpr, H_Q: tl.constexpr, D_V: tl.constexpr,
-             D_V_PAD: tl.constexpr):
+             D_V_PAD: tl.constexpr, HAS_SINK: tl.constexpr = False):
     """Merge the S_cap partial states of one (packed query row, query head), SPLITS_PAD slots at
     a time (one pass when S_cap <= SPLITS_PAD, every launch the untuned rule makes): each chunk
-    moves the sums to the running maximum (a factor exp(-inf) = 0 while nothing was valid)."""
+    moves the sums to the running maximum (a factor exp(-inf) = 0 while nothing was valid).
+    HAS_SINK: the row's sink (SINKS [total_q * H_Q], natural units, ``_sink_rows``) joins once,
+    after every split: one more term of the denominator with no value (attnc.compiler.sinks)."""
     rh = tl.program_id(0)
     row = rh // H_Q
     h = rh % H_Q
@@ -183,6 +185,15 @@ def _combine(P_O, P_M, P_L, P_VALID, O, LSE, s_ot, s_oh, s_od, S_CAP,
         poisoned = poisoned | (tl.max(marked.to(tl.int32), 0) > 0)
         numer = numer * rescale + tl.sum(w[:, None] * part, 0)
         m_ref = m_new
+    if HAS_SINK:  # a row that saw nothing: O = 0, LSE = sink; -inf: no sink; NaN or +inf marks the row
+        sink = tl.load(SINKS + rh)
+        m_new = tl.maximum(m_ref, sink)
+        m_use = tl.where(m_new > float("-inf"), m_new, 0.0)
+        rescale = tl.exp(m_ref - m_use)
+        denom = denom * rescale + tl.exp(sink - m_use)
+        numer = numer * rescale
+        poisoned = poisoned | (sink != sink) | (sink == float("inf"))
+        m_ref = m_new
     any_valid = m_ref > float("-inf")
     m_ref = tl.where(any_valid, m_ref, 0.0)
     d_safe = tl.where(any_valid, denom, 1.0)
@@ -190,3 +201,14 @@ def _combine(P_O, P_M, P_L, P_VALID, O, LSE, s_ot, s_oh, s_od, S_CAP,
     lse = tl.where(poisoned, float("nan"), tl.where(any_valid, m_ref + tl.log(d_safe), float("-inf")))
     tl.store(O + row * s_ot + h * s_oh + offs_dv * s_od, out.to(O.dtype.element_ty), mask=offs_dv < D_V)
     tl.store(LSE + rh, lse)
+
+
+@triton.jit
+def _sink_rows(OUT, QO_INDPTR, TS, SINK: tl.constexpr, H_Q: tl.constexpr, H_PAD: tl.constexpr):
+    """The sink of every packed query row and query head, OUT [total_q * H_Q] float32: request b
+    (this program) writes SINK(b, h, TS) to its rows qo_indptr[b]:qo_indptr[b + 1]."""
+    b = tl.program_id(0)
+    h = tl.arange(0, H_PAD)
+    sink = SINK(b, h, TS) + tl.zeros([H_PAD], tl.float32)
+    for r in range(tl.load(QO_INDPTR + b), tl.load(QO_INDPTR + b + 1)):
+        tl.store(OUT + r * H_Q + h, sink, mask=h < H_Q)
