@@ -34,8 +34,12 @@ from .device import interpreted
 from .emit import Source, emit
 from .prefill_calls import PrefillCalls
 
-CHECK_FINITE_VAR = "ATTNC_CHECK_FINITE"  # "1": GPU calls check their rows at the call (a host sync each); "0": no mark
+from .kernels.numerics import _mark_nan
+from .launch import Launcher
 from .split_calls import SplitCalls
+
+CHECK_FINITE_VAR = "ATTNC_CHECK_FINITE"  # "1": GPU calls check their rows at the call (a host sync each); "0": no mark
+_MARK_BLOCK = 1024
 
 
 class Kernel(PrefillCalls, BackwardCalls, SplitCalls):
@@ -60,7 +64,8 @@ class Kernel(PrefillCalls, BackwardCalls, SplitCalls):
                             f"({ir.format_expr(program.sink)} reads a tensor element chosen by a tensor's value); "
                             "use the numpy backend")
         self._bound: dict = {}
-        self._nonfinite: dict = {}  # device -> bool flag: a call marked a non-finite row (_mark_rows)
+        self._nonfinite: dict = {}  # device -> int32 flag: a call marked a non-finite row (_mark_rows)
+        self._mark = None  # the marking launch (kernels.numerics._mark_nan), made at the first GPU mark
         self._splits: dict = {}
         self._torch = torch
         self._dtype = getattr(torch, TORCH_DTYPES[program.dtype])
@@ -132,12 +137,19 @@ class Kernel(PrefillCalls, BackwardCalls, SplitCalls):
                                 sink=self.program.sink is not None)
 
     def _mark_rows(self, lse) -> None:
-        """flag |= any(LSE is NaN), on lse's device and stream (no host sync)."""
+        """flag = 1 where any LSE is NaN, on lse's device and stream: one launch (``kernels.numerics``),
+        no host sync."""
         key = str(lse.device)
         flag = self._nonfinite.get(key)
         if flag is None:
-            flag = self._nonfinite[key] = self._torch.zeros((), dtype=self._torch.bool, device=lse.device)
-        flag.logical_or_(lse.isnan().any())
+            flag = self._nonfinite[key] = self._torch.zeros(1, dtype=self._torch.int32, device=lse.device)
+        n = lse.numel()
+        if n:
+            lse = lse if lse.is_contiguous() else lse.contiguous()
+            if self._mark is None:
+                self._mark = Launcher(_mark_nan, dict(BLOCK=_MARK_BLOCK), num_warps=4)
+            key = ("mark", lse.data_ptr() % 16 == 0, n % 16 == 0, n == 1)  # (what Triton specializes on)
+            self._mark.launch(((n + _MARK_BLOCK - 1) // _MARK_BLOCK,), (lse, flag, n), key)
 
     def check_numerics(self) -> None:
         """Raise (and clear) what GPU calls since the last check marked without a host sync: a
@@ -145,7 +157,7 @@ class Kernel(PrefillCalls, BackwardCalls, SplitCalls):
         those calls (one host sync).  ATTNC_CHECK_FINITE=1 checks every call instead, naming the
         call's first such row."""
         for key, flag in self._nonfinite.items():
-            if bool(flag):
+            if bool(flag.any()):
                 flag.zero_()
                 raise PlanError(f"a call of '{self.program.name}' on {key} since the last check had NaN or +inf "
                                 "at a visible key (NaN or inf in q or K, a scale that overflows q.k, or the "
