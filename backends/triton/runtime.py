@@ -16,6 +16,7 @@ set before triton is imported; the tests do).
 from __future__ import annotations
 
 import os
+import threading
 
 import numpy as np
 
@@ -66,6 +67,7 @@ class Kernel(PrefillCalls, BackwardCalls, SplitCalls):
         self._bound: dict = {}
         self._nonfinite: dict = {}  # device -> int32 flag: a call marked a non-finite row (_mark_rows)
         self._mark = None  # the marking launch (kernels.numerics._mark_nan), made at the first GPU mark
+        self._at_call = threading.local()  # .on: this thread's call returns host arrays (numpy in): check now
         self._splits: dict = {}
         self._torch = torch
         self._dtype = getattr(torch, TORCH_DTYPES[program.dtype])
@@ -119,13 +121,15 @@ class Kernel(PrefillCalls, BackwardCalls, SplitCalls):
         marks the kernel's device flag, asynchronously (a reduction over LSE, no host sync), and
         :meth:`check_numerics` raises it.  While a CUDA graph is captured the marking is captured
         (each replay marks) once an uncaptured call made the flag; DecodeGraph checks after each
-        replay."""
+        replay.  A call given numpy arrays copies its rows back to the host anyway: it checks at the
+        call (``_at_call``), as the CPU does."""
         torch = self._torch
         if lse.is_cuda and torch.cuda.is_current_stream_capturing():
             if str(lse.device) in self._nonfinite:  # (the flag is made by an uncaptured call, not in the graph's pool)
                 self._mark_rows(lse)
             return
-        if lse.is_cuda and not (self._scores_may_fail or os.environ.get(CHECK_FINITE_VAR) == "1"):
+        if lse.is_cuda and not (self._scores_may_fail or os.environ.get(CHECK_FINITE_VAR) == "1"
+                                or getattr(self._at_call, "on", False)):
             if os.environ.get(CHECK_FINITE_VAR) != "0":  # "0": GPU calls neither check nor mark
                 self._mark_rows(lse)
             return
