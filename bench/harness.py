@@ -496,7 +496,8 @@ def _run_case(case: PrefillCase, rows: Rows, env: dict, seed: int, flex_modes, s
         attn(*args, **tensors, **extra)
         torch.cuda.synchronize()
         first_ms = (time.perf_counter() - t0) * 1e3
-        backend, kernel = attn._kernel_for(*args, tensors, None)
+        be, kernel = attn._kernel_for(*args, tensors, None)
+        backend = be.name
     except Exception as e:  # noqa: BLE001
         _error_row(rows, {**record, "impl": "attnc_call"}, f"{label} attnc_call", e)
         return

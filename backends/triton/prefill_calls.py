@@ -293,8 +293,12 @@ class PrefillCalls:
         if self.program.cache.layout is ir.Layout.BSHD:  # validate gave bhsd; the call takes the spec's layout
             q_t, k_t, v_t = (x.transpose(1, 2) for x in (q_t, k_t, v_t))
         ts = {n: device_tensor(t, dev, n) for n, t in call.tensors.items()}
-        o, lse = self._call_slow(q_t, k_t, v_t, ts, plan, options) if plan is not None or any(
-            v is not None for v in options.values()) else self(q_t, k_t, v_t, return_lse=True, **ts)
+        self._at_call.on = True  # (the rows come back to the host: non-finite rows raise at the call)
+        try:
+            o, lse = self._call_slow(q_t, k_t, v_t, ts, plan, options) if plan is not None or any(
+                v is not None for v in options.values()) else self(q_t, k_t, v_t, return_lse=True, **ts)
+        finally:
+            self._at_call.on = False
         o = o.float().cpu().numpy()
         lse = lse.cpu().numpy()
         return (o, lse) if return_lse else o

@@ -16,6 +16,7 @@ set before triton is imported; the tests do).
 from __future__ import annotations
 
 import os
+import threading
 
 import numpy as np
 
@@ -34,8 +35,12 @@ from .device import interpreted
 from .emit import Source, emit
 from .prefill_calls import PrefillCalls
 
-CHECK_FINITE_VAR = "ATTNC_CHECK_FINITE"  # "1": GPU calls check their rows at the call (a host sync each); "0": no mark
+from .kernels.numerics import _mark_nan
+from .launch import Launcher
 from .split_calls import SplitCalls
+
+CHECK_FINITE_VAR = "ATTNC_CHECK_FINITE"  # "1": GPU calls check their rows at the call (a host sync each); "0": no mark
+_MARK_BLOCK = 1024
 
 
 class Kernel(PrefillCalls, BackwardCalls, SplitCalls):
@@ -60,7 +65,9 @@ class Kernel(PrefillCalls, BackwardCalls, SplitCalls):
                             f"({ir.format_expr(program.sink)} reads a tensor element chosen by a tensor's value); "
                             "use the numpy backend")
         self._bound: dict = {}
-        self._nonfinite: dict = {}  # device -> bool flag: a call marked a non-finite row (_mark_rows)
+        self._nonfinite: dict = {}  # device -> int32 flag: a call marked a non-finite row (_mark_rows)
+        self._mark = None  # the marking launch (kernels.numerics._mark_nan), made at the first GPU mark
+        self._at_call = threading.local()  # .on: this thread's call returns host arrays (numpy in): check now
         self._splits: dict = {}
         self._torch = torch
         self._dtype = getattr(torch, TORCH_DTYPES[program.dtype])
@@ -114,13 +121,15 @@ class Kernel(PrefillCalls, BackwardCalls, SplitCalls):
         marks the kernel's device flag, asynchronously (a reduction over LSE, no host sync), and
         :meth:`check_numerics` raises it.  While a CUDA graph is captured the marking is captured
         (each replay marks) once an uncaptured call made the flag; DecodeGraph checks after each
-        replay."""
+        replay.  A call given numpy arrays copies its rows back to the host anyway: it checks at the
+        call (``_at_call``), as the CPU does."""
         torch = self._torch
         if lse.is_cuda and torch.cuda.is_current_stream_capturing():
             if str(lse.device) in self._nonfinite:  # (the flag is made by an uncaptured call, not in the graph's pool)
                 self._mark_rows(lse)
             return
-        if lse.is_cuda and not (self._scores_may_fail or os.environ.get(CHECK_FINITE_VAR) == "1"):
+        if lse.is_cuda and not (self._scores_may_fail or os.environ.get(CHECK_FINITE_VAR) == "1"
+                                or getattr(self._at_call, "on", False)):
             if os.environ.get(CHECK_FINITE_VAR) != "0":  # "0": GPU calls neither check nor mark
                 self._mark_rows(lse)
             return
@@ -132,12 +141,19 @@ class Kernel(PrefillCalls, BackwardCalls, SplitCalls):
                                 sink=self.program.sink is not None)
 
     def _mark_rows(self, lse) -> None:
-        """flag |= any(LSE is NaN), on lse's device and stream (no host sync)."""
+        """flag = 1 where any LSE is NaN, on lse's device and stream: one launch (``kernels.numerics``),
+        no host sync."""
         key = str(lse.device)
         flag = self._nonfinite.get(key)
         if flag is None:
-            flag = self._nonfinite[key] = self._torch.zeros((), dtype=self._torch.bool, device=lse.device)
-        flag.logical_or_(lse.isnan().any())
+            flag = self._nonfinite[key] = self._torch.zeros(1, dtype=self._torch.int32, device=lse.device)
+        n = lse.numel()
+        if n:
+            lse = lse if lse.is_contiguous() else lse.contiguous()
+            if self._mark is None:
+                self._mark = Launcher(_mark_nan, dict(BLOCK=_MARK_BLOCK), num_warps=4)
+            key = ("mark", lse.data_ptr() % 16 == 0, n % 16 == 0, n == 1)  # (what Triton specializes on)
+            self._mark.launch(((n + _MARK_BLOCK - 1) // _MARK_BLOCK,), (lse, flag, n), key)
 
     def check_numerics(self) -> None:
         """Raise (and clear) what GPU calls since the last check marked without a host sync: a
@@ -145,7 +161,7 @@ class Kernel(PrefillCalls, BackwardCalls, SplitCalls):
         those calls (one host sync).  ATTNC_CHECK_FINITE=1 checks every call instead, naming the
         call's first such row."""
         for key, flag in self._nonfinite.items():
-            if bool(flag):
+            if bool(flag.any()):
                 flag.zero_()
                 raise PlanError(f"a call of '{self.program.name}' on {key} since the last check had NaN or +inf "
                                 "at a visible key (NaN or inf in q or K, a scale that overflows q.k, or the "

@@ -215,7 +215,11 @@ class SplitCalls:
         q_t = on_device(q)
         bound = self._bind_split(plan, dev, k_cache, v_cache, tensors, num_warps, num_stages)
         o, lse = self._launch_split(bound, q_t, k_cache, v_cache)
-        self._check_scores(lse, plan=bound.plan)
+        self._at_call.on = from_numpy  # (numpy in: the rows come back to the host, checked at the call)
+        try:
+            self._check_scores(lse, plan=bound.plan)
+        finally:
+            self._at_call.on = False
         if cache_key is not None:
             P.PLANS.put(cache_key, bound, P.nbytes_of(bound.arrays), cache_objects)
         o = o.to(self._dtype) if carry != self._dtype else o

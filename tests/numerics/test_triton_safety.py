@@ -126,3 +126,10 @@ def test_gpu_calls_mark_a_device_flag_that_check_numerics_raises():
     with pytest.raises(PlanError, match="since the last check had NaN or \\+inf at a visible key"):
         kernel.check_numerics()
     kernel.check_numerics()  # cleared
+    far = torch.zeros(2, 3, 417)  # one launch over several blocks: a NaN in the last one is marked
+    kernel._mark_rows(far)
+    kernel.check_numerics()
+    far[1, 2, 416] = float("nan")
+    kernel._mark_rows(far)
+    with pytest.raises(PlanError):
+        kernel.check_numerics()

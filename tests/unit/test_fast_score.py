@@ -51,7 +51,7 @@ def test_regrouping_and_the_rules_that_keep_it_exact():
         "score + (k - q - h)": "(_f32_small(k) - ((q + h)).to(tl.float32))",
         "score + (q - k - q - q + k - k)": "((0.0 - _f32_small(q)) - _f32_small(k))",  # like terms collected
         "score - 0.5 * abs(q - k)": "tl.abs((_f32_small(q) - _f32_small(k)))",
-        "score + min(q - k, 100)": "tl.minimum((_f32_small(q) - _f32_small(k)), 100.0)",
+        "score + min(q - k, 100)": "tl.minimum((_f32_small(q) - _f32_small(k)), 100.0, propagate_nan=tl.PropagateNan.ALL)",
         "score + where(q > k, q, k)": "tl.where((q > k), _f32_small(q), _f32_small(k))",
         "score - (q // 64 - k // 64)": "(_f32_small(_floordiv(q, 64)) - _f32_small(_floordiv(k, 64)))",
         "score + -(q - k)": "(_f32_small(k) - _f32_small(q))",
