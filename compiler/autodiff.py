@@ -21,6 +21,7 @@ derivative 0, and so has ``cast_f32`` of an integer):
 ``where(c, a, b)`` ``where(c, da, db)``: the derivative of the branch taken
 ``min(a, b)``      ``where(a < b, da, where(a == b, 0.5 * (da + db), db))``; ``max`` with ``>``
 ``abs(a)``         ``where(a > 0, da, where(a < 0, -da, 0))`` (``sign(0) = 0``)
+``sign(a)``        0 (piecewise constant, as torch's ``sign``)
 ``exp(a)``         ``da * exp(a)``
 ``log(a)``         ``da / a``
 ``sqrt(a)``        ``da / (2 * sqrt(a))``
@@ -132,6 +133,8 @@ def _call_rule(e: ir.Call, da: list[ir.Expr]) -> ir.Expr:
             return da[0]
         first = ir.Compare("lt" if e.fn == "min" else "gt", a, b)
         return select(first, da[0], select(ir.Compare("eq", a, b), mul(HALF, add(da[0], da[1])), da[1]))
+    if e.fn == "sign":  # piecewise constant: 0 everywhere (torch's rule, at 0 too)
+        return ZERO
     if e.fn == "abs":
         return select(ir.Compare("gt", x, ZERO), da[0], select(ir.Compare("lt", x, ZERO), neg(da[0]), ZERO))
     if e.fn == "exp":

@@ -17,6 +17,7 @@ from .errors import DiagnosticSink, Span
 from .policies import MAX_SIZE, POLICIES, POSITIONAL_OK, Param  # noqa: F401  (Param: the table's, re-exported)
 from .ir import BOOL, F32, I32, Type
 from .scalar import FLT_MAX, float_floordiv, float_mod, int_floordiv, int_mod
+from .scalar import CALLS as scalar_calls
 from .scalar import f32 as fold_f32
 
 DTYPES = ("f16", "bf16", "f32")
@@ -527,7 +528,7 @@ class Checker:
             if ctx == "score":
                 return F32
             where = {"mask": "the mask", "scale": "scale", "index": "a subscript", "sink": "the sink"}[ctx]
-            notes = () if ctx == "sink" else ("a mask decides visibility before scores exist (M4.5 §0x05C)",)
+            notes = () if ctx == "sink" else ("a mask decides visibility before scores exist",)
             self.error(f"'score' is not available in {where}; it exists only in score statements", e.span, *notes)
             return None
         if e.id == "causal":
@@ -739,9 +740,7 @@ def _ast_children(e: ast.Expr) -> tuple[ast.Expr, ...]:
     return ()
 
 
-_CONST_FNS = {"sqrt": math.sqrt, "exp": math.exp, "log": math.log, "tanh": math.tanh, "abs": abs,
-              "min": min, "max": max, "softcap": lambda x, cap: cap * math.tanh(x / cap),
-              "erf": math.erf, "sin": math.sin, "cos": math.cos}
+_CONST_FNS = {**scalar_calls, "softcap": lambda x, cap: cap * math.tanh(x / cap)}
 _CONST_COMPARE = {"==": lambda a, b: a == b, "!=": lambda a, b: a != b, "<": lambda a, b: a < b,
                   "<=": lambda a, b: a <= b, ">": lambda a, b: a > b, ">=": lambda a, b: a >= b}
 

@@ -647,8 +647,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("dispatch", parents=[shape], help="the dispatch key of a call, every backend's admission "
                                         "and the selection (or every reason there is none)",
                        description="Freeze the dispatch key of the call in CALL.json (B, S_q, S_k per "
-                                   "request, device, phase, graph_mode, ...: M4.5 §0x07A names or the "
-                                   "seed's teaching names) against the spec, check its semantics, and "
+                                   "request, device, phase, graph_mode, ...; the README's \"The command line\" has an "
+                                   "example) against the spec, check its semantics, and "
                                    "apply the policy: auto takes the first eligible backend by priority, "
                                    "--force fails closed.  Exit 1 when no backend is selected.")
     p.add_argument("spec")

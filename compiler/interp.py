@@ -59,8 +59,8 @@ ARITH = {
     "mod": mod, "bitand": np.bitwise_and, "bitor": np.bitwise_or, "bitxor": np.bitwise_xor,
     "shl": np.left_shift, "shr": np.right_shift, "and": np.logical_and, "or": np.logical_or,
 }
-CALL = {"min": np.minimum, "max": np.maximum, "abs": np.abs, "exp": np.exp, "log": np.log,
-        "sqrt": np.sqrt, "tanh": np.tanh, "erf": erf, "sin": np.sin, "cos": np.cos}
+CALL = {"min": np.minimum, "max": np.maximum, "abs": np.abs, "sign": np.sign, "exp": np.exp, "log": np.log,
+        "sqrt": np.sqrt, "tanh": np.tanh, "erf": erf, "sin": np.sin, "cos": np.cos}  # keyed by ir.CALL_FNS
 
 
 def load(name: str, array: np.ndarray, index: tuple, care=None) -> np.ndarray:

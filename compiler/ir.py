@@ -43,8 +43,14 @@ LOGIC_OPS = ("and", "or")
 BINARY_OPS = ARITH_OPS + BIT_OPS + LOGIC_OPS
 COMPARE_OPS = ("eq", "ne", "lt", "le", "gt", "ge")
 UNARY_OPS = ("neg", "not", "cast_f32", "cast_i64")
-CALL_FNS = {  # name -> arity; result type: min/max/abs keep the operand type, the rest are f32
-    "min": 2, "max": 2, "abs": 1, "exp": 1, "log": 1, "sqrt": 1, "tanh": 1, "erf": 1, "sin": 1, "cos": 1,
+# The language's functions: name -> arity.  The result type: FLOAT_FNS give f32, the others keep
+# the (promoted) operand type.  Every table that computes or prints a call is keyed by this one
+# (scalar.CALLS, interp.CALL, each backend's emit table; ranges and autodiff have a rule per name),
+# and tests/unit/test_functions.py fails when one of them lacks a function: adding a function is
+# the checklist in docs/ARCHITECTURE.md ("How to add a mask or score function").
+CALL_FNS = {
+    "min": 2, "max": 2, "abs": 1, "sign": 1, "exp": 1, "log": 1, "sqrt": 1, "tanh": 1, "erf": 1, "sin": 1,
+    "cos": 1,
 }
 FLOAT_FNS = ("exp", "log", "sqrt", "tanh", "erf", "sin", "cos")
 POSITION_VARS = ("q", "k", "b", "h")

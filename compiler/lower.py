@@ -17,6 +17,7 @@ from .errors import SpecError
 from .frontend import parse, parse_file
 from .ir import BOOL, F32, I32, I64
 from .ranges import SHIFT_COUNT, IntRanges, fits
+from .scalar import CALLS as scalar_calls
 from .scalar import f32 as fold_f32
 from .scalar import float_floordiv, float_mod, int_floordiv, int_mod
 
@@ -245,8 +246,7 @@ _FOLD = {
 }
 _FOLD.update({"bitand": lambda a, b: a & b, "bitor": lambda a, b: a | b, "bitxor": lambda a, b: a ^ b,
               "shl": lambda a, b: a << b, "shr": lambda a, b: a >> b})
-_FOLD_CALL = {"min": min, "max": max, "abs": abs, "exp": math.exp, "log": math.log, "sqrt": math.sqrt,
-              "tanh": math.tanh, "erf": math.erf, "sin": math.sin, "cos": math.cos}
+_FOLD_CALL = scalar_calls
 
 
 def _typed(value, t: ir.Type) -> ir.Const:

@@ -97,6 +97,10 @@ class IntRanges:
 
 
 def _call_range(fn: str, args: list[Range]) -> Range:
+    """The range of an integer call (the functions of ir.CALL_FNS outside FLOAT_FNS)."""
+    if fn == "sign":
+        (lo, hi), = args
+        return (-1 if lo < 0 else 0 if lo == 0 else 1), (1 if hi > 0 else 0 if hi == 0 else -1)
     if fn == "abs":
         (lo, hi), = args
         if lo >= 0:
@@ -104,6 +108,8 @@ def _call_range(fn: str, args: list[Range]) -> Range:
         if hi <= 0:
             return -hi, -lo
         return 0, max(-lo, hi)
+    if fn not in ("min", "max"):
+        raise TypeError(f"no integer range rule for {fn}")
     (a, b), (c, d) = args
     return (min(a, c), min(b, d)) if fn == "min" else (max(a, c), max(b, d))
 
@@ -278,9 +284,13 @@ def _float(e: ir.Expr, f, ints: IntRanges, score: _F) -> _F:
             else:
                 hi = fn(max(x.hi, 0.0))
             return _F(lo, hi, nan or x.lo < 0)
+        if e.fn == "sign":  # NaN stays NaN
+            return _F(-1.0 if x.lo < 0 else 0.0 if x.lo == 0 else 1.0, 1.0 if x.hi > 0 else 0.0 if x.hi == 0 else -1.0, nan)
         if e.fn in ("tanh", "erf"):
             return _F(-1.0, 1.0, nan)
-        return _F(-1.0, 1.0, nan or math.isinf(x.lo) or math.isinf(x.hi))  # sin, cos: NaN at ±inf
+        if e.fn in ("sin", "cos"):
+            return _F(-1.0, 1.0, nan or math.isinf(x.lo) or math.isinf(x.hi))  # NaN at ±inf
+        raise TypeError(f"no float range rule for {e.fn}")
     if isinstance(e, ir.Compare):
         return _F(0, 1)
     raise TypeError(e)

@@ -35,3 +35,17 @@ def float_floordiv(a: float, b: float) -> float:
 
 def float_mod(a: float, b: float) -> float:
     return f32(a - f32(float_floordiv(a, b) * b))
+
+
+def sign(x):
+    """-1, 0 or 1 in x's type (an int for an int, a float for a float); sign(NaN) is NaN and
+    sign(-0.0) is 0.0, as numpy's ``np.sign``."""
+    if x != x:
+        return x
+    return type(x)((x > 0) - (x < 0))
+
+
+# The language's functions on Python scalars (ir.CALL_FNS's names), before the f32 rounding of
+# the result that the checker and the constant folder apply.
+CALLS = {"min": min, "max": max, "abs": abs, "sign": sign, "exp": math.exp, "log": math.log, "sqrt": math.sqrt,
+         "tanh": math.tanh, "erf": math.erf, "sin": math.sin, "cos": math.cos}

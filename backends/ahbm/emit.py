@@ -33,12 +33,17 @@ _TENSOR_VARS = frozenset({"h", "q", "k", "score"})
 _BINARY = {"add": "+", "sub": "-", "mul": "*", "div": "/", "bitand": "&", "bitor": "|", "bitxor": "^",
            "shl": "<<", "shr": ">>"}
 _COMPARE = {"eq": "==", "ne": "!=", "lt": "<", "le": "<=", "gt": ">", "ge": ">="}
-_TL_CALLS = {"min": "tl.minimum", "max": "tl.maximum", "abs": "tl.abs", "exp": "tl.exp",
-             "log": "tl.log", "sqrt": "tl.sqrt", "tanh": "tl.tanh", "erf": "tl.erf", "sin": "tl.sin",
-             "cos": "tl.cos"}
+# The language's functions (keyed by ir.CALL_FNS): a source template, {i} the i-th argument.  On
+# tensors, the simulator's `tl` operations (sim/tl.py: the machine has no sign instruction, so
+# sign is two selects; `x - x` is +0.0 for ±0 and NaN for NaN, as np.sign):
+_TL_CALLS = {"min": "tl.minimum({0}, {1})", "max": "tl.maximum({0}, {1})", "abs": "tl.abs({0})",
+             "sign": "tl.where({0} > 0, 1, tl.where({0} < 0, -1, {0} - {0}))", "exp": "tl.exp({0})",
+             "log": "tl.log({0})", "sqrt": "tl.sqrt({0})", "tanh": "tl.tanh({0})", "erf": "tl.erf({0})",
+             "sin": "tl.sin({0})", "cos": "tl.cos({0})"}
 # Python scalars (a value that depends on b only): integers exact, floats as np.float32 (f32)
-_PY_CALLS = {"min": "min", "max": "max", "abs": "abs", "exp": "np.exp", "log": "np.log",
-             "sqrt": "np.sqrt", "tanh": "np.tanh", "erf": "_erf", "sin": "np.sin", "cos": "np.cos"}
+_PY_CALLS = {"min": "min({0}, {1})", "max": "max({0}, {1})", "abs": "abs({0})", "sign": "np.sign({0})",
+             "exp": "np.exp({0})", "log": "np.log({0})", "sqrt": "np.sqrt({0})", "tanh": "np.tanh({0})",
+             "erf": "_erf({0})", "sin": "np.sin({0})", "cos": "np.cos({0})"}
 
 
 def stream_loads(exprs) -> tuple[ir.Load, ...]:
@@ -106,7 +111,7 @@ def tl_expr(e: ir.Expr, loads: tuple[ir.Load, ...]) -> str:
         return f"tl.where({c}, {a}, {b})" if tensor else f"({a} if {c} else {b})"
     if isinstance(e, ir.Call):
         table = _TL_CALLS if tensor else _PY_CALLS
-        return f"{table[e.fn]}({', '.join(sub)})"
+        return table[e.fn].format(*sub)
     raise TypeError(e)
 
 

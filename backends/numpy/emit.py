@@ -17,8 +17,11 @@ BLOCK_M, BLOCK_N = 16, 16
 _BINARY = {"add": "+", "sub": "-", "mul": "*", "div": "/", "bitand": "&", "bitor": "|", "bitxor": "^",
            "shl": "<<", "shr": ">>"}
 _COMPARE = {"eq": "==", "ne": "!=", "lt": "<", "le": "<=", "gt": ">", "ge": ">="}
-_CALLS = {"min": "np.minimum", "max": "np.maximum", "abs": "np.abs", "exp": "np.exp", "log": "np.log",
-          "sqrt": "np.sqrt", "tanh": "np.tanh", "erf": "_erf", "sin": "np.sin", "cos": "np.cos"}
+# The language's functions (keyed by ir.CALL_FNS): a source template, {i} the i-th argument.
+# ``_erf`` is compiler/interp.py's, printed into the module where it is used (language_helpers).
+_CALLS = {"min": "np.minimum({0}, {1})", "max": "np.maximum({0}, {1})", "abs": "np.abs({0})",
+          "sign": "np.sign({0})", "exp": "np.exp({0})", "log": "np.log({0})", "sqrt": "np.sqrt({0})",
+          "tanh": "np.tanh({0})", "erf": "_erf({0})", "sin": "np.sin({0})", "cos": "np.cos({0})"}
 
 
 class _Printer:
@@ -69,7 +72,7 @@ class _Printer:
             yes, no = (w, f"~{w}") if care == "None" else (f"({care} & {w})", f"({care} & ~{w})")
             return f"np.where(({w} := {rec(e.cond)}), {rec(e.if_true, yes)}, {rec(e.if_false, no)})"
         if isinstance(e, ir.Call):
-            return f"{_CALLS[e.fn]}({', '.join(rec(a) for a in e.args)})"
+            return _CALLS[e.fn].format(*(rec(a) for a in e.args))
         raise TypeError(e)
 
 

@@ -129,7 +129,7 @@ class Kernel:
                  return_lse=False, block_m: int | None = None, block_n: int | None = None,
                  stats: dict | None = None, occupancy=None, **keys):
         if cache is not None or lengths is not None:
-            raise InputError("pass the cache metadata by its DESIGN §5 keys (block_table=, kv_lens=, "
+            raise InputError("pass the cache metadata by its keys (README \"Serving\": block_table=, kv_lens=, "
                              "kv_indptr=, kv_indices=, kv_last_page_len=, q_lens=, ...), not cache=/lengths=")
         if inputs.is_split_call(self.program, keys) or isinstance(plan, SplitPlan):
             k_key, v_key = ("k_cache", "v_cache") if self.program.cache.kind is ir.CacheKind.PAGED else ("k", "v")

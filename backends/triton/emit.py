@@ -19,10 +19,18 @@ from attnc.backends.common import render
 _BINARY = {"add": "+", "sub": "-", "mul": "*", "and": "&", "or": "|", "bitand": "&", "bitor": "|", "bitxor": "^",
            "shl": "<<", "shr": ">>"}
 _COMPARE = {"eq": "==", "ne": "!=", "lt": "<", "le": "<=", "gt": ">", "ge": ">="}
-# sqrt and f32 division round correctly (as numpy's); exp, log, tanh, erf, sin, cos are the
-# device's (within a few ulp); f32 min and max propagate NaN (triton_expr), as np.minimum/np.maximum
-_CALLS = {"min": "tl.minimum", "max": "tl.maximum", "abs": "tl.abs", "exp": "tl.exp", "log": "tl.log",
-          "sqrt": "tl.math.sqrt_rn", "tanh": "_tanh", "erf": "tl.math.erf", "sin": "tl.sin", "cos": "tl.cos"}
+# The language's functions (keyed by ir.CALL_FNS): a source template, {i} the i-th argument; the
+# names starting with '_' are lang.py's (templates/triton/spec.py.j2 imports them).  sqrt and f32
+# division round correctly (as numpy's); exp, log, tanh, erf, sin, cos are the device's (within a
+# few ulp).  sign: -1, 0, 1 in the operand's type, NaN for NaN and +0.0 for -0.0 (x - x), as np.sign.
+_CALLS = {"min": "tl.minimum({0}, {1})", "max": "tl.maximum({0}, {1})", "abs": "tl.abs({0})",
+          "sign": "tl.where({0} > 0, 1, tl.where({0} < 0, -1, {0} - {0}))",
+          "exp": "tl.exp({0})", "log": "tl.log({0})", "sqrt": "tl.math.sqrt_rn({0})", "tanh": "_tanh({0})",
+          "erf": "tl.math.erf({0})", "sin": "tl.sin({0})", "cos": "tl.cos({0})"}
+# Calls whose f32 result takes another form: f32 min and max propagate NaN, as np.minimum and
+# np.maximum (max.NaN.f32); on integers the plain form above.
+F32_CALLS = {"min": "tl.minimum({0}, {1}, propagate_nan=tl.PropagateNan.ALL)",
+             "max": "tl.maximum({0}, {1}, propagate_nan=tl.PropagateNan.ALL)"}
 # Storage whose tolerance takes the GPU's tanh.approx.f32 (lang._tanh_approx): measured on the
 # H200, relative error at most 1.1e-5 (2**-16.5) over |x| <= 12, so about s * 1e-5 on a softcapped
 # score s, within f16's and bf16's tolerance on O at any cap, not within f32's (2e-5).  (The PTX
@@ -39,7 +47,7 @@ def tensor_names(program: ir.Program) -> dict[str, str]:
 
 def calls(dtype: str) -> dict[str, str]:
     """The functions a spec stored in ``dtype`` calls."""
-    return {**_CALLS, "tanh": "_tanh_approx"} if dtype in APPROX_TANH else _CALLS
+    return {**_CALLS, "tanh": "_tanh_approx({0})"} if dtype in APPROX_TANH else _CALLS
 
 
 def triton_expr(e: ir.Expr, names: dict[str, str] | None = None, functions: dict[str, str] = _CALLS,
@@ -84,10 +92,8 @@ def triton_expr(e: ir.Expr, names: dict[str, str] | None = None, functions: dict
     if isinstance(e, ir.Select):
         return f"tl.where({rec(e.cond)}, {rec(e.if_true)}, {rec(e.if_false)})"
     if isinstance(e, ir.Call):
-        args = ", ".join(rec(a) for a in e.args)
-        if e.fn in ("min", "max") and e.type is ir.F32:  # NaN wins, as numpy's np.maximum (max.NaN.f32)
-            return f"{functions[e.fn]}({args}, propagate_nan=tl.PropagateNan.ALL)"
-        return f"{functions[e.fn]}({args})"
+        template = F32_CALLS.get(e.fn) if e.type is ir.F32 else None
+        return (template or functions[e.fn]).format(*(rec(a) for a in e.args))
     raise TypeError(e)
 
 

@@ -97,3 +97,22 @@ def test_the_requests_lengths_in_the_kernels():
     o, lse = runtime.load(p).run(arrays, return_lse=True)
     ref = oracle.reference_cache(p, inputs.validate_cache(p, arrays))
     assert all(c.ok for c in numerics.compare_outputs("f32", np.asarray(o), np.asarray(lse), *ref))
+
+
+@pytest.mark.parametrize("fn", ["sign", "min", "erf"])
+def test_functions_in_the_kernels(fn):
+    """A function of the language on the Triton kernels, prefill and split (sign: the worked
+    example of docs/ARCHITECTURE.md; tests/unit/test_functions.py runs every function on the CPU
+    backends with the same spec bodies)."""
+    from tests.unit.test_functions import _uses
+    want, *got = prefill_and_split(_uses(fn), 7, 9, batch=2)
+    assert not isinstance(want, AttncError), want
+    assert_agree(want, *got)
+
+
+def test_sign_of_tensor_reads_in_the_kernels():
+    want, *got = prefill_and_split("tensor side: i32[b, s] ~ randint(-3, 3) tensor w: f32[h] ~ uniform(-1, 1) "
+                                   "mask = sign(side[b, q]) == sign(side[b, k]) | k == q "
+                                   "score = score + sign(w[h] - 0.0) * abs(q - k) * 0.125", 8, 8, batch=2)
+    assert not isinstance(want, AttncError), want
+    assert_agree(want, *got)

@@ -122,11 +122,15 @@ RULES = [  # every node kind and every function of ir.CALL_FNS, on score and on 
     "score / w[h, q, k]", "w[h, q, k] / (score * score + 1.0)", "score // 0.7", "score % 1.5",
     "w[h, q, k] % (score * score + 0.5)", "score // w[h, q, k] + score",
     "where(score > w[h, q, k], score * 2.0, 0.5 * score)", "where(q == k, score, w[h, q, k] * score)",
-    "min(score, w[h, q, k])", "max(score, 0.3)", "abs(score - 0.5)", "exp(score * w[h, q, k])",
+    "min(score, w[h, q, k])", "max(score, 0.3)", "abs(score - 0.5)", "score + sign(score - 0.5) * w[h, q, k]", "exp(score * w[h, q, k])",
     "log(score * score + w[h, q, k] * w[h, q, k])", "sqrt(score * score + 0.1)", "tanh(score * w[h, q, k])", "erf(score * w[h, q, k])", "sin(score * 0.7)", "cos(score - w[h, q, k])",
     "softcap(score, 30.0)", "score - slope[h] * (q - k)", "score * (q // 2) + k % 3",
     "score + w[h, q, k] * w[h, k, q]", "min(q, k) * score + max(q, 2) - abs(k - q)",
 ]
+
+
+def test_the_rules_cover_every_function():
+    assert [fn for fn in ir.CALL_FNS if f"{fn}(" not in " ".join(RULES)] == []
 
 
 @pytest.mark.parametrize("text", RULES)

@@ -98,7 +98,7 @@ ATOMS = ["max(0.0, sqrt(q - k - 3.0)) == 0.0", "min(sqrt(k - q + 1.0), 2.0) < 1.
          "doc[b, (q * 7) % 23] >= 1", "doc[b, (q * 7) % 5] >= 1", "doc[b, q // 2 * 3] == doc[b, k]",
          "doc[b, abs(q - 30)] > 0", "doc[b, abs(q - 6)] > 0", "doc[b, q << 1] > 0", "doc[b, max(q, k) + 1] > 0",
          "where(q > 0, doc[b, q - 1], 0) <= doc[b, k]", "k < 3 | doc[b, q + k] > 0", "flag[b, min(q, k)]",
-         "h >= 0.5", "h * 0.5 < w[h]"]
+         "h >= 0.5", "h * 0.5 < w[h]", "sign(w[h] - 0.5) == sign(q - 2 * k + 3)"]
 SCORES = ["max(score, sqrt(q - k - 3.0))", "score * 1e30", "min(score, w[h])", "score + doc[b, q ^ 1]",
           "exp(score * 100.0)", "where(q > 5, score + doc[b, q + 1], score)", "7.0", "w[h]"]
 

@@ -40,6 +40,10 @@ EVIL_HEADERS = ["heads = 0", "heads = 8 / 3", "heads = 99999999999", f"heads = {
                 "tensor r: i32[s] ~ randint(0, 99999999999)", "tensor c: f32[s] ~ const(1e39)",
                 "tensor g: i32[s] ~ segments(0, 5)", "heads = 4", "heads = 4", "head_dim = 16"]
 INT_OPS = ["+", "-", "*", "//", "%", "&", "|", "^"]
+# every function of the language (ir.CALL_FNS): those that can return integers on integer
+# operands, and every one-argument function on floats
+INT_FNS = sorted(fn for fn in ir.CALL_FNS if fn not in ir.FLOAT_FNS)
+UNARY_FNS = sorted(fn for fn, arity in ir.CALL_FNS.items() if arity == 1)
 
 
 @st.composite
@@ -54,7 +58,8 @@ def ints(draw, depth=0):
     if kind == 2:
         return f"({sub()} {draw(st.sampled_from(['<<', '>>']))} {draw(st.sampled_from(['0', '3', '31', '40']))})"
     if kind == 3:
-        return f"{draw(st.sampled_from(['abs', 'min', 'max']))}({sub()}" + (")" if draw(st.booleans()) else f", {sub()})")
+        fn = draw(st.sampled_from(INT_FNS))
+        return f"{fn}(" + ", ".join(sub() for _ in range(ir.CALL_FNS[fn])) + ")"
     if kind == 4:
         return f"where({draw(conds(depth + 1))}, {sub()}, {sub()})"
     return f"-{sub()}"
@@ -70,7 +75,7 @@ def floats(draw, depth=0, score=True):
     if kind <= 1:
         return f"({sub()} {draw(st.sampled_from(['+', '-', '*', '/', '//', '%']))} {sub()})"
     if kind == 2:
-        fn = draw(st.sampled_from(["exp", "log", "sqrt", "tanh", "erf", "sin", "cos", "abs"]))
+        fn = draw(st.sampled_from(UNARY_FNS))
         return f"{fn}({sub()})"
     if kind == 3:
         return f"softcap({sub()}, {draw(st.sampled_from(['20.0', '0.5', '50']))})"
