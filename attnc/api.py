@@ -108,6 +108,9 @@ class Attention:
                              + (" (float64 runs on the CPU only, on the numpy backend)" if q.is_cuda and
                                 str(q.dtype) == "torch.float64" else ""))
         if k.dtype != q.dtype or v.dtype != q.dtype:
+            if str(q.dtype) == _FP8:
+                from . import fp8
+                fp8.check_inputs(q, k, v)  # (FP8's own message: all three as float8_e4m3fn)
             raise InputError(f"inputs: q/k/v have dtypes {q.dtype}/{k.dtype}/{v.dtype}; K and V are stored in "
                              "the query dtype")
         return q.shape[h_ax], k.shape[h_ax], q.shape[3], v.shape[3], dtype

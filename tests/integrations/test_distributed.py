@@ -35,7 +35,7 @@ CASES = {  # name -> (spec, B, S, strategy)
     # a learned sink per head, added once per row after the blocks merge (padding rows: LSE = sink)
     "sinks": ("attention cp_sinks { heads = 4 / 2 head_dim = 8 dtype = f32 tensor doc: i32[b, s] "
               "tensor sinks: f32[h] mask = causal & doc[b, q] == doc[b, k] & doc[b, q] >= 0 sink = sinks[h] }",
-              1, 48, "even"),
+              1, 64, "even"),
 }
 BLOCK = 8
 
