@@ -53,7 +53,7 @@ class BackwardCalls:
             call_key = self._key(q, k, v, tensors)
             bind_key = ("backward", call_key, o.shape, o.stride(), do.shape, do.stride(), lse.shape,
                         o.data_ptr() % 16 == 0, do.data_ptr() % 16 == 0, None if dlse is None else dlse.shape,
-                        config, bool(want))
+                        config, bool(want), GB.DEFAULT)  # (the engine switch: flipping it re-chooses)
         except (NotImplementedError, RuntimeError, AttributeError):
             call_key = bind_key = None  # (e.g. a meta tensor has no address: the checks name what is wrong)
         hit = self._bound.get(bind_key) if bind_key is not None else None

@@ -43,6 +43,27 @@ CHECK_FINITE_VAR = "ATTNC_CHECK_FINITE"  # "1": GPU calls check their rows at th
 _MARK_BLOCK = 1024
 
 
+
+def _flag_outside_pools(torch, device):
+    """A zeroed int32[1] on ``device``, made on a thread of its own: during torch.compile's CUDA-graph
+    warm-up ("reduce-overhead") the calling thread's allocations go to the graphs' private pool, and
+    a flag that outlives the call there is an allocation the graphs did not make, which they refuse.
+    Once per device; the thread waits for the zeros before the calling stream reads them."""
+    made: list = []
+
+    def make():
+        try:
+            made.append(torch.zeros(1, dtype=torch.int32, device=device))
+            torch.cuda.synchronize(device)
+        except Exception as e:  # noqa: BLE001 (raised on the calling thread below)
+            made.append(e)
+    worker = threading.Thread(target=make, name="attnc-flag")
+    worker.start()
+    worker.join()
+    if isinstance(made[0], Exception):
+        raise made[0]
+    return made[0]
+
 class Kernel(PrefillCalls, BackwardCalls, SplitCalls):
     """A spec's kernel: its construction, plans and argument checks here; its calls in
     ``prefill_calls``, ``backward_calls`` and ``split_calls``."""
@@ -146,7 +167,7 @@ class Kernel(PrefillCalls, BackwardCalls, SplitCalls):
         key = str(lse.device)
         flag = self._nonfinite.get(key)
         if flag is None:
-            flag = self._nonfinite[key] = self._torch.zeros(1, dtype=self._torch.int32, device=lse.device)
+            flag = self._nonfinite[key] = _flag_outside_pools(self._torch, lse.device)
         n = lse.numel()
         if n:
             lse = lse if lse.is_contiguous() else lse.contiguous()

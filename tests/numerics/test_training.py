@@ -213,8 +213,9 @@ def test_backward_fake_declares_the_real_gradient_layout(backend):
         pytest.importorskip("triton")
     attn = attnc.compile(BIAS)
     gen = torch.Generator().manual_seed(7)
-    q, k, v = _fused(gen, s=6, d=4).permute(2, 0, 3, 1, 4)
-    bias = torch.randn(2, 6, 6, generator=gen)
+    dev = TRITON_DEVICE if backend == "triton" else "cpu"
+    q, k, v = _fused(gen, s=6, d=4).to(dev).permute(2, 0, 3, 1, 4)
+    bias = torch.randn(2, 6, 6, generator=gen).to(dev)
     o, lse = attn(q, k, v, bias=bias, return_lse=True, backend=backend)
     args = (attn.handle, q, k, v, o, lse, torch.randn_like(o), None, [bias], [0], backend)
     real = torch.ops.attnc.attention_backward(*args)

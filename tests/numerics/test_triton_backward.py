@@ -92,10 +92,10 @@ def test_gradient_of_lse_is_taken():
     got = kernel.backward(*(x.float() for x in (q, k, v)), o, lse, do.float().to(o.device), dlse.float().to(o.device))
     qq, kk, vv = (x.clone().requires_grad_() for x in (q, k, v))
     s = (qq @ kk.transpose(-1, -2)) / 4.0
-    s = s.masked_fill(torch.ones(17, 17, dtype=torch.bool).triu(1), float("-inf"))
-    (torch.softmax(s, -1) @ vv * do).sum().add_((torch.logsumexp(s, -1) * dlse).sum()).backward()
+    s = s.masked_fill(torch.ones(17, 17, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    (torch.softmax(s, -1) @ vv * do.to(s.device)).sum().add_((torch.logsumexp(s, -1) * dlse.to(s.device)).sum()).backward()
     for g, ref in zip(got, (qq.grad, kk.grad, vv.grad)):
-        assert numerics.compare_gradient("g", "f32", g.cpu().double().numpy(), ref.numpy()).ok
+        assert numerics.compare_gradient("g", "f32", g.cpu().double().numpy(), ref.cpu().numpy()).ok
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "f16"])

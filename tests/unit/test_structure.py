@@ -175,3 +175,40 @@ def test_the_plan_pipeline_runs_in_its_listed_order():
         assert set(step.reads) <= known, f"step {step.name} reads {sorted(set(step.reads) - known)} before it exists"
         assert step.name not in known, f"step {step.name} shadows an input or an earlier step"
         known.add(step.name)
+
+
+def _plain_globals(tree: ast.Module) -> set[str]:
+    """A kernel module's top-level names bound to plain Python values (not ``tl.constexpr(...)`` /
+    ``gl.constexpr(...)``): compiled Triton refuses to read them inside a jitted function, while
+    the interpreter the CPU tests run does not notice."""
+    out = set()
+    for node in tree.body:
+        if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
+            value = node.value
+            constexpr = (isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute)
+                         and value.func.attr == "constexpr")
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if not constexpr:
+                out |= {t.id for t in targets if isinstance(t, ast.Name)}
+    return out
+
+
+def test_kernels_read_no_plain_python_global():
+    """A @jit function reads module constants only as constexpr globals: Triton 3.6 on the H200
+    failed to compile the sink join (``sink * LOG2E``) that every interpreted test had run."""
+    folder = ROOT / "backends" / "triton" / "kernels"
+    bad, seen = [], 0
+    for path in sorted(folder.glob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        plain = _plain_globals(tree)
+        for node in tree.body:
+            if not isinstance(node, ast.FunctionDef):
+                continue
+            seen += 1
+            local = {a.arg for a in node.args.args + node.args.kwonlyargs}
+            local |= {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+            for n in ast.walk(node):
+                if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load) and n.id in plain - local:
+                    bad.append(f"{path.relative_to(ROOT)}:{n.lineno} {node.name} reads {n.id}")
+    assert seen >= 40
+    assert not bad, "plain globals inside kernels (make them tl.constexpr or pass them in):\n" + "\n".join(bad)

@@ -32,6 +32,7 @@ import triton.language as tl
 
 WALKS = {"blocks": 0, "runs": 1, "merged": 2, "merged_blocks": 3}
 LOG2E = 1.4426950408889634
+LOG2E_C = tl.constexpr(LOG2E)  # the same, readable inside a kernel (compiled Triton reads only constexpr globals)
 
 
 @triton.jit
@@ -124,7 +125,7 @@ def _join_sink(m_i, l_i, acc, sink):
     (attnc.compiler.sinks), into the row state (m in base-2 units): a row that saw nothing gets
     m = sink, l = 1, acc = 0 (O = 0, LSE = sink); a sink of -inf leaves the row as it is; a NaN
     or +inf sink makes l NaN, which marks the row."""
-    s2 = sink * LOG2E
+    s2 = sink * LOG2E_C
     m_new = tl.maximum(m_i, s2)
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.math.exp2(m_i - m_use)
