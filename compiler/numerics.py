@@ -140,3 +140,28 @@ def check_rows(lse, *, s_q: int | None = None, s_k: int | None = None, qo_indptr
         first = np.lexsort((qs, heads, reqs))[0]
         b, h, q = int(reqs[first]), int(heads[first]), int(qs[first])
     raise PlanError(nonfinite_message(b, h, q, sink))
+
+
+# ---------------------------------------------------------------- non-finite values
+def check_values(v, bshd: bool = False) -> None:
+    """V must be finite: a NaN or inf in a V row reaches the O of every row whose tiles read it
+    (hidden keys included, p = 0 times NaN is NaN), and which rows' tiles read it depends on the
+    backend's tiles, so a contiguous call checks the whole of V before it attends, on every backend
+    that has V on the host (numpy, AHBM, the oracle, Triton on the CPU; on a GPU only with
+    ATTNC_CHECK_FINITE=1, since it costs a pass over V and a host sync).  ``v`` is [B, H_kv, S_k,
+    d_v] (``bshd``: [B, S_k, H_kv, d_v]), numpy or torch.  Raises an InputError naming the first
+    such element in (b, h, k) order."""
+    from .errors import InputError
+    if hasattr(v, "isfinite"):  # torch: one reduction on the tensor's device (FP8 widened first)
+        if bool((v if v.element_size() > 1 else v.float()).isfinite().all()):
+            return
+        v = v.detach().float().cpu().numpy()
+    v = np.asarray(v)
+    bad = ~np.isfinite(v)
+    if not bad.any():
+        return
+    if bshd:
+        bad = bad.transpose(0, 2, 1, 3)
+    b, h, k, d = (int(x[0]) for x in np.nonzero(bad))
+    raise InputError(f"inputs: 'v' holds NaN or inf at (b={b}, h={h}, k={k}, d={d}): V must be finite (a NaN or "
+                     "inf would reach the output of every row whose tiles read that key)")

@@ -18,7 +18,7 @@ from attnc.compiler import ir, resources, sinks
 from attnc.compiler.autodiff import score_grad
 from attnc.compiler.errors import PlanError
 from attnc.compiler.interp import evaluate, load  # noqa: F401 (load: re-exported)
-from attnc.compiler.numerics import check_rows
+from attnc.compiler.numerics import check_rows, check_values
 from attnc.compiler.ranges import check_length
 
 def positions(batch: int, heads: int, s_q: int, s_k: int, q_offset: int | None = None,
@@ -64,6 +64,7 @@ def reference(program: ir.Program, q, k, v, tensors: dict | None = None, *, q_of
     q = np.asarray(q)
     batch, _, s_q, _ = q.shape
     s_k = np.asarray(k).shape[2]
+    check_values(v)
     env = positions(batch, program.heads_q, s_q, s_k, q_offset, k_offset, lengths)
     o, lse = _attend(program, q, k, v, env, tensors or {}, wide, sink)
     check_rows(lse, s_q=s_q, s_k=s_k, sink=sink and program.sink is not None)

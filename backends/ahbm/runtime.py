@@ -291,6 +291,7 @@ class Kernel:
             plan = make_plan(p, B, s_q, s_k, call.tensors, s_q if case == "decode" else bm,
                              1 if col_classes else bn)
         plan.check_call(p, B, s_q, s_k)
+        numerics.check_values(call.v)  # (bhsd after validate; after the plan's checks, as on every backend)
         want_n = 1 if col_classes else bn
         if plan.block_n != want_n or (plan.tiles.classes.shape[2] != 1 if case == "decode" else plan.block_m != bm):
             raise PlanError(f"ahbm {case} (N = {sp}) needs a plan with "

@@ -139,6 +139,7 @@ class Kernel:
         if plan is None:
             plan = self.plan(call.batch, call.s_q, call.s_k, call.tensors, block_m, block_n)
         plan.check_call(self.program, call.batch, call.s_q, call.s_k)
+        numerics.check_values(call.v)  # (bhsd after validate)
         fn = getattr(self.module, self.source.entry)
         try:
             o, lse = fn(np.asarray(q), np.asarray(k), np.asarray(v), plan=plan.kernel_args(),

@@ -158,6 +158,7 @@ class PrefillCalls:
         return out, lse
 
     def _run_launch(self, launch, qb, kb, vb, ts, ob, lse, key):
+        self._check_values(vb)  # (after the checks and the plan, as on numpy; vb is logical bhsd)
         try:
             launch(qb, kb, vb, ts, ob, lse, key)
         except Exception as e:  # the default may not fit a mask's extra loads: one stage fewer

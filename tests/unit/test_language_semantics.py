@@ -37,7 +37,13 @@ def outcome(fn):
 
 def run_all(p: ir.Program, s_q: int, s_k: int, batch: int = 1, seed: int = 0) -> dict:
     """Oracle, numpy (tiled and split programs) and AHBM on one call."""
-    arrays = inputs.sample(p, batch, s_q, s_k, seed=seed)
+    return run_all_arrays(p, inputs.sample(p, batch, s_q, s_k, seed=seed))
+
+
+def run_all_arrays(p: ir.Program, arrays: dict) -> dict:
+    """run_all on given inputs (q, k, v and the tensors, bhsd)."""
+    batch, _, s_q, _ = arrays["q"].shape
+    s_k = arrays["k"].shape[2]
     tensors = {t.name: arrays[t.name] for t in p.tensors}
     qkv = (arrays["q"], arrays["k"], arrays["v"])
 
@@ -175,6 +181,24 @@ NONFINITE = "the score program produced NaN or +inf at a visible key of query ro
 def test_a_non_finite_visible_score_is_one_named_error_on_every_backend(score):
     results = run_all(spec(f"mask = causal score = {score}"), 6, 6)
     assert isinstance(results["oracle"], PlanError) and NONFINITE in str(results["oracle"])
+    assert_agree(results)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_non_finite_v_is_one_located_error_on_every_contiguous_backend(bad):
+    """V must be finite (numerics.check_values): a NaN or inf would reach every row whose tiles read
+    its key, hidden ones too (P = 0 times NaN), which depends on each backend's tiles; so every
+    backend refuses it before attending, naming the first element, also at a key no row sees."""
+    from attnc.backends.triton import runtime as triton_runtime
+    torch = pytest.importorskip("torch")
+    p = spec("mask = causal & k != 2")
+    arrays = inputs.sample(p, 1, 6, 6, seed=0)
+    arrays["v"][0, 1, 2, 3] = bad  # key 2: hidden from every row
+    results = {n: r for n, r in run_all_arrays(p, arrays).items() if n != "numpy-split"}
+    results["triton"] = outcome(lambda: triton_runtime.load(p)(
+        *(torch.from_numpy(arrays[n]) for n in ("q", "k", "v")), return_lse=True))
+    want = "inputs: 'v' holds NaN or inf at (b=0, h=1, k=2, d=3): V must be finite"
+    assert all(want in str(r) for r in results.values()), results
     assert_agree(results)
 
 
