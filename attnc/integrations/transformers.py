@@ -24,7 +24,8 @@ sliding and full layers), shape-generic in heads, head dim and dtype:
   softmax denominator and carries no value (transformers' eager path appends it to the scores as
   one more column and drops that column after the softmax; the same). The parameter is passed as a
   float32 tensor, so under autograd its gradient (dSink) comes back through attnc's backward, cast
-  to the parameter's dtype. A gpt-oss model runs two specs, one per layer kind::
+  to the parameter's dtype. A gpt-oss model runs two specs, one per layer kind (``spec_text``, its
+  comments left out)::
 
       attention transformers {                 attention transformers {
           scale = 0.125                            scale = 0.125
