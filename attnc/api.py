@@ -79,6 +79,7 @@ class Attention:
         self._programs: dict = {}  # (H_q, H_kv, d_qk, d_v, dtype) -> concrete program
         self._kernels: dict = {}  # (backend, program digest) -> backend kernel
         self._routes: dict = {}  # call key -> (backend protocol object, kernel)
+        self._differentiable = None  # the tensors with a gradient (_check_grads), once asked
         self.handle = f"{program.name}-{ir.digest(program)[:16]}"
         with _LOCK:
             _HANDLES.setdefault(self.handle, self)
@@ -176,7 +177,10 @@ class Attention:
             self._check_tensors(tensors)
         if torch.is_grad_enabled() and (needs_grad or tensors and any(
                 getattr(tensors[n], "requires_grad", False) for n in self.tensor_names)):
-            self._check_grads(q, k, v, tensors, backend)
+            if not torch.compiler.is_compiling():  # (dispatch is host code dynamo does not trace: under
+                # torch.compile the backward checks the same when it runs, ``backward``)
+                self._check_grads(q, k, v, [n for n in self.tensor_names
+                                            if getattr(tensors[n], "requires_grad", False)], tensors, backend)
             listed = [tensors[n] for n in self.tensor_names]
             if _eager(torch, q, k, v):  # the same formula without the custom op's dispatch (host time)
                 o, lse = _EagerAttention.apply(self.handle, backend or "", q, k, v, *listed)
@@ -219,20 +223,21 @@ class Attention:
         o, lse = be.forward(kernel, *deq, tensors)
         return o.to(device=q.device, dtype=want), lse.to(q.device)
 
-    def _check_grads(self, q, k, v, tensors: dict, backend: str | None) -> None:
-        """Refuse, before the forward runs, a gradient the backward cannot give: of a tensor the score
-        program does not read as a float (masks, indices), or of a score tensor on a backend
-        without its gradient (Triton: tensors read at computed indices, ``score_grads.refusal``;
-        other backends: every score tensor)."""
-        asked = [n for n in self.tensor_names if getattr(tensors[n], "requires_grad", False)]
+    def _check_grads(self, q, k, v, asked, tensors: dict, backend: str | None) -> None:
+        """Refuse a gradient the backward cannot give, of the tensors named in ``asked``: of a tensor
+        the score program (or the sink) does not read as a float (masks, indices), or of a score
+        tensor on a backend without its gradient (Triton: tensors read at computed indices,
+        ``score_grads.refusal``; other backends: every score tensor).  Before the forward runs, and
+        again when the backward does (the only check under torch.compile)."""
         if not asked:
             return
-        from .compiler import sinks
-        from .compiler.autodiff import score_grad
-        differentiable = set(score_grad(self.program).tensors) if self.program.score else set()
-        differentiable |= set(sinks.tensors_read(self.program))
+        if self._differentiable is None:
+            from .compiler import sinks
+            from .compiler.autodiff import score_grad
+            names = set(score_grad(self.program).tensors) if self.program.score else set()
+            self._differentiable = frozenset(names | set(sinks.tensors_read(self.program)))
         for n in asked:
-            if n not in differentiable:
+            if n not in self._differentiable:
                 raise InputError(f"inputs: tensor '{n}' requires grad, but spec '{self.name}' has no gradient for it: "
                                  "only float tensors read by the score program or the sink are differentiable "
                                  "(masks and indices are not); pass it detached")
@@ -285,6 +290,7 @@ class Attention:
                  want: tuple[str, ...] = ()):
         """(dQ, dK, dV, {tensor: gradient} for the names in ``want``) of one call from its saved O
         and LSE, on the backend that ran its forward."""
+        self._check_grads(q, k, v, want, tensors, backend)
         be, kernel = self._kernel_for(q, k, v, tensors, backend)
         return require(be, "backward").backward(kernel, q, k, v, o, lse, do, dlse, tensors, want)
 

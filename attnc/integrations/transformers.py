@@ -17,8 +17,24 @@ sliding and full layers), shape-generic in heads, head dim and dtype:
   ``kv_idx > q_idx - sliding_window``;
 - **softcap** (the ``softcap`` keyword, Gemma-2's ``attn_logit_softcapping``):
   ``score = softcap(score, cap)`` on the scaled score, as transformers' eager path;
-- **scaling** (the ``scaling`` keyword: ``head_dim ** -0.5`` for Llama, Gemma-2's
+- **scaling** (the ``scaling`` keyword: ``head_dim ** -0.5`` for Llama and gpt-oss, Gemma-2's
   ``query_pre_attn_scalar ** -0.5``): ``scale = <the value>``, a constant in the spec;
+- **attention sinks** (the ``s_aux`` keyword: gpt-oss's ``module.sinks``, one learned logit per
+  query head): ``tensor sinks: f32[h]`` and ``sink = sinks[h]``, the logit that joins each row's
+  softmax denominator and carries no value (transformers' eager path appends it to the scores as
+  one more column and drops that column after the softmax; the same). The parameter is passed as a
+  float32 tensor, so under autograd its gradient (dSink) comes back through attnc's backward, cast
+  to the parameter's dtype. A gpt-oss model runs two specs, one per layer kind (``spec_text``, its
+  comments left out)::
+
+      attention transformers {                 attention transformers {
+          scale = 0.125                            scale = 0.125
+          tensor sinks: f32[h]                     tensor sinks: f32[h]
+          mask = causal & window(128)              mask = causal
+          sink = sinks[h]                          sink = sinks[h]
+      }                                        }
+
+  (``"sliding_attention"`` layers, left; ``"full_attention"`` layers, right);
 - **padding** (a 2D ``attention_mask`` with a padded token, e.g. batched generation with left
   padding): ``tensor pad: bool[b, s]`` and ``& pad[b, k]``, the key-padding mask transformers
   applies. The registered mask function hands the attention function that 2D mask (sliced to the
@@ -37,13 +53,13 @@ sliding and full layers), shape-generic in heads, head dim and dtype:
   per ``position_ids`` tensor, so the layers of one forward share it and the doc tensor's plan).
   ``register(packed_sequences=False)`` turns it off.
 
-Refused with an error that says why (never silently wrong): ``dropout`` other than 0, attention
-sinks (``s_aux``), ``position_bias``, a 4D or BlockMask ``attention_mask`` (a custom mask: write
+Refused with an error that says why (never silently wrong): ``dropout`` other than 0, a sink that is
+not one value per query head, ``position_bias``, a 4D or BlockMask ``attention_mask`` (a custom mask: write
 it as a spec), a model that adds its own mask function (``or_mask_function``/``and_mask_function``,
 e.g. image tokens that attend bidirectionally), a static cache (its keys are not bottom-right
 aligned: the unwritten slots follow the written ones; use the default ``DynamicCache``), packed
-sequences over earlier cache content.  Training works through attnc's backward pass (q, k, v
-gradients; masks read from the position ids have none).
+sequences over earlier cache content.  Training works through attnc's backward pass (q, k, v and
+sink gradients; masks read from the position ids have none).
 
 Under ``torch.compile`` (``fullgraph=True`` too) the spec's handle is a constant of the trace and
 the call is attnc's custom op.  Host checks cannot run inside a graph, so there a multi-token call
@@ -76,7 +92,8 @@ _DOCS_KEPT = 4
 
 # ---------------------------------------------------------------- specs
 def spec_text(*, causal: bool = True, window: int | None = None, softcap: float | None = None,
-              scale: float | None = None, padding: bool = False, documents: bool = False) -> str:
+              scale: float | None = None, padding: bool = False, documents: bool = False,
+              sinks: bool = False) -> str:
     """The .attn spec of one kind of transformers attention call (shape-generic: heads, head dim
     and dtype come from each call)."""
     lines = ["attention transformers {"]
@@ -88,6 +105,8 @@ def spec_text(*, causal: bool = True, window: int | None = None, softcap: float 
         lines.append("    tensor pad: bool[b, s]        # the 2D attention_mask: false = a padded key")
     if documents:
         lines.append("    tensor doc: i32[b, s]         # packed sequences: restarts of position_ids")
+    if sinks:
+        lines.append("    tensor sinks: f32[h]          # s_aux: the module's learned sink logit per query head")
     if softcap is not None:
         if not math.isfinite(softcap) or softcap <= 0:
             raise InputError(f"transformers: softcap {softcap!r} is not a positive finite number")
@@ -105,16 +124,19 @@ def spec_text(*, causal: bool = True, window: int | None = None, softcap: float 
     if padding:
         terms.append("pad[b, k]")
     lines.append(f"    mask = {' & '.join(terms) or 'true'}")
+    if sinks:
+        lines.append("    sink = sinks[h]")
     lines.append("}")
     return "\n".join(lines) + "\n"
 
 
 @functools.lru_cache(maxsize=None)
 def attention_for(causal: bool = True, window: int | None = None, softcap: float | None = None,
-                  scale: float | None = None, padding: bool = False, documents: bool = False) -> "attnc.Attention":
+                  scale: float | None = None, padding: bool = False, documents: bool = False,
+                  sinks: bool = False) -> "attnc.Attention":
     """The compiled spec for one kind of call (cached: one per distinct spec in the process)."""
     return attnc.compile(spec_text(causal=causal, window=window, softcap=softcap, scale=scale, padding=padding,
-                                   documents=documents), name="transformers")
+                                   documents=documents, sinks=sinks), name="transformers")
 
 
 _BY_HANDLE: dict = {}
@@ -122,10 +144,10 @@ _BY_HANDLE: dict = {}
 
 @torch.compiler.assume_constant_result
 def _handle_for(causal: bool, window: int | None, softcap: float | None, scale: float | None, padding: bool,
-                documents: bool) -> str:
+                documents: bool, sinks: bool) -> str:
     """attention_for's handle: under torch.compile, dynamo runs this once while tracing and keeps
     the string, so it never traces into the spec compiler; the call itself is attnc's custom op."""
-    attn = attention_for(causal, window, softcap, scale, padding, documents)
+    attn = attention_for(causal, window, softcap, scale, padding, documents, sinks)
     _BY_HANDLE[attn.handle] = attn
     return attn.handle
 
@@ -183,6 +205,20 @@ def _documents(kwargs: dict, batch: int, s_q: int, s_k: int):
     return doc
 
 
+# ---------------------------------------------------------------- sinks
+def _sinks(s_aux, query: torch.Tensor) -> torch.Tensor:
+    """The ``sinks`` tensor of the spec: ``s_aux`` (gpt-oss's ``module.sinks``, [H_q]) as float32 on
+    the query's device.  The cast is differentiable, so the parameter's gradient flows back."""
+    heads = query.shape[1]
+    if not isinstance(s_aux, torch.Tensor) or s_aux.dim() != 1 or s_aux.shape[0] != heads:
+        shape = list(s_aux.shape) if isinstance(s_aux, torch.Tensor) else type(s_aux).__name__
+        raise InputError(f"transformers: the attention sinks (s_aux) must be one logit per query head, a tensor of "
+                         f"shape [{heads}]; got {shape}")
+    if not s_aux.is_floating_point():
+        raise InputError(f"transformers: the attention sinks (s_aux) are {s_aux.dtype}; a sink is a float logit")
+    return s_aux.to(device=query.device, dtype=torch.float32).contiguous()
+
+
 # ---------------------------------------------------------------- padding
 def _padding(mask, batch: int, s_k: int):
     """The key-padding mask [B, S_k] (bool, true = visible), or None."""
@@ -220,14 +256,15 @@ def attnc_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     """transformers' attention interface: query [B, H_q, S_q, d], key/value [B, H_kv, S_k, d]
     (bhsd) in, (attn_output [B, S_q, H_q, d] contiguous, None) out."""
     if dropout:
-        raise InputError(f"transformers: attention dropout {dropout} is not supported by attnc (inference only; "
-                         "model.eval() or attention_dropout=0)")
-    for name in ("s_aux", "position_bias"):
-        if kwargs.get(name) is not None:
-            raise InputError(f"transformers: '{name}' is not supported by attnc's integration")
+        raise InputError(f"transformers: attention dropout {dropout} is not supported by attnc (model.eval(), or "
+                         "attention_dropout=0 to train)")
+    if kwargs.get("position_bias") is not None:
+        raise InputError("transformers: 'position_bias' is not supported by attnc's integration")
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     batch, s_q, s_k = query.shape[0], query.shape[2], key.shape[2]
     tensors = {}
+    if kwargs.get("s_aux") is not None:
+        tensors["sinks"] = _sinks(kwargs["s_aux"], query)
     pad = _padding(attention_mask, batch, s_k)
     if pad is not None:
         tensors["pad"] = pad
@@ -240,7 +277,7 @@ def attnc_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     query, key, value = (t if t.is_contiguous() else t.contiguous() for t in (query, key, value))
     attn = _BY_HANDLE[_handle_for(bool(causal), None if sliding_window is None else int(sliding_window),
                                   float(softcap) if softcap else None, None if scaling is None else float(scaling),
-                                  "pad" in tensors, "doc" in tensors)]
+                                  "pad" in tensors, "doc" in tensors, "sinks" in tensors)]
     o = attn(query, key, value, backend=_OPTIONS["backend"], **tensors)
     return o.transpose(1, 2).contiguous(), None
 

@@ -1,6 +1,7 @@
 """attnc as a Hugging Face transformers attention implementation (attnc.integrations.transformers):
 tiny random-initialised models on the CPU in float32 (the numpy backend), attn_implementation=
-"attnc" against "eager": logits, packed sequences, padding, greedy generation; the refusals."""
+"attnc" against "eager": logits, packed sequences, padding, greedy generation; the refusals.  gpt-oss (attention
+sinks) is in test_transformers_gpt_oss.py."""
 import copy
 import os
 
@@ -87,8 +88,9 @@ def test_gemma2_sliding_window_softcap_and_scaling_match_eager(gemma2, monkeypat
     ids = _ids(2, 20)  # longer than the window
     with torch.no_grad():
         torch.testing.assert_close(ours(ids).logits, eager(ids).logits, **TOL)
-    # (causal, window, softcap, scale, padding, documents): the sliding layer, then the full one
-    assert used == [(True, 8, 5.0, 24 ** -0.5, False, False), (True, None, 5.0, 24 ** -0.5, False, False)]
+    # (causal, window, softcap, scale, padding, documents, sinks): the sliding layer, then the full one
+    assert used == [(True, 8, 5.0, 24 ** -0.5, False, False, False),
+                    (True, None, 5.0, 24 ** -0.5, False, False, False)]
 
 
 def test_mistral_sliding_window_from_the_config_matches_eager():
@@ -223,8 +225,8 @@ def test_refusals_say_why(llama):
         hf.attnc_attention_forward(module, q, k, v, None, dropout=0.1)
     with pytest.raises(InputError, match="4D mask"):
         hf.attnc_attention_forward(module, q, k, v, torch.zeros(1, 1, 6, 6))
-    with pytest.raises(InputError, match="s_aux"):
-        hf.attnc_attention_forward(module, q, k, v, None, s_aux=torch.zeros(4))
+    with pytest.raises(InputError, match="position_bias"):
+        hf.attnc_attention_forward(module, q, k, v, None, position_bias=torch.zeros(1, 4, 6, 6))
     q2, k2, v2 = _qkv(3, 6)  # packed sequences over earlier cache content
     with pytest.raises(InputError, match="position_ids restart"):
         hf.attnc_attention_forward(module, q2, k2, v2, None, position_ids=torch.tensor([[3, 0, 1]]))

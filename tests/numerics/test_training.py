@@ -180,6 +180,44 @@ def test_torch_compile_traces_the_backward():
         assert torch.allclose(a.grad, b.grad, atol=1e-6)
 
 
+SINK = ("attention sk { heads = 4 / 2 head_dim = 8 scale = 0.25 tensor sinks: f32[h] mask = causal & window(5) "
+        "sink = sinks[h] }")
+
+
+def test_torch_compile_trains_a_sink_tensor():
+    """gpt-oss's learned sinks under torch.compile(fullgraph=True): a tensor the sink reads requires
+    grad (the checks that run before an eager forward are host code dynamo does not trace; the
+    backward runs them), and its gradient matches the eager call's."""
+    attn = attnc.compile(SINK)
+
+    def loss(q, k, v, sinks):
+        return (attn(q, k, v, sinks=sinks) ** 2).sum()
+    gen = torch.Generator().manual_seed(5)
+    base = [torch.randn(1, h, 12, 8, generator=gen) for h in (4, 2, 2)] + [torch.randn(4, generator=gen)]
+    eager = [x.clone().requires_grad_() for x in base]
+    loss(*eager).backward()
+    torch._dynamo.reset()
+    compiled = torch.compile(loss, fullgraph=True, backend="aot_eager")
+    leaves = [x.clone().requires_grad_() for x in base]
+    compiled(*leaves).backward()
+    assert float(eager[3].grad.abs().min()) > 0
+    for a, b in zip(eager, leaves):
+        assert torch.allclose(a.grad, b.grad, atol=1e-6)
+
+
+def test_torch_compile_refuses_a_tensor_gradient_when_the_backward_runs():
+    """Under torch.compile the refusal of a gradient the spec has no formula for (a float tensor
+    read by the mask only) comes when the backward runs, with the eager call's message."""
+    attn = attnc.compile("attention m { heads = 2 head_dim = 4 tensor w: f32[b, s] mask = causal & w[b, k] > 0.0 }")
+    q = torch.randn(1, 2, 6, 4, requires_grad=True)
+    w = torch.ones(1, 6, requires_grad=True)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q, w: attn(q, q, q, w=w).sum(), fullgraph=True, backend="aot_eager")
+    out = compiled(q, w)  # (the forward runs: dynamo cannot ask the backend before it)
+    with pytest.raises(InputError, match="tensor 'w' requires grad, but spec 'm' has no gradient for it"):
+        out.backward()
+
+
 def _fused(gen, b=2, s=12, heads=2, d=8):
     """q, k, v as transformers make them: views permuted out of one fused [B, S, 3, H, d] projection."""
     return torch.randn(b, s, 3, heads, d, generator=gen)
