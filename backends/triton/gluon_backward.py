@@ -189,7 +189,7 @@ def group_lists(classes: np.ndarray, group: int, fused: bool = False) -> dict:
 # d128 457.5 / 375, causal d64 H32 324.9 / 115; every gradient within the Triton backward's error.
 DEFAULT = True
 REGS = (168, 240, 24)  # the warp-specialized kernels' maxnreg, consumer and producer registers
-WRITER_REGS = 32  # the fused dQ's writer warp; it and the producer warp share a warpgroup, so both get the larger
+WRITER_REGS = 24  # the fused dQ's writer warp; it and the producer warp share a warpgroup, so both get the larger
 
 
 def choose(program, config, s_q: int, s_k: int, tensors: tuple, bshd: bool, interpreted: bool):

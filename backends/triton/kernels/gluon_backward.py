@@ -229,7 +229,7 @@ def _ws_dkdv_producer(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, 
 
 
 @gluon.jit
-def _ws_dkdv_consumer(half, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_stage, bars, DK, DV, LSE, DELTA, ORDER,
+def _ws_dkdv_consumer(half, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_part, bars, DK, DV, LSE, DELTA, ORDER,
                       G_PTR, G_ENT, TS, S_Q, S_K, Q_OFF, K_OFF, PLAN_B, PLAN_H, KV_PLANES, K_TILES, BKV,
                       EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       D: tl.constexpr, STAGES: tl.constexpr, HEAD_GROUP: tl.constexpr, VISIBLE: tl.constexpr,
@@ -248,7 +248,7 @@ def _ws_dkdv_consumer(half, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_stage, 
     acc_layout: tl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, D, 16])
     op_layout: tl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
-    DQ_COLS: tl.constexpr = 64
+    DQ_COLS: tl.constexpr = D
     dq_layout: tl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, DQ_COLS, 16])
     row_l: tl.constexpr = gl.SliceLayout(1, s_layout)
@@ -298,10 +298,11 @@ def _ws_dkdv_consumer(half, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_stage, 
             dst = gl.where(pt > 0.0, dst * gt, 0.0)
         if FUSED_DQ != 0:  # dS^T through shared memory: dK's operand, and dQ's over this half's keys, dS K_half
             ds_t = ds_smem.index(half)
-            ds_t.store(dst.to(dtype))
+            ds_op = dst.to(dtype)
+            dk = warpgroup_mma(gl.convert_layout(ds_op, op_layout), q_t, dk, is_async=True)
+            ds_t.store(ds_op)
             fence_async_shared()
             _sync()  # (the warpgroup's whole dS^T is in shared memory before the MMAs read it)
-            dk = warpgroup_mma(ds_t, q_t, dk, is_async=True)
             dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
             mbarrier.arrive(empty.index(stage), count=1)
             mbarrier.wait(dq_empty.index(half), (c & 1) ^ 1)  # the writer has taken entry c - 1's partial
@@ -310,7 +311,7 @@ def _ws_dkdv_consumer(half, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_stage, 
                 dq = warpgroup_mma(ds_t.permute((1, 0)), k_t.slice(c0, DQ_COLS, dim=1), dq0, use_acc=False,
                                    is_async=True)
                 dq = warpgroup_mma_wait(0, deps=(dq, ))
-                dq_stage.index(half).slice(c0, DQ_COLS, dim=1).store(dq)
+                dq_part.slice(c0, DQ_COLS, dim=1).store(dq)
             _sync()  # (every thread's rows are in shared memory before the writer is told)
             mbarrier.arrive(dq_full.index(half), count=1)
         else:
@@ -330,10 +331,11 @@ def _ws_dkdv_consumer(half, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_stage, 
 
 
 @gluon.jit
-def _ws_dq_writer(dq_stage, bars, DQA, SEM, TURN, ORDER, G_PTR, G_ENT, S_Q, PLAN_B, PLAN_H, KV_PLANES, K_TILES, BKV,
+def _ws_dq_writer(dq_stage0, dq_stage1, bars, DQA, SEM, TURN, ORDER, G_PTR, G_ENT, S_Q, PLAN_B, PLAN_H, KV_PLANES, K_TILES, BKV,
                   EVEN_M: tl.constexpr, BLOCK_M: tl.constexpr, D: tl.constexpr, HEAD_GROUP: tl.constexpr,
-                  H_Q: tl.constexpr, H_KV: tl.constexpr, GROUP: tl.constexpr, ORDERED: tl.constexpr):
-    """The dQ warp of FUSED_DQ: per entry, the two consumers' partials (``dq_stage``) summed and added
+                  H_Q: tl.constexpr, H_KV: tl.constexpr, GROUP: tl.constexpr, ORDERED: tl.constexpr,
+                  WRITER_WARPS: tl.constexpr):
+    """The dQ warps of FUSED_DQ: per entry, the two consumers' partials (``dq_stage``) summed and added
     into the float32 workspace DQA [B * H_q * S_q, D] (unscaled), 8 x 64 at a time.  ORDERED (the
     deterministic mode): the K/V tiles of a (query tile, query head) add in a fixed order -- the
     entry's turn TURN[i] (how many earlier-launched programs add to this tile) is awaited on the
@@ -343,9 +345,9 @@ def _ws_dq_writer(dq_stage, bars, DQA, SEM, TURN, ORDER, G_PTR, G_ENT, S_Q, PLAN
     launch order.  Unordered: float32 atomic adds into a zeroed DQA, in whatever order they land."""
     kv_bar, ready, empty, dq_full, dq_empty = bars
     pid_n, b, kv_h, bkv, lo, hi = _dkdv_job(ORDER, G_PTR, PLAN_B, PLAN_H, KV_PLANES, K_TILES, BKV, HEAD_GROUP, H_KV)
-    CH: tl.constexpr = 8  # rows and columns per step (a swizzle atom; 8 floats of each part per lane)
+    CH: tl.constexpr = 8  # rows and columns per step (a swizzle atom; 4 floats of each part per lane)
     CW: tl.constexpr = 32
-    layout: tl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [1, 1], [1, 0])
+    layout: tl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [WRITER_WARPS, 1], [1, 0])
     rows0 = gl.arange(0, CH, gl.SliceLayout(1, layout))
     cols0 = gl.arange(0, CW, gl.SliceLayout(0, layout))
     q_tiles = (S_Q + BLOCK_M - 1) // BLOCK_M
@@ -367,8 +369,8 @@ def _ws_dq_writer(dq_stage, bars, DQA, SEM, TURN, ORDER, G_PTR, G_ENT, S_Q, PLAN
         mbarrier.wait(dq_full.index(1), c & 1)
         for r0 in gl.static_range(0, BLOCK_M, CH):
             for c0 in gl.static_range(0, D, CW):
-                part = (dq_stage.index(0).slice(r0, CH).slice(c0, CW, dim=1).load(layout)
-                        + dq_stage.index(1).slice(r0, CH).slice(c0, CW, dim=1).load(layout))
+                part = (dq_stage0.slice(r0, CH).slice(c0, CW, dim=1).load(layout)
+                        + dq_stage1.slice(r0, CH).slice(c0, CW, dim=1).load(layout))
                 rows = qb * BLOCK_M + r0 + rows0
                 ptrs = DQA + (bh * S_Q + rows)[:, None] * D + (c0 + cols0)[None, :]
                 if first:
@@ -421,7 +423,8 @@ def _bwd_dkdv_ws(q_desc, k_desc, v_desc, do_desc, DK, DV, DQA, LSE, DELTA, ORDER
         ds_layout: tl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF, BLOCK_M], k_desc.dtype)
         ds_smem = gl.allocate_shared_memory(k_desc.dtype, [2, HALF, BLOCK_M], ds_layout)
         dq_layout: tl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, D], gl.float32)
-        dq_stage = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, D], dq_layout)
+        dq_stage0 = gl.allocate_shared_memory(gl.float32, [BLOCK_M, D], dq_layout)
+        dq_stage1 = gl.allocate_shared_memory(gl.float32, [BLOCK_M, D], dq_layout)
         dq_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         dq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for w in gl.static_range(2):
@@ -430,20 +433,20 @@ def _bwd_dkdv_ws(q_desc, k_desc, v_desc, do_desc, DK, DV, DQA, LSE, DELTA, ORDER
         fence_async_shared()
         bars = (kv_bar, ready, empty, dq_full, dq_empty)
         gl.warp_specialize([
-            (_ws_dkdv_consumer, (0, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_stage, bars, DK, DV, LSE, DELTA,
+            (_ws_dkdv_consumer, (0, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_stage0, bars, DK, DV, LSE, DELTA,
                                  ORDER, G_PTR, G_ENT, TS, S_Q, S_K, Q_OFF, K_OFF, PLAN_B, PLAN_H, KV_PLANES, K_TILES,
                                  BKV, EVEN_M, EVEN_N, BLOCK_M, BLOCK_N, D, STAGES, HEAD_GROUP, VISIBLE, SCORE_GRAD,
                                  HAS_SCORE, SCALE, H_Q, H_KV, GROUP, FUSED_DQ)),
-            (_ws_dkdv_consumer, (1, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_stage, bars, DK, DV, LSE, DELTA,
+            (_ws_dkdv_consumer, (1, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_stage1, bars, DK, DV, LSE, DELTA,
                                  ORDER, G_PTR, G_ENT, TS, S_Q, S_K, Q_OFF, K_OFF, PLAN_B, PLAN_H, KV_PLANES, K_TILES,
                                  BKV, EVEN_M, EVEN_N, BLOCK_M, BLOCK_N, D, STAGES, HEAD_GROUP, VISIBLE, SCORE_GRAD,
                                  HAS_SCORE, SCALE, H_Q, H_KV, GROUP, FUSED_DQ)),
             (_ws_dkdv_producer, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, bars, ORDER, G_PTR,
                                  G_ENT, S_Q, S_K, PLAN_B, PLAN_H, KV_PLANES, K_TILES, BKV, BLOCK_M, BLOCK_N, STAGES,
                                  HEAD_GROUP, H_Q, H_KV, GROUP)),
-            (_ws_dq_writer, (dq_stage, bars, DQA, SEM, TURN, ORDER, G_PTR, G_ENT, S_Q, PLAN_B, PLAN_H, KV_PLANES,
-                             K_TILES, BKV, EVEN_M, BLOCK_M, D, HEAD_GROUP, H_Q, H_KV, GROUP, FUSED_DQ == 1)),
-        ], [4, 1, 1], [CONSUMER_REGS, PRODUCER_REGS, WRITER_REGS])
+            (_ws_dq_writer, (dq_stage0, dq_stage1, bars, DQA, SEM, TURN, ORDER, G_PTR, G_ENT, S_Q, PLAN_B, PLAN_H, KV_PLANES,
+                             K_TILES, BKV, EVEN_M, BLOCK_M, D, HEAD_GROUP, H_Q, H_KV, GROUP, FUSED_DQ == 1, 2)),
+        ], [4, 1, 2], [CONSUMER_REGS, PRODUCER_REGS, WRITER_REGS])
     else:
         fence_async_shared()
         bars = (kv_bar, ready, empty, ready, empty)  # (no dQ barriers: FUSED_DQ 0 never reads them)
