@@ -287,11 +287,8 @@ def _bwd_dq_store(DQA, DQ, COUNTS, s_b, s_h, s_m, s_d, S_Q, H_Q: tl.constexpr, B
     offs_m = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     offs_d = tl.arange(0, D_QK_PAD)
     inside = (offs_m[:, None] < S_Q) & (offs_d[None, :] < D_QK)
+    acc = tl.load(DQA + (bh * S_Q + offs_m[:, None]) * D_QK_PAD + offs_d[None, :], mask=inside, other=0.0)
     if COUNTED:
-        written = tl.load(COUNTS + bh * tl.cdiv(S_Q, BLOCK) + tl.program_id(0)) > 0
-        inside_read = inside & written
-    else:
-        inside_read = inside
-    acc = tl.load(DQA + (bh * S_Q + offs_m[:, None]) * D_QK_PAD + offs_d[None, :], mask=inside_read, other=0.0)
+        acc = tl.where(tl.load(COUNTS + bh * tl.cdiv(S_Q, BLOCK) + tl.program_id(0)) > 0, acc, 0.0)
     tl.store(DQ + (bh // H_Q) * s_b + (bh % H_Q) * s_h + offs_m[:, None] * s_m + offs_d[None, :] * s_d,
              (acc * SCALE).to(DQ.dtype.element_ty), mask=inside)
