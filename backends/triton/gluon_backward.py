@@ -23,8 +23,18 @@ one program, dK/dV summed over the GQA group in a fixed order.
 
 ``GluonBackwardConfig`` also selects ``_bwd_dkdv`` (the same step on 8 warps that issue their own
 loads: no warp specialization) and dQ by the Triton backward's dQ pass or by float32 atomics inside
-``_bwd_dkdv`` (five GEMMs, not bit-reproducible; slower at d 128 on the H200).  ``choose`` is the
-one decision place (``refusal``: what the passes cannot run goes to the Triton backward).
+``_bwd_dkdv`` (five GEMMs, not bit-reproducible; slower at d 128 on the H200), or fused into
+``_bwd_dkdv_ws`` (dq "fused"; five GEMMs, bit-reproducible): each consumer also computes its keys'
+part of the entry's dQ = dS K (dS^T staged in shared memory, also dK's operand), and a 2-warp dQ
+writer sums the two parts and adds them into a float32 workspace.  The adds to a (query tile,
+query head) go in a fixed order, FlashAttention-3's deterministic scheme: a counter per tile; an
+entry's turn (``group_lists``: how many key tiles launched before its own compute the same tile)
+is awaited with acquire loads, the turn-0 program stores (no zeroing), the counter is raised with
+release; programs wait only on programs launched earlier, and the walk goes down the query blocks
+so that a causal plane's key tiles move in step (each waits one entry on its predecessor).
+"fused_atomic" adds in any order into a zeroed workspace.  ``_bwd_dq_store`` then scales and casts
+(a tile whose count is 0 -- nobody computed it -- is 0).  ``choose`` is the one decision place
+(``refusal``: what the passes cannot run goes to the Triton backward).
 
 Tiles past S_q or S_k: TMA reads the next head's rows there (zeros past the tensor's end); their
 scores are masked, so P = 0 and nothing of them reaches this head's gradients (for finite inputs).

@@ -238,7 +238,7 @@ def _ws_dkdv_consumer(half, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_part, b
     """One warpgroup's half of the K/V tile (keys [half * BLOCK_N / 2, + BLOCK_N / 2)): every entry's
     S^T, dP^T, dV and dK (``_bwd_dkdv``'s step on 64 keys), the stage released once its MMAs are
     done; then its rows of dK and dV.  FUSED_DQ: also the entry's dQ over these keys, dS K_half
-    (dS^T through its own ``ds_smem`` buffer), handed to the dQ writer in ``dq_stage[half]``."""
+    (dS^T through its own ``ds_smem`` buffer, also dK's operand), handed to the dQ writer in ``dq_part``."""
     kv_bar, ready, empty, dq_full, dq_empty = bars
     pid_n, b, kv_h, bkv, lo, hi = _dkdv_job(ORDER, G_PTR, PLAN_B, PLAN_H, KV_PLANES, K_TILES, BKV, HEAD_GROUP, H_KV)
     HALF: tl.constexpr = BLOCK_N // 2
@@ -331,12 +331,12 @@ def _ws_dkdv_consumer(half, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_part, b
 
 
 @gluon.jit
-def _ws_dq_writer(dq_stage0, dq_stage1, bars, DQA, SEM, TURN, ORDER, G_PTR, G_ENT, S_Q, PLAN_B, PLAN_H, KV_PLANES, K_TILES, BKV,
-                  EVEN_M: tl.constexpr, BLOCK_M: tl.constexpr, D: tl.constexpr, HEAD_GROUP: tl.constexpr,
+def _ws_dq_writer(dq_stage0, dq_stage1, bars, DQA, SEM, TURN, ORDER, G_PTR, G_ENT, S_Q, PLAN_B, PLAN_H, KV_PLANES,
+                  K_TILES, BKV, EVEN_M: tl.constexpr, BLOCK_M: tl.constexpr, D: tl.constexpr, HEAD_GROUP: tl.constexpr,
                   H_Q: tl.constexpr, H_KV: tl.constexpr, GROUP: tl.constexpr, ORDERED: tl.constexpr,
                   WRITER_WARPS: tl.constexpr):
-    """The dQ warps of FUSED_DQ: per entry, the two consumers' partials (``dq_stage``) summed and added
-    into the float32 workspace DQA [B * H_q * S_q, D] (unscaled), 8 x 64 at a time.  ORDERED (the
+    """The dQ warps of FUSED_DQ: per entry, the two consumers' parts (``dq_stage0`` / ``1``) summed and
+    added into the float32 workspace DQA [B * H_q * S_q, D] (unscaled), 8 x 32 at a time.  ORDERED (the
     deterministic mode): the K/V tiles of a (query tile, query head) add in a fixed order -- the
     entry's turn TURN[i] (how many earlier-launched programs add to this tile) is awaited on the
     tile's counter SEM[b * H_q + h, query tile] (acquire), the turn-0 program stores instead of adding
