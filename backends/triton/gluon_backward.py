@@ -25,7 +25,7 @@ one program, dK/dV summed over the GQA group in a fixed order.
 loads: no warp specialization) and dQ by the Triton backward's dQ pass or by float32 atomics inside
 ``_bwd_dkdv`` (five GEMMs, not bit-reproducible; slower at d 128 on the H200), or fused into
 ``_bwd_dkdv_ws`` (dq "fused"; five GEMMs, bit-reproducible): each consumer also computes its keys'
-part of the entry's dQ = dS K (dS^T staged in shared memory, also dK's operand), and a 2-warp dQ
+part of the entry's dQ = dS K (dS^T staged in shared memory for it), and a 2-warp dQ
 writer sums the two parts and adds them into a float32 workspace.  The adds to a (query tile,
 query head) go in a fixed order, FlashAttention-3's deterministic scheme: a counter per tile; an
 entry's turn (``group_lists``: how many key tiles launched before its own compute the same tile)

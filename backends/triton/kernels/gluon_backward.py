@@ -238,7 +238,8 @@ def _ws_dkdv_consumer(half, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_part, b
     """One warpgroup's half of the K/V tile (keys [half * BLOCK_N / 2, + BLOCK_N / 2)): every entry's
     S^T, dP^T, dV and dK (``_bwd_dkdv``'s step on 64 keys), the stage released once its MMAs are
     done; then its rows of dK and dV.  FUSED_DQ: also the entry's dQ over these keys, dS K_half
-    (dS^T through its own ``ds_smem`` buffer, also dK's operand), handed to the dQ writer in ``dq_part``."""
+    (dS^T through its own ``ds_smem`` buffer; dK's operand stays in registers), handed to the dQ writer in
+    ``dq_part``."""
     kv_bar, ready, empty, dq_full, dq_empty = bars
     pid_n, b, kv_h, bkv, lo, hi = _dkdv_job(ORDER, G_PTR, PLAN_B, PLAN_H, KV_PLANES, K_TILES, BKV, HEAD_GROUP, H_KV)
     HALF: tl.constexpr = BLOCK_N // 2
@@ -296,7 +297,7 @@ def _ws_dkdv_consumer(half, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_part, b
         dst = pt * (dpt - delta[None, :])
         if HAS_SCORE:
             dst = gl.where(pt > 0.0, dst * gt, 0.0)
-        if FUSED_DQ != 0:  # dS^T through shared memory: dK's operand, and dQ's over this half's keys, dS K_half
+        if FUSED_DQ != 0:  # dS^T also through shared memory for dQ over this half's keys, dS K_half
             ds_t = ds_smem.index(half)
             ds_op = dst.to(dtype)
             dk = warpgroup_mma(gl.convert_layout(ds_op, op_layout), q_t, dk, is_async=True)
