@@ -7,8 +7,10 @@ gradients of every variant are checked first (rel-L2 against a float32 dense aut
 two (b, h) planes, and against the Triton backward on the whole tensors), then timed with
 ``triton.testing.do_bench`` (median ms):
   kernel/<variant>  ``Kernel.backward(q, k, v, o, lse, do, config=...)``: the backward alone (for
-                    the default Gluon launch and its Triton-dQ twin, also D + the dK/dV pass and
-                    the dQ pass timed apart: ms_delta_dkdv, ms_dq);
+                    the default Gluon launch, its Triton-dQ twin and the fused dQ, also D + the
+                    dK/dV pass and the dQ pass -- fused: the float32 dQ's cast -- timed apart:
+                    ms_delta_dkdv, ms_dq); every Gluon variant rerun once (bit_identical_rerun;
+                    a warning where one not named *atomic differs);
   call/<variant>    ``o = attn(q, k, v); torch.autograd.grad(o, (q, k, v), do)`` (the public call,
                     forward included; gluon_backward.DEFAULT switched for the Gluon rows);
   sdpa_<backend>    SDPA's forward + backward the same way (causal and full only).
@@ -34,7 +36,10 @@ def _variants(d, names=None):
            "gluon_dq_s3": GB.GluonBackwardConfig(**{**base.__dict__, "dq_stages": 3}),
            "gluon_dq_n128" if d == 128 else "gluon_dq_n64":
                GB.GluonBackwardConfig(**{**base.__dict__, "dq_block_n": 128 if d == 128 else 64}),
-           "gluon_plain_atomic": GB.GluonBackwardConfig(**{**base.__dict__, "warp_specialize": False, "dq": "atomic"})}
+           "gluon_plain_atomic": GB.GluonBackwardConfig(**{**base.__dict__, "warp_specialize": False, "dq": "atomic"}),
+           "gluon_fused": GB.GluonBackwardConfig(**{**base.__dict__, "dq": "fused"}),
+           "gluon_fused_atomic": GB.GluonBackwardConfig(**{**base.__dict__, "dq": "fused_atomic"}),
+           "gluon_fused_s3": GB.GluonBackwardConfig(**{**base.__dict__, "dq": "fused", "stages": 3})}
     return {n: c for n, c in out.items() if names is None or n in names}
 
 
@@ -126,15 +131,17 @@ def main(path, names, variants=None, sdpa=("cudnn", "flash")):
                         for i in range(3)]
                 row["rel_l2_ref"] = errs
                 row["rel_l2_triton"] = [_rel(a, b) for a, b in zip(got, base)]
-                if vname.startswith("gluon") and "atomic" not in vname:
+                if vname.startswith("gluon"):
                     again = kernel.backward(q, k, v, o, lse, do, config=cfg)
                     row["bit_identical_rerun"] = all(torch.equal(a, b) for a, b in zip(got, again))
+                    if "atomic" not in vname and not row["bit_identical_rerun"]:
+                        row["warning"] = "a deterministic variant's rerun differs"
                 if max(errs) > 2e-2:
                     row["error"] = "gradients off the reference"
                 else:
                     ms = bench(lambda: kernel.backward(q, k, v, o, lse, do, config=cfg))
                     row.update(ms=ms, tflops=bwd_flops / ms * 1e-9)
-                    if vname in ("gluon", "gluon_triton_dq"):
+                    if vname in ("gluon", "gluon_triton_dq", "gluon_fused", "gluon_fused_atomic"):
                         front, back = _parts(kernel, cfg, q, k, v, o, lse, do, bench)
                         row.update(ms_delta_dkdv=front, ms_dq=back)
             except Exception as e:  # noqa: BLE001 - recorded, the study goes on
@@ -182,7 +189,7 @@ def main(path, names, variants=None, sdpa=("cudnn", "flash")):
         t = r.get("tflops") or r.get("tflops_fwd_bwd")
         parts = f"{r['ms_delta_dkdv']:.3f} / {r['ms_dq']:.3f}" if "ms_dq" in r else ""
         print(f"{r['case']:13s} {r['impl']:25s} {r.get('ms', float('nan')):7.3f} {t or float('nan'):7.1f} {parts} "
-              f"{r.get('error', '')[:60]}")
+              f"{r.get('error', r.get('warning', ''))[:60]}")
 
 
 if __name__ == "__main__":

@@ -23,8 +23,18 @@ one program, dK/dV summed over the GQA group in a fixed order.
 
 ``GluonBackwardConfig`` also selects ``_bwd_dkdv`` (the same step on 8 warps that issue their own
 loads: no warp specialization) and dQ by the Triton backward's dQ pass or by float32 atomics inside
-``_bwd_dkdv`` (five GEMMs, not bit-reproducible; slower at d 128 on the H200).  ``choose`` is the
-one decision place (``refusal``: what the passes cannot run goes to the Triton backward).
+``_bwd_dkdv`` (five GEMMs, not bit-reproducible; slower at d 128 on the H200), or fused into
+``_bwd_dkdv_ws`` (dq "fused"; five GEMMs, bit-reproducible): each consumer also computes its keys'
+part of the entry's dQ = dS K (dS^T staged in shared memory for it), and a 2-warp dQ
+writer sums the two parts and adds them into a float32 workspace.  The adds to a (query tile,
+query head) go in a fixed order, FlashAttention-3's deterministic scheme: a counter per tile; an
+entry's turn (``group_lists``: how many key tiles launched before its own compute the same tile)
+is awaited with acquire loads, the turn-0 program stores (no zeroing), the counter is raised with
+release; programs wait only on programs launched earlier, and the walk goes down the query blocks
+so that a causal plane's key tiles move in step (each waits one entry on its predecessor).
+"fused_atomic" adds in any order into a zeroed workspace.  ``_bwd_dq_store`` then scales and casts
+(a tile whose count is 0 -- nobody computed it -- is 0).  ``choose`` is the one decision place
+(``refusal``: what the passes cannot run goes to the Triton backward).
 
 Tiles past S_q or S_k: TMA reads the next head's rows there (zeros past the tensor's end); their
 scores are masked, so P = 0 and nothing of them reaches this head's gradients (for finite inputs).
@@ -52,7 +62,8 @@ MAX_GROUP = 1 << GROUP_BITS
 MIN_ROWS = 128  # (B * H * S rows of Q and of K/V: no TMA box is taller than its tensor)
 
 
-DQ_MODES = ("gluon", "triton", "atomic")
+DQ_MODES = ("gluon", "triton", "atomic", "fused", "fused_atomic")
+FUSED = {"fused": 1, "fused_atomic": 2}  # the dK/dV kernel's FUSED_DQ: ordered (deterministic), unordered
 
 
 @dataclass(frozen=True)
@@ -63,7 +74,10 @@ class GluonBackwardConfig:
     how dQ is made (``dq``): "gluon", its own warp-specialized pass (``_bwd_dq_ws``, 128-row tiles over
     ``dq_block_n``-key blocks, ``dq_stages`` K/V stages); "triton", the Triton backward's dQ pass;
     "atomic", float32 atomics inside the (plain) dK/dV pass -- five GEMMs per block instead of
-    seven, not bit-reproducible."""
+    seven, not bit-reproducible; "fused", the warp-specialized dK/dV pass makes dQ too (five GEMMs:
+    each entry's dS K added into a float32 workspace by a dQ warp, the K/V tiles of a query tile in
+    a fixed order behind a counter per (query tile, head): bit-reproducible), then a pass scales and
+    casts it; "fused_atomic", the same with the adds unordered (not bit-reproducible)."""
 
     block_m: int = 64
     block_n: int = 128
@@ -78,6 +92,9 @@ class GluonBackwardConfig:
             raise ValueError(f"GluonBackwardConfig.dq must be one of {', '.join(DQ_MODES)}, not {self.dq!r}")
         if self.dq == "atomic" and self.warp_specialize:
             raise ValueError("GluonBackwardConfig: dq='atomic' runs in the plain dK/dV kernel (warp_specialize=False)")
+        if self.dq in FUSED and not self.warp_specialize:
+            raise ValueError(f"GluonBackwardConfig: dq={self.dq!r} runs in the warp-specialized dK/dV kernel "
+                             "(warp_specialize=True)")
         if self.warp_specialize and self.block_n != 128:
             raise ValueError("GluonBackwardConfig: the warp-specialized dK/dV kernel takes 128-key tiles (two halves "
                              f"of 64), not {self.block_n}")
@@ -96,10 +113,11 @@ def default_config(d: int) -> GluonBackwardConfig:
 
 def smem_bytes(d: int, config: GluonBackwardConfig) -> int:
     """Shared memory of the larger of the two passes' programs (2-byte elements, plus barriers): the
-    dK/dV pass's K and V tiles and STAGES Q and dO tiles (and dS^T, atomic dQ); the dQ pass's Q and
-    dO tiles and its K/V stages."""
+    dK/dV pass's K and V tiles and STAGES Q and dO tiles (and dS^T: atomic or fused dQ; fused, the
+    consumers' float32 dQ parts); the dQ pass's Q and dO tiles and its K/V stages."""
     c = config
-    dkdv = 2 * c.block_n * d + 2 * c.stages * c.block_m * d + (c.block_m * c.block_n if c.dq == "atomic" else 0)
+    ds = c.block_m * c.block_n if c.dq in ("atomic", *FUSED) else 0
+    dkdv = 2 * c.block_n * d + 2 * c.stages * c.block_m * d + ds + (2 * 2 * c.block_m * d if c.dq in FUSED else 0)
     dq = 2 * 128 * d + 2 * c.dq_stages * c.dq_block_n * d if c.dq == "gluon" else 0
     return 2 * max(dkdv, dq) + 128
 
@@ -131,13 +149,18 @@ def refusal(program, batch: int, s_q: int, s_k: int, bhsd_contiguous: bool, capa
 
 
 # ---------------------------------------------------------------- host side: the group column lists
-def group_lists(classes: np.ndarray, group: int) -> dict:
+def group_lists(classes: np.ndarray, group: int, fused: bool = False) -> dict:
     """The dK/dV pass's walk from the plan's tile classes [PLAN_B, PLAN_H, q_tiles, k_tiles]
     (0 SKIP, 1 PARTIAL, 2 FULL): for each (request plane, K/V head plane, key tile) -- K/V head
     planes: PLAN_H // group where the plan depends on the head, else 1 --, the computed query
-    blocks of every query head of the group in turn, ascending, as ``ptr`` / ``ent`` (CSR; an
-    entry is query block << 8 | head in group << 1 | PARTIAL); ``order``: each plane's key tiles
-    by descending entries (the jobs' order); ``kv_planes``."""
+    blocks of every query head of the group in turn, ascending, as ``ptr`` / ``ent`` (CSR; an entry
+    is query block << 8 | head in group << 1 | PARTIAL); ``order``: each plane's key tiles by
+    descending entries (the jobs' order); ``kv_planes``.  ``fused`` (the fused dQ): the query blocks
+    descending, and ``turn``: beside each entry, how many key tiles of its plane that come before
+    its own in ``order`` (the launch's order) compute the same (query block, head) -- the adds to a
+    query tile's dQ go in turn; walking down, each key tile of a causal plane waits for its
+    predecessor's entry of the same index only (a tile's walk starts where the previous one's does,
+    at the last query block)."""
     pb, ph, qt, kt = classes.shape
     if ph > 1:
         kv_planes = ph // group
@@ -145,15 +168,28 @@ def group_lists(classes: np.ndarray, group: int) -> dict:
     else:
         kv_planes = 1
         c = np.broadcast_to(classes.reshape(pb, 1, 1, qt, kt), (pb, 1, group, qt, kt))
-    c = c.transpose(0, 1, 4, 2, 3).reshape(-1, group * qt)  # [lists, (g, query block)]
+    c = c.transpose(0, 1, 4, 2, 3)  # [planes, key tile, head in group, query block]
+    if fused:
+        c = c[..., ::-1]
+    c = c.reshape(-1, group * qt)  # [lists, (g, query block)]
     lists, flat = np.nonzero(c)  # row-major: by list, then head in group, then query block
     g, qb = np.divmod(flat, qt)
+    if fused:
+        qb = qt - 1 - qb
     ent = (qb.astype(np.int64) << 8) | (g.astype(np.int64) << 1) | (c[lists, flat] == 1)
     counts = np.bincount(lists, minlength=len(c))
     ptr = np.zeros(len(c) + 1, np.int32)
     np.cumsum(counts, out=ptr[1:])
-    order = np.argsort(-counts.reshape(-1, kt), axis=1, kind="stable").reshape(-1).astype(np.int32)
-    return {"ptr": ptr, "ent": ent.astype(np.int32), "order": order, "kv_planes": kv_planes}
+    order = np.argsort(-counts.reshape(-1, kt), axis=1, kind="stable").astype(np.int32)
+    out = {"ptr": ptr, "ent": ent.astype(np.int32), "order": order.reshape(-1), "kv_planes": kv_planes}
+    if not fused:
+        return out
+    seen = np.take_along_axis((c != 0).reshape(-1, kt, group * qt), order[:, :, None], axis=1).astype(np.int32)
+    before = np.cumsum(seen, axis=1, dtype=np.int32) - seen  # [planes, rank, cells]: earlier ranks computing it
+    turns = np.empty_like(before)
+    np.put_along_axis(turns, order[:, :, None], before, axis=1)
+    out["turn"] = turns.reshape(-1, group * qt)[lists, flat]
+    return out
 
 
 # ---------------------------------------------------------------- host side: the launch
@@ -163,6 +199,7 @@ def group_lists(classes: np.ndarray, group: int) -> dict:
 # d128 457.5 / 375, causal d64 H32 324.9 / 115; every gradient within the Triton backward's error.
 DEFAULT = True
 REGS = (168, 240, 24)  # the warp-specialized kernels' maxnreg, consumer and producer registers
+WRITER_REGS = 24  # the fused dQ's writer warp; it and the producer warp share a warpgroup, so both get the larger
 
 
 def choose(program, config, s_q: int, s_k: int, tensors: tuple, bshd: bool, interpreted: bool):
@@ -190,7 +227,8 @@ def choose(program, config, s_q: int, s_k: int, tensors: tuple, bshd: bool, inte
 
 def kernel_constexprs(module, config: GluonBackwardConfig, s_q: int, s_k: int) -> dict:
     """The Gluon passes' kernels for a call: {"dkdv": (kernel, constexprs, launch options), and where
-    config.dq is "gluon", "dq": likewise} (the launch's and the compile test's one source)."""
+    config.dq is "gluon", "dq": likewise; where it is fused, "store": the constexprs of
+    ``_bwd_dq_store``} (the launch's and the compile test's one source)."""
     c, spec = config, module.SPEC
     score = dict(VISIBLE=module.visible, SCORE_GRAD=L.score_functions(module, L.position_end(s_q, s_k, None))[1],
                  HAS_SCORE=spec["HAS_SCORE"], SCALE=spec["SCALE"], H_Q=spec["H_Q"], H_KV=spec["H_KV"],
@@ -200,12 +238,17 @@ def kernel_constexprs(module, config: GluonBackwardConfig, s_q: int, s_k: int) -
     out = {"dkdv": (_bwd_dkdv_ws if c.warp_specialize else _bwd_dkdv, dict(
         EVEN_M=s_q % c.block_m == 0, EVEN_N=s_k % c.block_n == 0, BLOCK_M=c.block_m, BLOCK_N=c.block_n,
         D=spec["D_QK"], STAGES=c.stages, HEAD_GROUP=choice.HEAD_GROUP, ATOMIC_DQ=c.dq == "atomic",
-        NUM_WARPS=4 if c.warp_specialize else 8, **score, **(ws if c.warp_specialize else {})),
+        NUM_WARPS=4 if c.warp_specialize else 8, **score,
+        **(dict(ws, FUSED_DQ=FUSED.get(c.dq, 0), WRITER_REGS=WRITER_REGS) if c.warp_specialize else {})),
         dict(num_warps=4, maxnreg=maxnreg) if c.warp_specialize else dict(num_warps=8))}
     if c.dq == "gluon":
         out["dq"] = (_bwd_dq_ws, dict(EVEN_M=s_q % 128 == 0, EVEN_N=s_k % c.dq_block_n == 0, ROWS=64,
                                       BLOCK_N=c.dq_block_n, D=spec["D_QK"], STAGES=c.dq_stages,
                                       HEAD_GROUP=choice.HEAD_GROUP, **ws, **score), dict(num_warps=4, maxnreg=maxnreg))
+    if c.dq in ("atomic", *FUSED):
+        out["store"] = (K._bwd_dq_store, dict(H_Q=spec["H_Q"], BLOCK=c.block_m if c.dq in FUSED else G.DELTA_ROWS,
+                                              D_QK=spec["D_QK"], D_QK_PAD=spec["D_QK_PAD"], SCALE=spec["SCALE"],
+                                              COUNTED=c.dq == "fused"), {})
     return out
 
 
@@ -219,7 +262,7 @@ def tma_input(t):
 class GluonBackwardLaunch:
     """The backward of one call shape on the Gluon passes: D by the Triton backward's ``_bwd_delta``,
     dK and dV by ``_bwd_dkdv_ws`` (or ``_bwd_dkdv``), dQ by ``_bwd_dq_ws`` (or the Triton backward's dQ
-    pass, or atomics and ``_bwd_dq_store``).  ``retile(bm, bn)``: the call's plan on other tiles
+    pass, or float32 adds in the dK/dV pass -- atomic, fused, fused_atomic -- and ``_bwd_dq_store``).  ``retile(bm, bn)``: the call's plan on other tiles
     (``Plan.retile``: the mask analysis is reused)."""
 
     def __init__(self, module, config: GluonBackwardConfig, retile, shape: tuple, device):
@@ -229,8 +272,10 @@ class GluonBackwardLaunch:
         self.h_q, self.h_kv, self.d = spec["H_Q"], spec["H_KV"], spec["D_QK"]
         c = config
         classes = retile(c.block_m, c.block_n).tiles.classes
-        lists = group_lists(classes, spec["GROUP"])
-        host = {"order": lists["order"], "ptr": lists["ptr"], "ent": lists["ent"]}
+        self.fused = c.dq in FUSED
+        lists = group_lists(classes, spec["GROUP"], self.fused)
+        host = {"order": lists["order"], "ptr": lists["ptr"], "ent": lists["ent"], "turn": lists.get("turn", np.zeros(1, np.int32))}
+        self.q_tiles = classes.shape[2]
         k_tiles = classes.shape[3]
         bkv = self.batch * self.h_kv
         self.grid = (k_tiles * bkv,)
@@ -257,8 +302,8 @@ class GluonBackwardLaunch:
             self.triton = G.BackwardLaunch(module, replace(t, fused=False), retile(t.block_m1, t.block_n1),
                                            retile(t.block_m2, t.block_n2), shape, device)
         else:
-            self.store = L.Launcher(K._bwd_dq_store, dict(H_Q=self.h_q, BLOCK=G.DELTA_ROWS, D_QK=self.d,
-                                                          D_QK_PAD=spec["D_QK_PAD"], SCALE=spec["SCALE"]))
+            fn, consts, options = kernels["store"]
+            self.store = L.Launcher(fn, consts, **options)
         self.arrays = P.upload(host, device)
         self.layouts, self.descs = {}, {}
         self.nbytes = P.nbytes_of(self.arrays) + (self.triton.nbytes if self.triton else 0)
@@ -284,8 +329,8 @@ class GluonBackwardLaunch:
         """Launch on contiguous bhsd tensors; writes dq, dk, dv (``grad.BackwardLaunch.__call__``'s
         arguments)."""
         delta = self.delta_pass(o, do, dlse, key)
-        dqa = self.dkdv_pass(q, k, v, lse, do, ts, dk, dv, delta, key)
-        self.dq_pass(q, k, v, lse, do, ts, dq, dk, dv, delta, dqa, key)
+        work = self.dkdv_pass(q, k, v, lse, do, ts, dk, dv, delta, key)
+        self.dq_pass(q, k, v, lse, do, ts, dq, dk, dv, delta, work, key)
         return delta  # (D - dLSE: a sink's gradient is read from it, as from grad.BackwardLaunch)
 
     def delta_pass(self, o, do, dlse, key):
@@ -300,30 +345,37 @@ class GluonBackwardLaunch:
         return delta
 
     def dkdv_pass(self, q, k, v, lse, do, ts, dk, dv, delta, key):
-        """dK and dV; returns the float32 dQ accumulator the pass added into (dq 'atomic'), else delta
-        (an unused pointer)."""
+        """dK and dV (and, dq atomic or fused, dQ's float32 sums); returns (the float32 dQ workspace the
+        pass added into, the fused ordered mode's counters), with delta for what the mode lacks (an
+        unused pointer)."""
         import torch
-        dqa = delta
-        if self.config.dq == "atomic":
-            dqa = torch.zeros((self.batch * self.h_q * self.s_q * self.d,), device=q.device, dtype=torch.float32)
+        dqa = sem = delta
+        mode, rows = self.config.dq, self.batch * self.h_q * self.s_q * self.d
+        if mode in ("atomic", "fused_atomic"):
+            dqa = torch.zeros((rows,), device=q.device, dtype=torch.float32)
+        elif mode == "fused":  # (the turn-0 tile stores: no zeroing; a tile nobody computes reads its count 0)
+            dqa = torch.empty((rows,), device=q.device, dtype=torch.float32)
+            sem = torch.zeros((self.batch * self.h_q * self.q_tiles,), device=q.device, dtype=torch.int32)
         a, bm = self.arrays, self.config.block_m
         args = (self._descriptor(q, bm, "q"), self._descriptor(k, self.kv_rows, "k"),
                 self._descriptor(v, self.kv_rows, "v"), self._descriptor(do, bm), dk, dv, dqa, lse, delta, a["order"],
-                a["ptr"], a["ent"], ts, *self.ints)
+                a["ptr"], a["ent"], sem, a["turn"], ts, *self.ints)
         self.dkdv.launch(self.grid, args, key)
-        return dqa
+        return dqa, sem
 
-    def dq_pass(self, q, k, v, lse, do, ts, dq, dk, dv, delta, dqa, key):
-        DELTA_ROWS, triton_cdiv = G.DELTA_ROWS, G.triton_cdiv
+    def dq_pass(self, q, k, v, lse, do, ts, dq, dk, dv, delta, work, key):
+        """dQ: its own pass (gluon, triton), or scaled and cast from ``dkdv_pass``'s workspace ``work``."""
+        triton_cdiv = G.triton_cdiv
         mode, a = self.config.dq, self.arrays
+        dqa, sem = work
         if mode == "gluon":
             bn = self.config.dq_block_n
             args = (self._descriptor(q, 64, "q"), self._descriptor(k, bn, "k"), self._descriptor(v, bn, "v"),
                     self._descriptor(do, 64), dq, lse, delta, a["r_order"], a["r_ptr"], a["r_idx"], ts, *self.dq_ints)
             self.dq.launch(self.dq_grid, args, key)
-        elif mode == "atomic":
-            self.store.launch((triton_cdiv(self.s_q, DELTA_ROWS), self.batch * self.h_q),
-                              (dqa, dq, *dq.stride(), self.s_q), key)
+        elif mode in ("atomic", *FUSED):
+            self.store.launch((triton_cdiv(self.s_q, self.store.constexprs["BLOCK"]), self.batch * self.h_q),
+                              (dqa, dq, sem, *dq.stride(), self.s_q), key)
         else:
             t = self.triton
             ta = t.arrays

@@ -116,7 +116,7 @@ class BackwardLaunch:
                                                      D_V_PAD=spec["D_V_PAD"])) for n in (False, True)}
         passes = (1,) if not c.deterministic else (3,) if c.fused else (1, 2)
         self.store = Launcher(K._bwd_dq_store, dict(H_Q=spec["H_Q"], BLOCK=DELTA_ROWS, D_QK=spec["D_QK"],
-                                                   D_QK_PAD=spec["D_QK_PAD"], SCALE=spec["SCALE"]))
+                                                   D_QK_PAD=spec["D_QK_PAD"], SCALE=spec["SCALE"], COUNTED=False))
         self.d_qk_pad = spec["D_QK_PAD"]
         self.passes = [(Launcher(K._bwd_main, dict(PASSES=n, **consts), num_warps=c.num_warps,
                                  num_stages=c.num_stages), {3: sum(self.jobs), 1: self.jobs[0], 2: self.jobs[1]}[n])
@@ -145,7 +145,7 @@ class BackwardLaunch:
             launcher.launch((jobs,), args, key)
         if not self.config.deterministic:
             self.store.launch((triton_cdiv(self.s_q, DELTA_ROWS), self.batch * self.h_q),
-                              (dqa, dq, *dq.stride(), self.s_q), key)
+                              (dqa, dq, dqa, *dq.stride(), self.s_q), key)
         return delta
 
 

@@ -29,8 +29,9 @@ SPECS = {
 }
 SHAPES = {"tails": (333, 333), "append_tails": (77, 400)}  # (tiles across S_q and S_k; the study runs S = 8192)
 # every launch on the default; the other dK/dV kernel and dQ modes on two of the calls, beside the Triton backward
-CONFIGS = {"triton_dq": dict(dq="triton"), "plain_atomic": dict(warp_specialize=False, dq="atomic")}
-WIDE = {("gqa_d128_causal", "tails"), ("softcap_gqa", "append_tails")}
+CONFIGS = {"triton_dq": dict(dq="triton"), "plain_atomic": dict(warp_specialize=False, dq="atomic"),
+           "fused": dict(dq="fused"), "fused_atomic": dict(dq="fused_atomic")}
+WIDE = {("gqa_d128_causal", "tails"), ("softcap_gqa", "append_tails"), ("documents", "tails"), ("d64_full", "tails")}
 
 
 def _call(program, s_q, s_k, seed, batch=2):
@@ -71,13 +72,23 @@ def test_gluon_backward_matches_the_reference_and_the_triton_backward(name, shap
 
 
 @hopper
-def test_gluon_backward_is_deterministic():
-    program = compile_spec(SPECS["softcap_gqa"])
+@pytest.mark.parametrize("dq", ["gluon", "fused"])
+@pytest.mark.parametrize("name", ["softcap_gqa", "gqa_d128_causal", "d64_full"])
+def test_gluon_backward_is_deterministic(name, dq):
+    """Bit-identical gradients run to run: the default, and the fused dQ whose K/V tiles add into
+    each query tile's float32 dQ in turn (its counters); the fused dQ also matches the default's
+    gradients within rounding."""
+    program = compile_spec(SPECS[name])
     kernel, _, args, tensors = _call(program, 1000, 1000, seed=5)
-    first = kernel.backward(*args, config=GB.default_config(128))
+    config = GB.GluonBackwardConfig(**{**GB.default_config(program.d_qk).__dict__, "dq": dq})
+    first = kernel.backward(*args, config=config, **tensors)
     for _ in range(3):
-        again = kernel.backward(*args, config=GB.default_config(128))
+        again = kernel.backward(*args, config=config, **tensors)
         assert all(torch.equal(a, b) for a, b in zip(first, again))
+    if dq == "fused":
+        base = kernel.backward(*args, config=GB.default_config(program.d_qk), **tensors)
+        for a, b in zip(first, base):
+            assert ((a.float() - b.float()).norm() / b.float().norm()).item() < 1e-2
 
 
 @hopper
@@ -126,6 +137,66 @@ def test_group_lists_walk_the_plans_columns():
 
 
 @pytest.mark.skipif(not GB.HAS_GLUON, reason="this Triton has no Gluon")
+def test_group_lists_give_the_fused_dq_its_turns():
+    """The fused dQ's walk: each key tile's query blocks descending, and every entry's turn the
+    number of key tiles launched before its own (the plane's ``order``) that compute the same
+    (query block, head) -- so the turns of a cell are 0, 1, ... in launch order.  On a causal plane
+    each key tile's j-th entry follows its predecessor's j-th entry (waits one entry deep)."""
+    rng = np.random.default_rng(1)
+    for planes_h, group in ((1, 4), (8, 4), (2, 1)):
+        classes = rng.integers(0, 3, size=(2, planes_h, 6, 5)).astype(np.int8)
+        plain, fused = GB.group_lists(classes, group), GB.group_lists(classes, group, fused=True)
+        assert "turn" not in plain and np.array_equal(plain["ptr"], fused["ptr"])
+        assert np.array_equal(plain["order"], fused["order"])
+        ptr, ent, turn, order = fused["ptr"], fused["ent"], fused["turn"], fused["order"]
+        kt, planes = 5, len(ptr[:-1]) // 5
+        for plane in range(planes):
+            ranks = {int(n): r for r, n in enumerate(order[plane * kt:(plane + 1) * kt])}
+            cells = {}
+            for n in range(kt):
+                col = plane * kt + n
+                got = [(int(e) >> 1) & 127 for e in ent[ptr[col]:ptr[col + 1]]]
+                assert got == sorted(got)  # heads in turn
+                blocks = [(int(e) >> 1 & 127, int(e) >> 8) for e in ent[ptr[col]:ptr[col + 1]]]
+                assert all(a[0] < b[0] or a[1] > b[1] for a, b in zip(blocks, blocks[1:]))  # descending blocks
+                for (g, m), t in zip(blocks, turn[ptr[col]:ptr[col + 1]]):
+                    cells.setdefault((g, m), []).append((ranks[n], int(t)))
+            for seen in cells.values():
+                assert [t for _, t in sorted(seen)] == list(range(len(seen)))
+    causal = np.zeros((1, 1, 8, 4), np.int8)  # 64-row query blocks, 128-key tiles
+    for m in range(8):
+        for n in range(4):
+            causal[0, 0, m, n] = 2 if m >= 2 * n + 2 else 1 if m >= 2 * n else 0
+    lists = GB.group_lists(causal, 1, fused=True)
+    ptr, ent, turn = lists["ptr"], lists["ent"], lists["turn"]
+    assert list(lists["order"]) == [0, 1, 2, 3]  # heaviest first: the launch order
+    for n in range(1, 4):
+        mine, before = ent[ptr[n]:ptr[n + 1]] >> 8, ent[ptr[n - 1]:ptr[n]] >> 8
+        assert list(mine) == list(before[:len(mine)])  # entry j: the same query block as the predecessor's
+        assert list(turn[ptr[n]:ptr[n + 1]]) == [n] * len(mine)
+
+
+def test_the_fused_dq_store_scales_and_zeroes_the_tiles_nobody_wrote():
+    """``_bwd_dq_store`` with COUNTED (the fused dQ's cast, in the interpreter): dQ = SCALE * the
+    float32 workspace where a tile's count is positive, 0 where no K/V tile wrote it (the workspace
+    there is never written: garbage that must not leak); tiles across S_q."""
+    from attnc.backends.triton import launch as L
+    from attnc.backends.triton.kernels import backward as K
+    b, h, s, d, block = 1, 2, 100, 16, 32
+    tiles = -(-s // block)
+    dqa = torch.randn(b * h * s * d, dtype=torch.float32)
+    counts = torch.tensor([1, 0, 3, 2, 0, 0, 1, 5], dtype=torch.int32)  # [b * h, tiles]
+    dq = torch.empty(b, h, s, d, dtype=torch.float32)
+    store = L.Launcher(K._bwd_dq_store, dict(H_Q=h, BLOCK=block, D_QK=d, D_QK_PAD=d, SCALE=0.25, COUNTED=True))
+    store.launch((tiles, b * h), (dqa, dq, counts, *dq.stride(), s), None)
+    want = (dqa.view(b, h, s, d) * 0.25).clone()
+    for bh in range(b * h):
+        for t in range(tiles):
+            if counts[bh * tiles + t] == 0:
+                want[0, bh, t * block:(t + 1) * block] = 0.0
+    assert torch.equal(dq, want)
+
+
 def test_where_the_gluon_backward_is_refused():
     cfg = GB.GluonBackwardConfig()
     ok = compile_spec(SPECS["gqa_d128_causal"])
@@ -147,11 +218,14 @@ def test_config_refuses_what_no_kernel_runs():
         GB.GluonBackwardConfig(dq="atomic")
     with pytest.raises(ValueError, match="128-key tiles"):
         GB.GluonBackwardConfig(block_n=64)
+    for dq in ("fused", "fused_atomic"):
+        with pytest.raises(ValueError, match="warp_specialize=True"):
+            GB.GluonBackwardConfig(dq=dq, warp_specialize=False)
     assert GB.GluonBackwardConfig(block_n=64, warp_specialize=False, dq="atomic").dq == "atomic"
 
 
 @pytest.mark.skipif(not GB.HAS_GLUON, reason="this Triton has no Gluon")
-@pytest.mark.parametrize("dq", ["gluon", "triton", "atomic"])
+@pytest.mark.parametrize("dq", ["gluon", "triton", "atomic", "fused", "fused_atomic"])
 def test_the_launch_binds_its_passes_on_the_calls_plan(dq):
     """The host side of every dQ mode (the kernels launch on an sm_90 GPU only): one dK/dV program per
     (key tile, request * K/V head), one dQ program per (query tile, request * query head), the group
@@ -168,3 +242,6 @@ def test_the_launch_binds_its_passes_on_the_calls_plan(dq):
     if dq == "gluon":
         assert launch.dq_grid == (3 * 2 * 8,)  # ceil(333 / 128) query tiles, 2 requests, 8 query heads
     assert (launch.triton is not None) == (dq == "triton")
+    if dq.startswith("fused"):  # a turn beside every entry; the cast on the dK/dV pass's 64-row tiles
+        assert len(launch.arrays["turn"]) == len(entries) and launch.q_tiles == 6
+        assert launch.store.constexprs["BLOCK"] == 64 and launch.store.constexprs["COUNTED"] == (dq == "fused")

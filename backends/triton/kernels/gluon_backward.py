@@ -12,6 +12,7 @@ try:
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                                   warpgroup_mma, warpgroup_mma_wait)
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    _sync = getattr(gl, "thread_barrier", None) or gl.barrier  # (a partition's warps: bar.sync; Triton 3.6 / 3.9)
     HAS_GLUON = True
 except (ImportError, AttributeError):  # a Triton without Gluon: the engine is unavailable
     HAS_GLUON = False
@@ -56,7 +57,7 @@ def _probs_t(s_raw, part, b, h, q_pos, k_pos, lse2, TS, K_END, Q_END, EVEN: tl.c
 
 
 @gluon.jit
-def _bwd_dkdv(q_desc, k_desc, v_desc, do_desc, DK, DV, DQA, LSE, DELTA, ORDER, G_PTR, G_ENT, TS,
+def _bwd_dkdv(q_desc, k_desc, v_desc, do_desc, DK, DV, DQA, LSE, DELTA, ORDER, G_PTR, G_ENT, SEM, TURN, TS,
               S_Q, S_K, Q_OFF, K_OFF, PLAN_B, PLAN_H, KV_PLANES, K_TILES, BKV,
               EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               D: tl.constexpr, STAGES: tl.constexpr, HEAD_GROUP: tl.constexpr, ATOMIC_DQ: tl.constexpr,
@@ -64,7 +65,8 @@ def _bwd_dkdv(q_desc, k_desc, v_desc, do_desc, DK, DV, DQA, LSE, DELTA, ORDER, G
               H_Q: tl.constexpr, H_KV: tl.constexpr, GROUP: tl.constexpr, NUM_WARPS: tl.constexpr):
     """dK and dV of one K/V tile of one (request, K/V head), summed over its query group (module
     docstring).  DK, DV: contiguous [B, H_kv, S_k, D]; LSE, DELTA: [B, H_q, S_q] float32; DQA
-    (ATOMIC_DQ): float32 [B * H_q * S_q, D], zero before the launch, unscaled."""
+    (ATOMIC_DQ): float32 [B * H_q * S_q, D], zero before the launch, unscaled; SEM, TURN: unused
+    (``_bwd_dkdv_ws``'s fused dQ)."""
     rank, bkv = _job(gl.program_id(0), BKV, K_TILES, HEAD_GROUP)
     b = bkv // H_KV
     kv_h = bkv % H_KV
@@ -161,7 +163,7 @@ def _bwd_dkdv(q_desc, k_desc, v_desc, do_desc, DK, DV, DQA, LSE, DELTA, ORDER, G
         if ATOMIC_DQ:  # this entry's dQ = dS K, from dS^T in shared memory (both warpgroups' keys)
             ds_smem.store(ds_op)
             fence_async_shared()
-            gl.thread_barrier()
+            _sync()
             dq = warpgroup_mma(ds_smem.permute((1, 0)), k_smem, dq0, use_acc=False, is_async=True)
             dv, dk, dq = warpgroup_mma_wait(0, deps=(dv, dk, dq))
             rows = qb * BLOCK_M + dq_rows
@@ -172,7 +174,7 @@ def _bwd_dkdv(q_desc, k_desc, v_desc, do_desc, DK, DV, DQA, LSE, DELTA, ORDER, G
                 gl.atomic_add(ptrs, dq, mask=(rows < S_Q)[:, None], sem="relaxed")
         else:
             dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
-        gl.thread_barrier()  # both warpgroups are done with this stage (and with dS^T): it may be refilled
+        _sync()  # both warpgroups are done with this stage (and with dS^T): it may be refilled
         if i + STAGES < hi:
             _load_entry(q_desc, do_desc, q_smem, do_smem, ready, G_ENT, i + STAGES, c + STAGES, b, kv_h, S_Q,
                         STAGES, H_Q, GROUP, BLOCK_M)
@@ -212,7 +214,7 @@ def _ws_dkdv_producer(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, 
                       H_KV: tl.constexpr, GROUP: tl.constexpr):
     """The TMA warp: the K/V tile's two halves once, then each entry's Q and dO into a stage both
     consumers have released."""
-    kv_bar, ready, empty = bars
+    kv_bar, ready, empty, dq_full, dq_empty = bars
     pid_n, b, kv_h, bkv, lo, hi = _dkdv_job(ORDER, G_PTR, PLAN_B, PLAN_H, KV_PLANES, K_TILES, BKV, HEAD_GROUP, H_KV)
     HALF: tl.constexpr = BLOCK_N // 2
     kv_row = bkv * S_K + pid_n * BLOCK_N
@@ -227,16 +229,18 @@ def _ws_dkdv_producer(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, 
 
 
 @gluon.jit
-def _ws_dkdv_consumer(half, q_smem, do_smem, k_smem, v_smem, bars, DK, DV, LSE, DELTA, ORDER, G_PTR, G_ENT, TS,
-                      S_Q, S_K, Q_OFF, K_OFF, PLAN_B, PLAN_H, KV_PLANES, K_TILES, BKV, EVEN_M: tl.constexpr,
-                      EVEN_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
-                      STAGES: tl.constexpr, HEAD_GROUP: tl.constexpr, VISIBLE: tl.constexpr,
+def _ws_dkdv_consumer(half, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_part, bars, DK, DV, LSE, DELTA, ORDER,
+                      G_PTR, G_ENT, TS, S_Q, S_K, Q_OFF, K_OFF, PLAN_B, PLAN_H, KV_PLANES, K_TILES, BKV,
+                      EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      D: tl.constexpr, STAGES: tl.constexpr, HEAD_GROUP: tl.constexpr, VISIBLE: tl.constexpr,
                       SCORE_GRAD: tl.constexpr, HAS_SCORE: tl.constexpr, SCALE: tl.constexpr, H_Q: tl.constexpr,
-                      H_KV: tl.constexpr, GROUP: tl.constexpr):
+                      H_KV: tl.constexpr, GROUP: tl.constexpr, FUSED_DQ: tl.constexpr):
     """One warpgroup's half of the K/V tile (keys [half * BLOCK_N / 2, + BLOCK_N / 2)): every entry's
     S^T, dP^T, dV and dK (``_bwd_dkdv``'s step on 64 keys), the stage released once its MMAs are
-    done; then its rows of dK and dV."""
-    kv_bar, ready, empty = bars
+    done; then its rows of dK and dV.  FUSED_DQ: also the entry's dQ over these keys, dS K_half
+    (dS^T through its own ``ds_smem`` buffer; dK's operand stays in registers), handed to the dQ writer in
+    ``dq_part``."""
+    kv_bar, ready, empty, dq_full, dq_empty = bars
     pid_n, b, kv_h, bkv, lo, hi = _dkdv_job(ORDER, G_PTR, PLAN_B, PLAN_H, KV_PLANES, K_TILES, BKV, HEAD_GROUP, H_KV)
     HALF: tl.constexpr = BLOCK_N // 2
     dtype: tl.constexpr = k_smem.dtype
@@ -245,6 +249,9 @@ def _ws_dkdv_consumer(half, q_smem, do_smem, k_smem, v_smem, bars, DK, DV, LSE, 
     acc_layout: tl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, D, 16])
     op_layout: tl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    DQ_COLS: tl.constexpr = D
+    dq_layout: tl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, DQ_COLS, 16])
     row_l: tl.constexpr = gl.SliceLayout(1, s_layout)
     col_l: tl.constexpr = gl.SliceLayout(0, s_layout)
     k_t = k_smem.index(half)
@@ -290,9 +297,28 @@ def _ws_dkdv_consumer(half, q_smem, do_smem, k_smem, v_smem, bars, DK, DV, LSE, 
         dst = pt * (dpt - delta[None, :])
         if HAS_SCORE:
             dst = gl.where(pt > 0.0, dst * gt, 0.0)
-        dk = warpgroup_mma(gl.convert_layout(dst.to(dtype), op_layout), q_t, dk, is_async=True)
-        dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
-        mbarrier.arrive(empty.index(stage), count=1)
+        if FUSED_DQ != 0:  # dS^T also through shared memory for dQ over this half's keys, dS K_half
+            ds_t = ds_smem.index(half)
+            ds_op = dst.to(dtype)
+            dk = warpgroup_mma(gl.convert_layout(ds_op, op_layout), q_t, dk, is_async=True)
+            ds_t.store(ds_op)
+            fence_async_shared()
+            _sync()  # (the warpgroup's whole dS^T is in shared memory before the MMAs read it)
+            dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
+            mbarrier.arrive(empty.index(stage), count=1)
+            mbarrier.wait(dq_empty.index(half), (c & 1) ^ 1)  # the writer has taken entry c - 1's partial
+            for c0 in gl.static_range(0, D, DQ_COLS):  # (DQ_COLS columns at a time: registers)
+                dq0 = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, dq_layout)
+                dq = warpgroup_mma(ds_t.permute((1, 0)), k_t.slice(c0, DQ_COLS, dim=1), dq0, use_acc=False,
+                                   is_async=True)
+                dq = warpgroup_mma_wait(0, deps=(dq, ))
+                dq_part.slice(c0, DQ_COLS, dim=1).store(dq)
+            _sync()  # (every thread's rows are in shared memory before the writer is told)
+            mbarrier.arrive(dq_full.index(half), count=1)
+        else:
+            dk = warpgroup_mma(gl.convert_layout(dst.to(dtype), op_layout), q_t, dk, is_async=True)
+            dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
+            mbarrier.arrive(empty.index(stage), count=1)
     out_rows = gl.arange(0, HALF, gl.SliceLayout(1, acc_layout))
     out_cols = gl.arange(0, D, gl.SliceLayout(0, acc_layout))
     keys = pid_n * BLOCK_N + half * HALF + out_rows
@@ -306,18 +332,82 @@ def _ws_dkdv_consumer(half, q_smem, do_smem, k_smem, v_smem, bars, DK, DV, LSE, 
 
 
 @gluon.jit
-def _bwd_dkdv_ws(q_desc, k_desc, v_desc, do_desc, DK, DV, DQA, LSE, DELTA, ORDER, G_PTR, G_ENT, TS,
+def _ws_dq_writer(dq_stage0, dq_stage1, bars, DQA, SEM, TURN, ORDER, G_PTR, G_ENT, S_Q, PLAN_B, PLAN_H, KV_PLANES,
+                  K_TILES, BKV, EVEN_M: tl.constexpr, BLOCK_M: tl.constexpr, D: tl.constexpr, HEAD_GROUP: tl.constexpr,
+                  H_Q: tl.constexpr, H_KV: tl.constexpr, GROUP: tl.constexpr, ORDERED: tl.constexpr,
+                  WRITER_WARPS: tl.constexpr):
+    """The dQ warps of FUSED_DQ: per entry, the two consumers' parts (``dq_stage0`` / ``1``) summed and
+    added into the float32 workspace DQA [B * H_q * S_q, D] (unscaled), 8 x 32 at a time.  ORDERED (the
+    deterministic mode): the K/V tiles of a (query tile, query head) add in a fixed order -- the
+    entry's turn TURN[i] (how many earlier-launched programs add to this tile) is awaited on the
+    tile's counter SEM[b * H_q + h, query tile] (acquire), the turn-0 program stores instead of adding
+    (DQA needs no zeroing), and the counter is then raised (release).  A program waits only on
+    programs launched before it, so the waits cannot deadlock while the GPU starts programs in
+    launch order.  Unordered: float32 atomic adds into a zeroed DQA, in whatever order they land."""
+    kv_bar, ready, empty, dq_full, dq_empty = bars
+    pid_n, b, kv_h, bkv, lo, hi = _dkdv_job(ORDER, G_PTR, PLAN_B, PLAN_H, KV_PLANES, K_TILES, BKV, HEAD_GROUP, H_KV)
+    CH: tl.constexpr = 8  # rows and columns per step (a swizzle atom; 4 floats of each part per lane)
+    CW: tl.constexpr = 32
+    layout: tl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [WRITER_WARPS, 1], [1, 0])
+    rows0 = gl.arange(0, CH, gl.SliceLayout(1, layout))
+    cols0 = gl.arange(0, CW, gl.SliceLayout(0, layout))
+    q_tiles = (S_Q + BLOCK_M - 1) // BLOCK_M
+    for i in range(lo, hi):
+        c = i - lo
+        e = gl.load(G_ENT + i)
+        qb = e >> 8
+        bh = b * H_Q + kv_h * GROUP + ((e >> 1) & 127)
+        lock = SEM + bh * q_tiles + qb
+        first = i < 0  # (False: unordered adds never store)
+        if ORDERED:
+            turn = gl.load(TURN + i)
+            seen = gl.atomic_add(lock, 0, sem="acquire", scope="gpu")
+            while seen != turn:
+                seen = gl.atomic_add(lock, 0, sem="acquire", scope="gpu")
+            _sync()  # (every lane's adds below come after the acquire)
+            first = turn == 0
+        mbarrier.wait(dq_full.index(0), c & 1)
+        mbarrier.wait(dq_full.index(1), c & 1)
+        for r0 in gl.static_range(0, BLOCK_M, CH):
+            for c0 in gl.static_range(0, D, CW):
+                part = (dq_stage0.slice(r0, CH).slice(c0, CW, dim=1).load(layout)
+                        + dq_stage1.slice(r0, CH).slice(c0, CW, dim=1).load(layout))
+                rows = qb * BLOCK_M + r0 + rows0
+                ptrs = DQA + (bh * S_Q + rows)[:, None] * D + (c0 + cols0)[None, :]
+                if first:
+                    if EVEN_M:
+                        gl.store(ptrs, part)
+                    else:
+                        gl.store(ptrs, part, mask=(rows < S_Q)[:, None])
+                else:
+                    if EVEN_M:
+                        gl.atomic_add(ptrs, part, sem="relaxed")
+                    else:
+                        gl.atomic_add(ptrs, part, mask=(rows < S_Q)[:, None], sem="relaxed")
+        _sync()  # (every lane has read both partials and issued its adds)
+        mbarrier.arrive(dq_empty.index(0), count=1)
+        mbarrier.arrive(dq_empty.index(1), count=1)
+        if ORDERED:
+            gl.atomic_add(lock, 1, sem="release", scope="gpu")
+
+
+@gluon.jit
+def _bwd_dkdv_ws(q_desc, k_desc, v_desc, do_desc, DK, DV, DQA, LSE, DELTA, ORDER, G_PTR, G_ENT, SEM, TURN, TS,
                  S_Q, S_K, Q_OFF, K_OFF, PLAN_B, PLAN_H, KV_PLANES, K_TILES, BKV,
                  EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  D: tl.constexpr, STAGES: tl.constexpr, HEAD_GROUP: tl.constexpr, ATOMIC_DQ: tl.constexpr,
                  VISIBLE: tl.constexpr, SCORE_GRAD: tl.constexpr, HAS_SCORE: tl.constexpr, SCALE: tl.constexpr,
                  H_Q: tl.constexpr, H_KV: tl.constexpr, GROUP: tl.constexpr, NUM_WARPS: tl.constexpr,
-                 CONSUMER_REGS: tl.constexpr = 240, PRODUCER_REGS: tl.constexpr = 24):
+                 CONSUMER_REGS: tl.constexpr = 240, PRODUCER_REGS: tl.constexpr = 24, FUSED_DQ: tl.constexpr = 0,
+                 WRITER_REGS: tl.constexpr = 64):
     """``_bwd_dkdv``'s job, warp-specialized: a TMA producer warp and two consumer warpgroups, each
     with half of the K/V tile's keys (its own dK and dV rows), released stage by stage through
     mbarriers, so that one warpgroup's softmax-side arithmetic runs under the other's MMAs.  Same
-    arguments (k_desc / v_desc in BLOCK_N / 2-row boxes; DQA and ATOMIC_DQ unused: dQ by its own
-    pass)."""
+    arguments (k_desc / v_desc in BLOCK_N / 2-row boxes; ATOMIC_DQ unused) and SEM, TURN.  FUSED_DQ
+    (1: ordered, deterministic; 2: unordered atomics; 0: dQ by its own pass): each consumer also
+    makes its keys' part of every entry's dQ (a fifth GEMM) and a dQ warp (``_ws_dq_writer``) adds
+    the two parts into DQA (float32 [B * H_q * S_q, D]); SEM: int32 [B * H_q, query tiles], zero
+    before the launch (ordered); TURN: each entry's turn, beside G_ENT."""
     HALF: tl.constexpr = BLOCK_N // 2
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
     do_smem = gl.allocate_shared_memory(do_desc.dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
@@ -330,19 +420,50 @@ def _bwd_dkdv_ws(q_desc, k_desc, v_desc, do_desc, DK, DV, DQA, LSE, DELTA, ORDER
     for s in gl.static_range(STAGES):
         mbarrier.init(ready.index(s), count=1)
         mbarrier.init(empty.index(s), count=2)  # both consumers release a stage
-    fence_async_shared()
-    bars = (kv_bar, ready, empty)
-    gl.warp_specialize([
-        (_ws_dkdv_consumer, (0, q_smem, do_smem, k_smem, v_smem, bars, DK, DV, LSE, DELTA, ORDER, G_PTR, G_ENT, TS,
-                             S_Q, S_K, Q_OFF, K_OFF, PLAN_B, PLAN_H, KV_PLANES, K_TILES, BKV, EVEN_M, EVEN_N, BLOCK_M,
-                             BLOCK_N, D, STAGES, HEAD_GROUP, VISIBLE, SCORE_GRAD, HAS_SCORE, SCALE, H_Q, H_KV, GROUP)),
-        (_ws_dkdv_consumer, (1, q_smem, do_smem, k_smem, v_smem, bars, DK, DV, LSE, DELTA, ORDER, G_PTR, G_ENT, TS,
-                             S_Q, S_K, Q_OFF, K_OFF, PLAN_B, PLAN_H, KV_PLANES, K_TILES, BKV, EVEN_M, EVEN_N, BLOCK_M,
-                             BLOCK_N, D, STAGES, HEAD_GROUP, VISIBLE, SCORE_GRAD, HAS_SCORE, SCALE, H_Q, H_KV, GROUP)),
-        (_ws_dkdv_producer, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, bars, ORDER, G_PTR,
-                             G_ENT, S_Q, S_K, PLAN_B, PLAN_H, KV_PLANES, K_TILES, BKV, BLOCK_M, BLOCK_N, STAGES,
-                             HEAD_GROUP, H_Q, H_KV, GROUP)),
-    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    if FUSED_DQ != 0:
+        ds_layout: tl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF, BLOCK_M], k_desc.dtype)
+        ds_smem = gl.allocate_shared_memory(k_desc.dtype, [2, HALF, BLOCK_M], ds_layout)
+        dq_layout: tl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, D], gl.float32)
+        dq_stage0 = gl.allocate_shared_memory(gl.float32, [BLOCK_M, D], dq_layout)
+        dq_stage1 = gl.allocate_shared_memory(gl.float32, [BLOCK_M, D], dq_layout)
+        dq_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        dq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for w in gl.static_range(2):
+            mbarrier.init(dq_full.index(w), count=1)
+            mbarrier.init(dq_empty.index(w), count=1)
+        fence_async_shared()
+        bars = (kv_bar, ready, empty, dq_full, dq_empty)
+        gl.warp_specialize([
+            (_ws_dkdv_consumer, (0, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_stage0, bars, DK, DV, LSE, DELTA,
+                                 ORDER, G_PTR, G_ENT, TS, S_Q, S_K, Q_OFF, K_OFF, PLAN_B, PLAN_H, KV_PLANES, K_TILES,
+                                 BKV, EVEN_M, EVEN_N, BLOCK_M, BLOCK_N, D, STAGES, HEAD_GROUP, VISIBLE, SCORE_GRAD,
+                                 HAS_SCORE, SCALE, H_Q, H_KV, GROUP, FUSED_DQ)),
+            (_ws_dkdv_consumer, (1, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_stage1, bars, DK, DV, LSE, DELTA,
+                                 ORDER, G_PTR, G_ENT, TS, S_Q, S_K, Q_OFF, K_OFF, PLAN_B, PLAN_H, KV_PLANES, K_TILES,
+                                 BKV, EVEN_M, EVEN_N, BLOCK_M, BLOCK_N, D, STAGES, HEAD_GROUP, VISIBLE, SCORE_GRAD,
+                                 HAS_SCORE, SCALE, H_Q, H_KV, GROUP, FUSED_DQ)),
+            (_ws_dkdv_producer, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, bars, ORDER, G_PTR,
+                                 G_ENT, S_Q, S_K, PLAN_B, PLAN_H, KV_PLANES, K_TILES, BKV, BLOCK_M, BLOCK_N, STAGES,
+                                 HEAD_GROUP, H_Q, H_KV, GROUP)),
+            (_ws_dq_writer, (dq_stage0, dq_stage1, bars, DQA, SEM, TURN, ORDER, G_PTR, G_ENT, S_Q, PLAN_B, PLAN_H, KV_PLANES,
+                             K_TILES, BKV, EVEN_M, BLOCK_M, D, HEAD_GROUP, H_Q, H_KV, GROUP, FUSED_DQ == 1, 2)),
+        ], [4, 1, 2], [CONSUMER_REGS, PRODUCER_REGS, WRITER_REGS])
+    else:
+        fence_async_shared()
+        bars = (kv_bar, ready, empty, ready, empty)  # (no dQ barriers: FUSED_DQ 0 never reads them)
+        gl.warp_specialize([
+            (_ws_dkdv_consumer, (0, q_smem, do_smem, k_smem, v_smem, k_smem, k_smem, bars, DK, DV, LSE, DELTA, ORDER,
+                                 G_PTR, G_ENT, TS, S_Q, S_K, Q_OFF, K_OFF, PLAN_B, PLAN_H, KV_PLANES, K_TILES, BKV,
+                                 EVEN_M, EVEN_N, BLOCK_M, BLOCK_N, D, STAGES, HEAD_GROUP, VISIBLE, SCORE_GRAD,
+                                 HAS_SCORE, SCALE, H_Q, H_KV, GROUP, FUSED_DQ)),
+            (_ws_dkdv_consumer, (1, q_smem, do_smem, k_smem, v_smem, k_smem, k_smem, bars, DK, DV, LSE, DELTA, ORDER,
+                                 G_PTR, G_ENT, TS, S_Q, S_K, Q_OFF, K_OFF, PLAN_B, PLAN_H, KV_PLANES, K_TILES, BKV,
+                                 EVEN_M, EVEN_N, BLOCK_M, BLOCK_N, D, STAGES, HEAD_GROUP, VISIBLE, SCORE_GRAD,
+                                 HAS_SCORE, SCALE, H_Q, H_KV, GROUP, FUSED_DQ)),
+            (_ws_dkdv_producer, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, bars, ORDER, G_PTR,
+                                 G_ENT, S_Q, S_K, PLAN_B, PLAN_H, KV_PLANES, K_TILES, BKV, BLOCK_M, BLOCK_N, STAGES,
+                                 HEAD_GROUP, H_Q, H_KV, GROUP)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 
