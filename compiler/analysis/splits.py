@@ -29,7 +29,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from attnc.compiler.errors import PlanError
-from attnc.compiler.policies import named
 
 
 def _lens(kv_lens) -> np.ndarray:
@@ -496,11 +495,11 @@ POLICY_CLASSES = {"auto": Auto, "balanced": Balanced, "chunk": Chunk, "capacity"
 
 
 def from_ir(split) -> SplitPolicy:
-    """The policy of an ``ir.Split`` (``kind`` + ``args``, read by name)."""
+    """The policy of an ``ir.Split``: its class for ``kind``, built from ``params`` by name."""
     kind = getattr(split.kind, "value", split.kind)
     if kind not in POLICY_CLASSES:
         raise PlanError(f"unknown split policy {kind!r}")
-    return POLICY_CLASSES[kind](**named("split", kind, tuple(split.args)))
+    return POLICY_CLASSES[kind](**split.params)
 
 
 def split_bounds(policy: SplitPolicy, kv_lens, occupancy: Occupancy | None = None) -> SplitBounds:
