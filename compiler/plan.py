@@ -644,14 +644,17 @@ def plan_split(program: ir.Program, layout, q_lens=None, *, policy=None, occupan
     (``analysis.PLAN_PIPELINE``).
 
     ``q_lens`` (default: one query row per request, decode, as the kernels' default; a
-    request with no keys then has a row that sees nothing) gives each request's new query rows; ``policy`` overrides the spec's ``split =``; ``occupancy`` (or ``num_sms``) is what
-    ``heuristic``/``auto`` read.  Every contract break is a PlanError, before any arithmetic."""
+    request with no keys then has a row that sees nothing) gives each request's new query rows;
+    ``policy`` overrides the spec's ``split =`` (``launch_plan.plan_launch`` passes the Triton
+    launch's; left out, ``auto`` takes the numpy backend's tuned count for the call, else
+    ``splits.auto_splits``); ``occupancy`` (or ``num_sms``) is what ``heuristic``/``auto`` read.
+    Every contract break is a PlanError, before any arithmetic."""
     p = program
     kv = layout.kv_lens
     q = np.ones(kv.size, np.int64) if q_lens is None else q_lens
     checked = run_plan_pipeline(("layout", "manifest"), program=p, kv_layout=layout, q_lens=q)
     given = dict(checked)
-    if policy is None:  # `split = auto` takes `attnc tune`'s split count for this key, if cached
+    if policy is None:  # `split = auto` takes `attnc tune`'s split count for the numpy key, if cached
         from . import tune
         try:
             key = tune.call_key(p, len(kv), [int(x) for x in q], [int(x) for x in kv], "numpy")

@@ -110,7 +110,7 @@ class SplitChoice:
     query tile (``splits`` balanced shares of each tile's K/V blocks, or the spec's policy's
     ``bounds``) and the combine, through a workspace; "gluon": the Gluon engine over the cache,
     one launch, unsplit (one slot), no workspace.  ``decided_by`` names what set the slots
-    ("caller", "policy", "tuned", "auto", "engine"); ``tuned`` says what the tuning cache gave;
+    ("caller", "policy", "tuned", "auto", "engine"); ``tuning_cache`` says what the cache gave;
     ``refusal``, when set, is why this launch cannot run (the launch raises it)."""
 
     engine: str
@@ -122,7 +122,7 @@ class SplitChoice:
     num_warps: int
     num_stages: int
     decided_by: str
-    tuned: str
+    tuning_cache: str
     facts: DeviceFacts
     assumed: tuple[str, ...] = ()
     refusal: str | None = None
@@ -147,7 +147,7 @@ class SplitChoice:
         """The launch as `attnc plan --json` reports it."""
         return {"engine": self.engine, "slots": self.slots, "workspace_bytes": self.workspace_bytes(program, total_q),
                 "block_n": self.block_n, "block_q": self.block_q, "num_warps": self.num_warps,
-                "num_stages": self.num_stages, "decided_by": self.decided_by, "tuning_cache": self.tuned,
+                "num_stages": self.num_stages, "decided_by": self.decided_by, "tuning_cache": self.tuning_cache,
                 "device": self.facts.to_json(), "assumed": list(self.assumed)}
 
 

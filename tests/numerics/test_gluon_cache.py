@@ -158,6 +158,26 @@ def test_contiguous_engine_zeroes_the_next_heads_v_rows():
     assert np.abs(o[:, :1].float().cpu().numpy() - ref_o).max() < 2e-2
 
 
+@hopper
+def test_attnc_plan_reports_the_engines_launch():
+    """`attnc plan --device here` on the H100 / H200 reports the Gluon engine's launch of a long
+    append (split_choice.choose, asked with this device's facts): one slot and the workspace the
+    bound launch allocates, none."""
+    from attnc.compiler.launch_plan import plan_launch
+    from attnc.compiler.plan import logical_layout
+    program = _program(LAYOUTS["paged16_dense_nhd"])
+    arrays = inputs.sample_cache(program, KV_LENS, Q_LENS, 0)
+    dev = _on_gpu(arrays, torch.bfloat16)
+    q = dev.pop("q")
+    kernel = runtime.load(program)
+    plan = kernel.decode_plan(dict(dev), total_q=int(q.shape[0]))
+    bound = kernel._bind_split(plan, q.device, dev["k_cache"], dev["v_cache"], {}, None, None)
+    report = plan_launch(program, logical_layout(program, KV_LENS), Q_LENS, device="here").report()
+    assert plan["engine"] == report["launch"]["engine"] == "gluon" and report["launch"]["device"]["here"]
+    assert (plan["splits"], bound.workspace_bytes) == (report["capacity"], report["workspace_bytes"]["allocated"])
+    assert bound.workspace_bytes == 0
+
+
 def test_jobs_keep_a_kv_heads_tiles_together_longest_first():
     from attnc.backends.triton.decode import engine_jobs
     tile_req = np.array([0, 0, 0, 1])
