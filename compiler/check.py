@@ -418,14 +418,15 @@ class Checker:
         if not ok:
             return None
         if fld == "cache":
-            return ir.Cache(ir.CacheKind(p.kind), ir.Layout(values.get("layout") or "nhd"),
-                            values.get("page_size"), values.get("table"))
+            # the table's names are ir.Cache's fields (a ragged cache's rows are token-major: nhd)
+            layout = ir.Layout(values.get("layout") or "nhd")
+            return ir.Cache(kind=ir.CacheKind(p.kind), **{**values, "layout": layout})
         if fld == "split":
             if p.kind == "capacity" and values["splits"] > values["capacity"]:
                 self.error(f"capacity({values['splits']}, {values['capacity']}): the number of splits "
                            "cannot exceed the split capacity", p.span)
                 return None
-            return ir.Split(ir.SplitKind(p.kind), tuple(values[q.name] for q in params))
+            return ir.Split(ir.SplitKind(p.kind), values)
         if fld == "state":
             if p.kind != "shared_shift":
                 return ir.StateABI(p.kind)
@@ -433,7 +434,7 @@ class Checker:
                 self.error(f"shared_shift: lower = {values['lower']:g} must be below upper = {values['upper']:g} "
                            "(the guard's window of s - phi)", p.span)
                 return None
-            return ir.SharedShift(values["phi"], values["lower"], values["upper"])
+            return ir.SharedShift(**values)
         return p.kind
 
     # ------------------------------------------------------------ expressions

@@ -246,17 +246,10 @@ def _ids_arg(text: str) -> list:
     return [int(x) if x.strip().lstrip("-").isdigit() else x.strip() for x in text.split(",")]
 
 
-def _untuned_split_policy(program):
-    """The spec's own split policy when no tuning cache exists, else None (plan_split then looks
-    `split = auto` up in the cache).  Looking up needs the call's dispatch key, whose device probe
-    imports torch: without a cache there is nothing to look up, and `attnc plan` stays torch-free."""
-    from . import tune
-    return None if tune.default_cache_path().exists() else tune.tuned_split_policy(program)
-
-
 def cmd_plan(args) -> int:
     from .analysis import schedule
-    from .plan import logical_layout, plan_split
+    from .launch_plan import plan_launch
+    from .plan import logical_layout
     program = _concrete(args)
     if args.ranks is not None:
         return _plan_ranks(args, program)
@@ -264,8 +257,8 @@ def cmd_plan(args) -> int:
     q = args.q_lens if args.q_lens is not None else [1] * len(kv)  # decode, as the kernels' default
     if len(q) != len(kv):
         raise InputError(f"--q-lens has {len(q)} entries, --kv-lens {len(kv)}")
-    plan = plan_split(program, logical_layout(program, kv), np.asarray(q, np.int64), num_sms=args.sms,
-                      block_rows=None, policy=_untuned_split_policy(program))
+    plan = plan_launch(program, logical_layout(program, kv), np.asarray(q, np.int64), device=args.device,
+                       num_sms=args.sms)
     if args.graph:
         dot = Path(args.graph)
         try:
@@ -618,14 +611,20 @@ def build_parser() -> argparse.ArgumentParser:
                                               "split call; the schedule graph",
         description="Plan a split-K/V call of B requests (bottom-right positions): the "
                     "spec's split policy and state ABI, its heads, head_dim, dtype and "
-                    "cache (pages are allocated in request order).")
+                    "cache (pages are allocated in request order), as the GPU backend launches it "
+                    "(engine, slots, workspace: its own decision, given the --device facts).")
     p.add_argument("spec")
     p.add_argument("--kv-lens", type=_lengths_arg, required=True, metavar="T0,T1,...",
                    help="visible K/V length of each request (its query rows included)")
     p.add_argument("--q-lens", type=_lengths_arg, default=None, metavar="C0,C1,...",
                    help="query rows of each request (default 1 per request: decode; a request with "
                         "kv_len 0 then has one row that sees nothing)")
-    p.add_argument("--sms", type=_positive, default=132, help="SMs the heuristic/auto split plans for (default 132)")
+    p.add_argument("--device", default=None, metavar="here|sm_XY",
+                   help="the GPU whose launch the plan reports: 'here' reads this host's (its tuning cache applies; "
+                        "Triton's interpreter under TRITON_INTERPRET=1), sm_90 assumes one (132 SMs, Gluon) and reads "
+                        "nothing (default: here under the interpreter, else sm_90)")
+    p.add_argument("--sms", type=_positive, default=None,
+                   help="SMs the heuristic/auto split plans for (default: the device's; 132 when assumed)")
     p.add_argument("--request-ids", type=_ids_arg, default=None,
                    metavar="ID0,ID1,...", help="the manifest's request ids (default 0,1,...)")
     p.add_argument("--cache-rows", type=_lengths_arg, default=None, metavar="R0,R1,...",

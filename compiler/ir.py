@@ -273,6 +273,11 @@ class SharedShift:
     def value(self) -> str:  # the ABI's name, as StateABI members have it
         return "shared_shift"
 
+    @property
+    def params(self) -> policies.Args:
+        """The arguments by the names ``compiler/policies.py`` declares (this node's fields)."""
+        return policies.Args((q.name, getattr(self, q.name)) for q in policies.POLICIES["state"]["shared_shift"])
+
 
 class SplitKind(str, enum.Enum):
     AUTO = "auto"
@@ -292,13 +297,15 @@ class Cache:
 
 @node
 class Split:
-    kind: SplitKind = SplitKind.AUTO
-    args: tuple[Union[int, float], ...] = ()  # in compiler/policies.py's parameter order
+    """``split = kind(name = value, ...)``: the arguments by the names ``compiler/policies.py``
+    declares (a mapping given here is checked against the table and its defaults filled in)."""
 
-    @property
-    def params(self) -> dict[str, Union[int, float, None]]:
-        """The arguments by their declared names (``compiler/policies.py``), defaults filled in."""
-        return policies.named("split", self.kind, self.args)
+    kind: SplitKind = SplitKind.AUTO
+    params: policies.Args = policies.Args()
+
+    def __post_init__(self):
+        object.__setattr__(self, "kind", SplitKind(self.kind))
+        object.__setattr__(self, "params", policies.args("split", self.kind, self.params))
 
 
 @node

@@ -352,8 +352,8 @@ def _general_lists(program, kv_lens, q_lens, n_tiles, tensors, block_n, block_q)
 
 
 # ---------------------------------------------------------------- split plans (decode, append, mixed batches)
-# The split heuristic's N_SM when the caller names no device: an H100 SXM (132 SMs).  The numpy
-# backend has no SMs; it plans what the GPU kernel would, so both run the same splits.
+# The split heuristic's N_SM when no device is read (an H100 SXM / H200: 132 SMs): the numpy backend
+# (no SMs: it plans what the GPU kernel would), Triton's interpreter, `attnc plan --device sm_90`.
 DEFAULT_SMS = 132
 # K/V rows per producer segment on contiguous and ragged caches (a page is never merged either)
 SPLIT_BLOCK_ROWS = 16
@@ -383,6 +383,9 @@ class SplitPlan:
     seg_count: np.ndarray     # rows
     seg_t0: np.ndarray        # logical position of the first row
     num_sms: int | None = None
+    # the backend's launch of this call (``compiler/launch_plan.py``: engine, slots, the workspace it
+    # allocates, the device facts it was decided with), or None: the plan alone
+    launch: dict | None = None
 
     # ------------------------------------------------------------ shapes
     @property
@@ -474,10 +477,9 @@ class SplitPlan:
         """The bytes of the workspace a split launch of this plan allocates (``ledger.allocation``:
         every (query row, head, slot) state, 16-byte aligned fields), what the Triton launch
         allocates for it."""
-        from .analysis.ledger import allocation, dtype_bytes, vector_dtype
+        from .analysis.ledger import allocated_bytes
         c = self.call
-        vector = dtype_bytes(vector_dtype(c.abi, c.cache_dtype))
-        return allocation(c.abi, self.total_q, c.heads_q, self.capacity, c.d_v, vector)[2]
+        return allocated_bytes(c.abi, c.cache_dtype, self.total_q, c.heads_q, self.capacity, c.d_v)
 
     # ------------------------------------------------------------ reports (`attnc plan`)
     def ledgers(self):
@@ -514,13 +516,21 @@ class SplitPlan:
             "workspace": {"abi": ws.abi, "fields": fields},
             "workspace_bytes": {"per_state": ws.per_state, "configured": ws.logical,
                                 "capacity": ws.capacity, "padding": ws.padding,
-                                "allocated": self.allocated_bytes()},
+                                "allocated": self._launch_bytes()},
             "ledgers": {**led.as_dict(), "kv_reuse_factor": led.kv_reuse_factor,
                         "metadata": {"fields": dict(meta.fields), "table": meta.table, "total": meta.total},
                         "page_lookups": ledgers.page_lookups},
             "manifest": self.microbatch(request_ids, cache_rows).to_json(),
+            **({"launch": self.launch} if self.launch is not None else {}),
             **self._fallback_report(ws),
         }
+
+    def _launch_bytes(self) -> int:
+        """The workspace bytes the launch allocates: the backend's account when it decided the
+        launch (none on an engine that does not split), else the ledger's for these slots."""
+        if self.launch is not None and "workspace_bytes" in self.launch:
+            return int(self.launch["workspace_bytes"])
+        return self.allocated_bytes()
 
     def _fallback_report(self, ws) -> dict:
         """A shared-shift plan's fallback (M4.5 §0x09C): the field it adds to the workspace and the
@@ -567,6 +577,8 @@ class SplitPlan:
             fb = r["fallback"]
             lines.append("  fallback (m, l, u) adds " + ", ".join(f"{f['name']} {n(f['bytes'])} B" for f in fb["fields"])
                          + f"; recomputing every output demands {n(fb['worst_case']['two_launch_demand'])} B")
+        if "launch" in r:
+            lines += launch_lines(r["launch"])
         led = r["ledgers"]
         lines += ["ledgers (logical bytes):",
                   f"  unique Q {n(led['unique_q'])}, Q demand {n(led['q_demand'])}",
@@ -579,6 +591,28 @@ class SplitPlan:
                   + f" (total {n(led['metadata']['total'])})"
                   + (f"; {n(led['page_lookups'])} page lookups" if c["kind"] == "paged" else "")]
         return "\n".join(lines) + "\n"
+
+
+def launch_lines(launch: dict) -> list[str]:
+    """A backend's launch of a split call (``SplitPlan.launch``) for a reader."""
+    name = launch.get("backend", "?")
+    d = launch["device"]
+    where = ("Triton's interpreter" if d["interpreter"] else f"sm_{d['capability']}") + f", {d['num_sms']} SMs" \
+        + (", Gluon" if d["gluon"] else "")
+    assumed = launch.get("assumed") or []
+    facts = f"device {where}" + (f"; assumed: {', '.join(assumed)}" if assumed else "") \
+        + ("" if d["here"] else " (no device read: --device here reads this host's)")
+    if "refused" in launch:
+        return [f"launch ({name}): refused: {launch['refused']}", f"  {facts}"]
+    if launch["engine"] == "gluon":
+        what = (f"the Gluon engine over the cache, unsplit, {launch['block_q']} x {launch['block_n']} tiles, "
+                "no workspace")
+    else:
+        what = (f"split producer + combine, {launch['slots']} slot(s), block_n {launch['block_n']}, block_q "
+                f"{launch['block_q']}, {launch['num_warps']} warps, {launch['num_stages']} stages, workspace "
+                f"{launch['workspace_bytes']:,} B")
+    return [f"launch ({name}): {what}; slots decided by {launch['decided_by']}, tuning cache: "
+            f"{launch['tuning_cache']}", f"  {facts}"]
 
 
 def _runs(lengths: list[int]) -> str:
@@ -610,14 +644,17 @@ def plan_split(program: ir.Program, layout, q_lens=None, *, policy=None, occupan
     (``analysis.PLAN_PIPELINE``).
 
     ``q_lens`` (default: one query row per request, decode, as the kernels' default; a
-    request with no keys then has a row that sees nothing) gives each request's new query rows; ``policy`` overrides the spec's ``split =``; ``occupancy`` (or ``num_sms``) is what
-    ``heuristic``/``auto`` read.  Every contract break is a PlanError, before any arithmetic."""
+    request with no keys then has a row that sees nothing) gives each request's new query rows;
+    ``policy`` overrides the spec's ``split =`` (``launch_plan.plan_launch`` passes the Triton
+    launch's; left out, ``auto`` takes the numpy backend's tuned count for the call, else
+    ``splits.auto_splits``); ``occupancy`` (or ``num_sms``) is what ``heuristic``/``auto`` read.
+    Every contract break is a PlanError, before any arithmetic."""
     p = program
     kv = layout.kv_lens
     q = np.ones(kv.size, np.int64) if q_lens is None else q_lens
     checked = run_plan_pipeline(("layout", "manifest"), program=p, kv_layout=layout, q_lens=q)
     given = dict(checked)
-    if policy is None:  # `split = auto` takes `attnc tune`'s split count for this key, if cached
+    if policy is None:  # `split = auto` takes `attnc tune`'s split count for the numpy key, if cached
         from . import tune
         try:
             key = tune.call_key(p, len(kv), [int(x) for x in q], [int(x) for x in kv], "numpy")

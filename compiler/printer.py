@@ -26,8 +26,10 @@ region are printed once (value numbering on the printed text, so ``0.0`` and
 ``attn.score_program`` op is always present and, with no score statements,
 yields its ``%score`` argument (the language's default ``score = score``).  A spec with a sink
 adds an ``attn.sink_program`` region over ``%b`` and ``%h`` yielding the sink's f32 value.
-Policy attributes are flat (``cache_kind``, ``split_args``, ...); ``cache_page_size``
-and ``cache_table`` are left out when the cache has none.
+Policy attributes are flat (``cache_kind``, ``split_kind``, ...) but for a policy's arguments,
+a dictionary by their declared names (``split_params = {splits = 5 : i64, capacity = 8 : i64}``,
+``state_params`` for the shared shift); ``cache_page_size`` and ``cache_table`` are left out when
+the cache has none.
 """
 from __future__ import annotations
 
@@ -148,11 +150,16 @@ def _attention_attrs(p: ir.Program) -> dict[str, str]:
         attrs["cache_page_size"] = _attr(p.cache.page_size)
     if p.cache.table is not None:
         attrs["cache_table"] = _attr(p.cache.table)
-    attrs.update(split_kind=_attr(p.split.kind), split_args=_attr(tuple(p.split.args)),
+    attrs.update(split_kind=_attr(p.split.kind), split_params=_params(p.split.params),
                  state=_attr(p.state.value), masked_rows=_attr(p.masked_rows))
     if isinstance(p.state, ir.SharedShift):
-        attrs["state_args"] = _attr((p.state.phi, p.state.lower, p.state.upper))
+        attrs["state_params"] = _params(p.state.params)
     return attrs
+
+
+def _params(params) -> str:
+    """A policy's arguments by name (``compiler/policies.py``) as an MLIR dictionary attribute."""
+    return "{" + ", ".join(f"{n} = {_attr(v)}" for n, v in params.items()) + "}"
 
 
 def _tensor(t: ir.TensorDecl) -> str:

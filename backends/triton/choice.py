@@ -1,7 +1,7 @@
 """The Triton backend's engine and configuration choice: which engine, tiles, warps, stages, walk
 and schedule a call runs with (``choose_prefill``, frozen as a ``PrefillConfig``), the Gluon
-engine's refusals and buffers (stages, Q buffers, registers), and which split calls run on the
-Gluon engine over the cache (``split_engine``).  The launches themselves: ``launch.py``.
+engine's refusals and buffers (stages, Q buffers, registers).  Which split calls run on the Gluon
+engine over the cache: ``split_choice.py``.  The launches themselves: ``launch.py``.
 
 The choice, in order of authority: what the caller asked for, else ``attnc tune``'s winner for
 the call's dispatch key, else the untuned defaults below (measured on the H200; the numbers live
@@ -31,12 +31,12 @@ import numpy as np
 
 from attnc.compiler import ir
 
-from .device import capability, interpreted, tma_ready
+from .device import interpreted
 from .kernels import gluon_engine, prefill
+# the Gluon engine's tiles and its refusal of a sink are the split calls' too (declared there)
+from .split_choice import GLUON_TILES, GLUON_WIDE_TILES, SINK_REFUSAL  # noqa: F401  (re-exported)
 
 HEAD_GROUP = 4  # heads whose tiles interleave, longest first (``prefill._job``)
-GLUON_TILES = (128, 128)
-GLUON_WIDE_TILES = (128, 64)  # head dims above 128: two K/V stages fit shared memory on 64-key blocks
 GLUON_HEAD_DIMS = (64, 128, 192, 256)  # q.k's (192: loaded as 256 columns, zero-filled)
 GLUON_V_DIMS = (64, 128, 256)  # v's and O's (the register tile and the masked tail store need a power of two)
 GLUON_STAGES = 2
@@ -182,10 +182,8 @@ def default_walk(mean_merged_run_blocks: float, mask_source: str | None) -> str:
     return "merged" if mean_merged_run_blocks >= MERGED_RUN_BLOCKS else "merged_blocks"
 
 
-# The Gluon engines do not take a spec's sink yet: its calls run the Triton kernels, which do.
-SINK_REFUSAL = "the Gluon engine does not take a spec's sink (sink = ...); the Triton kernels do"
-
-
+# The Gluon engines do not take a spec's sink yet: its calls run the Triton kernels, which do
+# (SINK_REFUSAL, split_choice.py's).
 def gluon_spec_refusal(program: ir.Program) -> str | None:
     """Why the Gluon engine cannot run a spec (a sentence), or None."""
     if not gluon_engine.HAS_GLUON:
@@ -342,58 +340,3 @@ def choose_prefill(program: ir.Program, s_q: int, s_k: int, plan_for, *, asked: 
         mask_source=mask_source, head_group=asked.get("head_group") or HEAD_GROUP,
         schedule=asked.get("schedule") or "counter", origin=origin)
     return config, plan
-
-
-# ---------------------------------------------------------------- split calls on the Gluon engine
-# A split call whose query rows fill at least this share of the engine's 128-row tiles runs on the
-# Gluon engine over the cache (``gluon_paged``), without splits; decode rows (one per request) and
-# batches of mostly short appends keep the split producer, whose tiles pack a GQA group's rows.
-CACHE_ENGINE_FILL = 0.5
-CACHE_ENGINE_DIMS = (64, 128, 256)  # q.k and v head dims (the packed views' columns: a power of two)
-CACHE_ENGINE_MIN_PAGE = 8  # a page's rows per copy: TMA boxes land on 8-row swizzle atoms
-
-
-def cache_engine_tiles(d_qk: int, d_v: int) -> tuple[int, int]:
-    """(query rows, keys) of the engine's tiles over a cache, as over contiguous tensors."""
-    return GLUON_WIDE_TILES if max(d_qk, d_v) > 128 else GLUON_TILES
-
-
-def cache_engine_refusal(program: ir.Program, kind: str, page_size: int, k, v) -> str | None:
-    """Why the Gluon engine cannot run this spec's split calls over this cache (a sentence), or
-    None: sm_90, f16 / bf16, head dims 64 / 128 / 256, pages of at least 8 rows that divide or
-    are a multiple of the key block, contiguous 16-byte aligned K/V storage in the spec's dtype."""
-    if not hasattr(k, "is_cuda") or not k.is_cuda:
-        return "the cache is not on a GPU"
-    if interpreted():
-        return "Gluon kernels do not run in Triton's interpreter"
-    if capability(k.device) != 90:
-        return "the Gluon engine needs an sm_90 GPU (Hopper: wgmma and TMA)"
-    if not gluon_engine.HAS_GLUON:
-        return "this Triton has no Gluon (triton.experimental.gluon)"
-    if program.dtype not in ("f16", "bf16"):
-        return f"the Gluon engine takes f16 / bf16, not {program.dtype}"
-    if program.sink is not None:
-        return SINK_REFUSAL
-    if program.d_qk not in CACHE_ENGINE_DIMS or program.d_v not in CACHE_ENGINE_DIMS:
-        return (f"the Gluon engine over a cache takes head dims {', '.join(map(str, CACHE_ENGINE_DIMS))}, "
-                f"not {program.d_qk} / {program.d_v}")
-    block_n = cache_engine_tiles(program.d_qk, program.d_v)[1]
-    if kind == "paged" and (page_size < CACHE_ENGINE_MIN_PAGE or (page_size % block_n and block_n % page_size)):
-        return (f"the Gluon engine copies pages of at least {CACHE_ENGINE_MIN_PAGE} rows that divide or are a "
-                f"multiple of its {block_n}-key blocks, not {page_size}")
-    want = {"f16": "torch.float16", "bf16": "torch.bfloat16"}[program.dtype]
-    if str(k.dtype) != want or str(v.dtype) != want:
-        return f"the cache holds {k.dtype} / {v.dtype}, not the spec's {program.dtype}"
-    if not tma_ready(k, v):
-        return "the Gluon engine reads contiguous K/V storage at 16-byte aligned addresses (TMA)"
-    return None
-
-
-def split_engine(program: ir.Program, kind: str, page_size: int, k, v, q_lens: np.ndarray) -> str | None:
-    """"gluon" when a split call's rows fill the engine's tiles (CACHE_ENGINE_FILL) and the engine
-    takes the spec and cache (``cache_engine_refusal``), else None: the split producer."""
-    rows = int(q_lens.sum())
-    tiles = int((-(-q_lens // (2 * gluon_engine.ROWS))).sum())
-    if rows == 0 or rows < CACHE_ENGINE_FILL * tiles * 2 * gluon_engine.ROWS:
-        return None
-    return "gluon" if cache_engine_refusal(program, kind, page_size, k, v) is None else None

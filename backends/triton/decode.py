@@ -3,8 +3,10 @@ over any cache layout), and its arrays on the device.
 
 ``decode_plan`` validates the cache through the layout analysis (``layout.quick_layout``'s few
 reductions for the common layouts, ``from_inputs`` for the rest and for every contract break),
-cuts every request's query rows into tiles of ``block_q`` rows, chooses the launch (`attnc
-tune`'s winner, else :func:`default_decode_config`), lists every (tile, split)'s K/V blocks
+cuts every request's query rows into tiles of ``block_q`` rows, takes the launch (the engine,
+the split slots, tiles, warps, stages) from ``split_choice.choose`` -- the caller's options,
+the spec's split policy, `attnc tune`'s winner, else the untuned rule of
+:func:`default_decode_config`, the decision `attnc plan` reports --, lists every (tile, split)'s K/V blocks
 (``compiler.plan.split_blocks``: from the rows' cached key runs where it can, see
 ``compiler.analysis.decode_rows``) and records what the generated ``decode`` launcher needs:
 cache kind, strides, per-request bases, page table.  A decode plan for 64 requests is some tens
@@ -13,20 +15,18 @@ of microseconds of host time (``bench/plan_decode_cost.py``).
 from __future__ import annotations
 
 import functools
-import os
+from dataclasses import replace
 
 import numpy as np
 
-from attnc.compiler import inputs, ir, sinks, tune
+from attnc.compiler import inputs, ir, sinks
 from attnc.compiler.analysis import layout as kvl
 from attnc.compiler.analysis.decode_rows import constant
 from attnc.compiler.errors import InputError, PlanError
-from attnc.compiler.analysis.pipeline import spec_split_policy
 from attnc.compiler.analysis import splits as policies
-from attnc.compiler.analysis.splits import occupancy_for
 from attnc.compiler.plan import DEFAULT_SMS, split_blocks
 
-from . import choice
+from . import device, split_choice
 from .device import interpreted
 
 
@@ -44,11 +44,12 @@ def decode_plan(program, arrays: dict, *, block_n: int | None = None, splits: in
     as ``compiler.inputs.validate_cache`` does, cuts every request's rows into query tiles of
     ``block_q`` rows, then lists every (tile, split)'s blocks (``compiler.plan.split_blocks``, the
     checked half of ``decode_blocks``).
-    Options left out come from `attnc tune`'s winner for the call, else
-    :func:`default_decode_config`; the plan records the launch's ``num_warps`` / ``num_stages``.
+    Options left out are ``split_choice.choose``'s (`attnc tune`'s winner for the call, else
+    :func:`default_decode_config`'s rule on the SMs of the cache's device, or ``num_sms``); the
+    plan records the launch's ``num_warps`` / ``num_stages``.
     ``engine``: "split" (the split producer and combine), "gluon" (the Gluon engine over the
     cache, one launch; refused with the reason where it cannot run) or None: the engine where an
-    untuned, unconstrained call's rows fill its tiles (``choice.split_engine``), else the split."""
+    untuned, unconstrained call's rows fill its tiles (``split_choice.choose``), else the split."""
     if engine not in (None, "split", "gluon"):
         raise ValueError(f"engine must be None, 'split' or 'gluon', not {engine!r}")
     if engine == "gluon" and (block_n is not None or splits is not None or block_q is not None):
@@ -79,41 +80,20 @@ def decode_plan(program, arrays: dict, *, block_n: int | None = None, splits: in
     if not one_row and batch and ((kv_lens < q_lens) & (kv_lens > 0)).any():
         raise inputs.short_request(int(np.flatnonzero((kv_lens < q_lens) & (kv_lens > 0))[0]), q_lens, kv_lens)
     one_row = one_row or bool((q_lens == 1).all())
-    # the spec's `split =` policy decides the slots (the caller's splits= overrides it); auto: the fast route
-    policy = None if splits is not None or _is_auto(p.split) else spec_split_policy(p)
-    launch = {}
-    if splits is None:  # `attnc tune`'s winner for this dispatch key, if the cache has it
-        tuned = _tuned(p, batch, 1 if one_row else q_lens, kv_lens)
-        if tuned:
-            splits = None if policy is not None else tuned.get("splits")
-            block_n = tuned.get("BLOCK_N", block_n)
-            block_q = block_q if block_q is not None else tuned.get("BLOCK_Q")
-            launch = {n: tuned[n] for n in ("num_warps", "num_stages") if n in tuned}
     k_key = "k_cache" if lay.kind == "paged" else "k"
     v_key = "v_cache" if lay.kind == "paged" else "v"
-    if engine == "gluon":
-        refusal = choice.cache_engine_refusal(p, lay.kind, int(lay.page_size or 0), arrays[k_key], arrays[v_key])
-        if refusal is None and policy is not None:
-            refusal = "the spec's split policy cuts the keys into slots, which the engine does not split"
-        if refusal:
-            raise ValueError(f"engine='gluon': {refusal}")
-    elif engine is None and not (one_row or launch or policy is not None or block_n is not None
-                                 or splits is not None or block_q is not None):
-        # untuned, unconstrained: the Gluon engine where the rows fill its tiles
-        engine = choice.split_engine(p, lay.kind, int(lay.page_size or 0), arrays[k_key], arrays[v_key], q_lens)
-    engine = None if engine == "split" else engine
-    if engine:
-        block_q, block_n = choice.cache_engine_tiles(p.d_qk, p.d_v)
-        splits = 1
-    default = _default_config(p, batch, one_row, q_lens, longest, num_sms, block_n, block_q)
-    block_n = default["block_n"] if block_n is None else block_n
-    block_q = default["block_q"] if block_q is None else block_q
-    if block_q < 1 or block_q & (block_q - 1):
-        raise PlanError(f"block_q = {block_q} must be a positive power of two")
+    # the engine, the slots, the tiles: split_choice.choose, the one decision `attnc plan` reports
+    facts = device.facts(getattr(arrays[k_key], "device", None))
+    if num_sms is not None:
+        facts = replace(facts, num_sms=num_sms)
+    launch = split_choice.choose(p, kv_lens, q_lens, facts, one_row=one_row, cache=(arrays[k_key], arrays[v_key]),
+                                 asked={"engine": engine, "splits": splits, "block_n": block_n, "block_q": block_q})
+    if launch.refusal:
+        raise PlanError(launch.refusal)
+    engine = None if launch.engine == "split" else launch.engine
+    block_n, block_q, splits, bounds = launch.block_n, launch.block_q, launch.splits, launch.bounds
     if block_n < GPU_MIN_TILE:
         _check_gpu_tile(None, block_n)
-    splits = default["splits"] if splits is None else splits
-    bounds = None if policy is None else policy.bounds(kv_lens, occupancy_for(p, q_lens, num_sms or DEFAULT_SMS))
     blocks = split_blocks(p, kv_lens, tensors, block_n, splits, None if one_row else q_lens, block_q,
                           longest=longest, nonempty=one_row and not empty, bounds=bounds)
     k_str, v_str = cache_strides(lay.kind, lay.order, arrays[k_key], arrays[v_key])
@@ -143,8 +123,7 @@ def decode_plan(program, arrays: dict, *, block_n: int | None = None, splits: in
             "policy": bounds.policy if bounds is not None else f"{blocks.splits} balanced block shares",
             "bounded": bounds is not None,
             "split_bounds": blocks.split_bounds if bounds is not None else constant("zeros32", 2),
-            "num_warps": launch.get("num_warps", default["num_warps"]),
-            "num_stages": launch.get("num_stages", default["num_stages"]),
+            "num_warps": launch.num_warps, "num_stages": launch.num_stages,
             "abi": p.state.value, "skipped_blocks": blocks.skipped, "engine": engine or "split",
             "kind": lay.kind, "order": lay.order, "position_end": longest,
             "jobs": engine_jobs(blocks.tile_req, np.diff(blocks.entry_ptr), p.heads_q, p.group) if engine
@@ -163,11 +142,6 @@ def engine_jobs(tile_req: np.ndarray, counts: np.ndarray, heads_q: int, group: i
     h = np.tile(np.arange(heads_q), len(counts))
     order = np.lexsort((h, -counts[tile], h // group, tile_req[tile]))
     return (tile[order] * heads_q + h[order]).astype(np.int32)
-
-
-def _is_auto(split) -> bool:
-    """Whether the spec leaves the split to the backend (``split = auto``, the default)."""
-    return getattr(split.kind, "value", split.kind) == "auto"
 
 
 # ---------------------------------------------------------------- the untuned launch
@@ -201,31 +175,18 @@ def default_decode_config(program, kv_lens, q_lens, num_sms: int | None = None, 
     * **num_warps** 4, **num_stages** 2: every recorded best ran them; 3 stages tie or lose
       at the same splits (B=32 266.0 against 260.7 µs, B=8 96.1 against 96.9) except B=1 with
       33 splits (175.6 against 194.4), which the 66-split launch beats at 2 stages.
-    * **block_q**: :func:`default_block_q` (1 for decode; enough rows to fill a 16-row dot for
+    * **block_q**: ``splits.auto_block_q`` (1 for decode; enough rows to fill a 16-row dot for
       several rows per request, 64 on a GPU).
 
     ``block_n`` / ``block_q`` given: the split count follows them.  ``num_sms`` defaults to
     ``compiler.plan.DEFAULT_SMS``."""
     kv_lens = np.asarray(kv_lens, np.int64)
     q_lens = np.asarray(q_lens, np.int64)
-    return _default_config(program, kv_lens.size, bool(q_lens.size and (q_lens == 1).all()), q_lens,
-                           int(kv_lens.max(initial=0)), num_sms, block_n, block_q)
-
-
-def _default_config(program, batch: int, one_row: bool, q_lens: np.ndarray, longest: int,
-                    num_sms: int | None, block_n: int | None, block_q: int | None) -> dict:
-    # the split count is `split = auto`'s (compiler/analysis/splits.py, the one place it is decided:
-    # `attnc plan` reports the same): counted in the GPU's query tiles, so an interpreted launch
-    # allocates what the plan says; tiles or block_n the caller gives count as given
-    rule_q = block_q
-    if block_q is None:
-        block_q = 1 if one_row else default_block_q(program.group, q_lens, interpreted())
-        rule_q = 1 if one_row else default_block_q(program.group, q_lens)
-    tiles = batch if one_row else policies.query_tiles(q_lens, rule_q)
-    splits = policies.auto_splits(program.heads_kv, tiles, longest, num_sms or DEFAULT_SMS,
-                                  policies.AUTO_BLOCK_N if block_n is None else int(block_n))
-    block_n = policies.AUTO_BLOCK_N if block_n is None else int(block_n)
-    return {"block_n": block_n, "splits": splits, "num_warps": 4, "num_stages": 2, "block_q": int(block_q)}
+    facts = device.DeviceFacts(interpreter=interpreted(), capability=0, num_sms=num_sms or DEFAULT_SMS, gluon=False)
+    c = split_choice.choose(program, kv_lens, q_lens, facts, one_row=bool(q_lens.size and (q_lens == 1).all()),
+                            asked={"engine": "split", "block_n": block_n, "block_q": block_q}, tuned={})
+    return {"block_n": c.block_n, "splits": c.splits, "num_warps": c.num_warps, "num_stages": c.num_stages,
+            "block_q": c.block_q}
 
 
 def _split_tensors(program, arrays: dict, tensors: dict | None) -> tuple[dict, dict]:
@@ -262,27 +223,6 @@ def _declared(program) -> tuple[frozenset, tuple]:
         hit = _DECLARED[id(program)] = (program, (frozenset(t.name for t in program.tensors),
                                                   tuple(sorted(ir.loads(program.mask)))))
     return hit[1]
-
-
-_TUNE_PATH: dict = {}
-# what tune.default_cache_path reads, as os.environ stores the names
-_ENV_NAMES = ("ATTNC_TUNE_CACHE", "ATTNC_CACHE", "XDG_CACHE_HOME", "HOME")
-_ENV_KEYS = tuple(getattr(os.environ, "encodekey", lambda k: k)(n) for n in _ENV_NAMES)
-
-
-def _tuned(program, batch: int, s_q, kv_lens) -> dict:
-    """`attnc tune`'s winner for the call (``compiler.tune.tuned_tiles``), {} on a miss.  Its
-    cache file's path is worked out once per environment (``tune.default_cache_path``) and a
-    missing file costs one stat: the lookup itself builds the call's dispatch key."""
-    data = getattr(os.environ, "_data", None)  # (os.environ.get costs half a microsecond a name)
-    env = (tuple(data.get(k) for k in _ENV_KEYS) if isinstance(data, dict)
-           else tuple(os.environ.get(n) for n in _ENV_NAMES))
-    path = _TUNE_PATH.get(env)
-    if path is None:
-        path = _TUNE_PATH[env] = str(tune.default_cache_path())
-    if not os.path.exists(path):
-        return {}
-    return tune.tuned_tiles(program, batch, s_q, kv_lens, "triton", cache=path) or {}
 
 
 def decode_args(plan: dict, device) -> dict:
@@ -325,11 +265,6 @@ def _check_gpu_tile(block_m: int | None, block_n: int) -> None:
         if v is not None and v < GPU_MIN_TILE:
             raise PlanError(f"{name} = {v}: on a GPU a tile needs at least {GPU_MIN_TILE} rows and keys "
                             f"(tl.dot's smallest shape); smaller tiles run only under TRITON_INTERPRET=1")
-
-
-def default_block_q(group: int, q_lens, interpreter: bool = False) -> int:
-    """Query rows per tile of a split call (``compiler.analysis.splits.auto_block_q``)."""
-    return policies.auto_block_q(group, q_lens, interpreter)
 
 
 def _query_rows(meta: dict, batch: int, total_q: int | None) -> tuple[np.ndarray | None, np.ndarray]:

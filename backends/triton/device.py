@@ -1,12 +1,69 @@
 """Device facts for the Triton backend: whether kernels run in Triton's CPU interpreter, the GPU's
 compute capability and SM count, which tensors TMA can copy, and whether the inputs are where a
-kernel runs."""
+kernel runs; :func:`facts` gathers what a split call's launch decision reads (``split_choice``).
+
+Importing it imports neither torch nor triton (``attnc plan`` reads :class:`DeviceFacts`)."""
 from __future__ import annotations
 
 import os
+from dataclasses import asdict, dataclass
 
 from attnc.compiler.dispatch.environment import device_capability
 from attnc.compiler.errors import InputError
+from attnc.compiler.plan import DEFAULT_SMS
+
+
+@dataclass(frozen=True)
+class DeviceFacts:
+    """What a split call's launch decision reads from the device (``split_choice.choose``).
+
+    ``interpreter``: Triton's CPU interpreter runs the kernels; ``capability``: 10 * major + minor
+    (0: no GPU); ``num_sms``: the SMs ``split = auto``'s rule fills; ``gluon``: this Triton has
+    Gluon (``triton.experimental.gluon``).  ``here``: read on this host, so its tuning cache's
+    entries apply; ``assumed``: the facts no device gave (a plan made without one says which)."""
+
+    interpreter: bool
+    capability: int
+    num_sms: int
+    gluon: bool
+    here: bool = True
+    assumed: tuple[str, ...] = ()
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "assumed": list(self.assumed)}
+
+
+# Triton's interpreter: no GPU, so no SM count to read; `split = auto` counts the SMs of the H200
+# the untuned rule was measured on (compiler.plan.DEFAULT_SMS), as a GPU launch there does.
+INTERPRETER = DeviceFacts(interpreter=True, capability=0, num_sms=DEFAULT_SMS, gluon=False, assumed=("num_sms",))
+_FACTS: dict = {}
+
+
+def facts(device=None) -> DeviceFacts:
+    """The facts of the device a split call runs on: ``device`` (a torch device; None: the current
+    CUDA device), read once per device; :data:`INTERPRETER` under ``TRITON_INTERPRET=1``; without
+    a GPU, capability 0 (nothing Triton runs there)."""
+    if interpreted():
+        return INTERPRETER
+    index = getattr(device, "index", None)
+    if index is None:  # numpy inputs, or a device named without its index: the current one
+        import torch
+        index = torch.cuda.current_device() if torch.cuda.is_available() else -1
+    hit = _FACTS.get(index)
+    if hit is None:
+        cap = capability(device if index == -1 else _cuda(index))
+        if cap == 0:
+            hit = DeviceFacts(interpreter=False, capability=0, num_sms=DEFAULT_SMS, gluon=False, assumed=("num_sms",))
+        else:
+            from .kernels.gluon_sync import HAS_GLUON
+            hit = DeviceFacts(interpreter=False, capability=cap, num_sms=sm_count(_cuda(index)), gluon=HAS_GLUON)
+        _FACTS[index] = hit
+    return hit
+
+
+def _cuda(index: int):
+    import torch
+    return torch.device("cuda", index)
 
 
 def interpreted() -> bool:

@@ -9,7 +9,7 @@ import numpy as np
 from attnc.compiler import inputs, ir
 from attnc.compiler.errors import InputError
 
-from . import device, workspace
+from . import device, split_choice, workspace
 from . import launch as L
 from . import plans as P
 from .decode import DECODE_ARRAYS, KV_KEYS, _rows_per_batch, _to_numpy, cache_strides, decode_plan, device_tensor
@@ -48,8 +48,12 @@ class SplitCalls:
 
     def workspace(self, total_q: int, splits: int, device):
         """The split workspace (partial O, m, l, valid flags) in one allocation."""
-        n = workspace.workspace_bytes(self.module, total_q, splits, self.program.state.value)
+        n = split_choice.launch_workspace_bytes(self.program, "split", total_q, splits, self._vector_bytes())
         return self._torch.empty(n, device=device, dtype=self._torch.uint8)
+
+    def _vector_bytes(self) -> int:
+        """The width of the workspace's vector field the split launch's views take."""
+        return workspace.vector_torch_dtype(self.module, self.program.state.value).itemsize
 
     def split_tensors(self, arrays: dict) -> dict:
         """Pop the spec's declared tensors out of a split call's keyword arrays (all must be there)."""
@@ -121,10 +125,11 @@ class SplitCalls:
                                  "the Gluon engine (make it with engine='split' to set them)")
             launch = self.cache_launch(plan, device)
             arrays["jobs"] = self._torch.as_tensor(plan["jobs"]).to(device)
-            ws = 0
         else:
             launch = self.split_launch(num_warps or plan.get("num_warps", 4), num_stages or plan.get("num_stages", 2))
-            ws = workspace.workspace_bytes(self.module, plan["total_q"], plan["splits"], p.state.value)
+        # (none on the Gluon engine: split_choice's one account of what a split launch allocates)
+        ws = split_choice.launch_workspace_bytes(p, plan.get("engine", "split"), plan["total_q"], plan["splits"],
+                                                 self._vector_bytes())
         ts = L.tensor_args(self.module, {n: device_tensor(t, device, n) for n, t in tensors.items()},
                            (arrays["kv_lens"], arrays["qo_indptr"]))
         return _Split(plan, arrays, ts, launch, ws)

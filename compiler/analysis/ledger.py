@@ -265,6 +265,13 @@ def allocation(abi: str, total_q: int, heads_q: int, splits: int, d_v: int,
     return n, fields, offset
 
 
+def allocated_bytes(abi: str, storage: str, total_q: int, heads_q: int, splits: int, d_v: int) -> int:
+    """The bytes of the workspace a split launch allocates (:func:`allocation`, its vector field in
+    :func:`vector_dtype` of the spec's ``storage`` dtype): what the Triton launch allocates and
+    ``attnc plan`` reports."""
+    return allocation(abi, total_q, heads_q, splits, d_v, dtype_bytes(vector_dtype(abi, storage)))[2]
+
+
 # ---------------------------------------------------------------- payload vs demand (§0x03F)
 def q_unique_bytes(q_rows: int, heads_q: int, d_qk: int, q_dtype: str = "bf16") -> int:
     """``sum_b C_b H_q d_qk b_Q``: every query row of every head once."""

@@ -14,12 +14,12 @@ Policies (the ``split =`` statement of a spec, DESIGN §3.1):
 * :func:`capacity` ``(S, S_cap)`` -- balanced ``S`` inside ``S_cap`` slots (graph-stable shapes).
 * :func:`heuristic` ``(f)`` -- FlashAttention's ``num_splits_heuristic`` picks ``S`` (§0x0AB),
   then the bounds are balanced.
-* :func:`auto` -- ``attnc tune``'s split count for the call's dispatch key when the tuning cache
-  has one (``compiler.tune.tuned_split_policy`` / ``tuned_tiles``), else the untuned rule of
-  :func:`auto_splits` (about four programs per SM, measured on the H200), then balanced bounds.
-  This module is the one place ``auto`` is resolved: ``attnc plan``, the numpy backend and the
-  Triton split launch all take its count, so the plan reports the slots and workspace a launch
-  allocates.
+* :func:`auto` -- the backend's choice: untuned, the rule of :func:`auto_splits` (about four
+  programs per SM, measured on the H200), then balanced bounds.  The rule lives here only; the
+  numpy backend takes it (or a tuned count, ``compiler.tune.tuned_split_policy``), and the Triton
+  launch's whole decision -- the caller's splits, `attnc tune`'s winner, this rule, or one
+  unsplit pass on the Gluon engine -- is ``backends/triton/split_choice.py``'s, which ``attnc
+  plan`` asks too (``compiler/launch_plan.py``) and shows as a :class:`Decided` count.
 """
 from __future__ import annotations
 
@@ -29,7 +29,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from attnc.compiler.errors import PlanError
-from attnc.compiler.policies import named
 
 
 def _lens(kv_lens) -> np.ndarray:
@@ -443,9 +442,9 @@ class Heuristic:
 
 @dataclass(frozen=True)
 class Auto:
-    """``auto``: the tuned choice for the dispatch key (``attnc tune``: the caller resolves a
-    cached winner to ``balanced(S)`` before planning, ``compiler.tune.tuned_split_policy``);
-    untuned, :func:`auto_splits`'s count, balanced."""
+    """``auto`` untuned: :func:`auto_splits`'s count for the occupancy, balanced (a backend that
+    has a tuned or an engine's count plans with that instead: :class:`Decided`, or
+    ``compiler.tune.tuned_split_policy``'s ``balanced(S)``)."""
 
     def choose(self, kv_lens, occupancy: Occupancy | None) -> int:
         if occupancy is None:
@@ -466,7 +465,28 @@ class Auto:
         return "auto"
 
 
-SplitPolicy = Balanced | Chunk | Capacity | Heuristic | Auto
+@dataclass(frozen=True)
+class Decided:
+    """A split count a backend's launch decided for ``split = auto`` (``attnc tune``'s winner, the
+    untuned rule, or one unsplit pass on an engine that does not split), as balanced bounds;
+    ``why`` names the decision in the bounds' policy (``auto (tuned) -> balanced(8)``).  What
+    ``attnc plan`` plans with to report a launch (``compiler/launch_plan.py``)."""
+
+    splits: int
+    why: str = "auto"
+
+    def __post_init__(self):
+        _count("splits", self.splits)
+
+    def bounds(self, kv_lens, occupancy: Occupancy | None = None) -> SplitBounds:
+        b = Balanced(self.splits).bounds(kv_lens)
+        return SplitBounds(b.kv_lens, b.starts, b.ends, b.active, f"{self.why} -> balanced({self.splits})")
+
+    def __str__(self):
+        return f"{self.why} -> balanced({self.splits})"
+
+
+SplitPolicy = Balanced | Chunk | Capacity | Heuristic | Auto | Decided
 
 
 def balanced(S: int) -> Balanced:
@@ -486,7 +506,7 @@ def heuristic(f: float = 0.85) -> Heuristic:
 
 
 def auto() -> Auto:
-    """The untuned ``auto`` (a tuned one is resolved by ``compiler.tune.tuned_split_policy``)."""
+    """The untuned ``auto`` (see :class:`Auto`)."""
     return Auto()
 
 
@@ -496,11 +516,11 @@ POLICY_CLASSES = {"auto": Auto, "balanced": Balanced, "chunk": Chunk, "capacity"
 
 
 def from_ir(split) -> SplitPolicy:
-    """The policy of an ``ir.Split`` (``kind`` + ``args``, read by name)."""
+    """The policy of an ``ir.Split``: its class for ``kind``, built from ``params`` by name."""
     kind = getattr(split.kind, "value", split.kind)
     if kind not in POLICY_CLASSES:
         raise PlanError(f"unknown split policy {kind!r}")
-    return POLICY_CLASSES[kind](**named("split", kind, tuple(split.args)))
+    return POLICY_CLASSES[kind](**split.params)
 
 
 def split_bounds(policy: SplitPolicy, kv_lens, occupancy: Occupancy | None = None) -> SplitBounds:

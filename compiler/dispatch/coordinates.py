@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 from functools import lru_cache
 
-from .. import ir
+from .. import ir, policies
 
 
 def cache_layout_of(program) -> str:
@@ -43,8 +43,7 @@ def score_digest_of(program) -> str:
 
 def spec_fields(program) -> dict:
     """Every key field the spec fixes (see ``schema.SPEC_FIELDS``)."""
-    split = program.split.kind.value + (f"({', '.join(str(a) for a in program.split.args)})"
-                                        if program.split.args else "")
+    split = policies.text(program.split.kind, program.split.params)  # balanced(8), capacity(5, 8), auto
     return {"H_q": program.heads_q, "H_kv": program.heads_kv, "d_qk": program.d_qk, "d_v": program.d_v,
             "q_dtype": program.dtype, "kv_dtype": program.dtype, "cache_layout": cache_layout_of(program),
             "page_size": program.cache.page_size, "split": split, "state": program.state.value,

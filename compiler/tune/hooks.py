@@ -1,7 +1,8 @@
 """Runtime hooks: what a launch asks the tuning cache.  :func:`tuned_config` (by key) and
-:func:`tuned_tiles` (by program and call shape) give the tuned launch parameters or None, and
-:func:`tuned_split_policy` turns ``split = auto`` into the tuned split count; on a miss the
-caller keeps its heuristic."""
+:func:`tuned_tiles` (by program and call shape) give the tuned launch parameters or None (the
+Triton split launch reads them in ``backends/triton/split_choice.py``), and
+:func:`tuned_split_policy` turns ``split = auto`` into the tuned split count (``plan.plan_split``,
+the numpy backend's split plan); on a miss the caller keeps its heuristic."""
 from __future__ import annotations
 
 import os

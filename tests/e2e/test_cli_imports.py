@@ -40,9 +40,9 @@ def test_command_imports_neither_torch_nor_triton(name, tmp_path):
     call = tmp_path / "call.json"
     call.write_text(json.dumps(CALL))
     args = [str(call) if a == "CALL_JSON" else str(a) for a in COMMANDS[name]]
-    # as a user runs it: without the interpreter (under TRITON_INTERPRET=1 no device is probed) and
-    # without a tuning cache (`plan` would look `split = auto` up under the call's dispatch key, and
-    # detecting the key's device imports torch)
+    # as a user runs it: without the interpreter (under TRITON_INTERPRET=1 no device is probed); `plan`
+    # then reports an assumed sm_90 device's launch and reads no tuning cache (`--device here` would,
+    # and detecting the device imports torch)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["ATTNC_TUNE_CACHE"] = str(tmp_path / "no-tune-cache.json")
     r = subprocess.run([sys.executable, "-c", CHILD, *args], cwd=ROOT, env=env, capture_output=True,

@@ -9,7 +9,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="the Triton backend's tests need torch (pip install -e '.[test]')")
 pytest.importorskip("triton", reason="the Triton backend's tests need triton (pip install -e '.[test]')")
 
-from attnc.backends.triton import choice, launch, runtime  # noqa: E402
+from attnc.backends.triton import device, launch, runtime, split_choice  # noqa: E402
 from attnc.compiler import inputs, numerics, oracle  # noqa: E402
 from attnc.compiler.lower import compile_spec  # noqa: E402
 
@@ -122,19 +122,21 @@ def test_decode_rows_and_small_pages_keep_the_split_producer():
 def test_the_rule_refuses_what_the_engine_cannot_read():
     p = _program(LAYOUTS["paged16_dense_nhd"])
     k = np.zeros((4, 16, 2, 128), np.float32)
-    assert "not on a GPU" in choice.cache_engine_refusal(p, "paged", 16, k, k)
-    fill = choice.CACHE_ENGINE_FILL
-    assert choice.split_engine(p, "paged", 16, k, k, np.array([1, 1, 1])) is None  # decode rows: not even looked at
+    sm90 = split_choice.device_facts("sm_90")
+    assert "not on a GPU" in split_choice.engine_refusal(p, sm90, k, k)
+    fill = split_choice.CACHE_ENGINE_FILL
+    assert not split_choice.fills_engine_tiles(p, np.array([1, 1, 1]))  # decode rows
     assert 0 < fill <= 1
     if HOPPER:
+        here = device.facts(torch.device("cuda"))
         kt = torch.zeros((4, 16, 2, 128), device="cuda", dtype=torch.bfloat16)
-        assert choice.cache_engine_refusal(p, "paged", 16, kt, kt) is None
-        assert "16-byte" in choice.cache_engine_refusal(p, "paged", 16, kt[:, :, :1], kt)
-        assert "not the spec's" in choice.cache_engine_refusal(p, "paged", 16, kt.half(), kt.half())
+        assert split_choice.engine_refusal(p, here, kt, kt) is None
+        assert "16-byte" in split_choice.engine_refusal(p, here, kt[:, :, :1], kt)
+        assert "not the spec's" in split_choice.engine_refusal(p, here, kt.half(), kt.half())
         for d in ("96", "192 / 128"):
-            assert "head dims" in choice.cache_engine_refusal(_program(LAYOUTS["ragged"], d=d), "ragged", 0, kt, kt)
-        assert choice.split_engine(p, "paged", 16, kt, kt, np.array([128, 64])) == "gluon"  # 192 of 256 rows
-        assert choice.split_engine(p, "paged", 16, kt, kt, np.array([1, 129])) is None  # 130 of 384
+            assert "head dims" in split_choice.engine_refusal(_program(LAYOUTS["ragged"], d=d), here, kt, kt)
+        assert split_choice.fills_engine_tiles(p, np.array([128, 64]))  # 192 of 256 rows
+        assert not split_choice.fills_engine_tiles(p, np.array([1, 129]))  # 130 of 384
 
 
 @hopper
@@ -154,6 +156,26 @@ def test_contiguous_engine_zeroes_the_next_heads_v_rows():
                                    "v": v[:, :1].float().cpu().numpy()})
     ref_o, _ = oracle.reference(head0, call.q, call.k, call.v, {})
     assert np.abs(o[:, :1].float().cpu().numpy() - ref_o).max() < 2e-2
+
+
+@hopper
+def test_attnc_plan_reports_the_engines_launch():
+    """`attnc plan --device here` on the H100 / H200 reports the Gluon engine's launch of a long
+    append (split_choice.choose, asked with this device's facts): one slot and the workspace the
+    bound launch allocates, none."""
+    from attnc.compiler.launch_plan import plan_launch
+    from attnc.compiler.plan import logical_layout
+    program = _program(LAYOUTS["paged16_dense_nhd"])
+    arrays = inputs.sample_cache(program, KV_LENS, Q_LENS, 0)
+    dev = _on_gpu(arrays, torch.bfloat16)
+    q = dev.pop("q")
+    kernel = runtime.load(program)
+    plan = kernel.decode_plan(dict(dev), total_q=int(q.shape[0]))
+    bound = kernel._bind_split(plan, q.device, dev["k_cache"], dev["v_cache"], {}, None, None)
+    report = plan_launch(program, logical_layout(program, KV_LENS), Q_LENS, device="here").report()
+    assert plan["engine"] == report["launch"]["engine"] == "gluon" and report["launch"]["device"]["here"]
+    assert (plan["splits"], bound.workspace_bytes) == (report["capacity"], report["workspace_bytes"]["allocated"])
+    assert bound.workspace_bytes == 0
 
 
 def test_jobs_keep_a_kv_heads_tiles_together_longest_first():

@@ -72,10 +72,10 @@ def test_policies_resolve():
     p = compile_spec("attention t { heads = 2 head_dim = 8 cache = paged(page_size = 16, table = csr) "
                      "split = capacity(5, 8) state = mlu }")
     assert p.cache == ir.Cache(ir.CacheKind.PAGED, ir.Layout.NHD, 16, "csr")
-    assert p.split == ir.Split(ir.SplitKind.CAPACITY, (5, 8))
+    assert p.split == ir.Split(ir.SplitKind.CAPACITY, {"splits": 5, "capacity": 8})
     assert p.state is ir.StateABI.MLU
     p = compile_spec("attention t { heads = 2 head_dim = 8 split = heuristic(fraction = 0.85) }")
-    assert p.split == ir.Split(ir.SplitKind.HEURISTIC, (0.85,))
+    assert p.split == ir.Split(ir.SplitKind.HEURISTIC, {"fraction": 0.85})
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)

@@ -9,6 +9,7 @@ score statements are checked, not just the shape of the text.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
@@ -48,8 +49,10 @@ KITCHEN = """attention kitchen {
 }"""
 
 NO_SCORE = "attention plain { heads = 2 head_dim = 8 }"
+SHIFT = ("attention shift { heads = 4 / 2 head_dim = 8 mask = causal cache = paged(page_size = 16) "
+         "split = capacity(2, 4) state = shared_shift(1.5, -30, 30) }")
 
-INLINE = {"brief": BRIEF, "kitchen": KITCHEN, "no_score": NO_SCORE}
+INLINE = {"brief": BRIEF, "kitchen": KITCHEN, "no_score": NO_SCORE, "shared_shift": SHIFT}
 
 
 def parse(text: str):
@@ -87,6 +90,8 @@ def attr_value(a):
         return a.value.data
     if hasattr(a, "data") and isinstance(a.data, tuple):
         return tuple(attr_value(x) for x in a.data)
+    if hasattr(a, "data") and isinstance(a.data, Mapping):  # a policy's arguments by name
+        return {k: attr_value(v) for k, v in a.data.items()}
     return a.data
 
 
@@ -163,7 +168,8 @@ def check_module(p: ir.Program, text: str) -> None:
     assert (a["heads_q"], a["heads_kv"], a["d_qk"], a["d_v"]) == (p.heads_q, p.heads_kv, p.d_qk, p.d_v)
     assert (a["cache_kind"], a["cache_layout"], a.get("cache_page_size"), a.get("cache_table")) == (
         p.cache.kind.value, p.cache.layout.value, p.cache.page_size, p.cache.table)
-    assert (a["split_kind"], a["split_args"], a["state"]) == (p.split.kind.value, p.split.args, p.state.value)
+    assert (a["split_kind"], a["split_params"], a["state"]) == (p.split.kind.value, dict(p.split.params), p.state.value)
+    assert a.get("state_params") == (dict(p.state.params) if isinstance(p.state, ir.SharedShift) else None)
     assert [attr_value(t.attributes["sym_name"]) for t in tensors] == [t.name for t in p.tensors]
     assert [attr_value(t.attributes["axes"]) for t in tensors] == [t.axes for t in p.tensors]
     assert [str(arg.type) for arg in mask.args] == ["i32"] * 4
@@ -251,7 +257,7 @@ EXACT = '''\
     }) : () -> ()
   }) {sym_name = "tiny", heads_q = 2 : i64, heads_kv = 2 : i64, d_qk = 8 : i64, d_v = 8 : i64, \
 dtype = "bf16", scale = 0.35355339059327373 : f64, cache_kind = "contiguous", cache_layout = "bhsd", \
-split_kind = "auto", split_args = [], state = "lse_o", masked_rows = "zero"} : () -> ()
+split_kind = "auto", split_params = {}, state = "lse_o", masked_rows = "zero"} : () -> ()
 }) : () -> ()
 '''
 

@@ -114,10 +114,10 @@ def test_heuristic_policy_uses_the_call_occupancy():
 
 
 def test_policies_from_ir():
-    assert sp.from_ir(ir.Split(ir.SplitKind.BALANCED, (8,))) == sp.Balanced(8)
-    assert sp.from_ir(ir.Split(ir.SplitKind.CAPACITY, (5, 8))) == sp.Capacity(5, 8)
-    assert sp.from_ir(ir.Split(ir.SplitKind.CHUNK, (512,))) == sp.Chunk(512)
-    assert sp.from_ir(ir.Split(ir.SplitKind.HEURISTIC, (0.9,))) == sp.Heuristic(0.9)
+    assert sp.from_ir(ir.Split(ir.SplitKind.BALANCED, {"splits": 8})) == sp.Balanced(8)
+    assert sp.from_ir(ir.Split(ir.SplitKind.CAPACITY, {"capacity": 8, "splits": 5})) == sp.Capacity(5, 8)
+    assert sp.from_ir(ir.Split(ir.SplitKind.CHUNK, {"size": 512})) == sp.Chunk(512)
+    assert sp.from_ir(ir.Split(ir.SplitKind.HEURISTIC, {"fraction": 0.9})) == sp.Heuristic(0.9)
     assert isinstance(sp.from_ir(ir.Split()), sp.Auto)
 
 
@@ -190,5 +190,25 @@ def test_every_declared_split_kind_is_a_policy_with_the_declared_parameter_names
     for kind, params in POLICIES["split"].items():
         fields = [f.name for f in dataclasses.fields(sp.POLICY_CLASSES[kind])]
         assert fields[:len(params)] == [p.name for p in params], kind
-    assert ir.Split(ir.SplitKind.CAPACITY, (5, 8)).params == {"splits": 5, "capacity": 8}
-    assert sp.from_ir(ir.Split(ir.SplitKind.CHUNK, (64,))).size == 64
+    assert sp.from_ir(ir.Split(ir.SplitKind.CHUNK, {"size": 64})).size == 64
+
+
+def test_the_ir_keeps_policy_arguments_by_name():
+    """ir.Split keeps its arguments as a mapping by the table's names (its order, defaults filled
+    in, hashable like every IR node); ir.Cache and ir.SharedShift have a field per declared name."""
+    import dataclasses
+    from attnc.compiler import policies
+    s = ir.Split(ir.SplitKind.CAPACITY, {"capacity": 8, "splits": 5})
+    assert list(s.params) == ["splits", "capacity"] and s.params == {"splits": 5, "capacity": 8}
+    assert hash(s) == hash(ir.Split("capacity", {"splits": 5, "capacity": 8})) and s.kind is ir.SplitKind.CAPACITY
+    assert repr(s.params) == "{'splits': 5, 'capacity': 8}"
+    with pytest.raises(ValueError, match="has no parameter 'slots'"):
+        ir.Split(ir.SplitKind.BALANCED, {"slots": 4})
+    with pytest.raises(ValueError, match="needs 'capacity'"):
+        ir.Split(ir.SplitKind.CAPACITY, {"splits": 4})
+    cache_fields = {f.name for f in dataclasses.fields(ir.Cache)}
+    for kind, params in policies.POLICIES["cache"].items():
+        assert {p.name for p in params} <= cache_fields, kind
+    shift = ir.SharedShift(phi=1.0, lower=-2.0, upper=3.0)
+    assert [f.name for f in dataclasses.fields(ir.SharedShift)] == list(shift.params) == ["phi", "lower", "upper"]
+    assert policies.text("capacity", s.params) == "capacity(5, 8)" and policies.text("auto", {}) == "auto"

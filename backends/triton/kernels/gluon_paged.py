@@ -3,7 +3,7 @@ rows per request, paged or not, without a split.
 
 A split call (``Kernel.decode``: packed query rows, ``q_lens`` / ``qo_indptr``, over any cache)
 whose rows fill the engine's 128-row tiles takes this program instead of the split-K/V
-producer and combine (``launch.split_engine`` decides; ``decode.decode_plan`` cuts the rows
+producer and combine (``split_choice.choose`` decides; ``decode.decode_plan`` cuts the rows
 into 128-row tiles of one request, one split).  Its jobs are (tile, query head) in
 ``JOBS``'s order (``decode.engine_jobs``): request by request, K/V head by K/V head, the
 head's tiles longest first with the GQA group's query heads next to each other (the jobs
