@@ -182,10 +182,6 @@ def default_walk(mean_merged_run_blocks: float, mask_source: str | None) -> str:
     return "merged" if mean_merged_run_blocks >= MERGED_RUN_BLOCKS else "merged_blocks"
 
 
-# The Gluon engines do not take a spec's sink yet: its calls run the Triton kernels, which do.
-SINK_REFUSAL = "the Gluon engine does not take a spec's sink (sink = ...); the Triton kernels do"
-
-
 def gluon_spec_refusal(program: ir.Program) -> str | None:
     """Why the Gluon engine cannot run a spec (a sentence), or None."""
     if not gluon_engine.HAS_GLUON:
@@ -197,8 +193,6 @@ def gluon_spec_refusal(program: ir.Program) -> str | None:
     if program.d_qk not in GLUON_HEAD_DIMS or program.d_v not in GLUON_V_DIMS:
         return (f"the Gluon engine takes q.k head dims {', '.join(map(str, GLUON_HEAD_DIMS))} and v head dims "
                 f"{', '.join(map(str, GLUON_V_DIMS))}, not {program.d_qk} / {program.d_v}")
-    if program.sink is not None:
-        return SINK_REFUSAL
     return None
 
 
@@ -372,8 +366,6 @@ def cache_engine_refusal(program: ir.Program, kind: str, page_size: int, k, v) -
         return "this Triton has no Gluon (triton.experimental.gluon)"
     if program.dtype not in ("f16", "bf16"):
         return f"the Gluon engine takes f16 / bf16, not {program.dtype}"
-    if program.sink is not None:
-        return SINK_REFUSAL
     if program.d_qk not in CACHE_ENGINE_DIMS or program.d_v not in CACHE_ENGINE_DIMS:
         return (f"the Gluon engine over a cache takes head dims {', '.join(map(str, CACHE_ENGINE_DIMS))}, "
                 f"not {program.d_qk} / {program.d_v}")
