@@ -7,6 +7,9 @@ attnc's public call against its peers in one process on the same inputs:
                 backward; dSinks from LSE and D);
   attnc_triton  the Triton kernels: the forward by ``engine="triton"`` on the spec's kernel, the
                 backward with ``gluon_backward.DEFAULT`` off (no fwd_bwd row: it would mix engines);
+  attnc_tiles128  the Gluon forward on 128 x 128 tiles (two consumer warpgroups; the default at d 64
+                is 192 x 128, three, where ptxas spills 24 bytes once a sink joins a window mask's
+                epilogue): forward only, to choose the tiles for the window layer;
   flex_renorm   transformers' way for gpt-oss on FlexAttention: ``flex_attention(..., enable_gqa=True,
                 return_lse=True)`` compiled, then the sink joined in eager PyTorch by renormalising
                 O with LSE (LSE and the sinks in v's dtype, ``logsumexp`` over [LSE, sink], O times
@@ -41,6 +44,7 @@ LAYERS = {"sliding_128": f"causal & window({WINDOW})", "causal": "causal"}
 SPEC = ("attention gpt_oss_{layer} {{ heads = {h_q} / {h_kv} head_dim = {d} dtype = bf16 tensor sinks: f32[h] "
         "mask = {mask} sink = sinks[h] }}")
 TARGETS = {"fwd": {"flex": 1.3, "fa4": 1.0}, "bwd": {"flex": 1.0, "fa4": 1.0}}
+FORWARD_ONLY = ("attnc_tiles128",)
 
 
 def visible_cells(seq: int, window: int | None) -> int:
@@ -178,7 +182,8 @@ def run_sinks(batches=(1, 2, 4), seq=8192, layers=tuple(LAYERS), out=None, seed=
                                    "and G-1 of the first and last request, dk/dv of K/V head 0, dsinks of heads "
                                    "0..G-1; worst rel-L2"}
             impls = {"attnc_call": lambda: attn(q, k, v, sinks=sinks),
-                     "attnc_triton": lambda: kernel(q, k, v, sinks=sinks, engine="triton")}
+                     "attnc_triton": lambda: kernel(q, k, v, sinks=sinks, engine="triton"),
+                     "attnc_tiles128": lambda: kernel(q, k, v, sinks=sinks, engine="gluon", block_m=128, block_n=128)}
             if flex:
                 impls["flex_renorm"] = lambda: flex_renorm(q, k, v, sinks)
                 impls["flex_renorm_compiled"] = lambda: flex_whole(q, k, v, sinks)
@@ -210,6 +215,8 @@ def _time_impls(impls, leaves, do, ref, group, record, rows, fwd_flops, GB):
                 return forward()
         timed(fwd, check_forward(ref), {**record, "impl": impl, "phase": "fwd"}, rows, f"{label} {impl:21} fwd    ",
               fwd_flops, "TFLOPs", tol=2e-2)
+        if impl in FORWARD_ONLY:
+            continue
         triton_bwd = impl == "attnc_triton"
         if triton_bwd:  # the Triton backward under the public call (its forward: the default engine)
             forward = impls["attnc_call"]

@@ -90,6 +90,25 @@ def test_prefill_with_sinks_on_the_engine_matches_the_oracle(name, phase, schedu
 
 
 @hopper
+@pytest.mark.parametrize("tiles", [(128, 128), (192, 64)])
+def test_gpt_oss_window_with_sinks_on_other_tiles(tiles, monkeypatch):
+    """d 64's other tiles (two consumer warpgroups on 128 rows; three on 192 rows with 64 keys):
+    the sink's join is the same per consumer."""
+    program = compile_spec(SPECS["gpt_oss_window_d64"])
+    arrays = inputs.sample(program, 2, 333, 333, seed=6)
+    arrays["sinks"] = _sinks(program, arrays)
+    call = inputs.validate(program, arrays)
+    made = prefill_launches(monkeypatch)
+    (q, k, v), tensors = _cuda(program, arrays)
+    o, lse = runtime.load(program)(q, k, v, return_lse=True, engine="gluon", block_m=tiles[0], block_n=tiles[1],
+                                   **tensors)
+    assert made and (made[-1].config.block_m, made[-1].config.block_n) == tiles
+    ref_o, ref_lse = oracle.reference(program, call.q, call.k, call.v, call.tensors)
+    co, cl = numerics.compare_outputs(program.dtype, o.float().cpu().numpy(), lse.cpu().numpy(), ref_o, ref_lse)
+    assert co.ok and cl.ok, (str(co), str(cl))
+
+
+@hopper
 def test_fp8_with_a_sink_on_the_engine():
     """FP8 e4m3 Q, K, V^T with per-head descales and ALiBi's separable form: the sink scales O
     through the divisor the V descale multiplies (``gluon_engine._ws_rows_out``)."""

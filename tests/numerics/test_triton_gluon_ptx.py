@@ -217,7 +217,7 @@ def test_fp8_p_operand_in_key_order_needs_no_shuffles(ptx_ops):
 def test_a_sink_is_one_load_per_consumer_and_job_and_nothing_per_cell(ptx_ops):
     """The sink joins each row once, after its keys (``gluon_engine._ws_rows_out``): against the same
     launch without it, one more global load (the sink's ``sinks[h]``) per consumer warpgroup, the
-    same exponentials per cell and MMAs, a few more per row; gpt-oss's window at d 64 on 192-row
+    same MMAs and exponentials per cell, two more per row; gpt-oss's window at d 64 on 192-row
     tiles (three consumers), causal at d 128, FP8 with ALiBi per block, and over a paged cache."""
     pairs = {"causal_sink": ("causal", 2), "gpt_oss_d64_three_sink": ("d64_three", 3),
              "alibi_block_fp8_sink": ("alibi_block_fp8", 2), "paged16_sink": ("paged16", 2)}
@@ -226,5 +226,5 @@ def test_a_sink_is_one_load_per_consumer_and_job_and_nothing_per_cell(ptx_ops):
         with_sink, without = ptx_ops[name], ptx_ops[base]
         assert with_sink["ld.global.b32"] - without.get("ld.global.b32", 0) == consumers, name
         assert mma(with_sink) == mma(without), name
-        assert with_sink["ex2.approx.ftz.f32"] == without["ex2.approx.ftz.f32"], name  # the cells' exponentials
-        assert with_sink["ex2.approx.f32"] > without.get("ex2.approx.f32", 0), name  # e^LSE, e^sink: per row
+        # the cells' exponentials unchanged; e^LSE and e^sink per row (each consumer thread holds two rows)
+        assert 0 < with_sink["ex2.approx.ftz.f32"] - without["ex2.approx.ftz.f32"] <= 4 * consumers, name

@@ -24,7 +24,9 @@ intra-warpgroup overlap; the loop is peeled, so no MMA is wasted).  FP8: e4m3 Q,
 per-head descales, Q.K^T and P.V on FP8 wgmma, P rounded to e4m3, O in the spec's dtype
 (``_ws_consumer``; the V^T blocks past S_k are zero-filled by TMA).  P_PERM (FP8): K's rows arrive
 in the order in which P's accumulator registers already are P.V's FP8 operand (``_key_cols``,
-``_p_operand``), so that P changes layout without shuffles or byte permutes.
+``_p_operand``), so that P changes layout without shuffles or byte permutes.  A spec's sink
+(HAS_SINK, the generated ``SINK``): each consumer joins it once per row after the row's keys, on
+the finished LSE (``_ws_rows_out``), so that the separable form and FP8 take it as they are.
 
 Q_BUFS (the launch layer's choice, ``launch.gluon_q_buffers``): two Q buffers, each with its job
 slot and barriers, where they cost no K/V stage, so that the next tile's Q and K/V load under this
@@ -254,10 +256,10 @@ def _ws_rows_out(m_i, l_i, b, h, positions, origin, TS, SEPARABLE: tl.constexpr,
         sink = SINK(b, h, TS)
         top = gl.maximum(lse, sink)
         top = gl.where(top == float("-inf"), 0.0, top)
-        kept = gl.exp(lse - top)
-        total = kept + gl.exp(sink - top)
+        kept = gl.exp2((lse - top) * 1.4426950408889634)
+        total = kept + gl.exp2((sink - top) * 1.4426950408889634)
         l_safe = l_safe / gl.where(total == 0.0, 0.0, kept / total)  # (factor 0: divisor inf, O = acc * 0)
-        lse = top + gl.log(total)
+        lse = top + gl.log2(total) * 0.6931471805599453
     return l_safe, lse
 
 
