@@ -53,7 +53,7 @@ class BackwardCalls:
             call_key = self._key(q, k, v, tensors)
             bind_key = ("backward", call_key, o.shape, o.stride(), do.shape, do.stride(), lse.shape,
                         o.data_ptr() % 16 == 0, do.data_ptr() % 16 == 0, None if dlse is None else dlse.shape,
-                        config, bool(want), GB.DEFAULT)  # (the engine switch: flipping it re-chooses)
+                        config, self._score_wanted(want), GB.DEFAULT)  # (the engine switch: flipping it re-chooses)
         except (NotImplementedError, RuntimeError, AttributeError):
             call_key = bind_key = None  # (e.g. a meta tensor has no address: the checks name what is wrong)
         hit = self._bound.get(bind_key) if bind_key is not None else None
@@ -95,7 +95,7 @@ class BackwardCalls:
         dts = {}
         if want:
             from . import score_grads
-            if any(load.tensor in want for load in score_grads.loads(self.program)):
+            if self._score_wanted(want):
                 dts = score_grads.tensor_gradients(self, launch, qb, kb, vb, ob, lse, dob, dlse, ts, tensors, want)
             sunk = [n for n in want if n in sinks.tensors_read(self.program)]
             if sunk:
@@ -105,6 +105,17 @@ class BackwardCalls:
         if bound.emulate:
             dq, dk, dv = (x.to(torch.bfloat16) for x in (dq, dk, dv))
         return dq, dk, dv, dts
+
+    def _score_wanted(self, want: tuple) -> bool:
+        """Whether a backward call wants the gradient of a tensor the score program reads (the
+        names are found once per kernel: every backward call asks)."""
+        if not want:
+            return False
+        read = self.__dict__.get("_score_read")
+        if read is None:
+            from . import score_grads
+            read = self._score_read = frozenset(load.tensor for load in score_grads.loads(self.program))
+        return not read.isdisjoint(want)
 
     def _sink_grads(self, lse, delta, ts: tuple, tensors: dict) -> dict:
         """{tensor: gradient} of the f32 tensors the sink reads, from the saved LSE and the delta
@@ -126,7 +137,8 @@ class BackwardCalls:
     def _backward_bind(self, q, k, v, o, lse, do, dlse, tensors: dict, config, want: tuple):
         """(what a backward call's key fixes, the Gluon passes' choice or None, the Triton passes'
         config): the call's checks, once per key.  Calls asking score-tensor gradients take the
-        Triton passes (``score_grads`` walks their plan rows)."""
+        Triton passes (``score_grads`` walks their plan rows); the sink's tensors' gradients come
+        from LSE and D on either (:meth:`_sink_grads`)."""
         bound = self._validate(q, k, v, tensors)
         for n, t, shape in (("o", o, bound.out_shape), ("do", do, bound.out_shape),
                             ("lse", lse, (bound.batch, self.program.heads_q, bound.s_q))):
@@ -135,6 +147,7 @@ class BackwardCalls:
         if dlse is not None and tuple(dlse.shape) != tuple(lse.shape):
             raise InputError(f"inputs: 'dlse' has shape {list(dlse.shape)}; LSE's is {list(lse.shape)}")
         p = self.program
-        gluon = None if want else GB.choose(p, config, bound.s_q, bound.s_k, (q, k, v, o), bound.bshd, interpreted())
+        gluon = None if self._score_wanted(want) else \
+            GB.choose(p, config, bound.s_q, bound.s_k, (q, k, v, o), bound.bshd, interpreted())
         cfg = (None if gluon else config) or G.default_backward_config(p.d_qk, p.d_v, interpreted())
         return bound, gluon, cfg

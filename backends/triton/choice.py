@@ -33,8 +33,8 @@ from attnc.compiler import ir
 
 from .device import interpreted
 from .kernels import gluon_engine, prefill
-# the Gluon engine's tiles and its refusal of a sink are the split calls' too (declared there)
-from .split_choice import GLUON_TILES, GLUON_WIDE_TILES, SINK_REFUSAL  # noqa: F401  (re-exported)
+# the Gluon engine's tiles are the split calls' too (declared there)
+from .split_choice import GLUON_TILES, GLUON_WIDE_TILES  # noqa: F401  (re-exported)
 
 HEAD_GROUP = 4  # heads whose tiles interleave, longest first (``prefill._job``)
 GLUON_HEAD_DIMS = (64, 128, 192, 256)  # q.k's (192: loaded as 256 columns, zero-filled)
@@ -182,8 +182,6 @@ def default_walk(mean_merged_run_blocks: float, mask_source: str | None) -> str:
     return "merged" if mean_merged_run_blocks >= MERGED_RUN_BLOCKS else "merged_blocks"
 
 
-# The Gluon engines do not take a spec's sink yet: its calls run the Triton kernels, which do
-# (SINK_REFUSAL, split_choice.py's).
 def gluon_spec_refusal(program: ir.Program) -> str | None:
     """Why the Gluon engine cannot run a spec (a sentence), or None."""
     if not gluon_engine.HAS_GLUON:
@@ -195,8 +193,6 @@ def gluon_spec_refusal(program: ir.Program) -> str | None:
     if program.d_qk not in GLUON_HEAD_DIMS or program.d_v not in GLUON_V_DIMS:
         return (f"the Gluon engine takes q.k head dims {', '.join(map(str, GLUON_HEAD_DIMS))} and v head dims "
                 f"{', '.join(map(str, GLUON_V_DIMS))}, not {program.d_qk} / {program.d_v}")
-    if program.sink is not None:
-        return SINK_REFUSAL
     return None
 
 

@@ -343,7 +343,7 @@ class PrefillLaunch(_GluonDescriptors):
                 FP8=fp8, OVERLAP=gluon_overlap(d_qk, d_v, fp8), ZERO_TAIL=not fp8 and self.s_k % bn != 0,
                 PINGPONG=consumers == 2 and gluon_pingpong(d_qk, d_v, fp8),
                 CONSUMERS=consumers, P_PERM=self.p_perm, Q_BUFS=q_bufs, **keep,
-                **separable_constexprs(module, end, bn)),
+                **separable_constexprs(module, end, bn), **sink_constexprs(module, partial=offsets is not None)),
                 num_warps=4, maxnreg=maxnreg)
             unused = arrays["merged_partial"]
             rows = (arrays["KS"], arrays["KE"]) if from_rows else (unused, unused)
@@ -562,7 +562,7 @@ class CacheLaunch(_GluonDescriptors):
             from .kernels import gluon_paged
             score, _ = score_functions(self.module, end)
             lz = self._launchers[(fast, mode)] = Launcher(gluon_paged._paged_fwd_ws, dict(
-                self._constexprs, VISIBLE=self.module.visible, SCORE=score,
+                self._constexprs, VISIBLE=self.module.visible, SCORE=score, **sink_constexprs(self.module),
                 **separable_constexprs(self.module, end, self.block_n)), num_warps=4, maxnreg=self._maxnreg)
         return lz
 

@@ -9,7 +9,7 @@ In order of authority:
   call under ``split = auto`` whose query rows fill at least :data:`CACHE_ENGINE_FILL` of the
   Gluon engine's 128-row tiles, the Gluon engine over the cache (``kernels/gluon_paged.py``: one
   launch, unsplit, no workspace) where :func:`engine_refusal` has no objection (sm_90, Gluon,
-  f16 / bf16, head dims 64 / 128 / 256, pages of 8 rows or more, no sink; the cache's tensors on
+  f16 / bf16, head dims 64 / 128 / 256, pages of 8 rows or more; the cache's tensors on
   the GPU in the spec's dtype, contiguous and 16-byte aligned); else the split producer and
   combine;
 * **the split slots**: the caller's ``splits``; else the spec's declared ``split =`` policy's
@@ -53,7 +53,6 @@ CACHE_ENGINE_MIN_PAGE = 8  # a page's rows per copy: TMA boxes land on 8-row swi
 # The Gluon engine's (query rows, keys) tiles, over a cache and over contiguous tensors (choice.py)
 GLUON_TILES = (128, 128)
 GLUON_WIDE_TILES = (128, 64)  # head dims above 128: two K/V stages fit shared memory on 64-key blocks
-SINK_REFUSAL = "the Gluon engine does not take a spec's sink (sink = ...); the Triton kernels do"
 
 
 def cache_engine_tiles(d_qk: int, d_v: int) -> tuple[int, int]:
@@ -75,8 +74,6 @@ def engine_refusal(program: ir.Program, facts: DeviceFacts, k=None, v=None) -> s
         return "this Triton has no Gluon (triton.experimental.gluon)"
     if program.dtype not in ("f16", "bf16"):
         return f"the Gluon engine takes f16 / bf16, not {program.dtype}"
-    if program.sink is not None:
-        return SINK_REFUSAL
     if program.d_qk not in CACHE_ENGINE_DIMS or program.d_v not in CACHE_ENGINE_DIMS:
         return (f"the Gluon engine over a cache takes head dims {', '.join(map(str, CACHE_ENGINE_DIMS))}, "
                 f"not {program.d_qk} / {program.d_v}")

@@ -3,7 +3,10 @@ stand-in driver names the target): every way it takes a score program -- per cel
 separable form with its column part per key or per block, FP8 too -- compiles, and the
 instructions it emits per cell are those the separable form promises (compiler/separable.py):
 ALiBi per block costs plain causal's FMA and one subtraction per cell, with no conversion of
-positions per key.  The engine's numerics need an sm_90 GPU (tests/numerics/test_triton_gluon.py)."""
+positions per key.  A spec's learned sink (``sink = sinks[h]``) compiles at head dims 64 (gpt-oss's
+window, three consumers) and 128, with FP8 and the separable form, and over a paged cache: one
+load of the sink per consumer and job, nothing per cell.  The engine's numerics need an sm_90 GPU
+(tests/numerics/test_triton_gluon.py, test_gluon_sinks.py)."""
 from __future__ import annotations
 
 import json
@@ -75,7 +78,7 @@ def compile_engine(text, mode, fp8=False, d=128, bn=None, consumers=2, p_perm=Fa
                                    OVERLAP=C.gluon_overlap(d, d, fp8), ZERO_TAIL=False,
                                    PINGPONG=consumers == 2 and C.gluon_pingpong(d, d, fp8), CONSUMERS=consumers,
                                    P_PERM=p_perm, Q_BUFS=C.gluon_q_buffers(d, d, bn, 2, 1, fp8, 64 * consumers),
-                                   **keep, **sep)
+                                   **keep, **sep, **L.sink_constexprs(module))
     return ptx_counts(kernel)
 
 
@@ -100,17 +103,18 @@ def compile_cache_engine(page, d=128, text="attention p {{ heads = 8 / 2 head_di
         return G.TensorDescriptor.from_tensor(torch.empty(rows, cols, dtype=torch.bfloat16), block, layout)
     bn, chunk = 128, min(page, 128)
     i32, i8, i64 = (torch.empty(16, dtype=t) for t in (torch.int32, torch.int8, torch.int64))
+    ts = L.tensor_args(module, {n: torch.zeros(8) for n in module.TENSORS})
     args = (desc(4096, 8 * d, [64, d]), desc(4096, 2 * d, [chunk, d]), desc(4096, 2 * d, [chunk, d]),
             desc(4096, 8 * d, [64, d]), torch.empty(4096, 8, d, dtype=torch.bfloat16),
             torch.empty(4096, 8, dtype=torch.float32), i32, i32, i32, i32, i8, i32, i32, i32, i32, i64, i32,
-            16, page, 0, d, d, (), 256, 1.4426950408889634 / 8)
+            16, page, 0, d, d, ts, 256, 1.4426950408889634 / 8)
     kernel = gluon_paged._paged_fwd_ws.warmup(
         *args, grid=(1,), num_warps=4, maxnreg=168, ROWS_=64, BLOCK_N=bn, D=d, STAGES=2, CONSUMER_REGS=240,
         PRODUCER_REGS=24, VISIBLE=spec["VISIBLE"], SCORE=spec["SCORE"], HAS_SCORE=spec["HAS_SCORE"],
         SCALE=spec["SCALE"],
         H_Q=8, GROUP=4, D_QK=d, PAGED=True, PAGE=page, CHUNK=chunk, OVERLAP=C.gluon_overlap(d, d, False),
         PINGPONG=C.gluon_pingpong(d, d, False), Q_BUFS=C.gluon_q_buffers(d, d, bn, 2),
-        **L.separable_constexprs(module, 4096))
+        **L.separable_constexprs(module, 4096), **L.sink_constexprs(module))
     return ptx_counts(kernel)
 
 
@@ -118,6 +122,8 @@ heads = "heads = 8 / 2 head_dim = {d} dtype = bf16 mask = causal"
 causal = "attention c {{ %s }}" % heads
 alibi = "attention a {{ %s score = score - exp(-(h + 1) * log(2.0)) * (q - k) }}" % heads
 keys = "attention k {{ %s tensor kb: f32[b, s] ~ uniform(-1, 1) score = score + kb[b, k] }}" % heads
+sink = " tensor sinks: f32[h] sink = sinks[h] }}"
+gpt_oss = "attention g {{ heads = 8 / 2 head_dim = {d} dtype = bf16 mask = causal & window(128)" + sink
 cases = {"causal": (causal, 0, False, 128), "alibi": (alibi, 0, False, 128), "alibi_key": (alibi, 1, False, 128),
          "alibi_block": (alibi, 2, False, 128), "alibi_block_fp8": (alibi, 2, True, 128),
          "alibi_block_d64": (alibi, 2, False, 64), "key_bias_d256": (keys, 1, False, 256)}
@@ -128,6 +134,10 @@ out["fp8_256"] = compile_engine(causal.format(d=128), 0, True, 128, bn=256)
 out["fp8_256_p_perm"] = compile_engine(causal.format(d=128), 0, True, 128, bn=256, p_perm=True)
 out.update({f"paged{page}": compile_cache_engine(page) for page in (16, 256)})
 out["paged_alibi"] = compile_cache_engine(16, text=alibi)
+out["causal_sink"] = compile_engine(causal[:-3].format(d=128) + sink.format(), 0, False, 128)
+out["gpt_oss_d64_three_sink"] = compile_engine(gpt_oss.format(d=64), 0, False, 64, bn=128, consumers=3)
+out["alibi_block_fp8_sink"] = compile_engine(alibi[:-3].format(d=128) + sink.format(), 2, True, 128)
+out["paged16_sink"] = compile_cache_engine(16, text=causal[:-3] + sink)
 print(json.dumps(out))
 '''
 
@@ -202,3 +212,19 @@ def test_fp8_p_operand_in_key_order_needs_no_shuffles(ptx_ops):
     assert shuffles(perm) < shuffles(plain) // 2
     assert any(op.startswith("cp.async.bulk.tensor.5d") for op in perm)
     assert not any(op.startswith("cp.async.bulk.tensor.5d") for op in plain)
+
+
+def test_a_sink_is_one_load_per_consumer_and_job_and_nothing_per_cell(ptx_ops):
+    """The sink joins each row once, after its keys (``gluon_engine._ws_rows_out``): against the same
+    launch without it, one more global load (the sink's ``sinks[h]``) per consumer warpgroup, the
+    same MMAs and exponentials per cell, two more per row; gpt-oss's window at d 64 on 192-row
+    tiles (three consumers), causal at d 128, FP8 with ALiBi per block, and over a paged cache."""
+    pairs = {"causal_sink": ("causal", 2), "gpt_oss_d64_three_sink": ("d64_three", 3),
+             "alibi_block_fp8_sink": ("alibi_block_fp8", 2), "paged16_sink": ("paged16", 2)}
+    mma = lambda ops: sum(n for op, n in ops.items() if op.startswith("wgmma.mma_async"))  # noqa: E731
+    for name, (base, consumers) in pairs.items():
+        with_sink, without = ptx_ops[name], ptx_ops[base]
+        assert with_sink["ld.global.b32"] - without.get("ld.global.b32", 0) == consumers, name
+        assert mma(with_sink) == mma(without), name
+        # the cells' exponentials unchanged; e^LSE and e^sink per row (each consumer thread holds two rows)
+        assert 0 < with_sink["ex2.approx.ftz.f32"] - without["ex2.approx.ftz.f32"] <= 4 * consumers, name

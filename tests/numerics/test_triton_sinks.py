@@ -4,8 +4,9 @@ a paged mixed batch through the split producer and combine (the combine adds the
 per split; an empty request's row gets the sink; every state ABI, the shared shift's guard
 included), a NaN sink and a read outside the sink's
 tensor (the oracle's errors), dQ, dK, dV and the sink's tensor gradient through attnc.compile's
-autograd, and the paths that refuse a sink with the reason (the Gluon engines, a sink whose reads
-depend on tensor values).  The host backends: tests/unit/test_sinks.py."""
+autograd, and the path that refuses a sink with the reason (a sink whose reads depend on tensor
+values).  The Gluon engines' sinks: tests/numerics/test_gluon_sinks.py; the host backends:
+tests/unit/test_sinks.py."""
 from __future__ import annotations
 
 import numpy as np
@@ -15,10 +16,10 @@ torch = pytest.importorskip("torch", reason="the Triton backend's tests need tor
 pytest.importorskip("triton", reason="the Triton backend's tests need triton (pip install -e '.[test]')")
 
 import attnc  # noqa: E402
-from attnc.backends.triton import choice, runtime  # noqa: E402
+from attnc.backends.triton import runtime  # noqa: E402
 from attnc.compiler import inputs, numerics, oracle  # noqa: E402
 from attnc.compiler.errors import PlanError  # noqa: E402
-from attnc.compiler.lower import compile_file, compile_spec  # noqa: E402
+from attnc.compiler.lower import compile_spec  # noqa: E402
 
 DEVICE = "cpu" if runtime.interpreted() else "cuda"
 # GQA; positions 0 and 4 see no key (their rows get O = 0 and LSE = the sink)
@@ -117,11 +118,6 @@ def test_backward_gives_dq_dk_dv_and_the_sinks_gradient(body):
         assert c.ok, str(c)
 
 
-def test_the_paths_without_sinks_refuse_them():
-    from attnc.backends.triton.kernels import gluon_engine
-    from tests.conftest import ROOT
-    if gluon_engine.HAS_GLUON:  # a spec the engine would take but for its sink
-        example = compile_file(ROOT / "examples" / "sink_attention.attn")
-        assert choice.gluon_spec_refusal(example) == choice.SINK_REFUSAL
+def test_a_sink_read_chosen_by_a_tensor_value_is_refused():
     with pytest.raises(PlanError, match="reads a tensor element chosen by a tensor's value"):
         runtime.load(program("sinks[slot[h]]", extra="tensor slot: i32[h] ~ randint(0, 4)"))

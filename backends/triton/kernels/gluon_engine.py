@@ -24,7 +24,9 @@ intra-warpgroup overlap; the loop is peeled, so no MMA is wasted).  FP8: e4m3 Q,
 per-head descales, Q.K^T and P.V on FP8 wgmma, P rounded to e4m3, O in the spec's dtype
 (``_ws_consumer``; the V^T blocks past S_k are zero-filled by TMA).  P_PERM (FP8): K's rows arrive
 in the order in which P's accumulator registers already are P.V's FP8 operand (``_key_cols``,
-``_p_operand``), so that P changes layout without shuffles or byte permutes.
+``_p_operand``), so that P changes layout without shuffles or byte permutes.  A spec's sink
+(HAS_SINK, the generated ``SINK``): each consumer joins it once per row after the row's keys, on
+the finished LSE (``_ws_rows_out``), so that the separable form and FP8 take it as they are.
 
 Q_BUFS (the launch layer's choice, ``launch.gluon_q_buffers``): two Q buffers, each with its job
 slot and barriers, where they cost no K/V stage, so that the next tile's Q and K/V load under this
@@ -240,6 +242,28 @@ def _ws_lse(lse_out, seen, b, h, positions, origin, TS, SEPARABLE: tl.constexpr,
 
 
 @gluon.jit
+def _ws_rows_out(m_i, l_i, b, h, positions, origin, TS, SEPARABLE: tl.constexpr, SCORE_ROW: tl.constexpr,
+                 HAS_SINK: tl.constexpr, SINK: tl.constexpr):
+    """The rows' divisor for O and their LSE as stored (``_ws_row_totals``, ``_ws_lse``).  HAS_SINK:
+    the spec's sink ``SINK(b, h, TS)`` (natural units) joined once per row as one more term of its
+    denominator with no value (attnc.compiler.sinks), on the finished LSE, so in any frame of the
+    scores (the separable form's included): LSE' = log(e^LSE + e^sink), O scaled by e^(LSE - LSE')
+    through the divisor.  A row that saw nothing gets O = 0 and LSE = sink (both -inf: O = 0, LSE
+    -inf); a NaN or +inf sink, or a row already NaN, makes O and LSE NaN (the row is marked)."""
+    l_safe, seen, lse = _ws_row_totals(m_i, l_i)
+    lse = _ws_lse(lse, seen, b, h, positions, origin, TS, SEPARABLE, SCORE_ROW)
+    if HAS_SINK:
+        sink = SINK(b, h, TS)
+        top = gl.maximum(lse, sink)
+        top = gl.where(top == float("-inf"), 0.0, top)
+        kept = gl.exp2((lse - top) * 1.4426950408889634)
+        total = kept + gl.exp2((sink - top) * 1.4426950408889634)
+        l_safe = l_safe / gl.where(total == 0.0, 0.0, kept / total)  # (factor 0: divisor inf, O = acc * 0)
+        lse = top + gl.log2(total) * 0.6931471805599453
+    return l_safe, lse
+
+
+@gluon.jit
 def _ws_job(t, BH, Q_TILES, ORDER, PLAN_B, PLAN_H, M_CSR, HEAD_GROUP: tl.constexpr, H_Q: tl.constexpr):
     """The launch's t-th job (``_job``'s order): its query tile, b * H_q + h, and its range
     [lo, hi) of the plan's merged block list."""
@@ -405,7 +429,8 @@ def _ws_consumer(half, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars,
                  OVERLAP: tl.constexpr, ZERO_TAIL: tl.constexpr, PINGPONG: tl.constexpr,
                  SEPARABLE: tl.constexpr = 0, SCORE_SCALE: tl.constexpr = None, SCORE_ROW: tl.constexpr = None,
                  SCORE_COLUMN: tl.constexpr = None, CONSUMERS: tl.constexpr = 2,
-                 P_PERM: tl.constexpr = False, Q_BUFS: tl.constexpr = 1):
+                 P_PERM: tl.constexpr = False, Q_BUFS: tl.constexpr = 1, HAS_SINK: tl.constexpr = False,
+                 SINK: tl.constexpr = None):
     """Rows [half * ROWS_, + ROWS_) of each tile the producer hands over: every block of the
     tile's list, then O (through shared memory and a TMA store) and LSE.  The producer hands
     each job (t, query tile, block range) over with its Q, and each block's index and PARTIAL
@@ -419,7 +444,7 @@ def _ws_consumer(half, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars,
     wgmma needs it), P is rounded to e4m3 for P.V, and O is written in O's dtype.  SEPARABLE: the
     score program's separable form (``_ws_softmax``), its parts reading positions from an origin
     in the middle of this half's rows (compiler/separable.py: ORIGIN_ROWS), the row part added to
-    LSE."""
+    LSE.  HAS_SINK: the spec's sink joins each row once, after its keys (``_ws_rows_out``)."""
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turns = bars
     MMA_K: tl.constexpr = 32 if FP8 else 16
     s_layout: tl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -476,7 +501,7 @@ def _ws_consumer(half, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars,
                                           PINGPONG, half, tc, sep_scale, origin, col_step, SEPARABLE,
                                           SCORE_COLUMN, P_PERM)
         mbarrier.arrive(q_empty.index(buf), count=1)  # this half's Q.K^T are done: the buffer may take a later Q
-        l_safe, seen, lse_out = _ws_row_totals(m_i, l_i)
+        l_safe, lse_out = _ws_rows_out(m_i, l_i, b, h, Q_OFF + rows, origin, TS, SEPARABLE, SCORE_ROW, HAS_SINK, SINK)
         if FP8:
             out = acc * gl.convert_layout(v_descale / l_safe, orow_l)[:, None]
         else:
@@ -492,7 +517,6 @@ def _ws_consumer(half, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars,
             o_cols = gl.arange(0, D, gl.SliceLayout(0, o_layout))
             gl.store(O + (bh * S_Q + o_rows)[:, None] * D + o_cols[None, :], out.to(O.dtype.element_ty),
                      mask=(o_rows < S_Q)[:, None])
-        lse_out = _ws_lse(lse_out, seen, b, h, Q_OFF + rows, origin, TS, SEPARABLE, SCORE_ROW)
         if EVEN_Q:
             gl.store(LSE + bh * S_Q + rows, lse_out)
         else:
@@ -579,7 +603,8 @@ def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, O, LSE, COUNTER_PTR, ORDER, M_C
                  OVERLAP: tl.constexpr, ZERO_TAIL: tl.constexpr, PINGPONG: tl.constexpr,
                  SEPARABLE: tl.constexpr = 0, SCORE_SCALE: tl.constexpr = None, SCORE_ROW: tl.constexpr = None,
                  SCORE_COLUMN: tl.constexpr = None, CONSUMERS: tl.constexpr = 2,
-                 P_PERM: tl.constexpr = False, Q_BUFS: tl.constexpr = 1):
+                 P_PERM: tl.constexpr = False, Q_BUFS: tl.constexpr = 1, HAS_SINK: tl.constexpr = False,
+                 SINK: tl.constexpr = None):
     """Jobs (query tile of CONSUMERS * ROWS_ rows, request * query head) in ``_job``'s order: one per
     program (SCHEDULE == ONE_TILE), or one program per SM looping over jobs drawn from the
     counter at COUNTER_PTR (SCHEDULE == COUNTER) with O staged in its own buffers, so that the
@@ -589,7 +614,9 @@ def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, O, LSE, COUNTER_PTR, ORDER, M_C
     e4m3 Q, K and V^T (v_desc over [B * H_kv * D, S_k]) with descales DQ, DK, DV (``_ws_consumer``);
     O has its own buffers in O's dtype.  SEPARABLE: the score program's separable form, SCORE_SCALE,
     SCORE_ROW and SCORE_COLUMN its parts (``_ws_softmax``; the launch layer decides per call).
-    Q_BUFS: Q's buffers (``_ws_producer``; two where they cost no K/V stage: ``launch.gluon_q_buffers``)."""
+    Q_BUFS: Q's buffers (``_ws_producer``; two where they cost no K/V stage: ``launch.gluon_q_buffers``).
+    HAS_SINK: the spec's sink ``SINK`` joins every row once (``_ws_rows_out``; not on a block of a
+    larger call, whose merge adds it)."""
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [Q_BUFS * CONSUMERS] + q_desc.block_type.shape, q_desc.layout)
     if SCHEDULE == ONE_TILE and SAME_D and not FP8:
         o_smem = q_smem  # one tile per program: O goes out through Q's stages
@@ -605,17 +632,17 @@ def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, O, LSE, COUNTER_PTR, ORDER, M_C
                             DV, S_Q, S_K, Q_OFF, K_OFF, PLAN_B, PLAN_H, Q_TILES, BH, qk_scale, TS, MASK_FROM_ROWS,
                             EVEN_Q, EVEN_K, ROWS_, BLOCK_N, D, STAGES, HEAD_GROUP, VISIBLE, SCORE, HAS_SCORE, SCALE,
                             H_Q, H_KV, GROUP, FP8, OVERLAP, ZERO_TAIL, PINGPONG, SEPARABLE, SCORE_SCALE, SCORE_ROW,
-                            SCORE_COLUMN, CONSUMERS, P_PERM, Q_BUFS)),
+                            SCORE_COLUMN, CONSUMERS, P_PERM, Q_BUFS, HAS_SINK, SINK)),
             (_ws_consumer, (1, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars, o_desc, O, LSE, KS, KE, DQ, DK,
                             DV, S_Q, S_K, Q_OFF, K_OFF, PLAN_B, PLAN_H, Q_TILES, BH, qk_scale, TS, MASK_FROM_ROWS,
                             EVEN_Q, EVEN_K, ROWS_, BLOCK_N, D, STAGES, HEAD_GROUP, VISIBLE, SCORE, HAS_SCORE, SCALE,
                             H_Q, H_KV, GROUP, FP8, OVERLAP, ZERO_TAIL, PINGPONG, SEPARABLE, SCORE_SCALE, SCORE_ROW,
-                            SCORE_COLUMN, CONSUMERS, P_PERM, Q_BUFS)),
+                            SCORE_COLUMN, CONSUMERS, P_PERM, Q_BUFS, HAS_SINK, SINK)),
             (_ws_consumer, (2, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars, o_desc, O, LSE, KS, KE, DQ, DK,
                             DV, S_Q, S_K, Q_OFF, K_OFF, PLAN_B, PLAN_H, Q_TILES, BH, qk_scale, TS, MASK_FROM_ROWS,
                             EVEN_Q, EVEN_K, ROWS_, BLOCK_N, D, STAGES, HEAD_GROUP, VISIBLE, SCORE, HAS_SCORE, SCALE,
                             H_Q, H_KV, GROUP, FP8, OVERLAP, ZERO_TAIL, PINGPONG, SEPARABLE, SCORE_SCALE, SCORE_ROW,
-                            SCORE_COLUMN, CONSUMERS, P_PERM, Q_BUFS)),
+                            SCORE_COLUMN, CONSUMERS, P_PERM, Q_BUFS, HAS_SINK, SINK)),
             (_ws_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, job_smem, blk_smem, bars, COUNTER_PTR,
                             ORDER, M_CSR, M_IDX, M_FLAG, S_Q, S_K, PLAN_B, PLAN_H, Q_TILES, BH, ROWS_, BLOCK_N, STAGES,
                             HEAD_GROUP, SCHEDULE, H_Q, H_KV, GROUP, D, FP8, CONSUMERS, P_PERM, Q_BUFS)),
@@ -626,12 +653,12 @@ def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, O, LSE, COUNTER_PTR, ORDER, M_C
                             DV, S_Q, S_K, Q_OFF, K_OFF, PLAN_B, PLAN_H, Q_TILES, BH, qk_scale, TS, MASK_FROM_ROWS,
                             EVEN_Q, EVEN_K, ROWS_, BLOCK_N, D, STAGES, HEAD_GROUP, VISIBLE, SCORE, HAS_SCORE, SCALE,
                             H_Q, H_KV, GROUP, FP8, OVERLAP, ZERO_TAIL, PINGPONG, SEPARABLE, SCORE_SCALE, SCORE_ROW,
-                            SCORE_COLUMN, CONSUMERS, P_PERM, Q_BUFS)),
+                            SCORE_COLUMN, CONSUMERS, P_PERM, Q_BUFS, HAS_SINK, SINK)),
             (_ws_consumer, (1, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars, o_desc, O, LSE, KS, KE, DQ, DK,
                             DV, S_Q, S_K, Q_OFF, K_OFF, PLAN_B, PLAN_H, Q_TILES, BH, qk_scale, TS, MASK_FROM_ROWS,
                             EVEN_Q, EVEN_K, ROWS_, BLOCK_N, D, STAGES, HEAD_GROUP, VISIBLE, SCORE, HAS_SCORE, SCALE,
                             H_Q, H_KV, GROUP, FP8, OVERLAP, ZERO_TAIL, PINGPONG, SEPARABLE, SCORE_SCALE, SCORE_ROW,
-                            SCORE_COLUMN, CONSUMERS, P_PERM, Q_BUFS)),
+                            SCORE_COLUMN, CONSUMERS, P_PERM, Q_BUFS, HAS_SINK, SINK)),
             (_ws_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, job_smem, blk_smem, bars, COUNTER_PTR,
                             ORDER, M_CSR, M_IDX, M_FLAG, S_Q, S_K, PLAN_B, PLAN_H, Q_TILES, BH, ROWS_, BLOCK_N, STAGES,
                             HEAD_GROUP, SCHEDULE, H_Q, H_KV, GROUP, D, FP8, CONSUMERS, P_PERM, Q_BUFS)),

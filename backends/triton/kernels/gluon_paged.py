@@ -30,7 +30,7 @@ what differs is where the rows live:
 """
 import triton.language as tl
 
-from .gluon_engine import _ws_blocks, _ws_lse, _ws_row_totals, _ws_separable
+from .gluon_engine import _ws_blocks, _ws_rows_out, _ws_separable
 from .gluon_sync import _tma_load, _tma_store, _ws_claim_q, _ws_get, _ws_handover, _ws_put, _ws_take_job, gluon, gl, \
     mbarrier, tma, fence_async_shared  # noqa: F401
 
@@ -74,12 +74,14 @@ def _pg_consumer(half, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars,
                  D: tl.constexpr, STAGES: tl.constexpr, VISIBLE: tl.constexpr, SCORE: tl.constexpr,
                  HAS_SCORE: tl.constexpr, SCALE: tl.constexpr, H_Q: tl.constexpr, OVERLAP: tl.constexpr,
                  PINGPONG: tl.constexpr, SEPARABLE: tl.constexpr, SCORE_SCALE: tl.constexpr,
-                 SCORE_ROW: tl.constexpr, SCORE_COLUMN: tl.constexpr, Q_BUFS: tl.constexpr = 1):
+                 SCORE_ROW: tl.constexpr, SCORE_COLUMN: tl.constexpr, Q_BUFS: tl.constexpr = 1,
+                 HAS_SINK: tl.constexpr = False, SINK: tl.constexpr = None):
     """Rows [half * ROWS_, + ROWS_) of each tile the producer hands over (``gluon_engine.
     _ws_consumer``'s protocol): the blocks of its list through ``_ws_blocks``, then O and LSE at
     the request's packed rows, under a mask where the tile crosses the request's end.  SEPARABLE:
     the score program's separable form as on the prefill engine, from an origin in the middle of
-    this half's positions, the row part added to LSE."""
+    this half's positions, the row part added to LSE.  HAS_SINK: request b's sink joins each row
+    once, after its keys (``gluon_engine._ws_rows_out``: there is no split to merge)."""
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turns = bars
     s_layout: tl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -116,7 +118,8 @@ def _pg_consumer(half, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars,
                                           HAS_SCORE, SCALE, False, OVERLAP, True, PINGPONG, half, tc, sep_scale,
                                           origin, col_step, SEPARABLE, SCORE_COLUMN)
         mbarrier.arrive(q_empty.index(buf), count=1)  # this half's Q.K^T are done: the buffer may take a later Q
-        l_safe, seen, lse_out = _ws_row_totals(m_i, l_i)
+        l_safe, lse_out = _ws_rows_out(m_i, l_i, b, h, kv_len - q_len + rows, origin, TS, SEPARABLE, SCORE_ROW,
+                                       HAS_SINK, SINK)
         out = acc / gl.convert_layout(l_safe, orow_l)[:, None]  # rows that saw nothing: acc = 0, O = 0
         if row0 + ROWS_ <= q_len:
             tma.store_wait(0)  # the last tile's O has left shared memory
@@ -128,7 +131,6 @@ def _pg_consumer(half, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars,
             o_cols = gl.arange(0, D, gl.SliceLayout(0, o_layout))
             gl.store(O + ((first + o_rows) * H_Q + h)[:, None] * D + o_cols[None, :], out.to(O.dtype.element_ty),
                      mask=(o_rows < q_len)[:, None])
-        lse_out = _ws_lse(lse_out, seen, b, h, kv_len - q_len + rows, origin, TS, SEPARABLE, SCORE_ROW)
         gl.store(LSE + (first + rows) * H_Q + h, lse_out, mask=rows < q_len)
         jc += 1
         t = _ws_take_job(job_smem, q_ready, jc, Q_BUFS)
@@ -198,12 +200,14 @@ def _paged_fwd_ws(q_desc, k_desc, v_desc, o_desc, O, LSE, COUNTER_PTR, JOBS, ENT
                   H_Q: tl.constexpr, GROUP: tl.constexpr, D_QK: tl.constexpr, PAGED: tl.constexpr,
                   PAGE: tl.constexpr, CHUNK: tl.constexpr, OVERLAP: tl.constexpr, PINGPONG: tl.constexpr,
                   SEPARABLE: tl.constexpr = 0, SCORE_SCALE: tl.constexpr = None, SCORE_ROW: tl.constexpr = None,
-                  SCORE_COLUMN: tl.constexpr = None, Q_BUFS: tl.constexpr = 1):
+                  SCORE_COLUMN: tl.constexpr = None, Q_BUFS: tl.constexpr = 1, HAS_SINK: tl.constexpr = False,
+                  SINK: tl.constexpr = None):
     """Jobs (128-row tile of one request, query head) of a split call over a cache (module
     docstring), one program per SM drawing them from the counter at COUNTER_PTR.  D is V's (and
     O's) head dim, D_QK Q and K's; K and V blocks of BLOCK_N rows land as BLOCK_N / CHUNK copies.
     SEPARABLE and the form's functions: ``launch.separable_constexprs`` (0: the score program per cell).
-    Q_BUFS: Q's buffers, as on the prefill engine (``gluon_engine._ws_producer``)."""
+    Q_BUFS: Q's buffers, as on the prefill engine (``gluon_engine._ws_producer``).  HAS_SINK: the
+    spec's sink ``SINK`` joins every row once (``_pg_consumer``)."""
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [2 * Q_BUFS] + q_desc.block_type.shape, q_desc.layout)
     o_smem = gl.allocate_shared_memory(o_desc.dtype, [2] + o_desc.block_type.shape, o_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, D_QK], k_desc.layout)
@@ -213,11 +217,11 @@ def _paged_fwd_ws(q_desc, k_desc, v_desc, o_desc, O, LSE, COUNTER_PTR, JOBS, ENT
         (_pg_consumer, (0, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars, o_desc, O, LSE, KV_LENS,
                         QO_INDPTR, TILE_REQ, TILE_ROW0, n_jobs, qk_scale, TS, ROWS_, BLOCK_N, D, STAGES, VISIBLE,
                         SCORE, HAS_SCORE, SCALE, H_Q, OVERLAP, PINGPONG, SEPARABLE, SCORE_SCALE, SCORE_ROW,
-                        SCORE_COLUMN, Q_BUFS)),
+                        SCORE_COLUMN, Q_BUFS, HAS_SINK, SINK)),
         (_pg_consumer, (1, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars, o_desc, O, LSE, KV_LENS,
                         QO_INDPTR, TILE_REQ, TILE_ROW0, n_jobs, qk_scale, TS, ROWS_, BLOCK_N, D, STAGES, VISIBLE,
                         SCORE, HAS_SCORE, SCALE, H_Q, OVERLAP, PINGPONG, SEPARABLE, SCORE_SCALE, SCORE_ROW,
-                        SCORE_COLUMN, Q_BUFS)),
+                        SCORE_COLUMN, Q_BUFS, HAS_SINK, SINK)),
         (_pg_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, job_smem, blk_smem, bars, COUNTER_PTR,
                         JOBS, ENTRY_PTR, BLOCKS, PARTIAL, KV_LENS, QO_INDPTR, TILE_REQ, TILE_ROW0, BASE, TABLE,
                         s_tb, PAGE_ROWS, HEAD_ROWS, K_COL, V_COL, n_jobs, ROWS_, BLOCK_N, STAGES, H_Q, GROUP, D_QK,
