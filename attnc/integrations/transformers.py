@@ -294,6 +294,14 @@ def register(name: str = NAME, *, packed_sequences: bool = True, backend: str | 
     _OPTIONS["backend"] = backend or None
     AttentionInterface.register(name, attnc_attention_forward)
     AttentionMaskInterface.register(name, attnc_mask)
+    _cb.register()
     return name
+
+
+# ---------------------------------------------------------------- continuous batching
+from attnc.integrations import continuous_batching as _cb  # noqa: E402 (it reads this module at call time)
+
+CONTINUOUS_BATCHING = _cb.CONTINUOUS_BATCHING  # the implementation name of continuous batching on attnc
+continuous_batching = _cb.continuous_batching
 
 register()
