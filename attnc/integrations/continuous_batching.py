@@ -63,6 +63,7 @@ from attnc.compiler.errors import InputError
 _STEPS: list = []  # [(weakref to the step's cu_seq_lens_q, _Step)], newest last
 _STEPS_KEPT = 4
 _HOOKED = "_attnc_cb_hook"
+_REGISTERED: dict = {}  # "fallback": attnc's ordinary attention function, "options": its options (register())
 
 
 # ---------------------------------------------------------------- the installed transformers' API
@@ -257,24 +258,26 @@ def attention_forward_attention_api(module, query, key, value, attention_mask, c
                                     scaling=None, s_aux=None, **kwargs):
     """``paged|attnc`` (transformers whose attention function updates the cache): one append per
     layer over the cache it is handed; without a paged cache, attnc's ordinary attention."""
-    from attnc.integrations import transformers as hf
     if cache is None or read_index is None:
-        return hf.attnc_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                          s_aux=s_aux, **kwargs)
+        return _REGISTERED["fallback"](module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                       s_aux=s_aux, **kwargs)
     _check_kwargs(dropout, kwargs)
     _refuse_capture()
     if kwargs.get("block_table") is not None:
         raise InputError("transformers: this step uses transformers' decode fast path (block_table), which calls a "
                          "FlashAttention kernel; attnc's name should not be given a fast path")
     step = _step_for(cu_seq_lens_q, lambda: _Step(cache, cu_seq_lens_q, cu_seq_lens_k, read_index, write_index))
-    return attend(module, query, key, value, step, scaling=scaling, s_aux=s_aux, backend=hf._OPTIONS["backend"]), None
+    return attend(module, query, key, value, step, scaling=scaling, s_aux=s_aux, backend=_backend()), None
+
+
+def _backend():
+    return _REGISTERED["options"].get("backend")
 
 
 def attention_forward_model_api(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
                                 s_aux=None, **kwargs):
     """``attnc_flash`` (transformers whose model updates the cache): the step made by the forward
     pre-hook, one append per layer; without one (no continuous batching), attnc's ordinary attention."""
-    from attnc.integrations import transformers as hf
     cu_q = kwargs.get("cu_seq_lens_q")
     step = None
     if cu_q is not None:
@@ -284,11 +287,11 @@ def attention_forward_model_api(module, query, key, value, attention_mask, dropo
             raise InputError("transformers: a paged step reached attnc without its page table: call "
                              "attnc.integrations.transformers.continuous_batching(model) before generate_batch")
         kwargs.pop("block_table", None)
-        return hf.attnc_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                          s_aux=s_aux, **kwargs)
+        return _REGISTERED["fallback"](module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                       s_aux=s_aux, **kwargs)
     _check_kwargs(dropout, kwargs)
     _refuse_capture()
-    return attend(module, query, key, value, step, scaling=scaling, s_aux=s_aux, backend=hf._OPTIONS["backend"]), None
+    return attend(module, query, key, value, step, scaling=scaling, s_aux=s_aux, backend=_backend()), None
 
 
 def _pre_hook(model, args, kwargs):
@@ -319,12 +322,14 @@ def _pre_hook(model, args, kwargs):
 def continuous_batching(model):
     """Make ``model`` run transformers' continuous batching (``generate_batch``,
     ``init_continuous_batching``) on attnc's paged append; returns the model."""
-    from attnc.integrations import transformers as hf  # noqa: F401 (registers the names)
     kind = api()
     if not kind:
         raise InputError("transformers: this transformers version has no paged continuous-batching cache that attnc's "
                          "integration can drive (it supports the 5.17 API, where the attention function updates "
                          "the cache, and the 5.24 API, where the model does)")
+    if not _REGISTERED:
+        raise InputError("transformers: import attnc.integrations.transformers first (it registers attnc's "
+                         f"continuous-batching name {CONTINUOUS_BATCHING!r})")
     if kind == "attention":
         model.set_attn_implementation(CONTINUOUS_BATCHING)
         return model
@@ -336,13 +341,15 @@ def continuous_batching(model):
     return model
 
 
-def register() -> None:
-    """Register the continuous-batching name (attention and mask functions) for this transformers."""
+def register(fallback, mask, options: dict) -> None:
+    """Register the continuous-batching name for this transformers: its attention function (with
+    ``fallback``, attnc's ordinary attention function, for calls outside continuous batching, and
+    its ``options``) and ``mask`` (attnc's mask function).  attnc.integrations.transformers calls it."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
-    from attnc.integrations import transformers as hf
     if CONTINUOUS_BATCHING is None:
         return
+    _REGISTERED.update(fallback=fallback, options=options)
     fn = attention_forward_attention_api if api() == "attention" else attention_forward_model_api
     AttentionInterface.register(CONTINUOUS_BATCHING, fn)
-    AttentionMaskInterface.register(CONTINUOUS_BATCHING, hf.attnc_mask)
+    AttentionMaskInterface.register(CONTINUOUS_BATCHING, mask)

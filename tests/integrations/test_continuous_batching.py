@@ -156,6 +156,25 @@ def test_outside_continuous_batching_the_name_runs_attncs_attention(llama):
         torch.testing.assert_close(ours(ids).logits, eager(ids).logits, rtol=1e-4, atol=1e-4)
 
 
+def test_learned_sinks_join_the_paged_spec():
+    """gpt-oss's s_aux (one learned logit per head) becomes ``sink = sinks[h]`` of the layer's paged
+    spec: a tiny gpt-oss with full-attention layers only (its sliding layers are refused, below)."""
+    cfg = transformers.GptOssConfig(hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                    num_key_value_heads=2, head_dim=16, vocab_size=VOCAB, num_local_experts=4,
+                                    num_experts_per_tok=2, layer_types=["full_attention"] * 2,
+                                    max_position_embeddings=256, initializer_range=0.3)
+    torch.manual_seed(0)
+    theirs = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation="paged|eager")
+    for layer in theirs.model.layers:
+        layer.self_attn.sinks.data.normal_(0.0, 2.0)  # (initialised to zero, where a sink is already felt)
+    ours = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation="attnc")
+    ours.load_state_dict(theirs.state_dict())
+    prompts = _prompts((5, 17))
+    want, got = _generate(theirs.eval(), prompts), _generate(hf.continuous_batching(ours.eval()), prompts)
+    assert [o.error for o in got] == [None, None]
+    assert [o.generated_tokens for o in got] == [o.generated_tokens for o in want]
+
+
 def test_sliding_window_layers_are_refused_with_the_reason():
     cfg = transformers.MistralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                                      num_key_value_heads=2, vocab_size=VOCAB, sliding_window=16,
