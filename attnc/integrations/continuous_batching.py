@@ -229,6 +229,11 @@ def _refuse_capture():
 def attend(module, query, key, value, step: _Step, *, scaling=None, s_aux=None, backend=None):
     """One layer of one step: query [1, H_q, N, d], key/value [1, H_kv, N, d] (the step's new rows,
     request by request) -> [1, N, H_q, d], through one ``attn.append`` over the layer's pages."""
+    if query.shape[2] != int(step.C.sum()):
+        raise InputError(f"transformers: the step has {query.shape[2]} query rows for {int(step.C.sum())} scheduled "
+                         "tokens: continuous batching padded its inputs (CUDA graphs or torch.compile), which attnc's "
+                         "append cannot take: pass ContinuousBatchingConfig(use_cuda_graph=False) and no compile "
+                         "config")
     pool, table, T, manifest = step.group(module.layer_idx)
     k_pages, v_pages = pool.pages(module.layer_idx)
     attn = paged_attention_for(pool.page_size, None if scaling is None else float(scaling), s_aux is not None)

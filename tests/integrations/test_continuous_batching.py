@@ -205,6 +205,16 @@ def test_a_page_table_that_does_not_start_on_page_boundaries_is_refused():
     assert table.tolist() == [[2]] and T.tolist() == [0]
 
 
+def test_padded_steps_are_refused_saying_what_pads_them():
+    """CUDA graphs and torch.compile make continuous batching pad a step's query rows; an append
+    takes exactly the scheduled rows, so it is refused naming the setting."""
+    step = cb._Step(None, torch.tensor([0, 3]), torch.tensor([0, 3]), [torch.empty(0, dtype=torch.long)],
+                    [torch.arange(3)])
+    rows = torch.zeros(1, 4, 4, 16)
+    with pytest.raises(InputError, match=r"4 query rows for 3 scheduled tokens.*use_cuda_graph=False"):
+        cb.attend(None, rows, rows[:, :2], rows[:, :2], step)
+
+
 @pytest.mark.skipif(not GPU, reason="ATTNC_TEST_GPU=1 and a CUDA device")
 @pytest.mark.parametrize("requests", [4, 64])
 def test_tokens_match_transformers_paged_attention_on_gpu(requests):
