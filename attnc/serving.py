@@ -128,7 +128,10 @@ class _Transaction:
 
     def _index(self, store):
         torch = self.torch
-        idx = tuple(torch.as_tensor(i, device=store.device) for i in self.call.targets)
+        idx = self.call.device_targets.get(str(store.device))
+        if idx is None:  # (once per call and device: the layers of a step share their validated call)
+            idx = self.call.device_targets[str(store.device)] = tuple(
+                torch.as_tensor(i, device=store.device) for i in self.call.targets)
         return idx if len(idx) == 1 else ((idx[0], slice(None), idx[1]) if self.call.head_major else idx)
 
     def stage(self, saved: list) -> None:

@@ -32,7 +32,7 @@ allocated before the call, as FlashInfer's ``append_paged_kv_cache`` requires.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -72,6 +72,7 @@ class AppendCall:
     targets: tuple[np.ndarray, ...]
     head_major: bool
     storage_keys: tuple[str, str]
+    device_targets: dict = field(default_factory=dict, repr=False)  # device -> targets as its tensors (serving)
 
     @property
     def committed(self) -> np.ndarray:
