@@ -118,7 +118,6 @@ class _Pool:
     transformers' index tensors, and each layer's (K pages, V pages) views."""
 
     def __init__(self, cache, layer_idx: int):
-        self.cache = cache
         if api() == "attention":
             window = cache.sliding_windows.get(layer_idx, 1)
             self.sliding = window not in (None, 1)
@@ -137,9 +136,10 @@ class _Pool:
                              "supported under continuous batching with attnc (use generate() with attnc, or "
                              "transformers' own paged implementation)")
 
-    def pages(self, layer_idx: int):
-        """(K pages, V pages) of a layer, each [pages, P, H_kv, d]: views of transformers' storage."""
-        c, P = self.cache, self.page_size
+    def pages(self, c, layer_idx: int):
+        """(K pages, V pages) of a layer of cache ``c``, each [pages, P, H_kv, d]: views of
+        transformers' storage."""
+        P = self.page_size
         if api() == "attention":
             j = c.layer_index_to_group_indices[layer_idx][1]
             k, v = c.key_cache[j], c.value_cache[j]
@@ -158,11 +158,17 @@ class _Step:
     pages), the frozen manifest and, once the group's first layer has planned, its append plan."""
 
     def __init__(self, cache, cu_q, cu_k, read_index, write_index):
-        self.cache = cache
+        # (weakly: the process keeps its last steps, and a finished run's cache must be freed)
+        self._cache = (lambda: None) if cache is None else weakref.ref(cache)
         cu_q_host = cu_q.detach().to("cpu", torch.int64)
         self.C = torch.diff(cu_q_host)
         self.tables, self.T, self.manifests, self.plans, self.pools = {}, {}, {}, {}, {}
         self._cu = (cu_q_host, cu_k, read_index, write_index)
+
+    @property
+    def cache(self):
+        """transformers' PagedAttentionCache of the step (None once it is freed)."""
+        return self._cache()
 
     def group(self, layer_idx: int):
         """(pool, page table, T, manifest) of the layer's attention group, made on its first layer."""
@@ -214,8 +220,8 @@ def _step_for(cu_q, make) -> _Step:
         if ref() is cu_q:
             return step
     step = make()
+    _STEPS[:] = [(ref, s) for ref, s in _STEPS if ref() is not None][-(_STEPS_KEPT - 1):]
     _STEPS.append((weakref.ref(cu_q), step))
-    del _STEPS[:-_STEPS_KEPT]
     return step
 
 
@@ -235,7 +241,7 @@ def attend(module, query, key, value, step: _Step, *, scaling=None, s_aux=None, 
                          "append cannot take: pass ContinuousBatchingConfig(use_cuda_graph=False) and no compile "
                          "config")
     pool, table, T, manifest = step.group(module.layer_idx)
-    k_pages, v_pages = pool.pages(module.layer_idx)
+    k_pages, v_pages = pool.pages(step.cache, module.layer_idx)
     attn = paged_attention_for(pool.page_size, None if scaling is None else float(scaling), s_aux is not None)
     q = query[0].transpose(0, 1).contiguous()
     k_new, v_new = (t[0].transpose(0, 1).contiguous() for t in (key, value))

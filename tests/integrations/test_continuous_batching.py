@@ -4,7 +4,9 @@ with chunked prefill and mixed prefill/decode steps; its tokens against transfor
 implementation ("paged|eager"), one append per layer per step, and the cache read and written in
 place (no gather).  ATTNC_TEST_GPU=1 runs the same on CUDA (the Triton kernels) at 64 requests."""
 import copy
+import gc
 import os
+import weakref
 
 import pytest
 
@@ -86,7 +88,10 @@ def served(llama):
     update = owner.update
 
     def watch_attend(module, query, key, value, step, **kw):
-        calls.append((id(step), module.layer_idx, step))
+        c = step.cache
+        pools = [c.cache_tensor] if cb.api() == "model" else c.key_cache + c.value_cache
+        calls.append((id(step), module.layer_idx, step, {t.untyped_storage().data_ptr() for t in pools},
+                      weakref.ref(c)))
         return attend(module, query, key, value, step, **kw)
 
     def watch_append(attn, q, k_new, v_new, **kw):
@@ -120,7 +125,7 @@ def test_one_append_per_layer_per_step_over_mixed_batches(served):
     same batch as another request's decode token (T > 0, C = 1)."""
     _, calls, _, _ = served
     steps = {}
-    for sid, layer, step in calls:
+    for sid, layer, step, _, _ in calls:
         steps.setdefault(sid, (step, []))[1].append(layer)
     assert len(steps) >= NEW_TOKENS and all(layers == [0, 1] for _, layers in steps.values())
     mixes = [(step.T[0].tolist(), step.C.tolist()) for step, _ in steps.values()]
@@ -130,17 +135,16 @@ def test_one_append_per_layer_per_step_over_mixed_batches(served):
 
 
 def test_cache_is_read_and_written_in_place(served):
-    """Every append gets views of transformers' one K/V pool (the same storage across steps), and
-    transformers' own update, which gathers K/V with index_select, never runs."""
+    """Every append gets views of transformers' K/V pool (the same storage across steps), and
+    transformers' own update, which gathers K/V with index_select, never runs; once the run is
+    over, nothing of attnc's keeps transformers' cache alive."""
     _, calls, appends, updates = served
-    step = calls[0][2]
-    pool = step.cache.cache_tensor if cb.api() == "model" else step.cache.key_cache[0]
-    storages = {t.untyped_storage().data_ptr() for k, v, _ in appends for t in (k, v)}
-    if cb.api() == "model":
-        assert storages == {pool.untyped_storage().data_ptr()}
-    else:
-        assert storages == {t.untyped_storage().data_ptr() for t in step.cache.key_cache + step.cache.value_cache}
+    pools = set.union(*(ptrs for *_, ptrs, _ in calls))
+    assert pools == calls[0][3] and len(pools) == (1 if cb.api() == "model" else 4)  # (5.17: K and V per layer)
+    assert {t.untyped_storage().data_ptr() for k, v, _ in appends for t in (k, v)} == pools
     assert len(appends) == len(calls) and updates == []
+    gc.collect()
+    assert all(ref() is None for *_, ref in calls)
     # the K and V pages of a layer are distinct pages of that storage, never overlapping
     k, v, table = appends[0]
     assert k.data_ptr() != v.data_ptr() and k.shape == v.shape and k.stride() == v.stride()
