@@ -30,7 +30,7 @@ from __future__ import annotations
 import numpy as np
 
 from .compiler import inputs, ir, numerics
-from .compiler.append import AppendCall, AppendPlan, append_keys, validate_append
+from .compiler.append import AppendCall, AppendPlan, append_keys, validate_append, validation_key
 from .compiler.errors import InputError, PlanError
 
 _DTYPES = {"torch.float16": "f16", "torch.bfloat16": "bf16", "torch.float32": "f32"}
@@ -39,12 +39,12 @@ _DTYPES = {"torch.float16": "f16", "torch.bfloat16": "bf16", "torch.float32": "f
 def append(attn, q, k_new, v_new, *, manifest=None, plan: AppendPlan | None = None, request_ids=None,
            return_lse: bool = False, backend: str | None = None, **cache):
     """One append transaction (module docstring); returns O [total_q, H_q, d_v] (and LSE)."""
-    txn = _Transaction(attn, q, k_new, v_new, cache, backend, manifest, request_ids)
+    if plan is not None and not isinstance(plan, AppendPlan):
+        raise PlanError(f"plan= takes the AppendPlan of attn.plan_append, got {type(plan).__name__}")
+    txn = _Transaction(attn, q, k_new, v_new, cache, backend, manifest, request_ids, plan)
     if plan is None:
         inner = txn.runner.plan(txn)
     else:
-        if not isinstance(plan, AppendPlan):
-            raise PlanError(f"plan= takes the AppendPlan of attn.plan_append, got {type(plan).__name__}")
         plan.check(txn.program, txn.backend, txn.call)
         inner = plan.inner
     o, lse = txn.execute(inner)
@@ -54,17 +54,20 @@ def append(attn, q, k_new, v_new, *, manifest=None, plan: AppendPlan | None = No
 def plan_append(attn, q, k_new, v_new, *, manifest=None, request_ids=None, backend: str | None = None,
                 **cache) -> AppendPlan:
     """The plan of an append call (validated, nothing written): pass it as ``plan=`` to calls with
-    the same manifest and cache metadata; ``plan.manifest`` is the call's manifest."""
+    the same manifest and cache metadata; ``plan.manifest`` is the call's manifest.  The plan keeps
+    the validated call: a call whose validation inputs are equal (``validation_key``: the spec, the
+    metadata values, the storage shapes, the rows; e.g. the next layer of a serving step, over its
+    own storage) reuses it instead of validating again; its own tensors are still checked."""
     txn = _Transaction(attn, q, k_new, v_new, cache, backend, manifest, request_ids)
     return AppendPlan(ir.digest(txn.program), txn.backend, txn.call.manifest, txn.call.view_digest,
-                      txn.runner.plan(txn))
+                      txn.runner.plan(txn), txn.call, txn.key)
 
 
 class _Transaction:
     """One append call, validated: the concrete program, the backend's runner, the cache's
     storage tensors, the mask tensors and the :class:`AppendCall`."""
 
-    def __init__(self, attn, q, k_new, v_new, cache: dict, backend, manifest, request_ids):
+    def __init__(self, attn, q, k_new, v_new, cache: dict, backend, manifest, request_ids, plan=None):
         import torch
         self.torch = torch
         self.program = p = _program_of_rows(attn, q, k_new, v_new)
@@ -96,7 +99,11 @@ class _Transaction:
         _check_aliasing({"q": q, "k_new": k_new, "v_new": v_new, **keys, **self.tensors},
                         (self.k_key, self.v_key, "kv_lens"))
         meta = {k: (v if k in (self.k_key, self.v_key) else _host(v)) for k, v in keys.items()}
-        self.call: AppendCall = validate_append(p, meta, q.shape[0], manifest=manifest, request_ids=request_ids)
+        self.key = validation_key(p, meta, q.shape[0], manifest, request_ids)
+        if plan is not None and plan.call is not None and plan.validation_key == self.key:
+            self.call: AppendCall = plan.call  # (validated when planned, on equal inputs)
+        else:
+            self.call = validate_append(p, meta, q.shape[0], manifest=manifest, request_ids=request_ids)
         metas = {name: (tuple(t.shape), _kind(t), str(t.dtype)) for name, t in self.tensors.items()}
         inputs._check_tensors(p, metas, {"b": self.call.layout.batch, "h": p.heads_q,
                                          "s": int(self.call.committed.max(initial=0))})
@@ -121,7 +128,10 @@ class _Transaction:
 
     def _index(self, store):
         torch = self.torch
-        idx = tuple(torch.as_tensor(i, device=store.device) for i in self.call.targets)
+        idx = self.call.device_targets.get(str(store.device))
+        if idx is None:  # (once per call and device: the layers of a step share their validated call)
+            idx = self.call.device_targets[str(store.device)] = tuple(
+                torch.as_tensor(i, device=store.device) for i in self.call.targets)
         return idx if len(idx) == 1 else ((idx[0], slice(None), idx[1]) if self.call.head_major else idx)
 
     def stage(self, saved: list) -> None:

@@ -32,7 +32,7 @@ allocated before the call, as FlashInfer's ``append_paged_kv_cache`` requires.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -72,6 +72,7 @@ class AppendCall:
     targets: tuple[np.ndarray, ...]
     head_major: bool
     storage_keys: tuple[str, str]
+    device_targets: dict = field(default_factory=dict, repr=False)  # device -> targets as its tensors (serving)
 
     @property
     def committed(self) -> np.ndarray:
@@ -87,6 +88,25 @@ class AppendCall:
             h.update(f"{n}:{a.dtype}:{a.shape}".encode())
             h.update(a.tobytes())
         return h.hexdigest()
+
+
+def validation_key(program: ir.Program, arrays: dict, new_rows: int, manifest: MicrobatchManifest | None,
+                   request_ids) -> str:
+    """sha256 of everything :func:`validate_append` reads: the program, each key's dtype, shape and
+    (for metadata) values, the new rows, the manifest and the request ids.  Equal keys validate
+    alike, so a plan keeps its validated call for calls with the same key (the layers of one
+    serving step: other storage tensors of the same shapes, the same metadata)."""
+    h = hashlib.sha256(f"{ir.digest(program)}:{new_rows}:{manifest.digest if manifest else None}:"
+                       f"{None if request_ids is None else list(request_ids)}".encode())
+    for n in sorted(arrays):
+        a = arrays[n]
+        if hasattr(a, "untyped_storage"):  # a storage tensor: its shape only is read
+            h.update(f"{n}:{tuple(a.shape)}:{a.dtype}".encode())
+            continue
+        a = np.ascontiguousarray(a)
+        h.update(f"{n}:{a.dtype}:{a.shape}".encode())
+        h.update(a.tobytes())
+    return h.hexdigest()
 
 
 def _meta(arrays: dict, name: str, ndim: int) -> np.ndarray:
@@ -324,6 +344,8 @@ class AppendPlan:
     manifest: MicrobatchManifest
     view_digest: str
     inner: object
+    call: AppendCall | None = None      # the validated call, reused by calls with the same key
+    validation_key: str | None = None   # (validation_key of the planned call)
 
     def check(self, program: ir.Program, backend: str, call: AppendCall) -> None:
         if ir.digest(program) != self.program_digest:

@@ -72,6 +72,9 @@ aligned (query row ``i`` of ``S_q`` over ``S_k`` keys is at position ``S_k - S_q
 where the cache puts the new tokens, also in a sliding-window layer whose cache keeps only the
 last ``window - 1`` keys.  Attention weights are never returned (``output_attentions`` gives
 ``None``, as with ``sdpa`` and flash attention).
+
+transformers' continuous batching (``generate_batch``) runs on attnc's paged append through
+``continuous_batching(model)`` and the name ``CONTINUOUS_BATCHING`` (``continuous_batching.py``).
 """
 from __future__ import annotations
 
@@ -83,6 +86,7 @@ import torch
 
 import attnc
 from attnc.compiler.errors import InputError
+from attnc.integrations import continuous_batching as _cb
 
 NAME = "attnc"
 _OPTIONS = {"packed_sequences": True, "backend": None}
@@ -331,6 +335,12 @@ def register(name: str = NAME, *, packed_sequences: bool = True, backend: str | 
     _OPTIONS["backend"] = backend or None
     AttentionInterface.register(name, attnc_attention_forward)
     AttentionMaskInterface.register(name, attnc_mask)
+    _cb.register(attnc_attention_forward, attnc_mask, _OPTIONS)
     return name
+
+
+# ---------------------------------------------------------------- continuous batching
+CONTINUOUS_BATCHING = _cb.CONTINUOUS_BATCHING  # the implementation name of continuous batching on attnc
+continuous_batching = _cb.continuous_batching
 
 register()

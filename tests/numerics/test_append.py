@@ -327,3 +327,27 @@ def test_error_after_staging_restores_the_cache():
     with pytest.raises(PlanError, match="score program produced"):
         attn.append(q, k_new, v_new, q_lens=torch.tensor([1, 2]), backend="numpy", **cache.arrays)
     assert_untouched(cache, before)
+
+
+# ---------------------------------------------------------------- a plan's validated call, reused
+def test_a_plan_keeps_its_validated_call_for_equal_inputs(monkeypatch):
+    """The layers of a serving step: one plan, then appends over other storage tensors of the same
+    shapes with the same metadata reuse the plan's validated call (validate_append does not run
+    again) and write and attend correctly; other metadata values are validated again and refused."""
+    import attnc.serving
+    attn = compiled(LAYOUTS["paged_dense_nhd"])
+    layers = [Cache("paged_dense_nhd", T_MIX, C_MIX, seed=5) for _ in range(2)]
+    q, k_new, v_new = new_rows(layers[0])
+    q_lens = torch.as_tensor(layers[0].C)
+    plan = attn.plan_append(q, k_new, v_new, q_lens=q_lens, backend="numpy", **layers[0].arrays)
+    runs = []
+    validate = attnc.serving.validate_append
+    monkeypatch.setattr(attnc.serving, "validate_append", lambda *a, **k: runs.append(1) or validate(*a, **k))
+    for cache in layers:
+        check_call(attn, cache, "numpy", plan=plan)
+    assert runs == []
+    other = Cache("paged_dense_nhd", T_MIX, C_MIX, seed=5)
+    other.arrays["kv_lens"][0] += 1  # (request 0 has room: one more committed row)
+    with pytest.raises(PlanError, match="plan was made for manifest .* plan it again"):
+        attn.append(q, k_new, v_new, q_lens=q_lens, plan=plan, backend="numpy", **other.arrays)
+    assert runs == [1]
