@@ -79,43 +79,53 @@ def setup(mode: str):
 
 # ---------------------------------------------------------------- counting launches
 class Launches:
-    """``Launcher.launch`` wrapped: each launch counted by kernel name; ``stub``: nothing launched."""
+    """``Launcher.launch`` wrapped while in the ``with`` block: each launch counted by kernel name
+    (``counts``) and, where it ran, by the path it took (``paths``: the JIT, the compiled kernel's
+    launcher, or its C launcher straight, ``raw_launch``); ``stub``: nothing launched."""
 
     def __init__(self, stub: bool):
         from attnc.backends.triton import launch as L
-        self.L, self.stub, self.counts = L, stub, {}
+        self.L, self.stub, self.counts, self.paths = L, stub, {}, {}
         self.original = L.Launcher.launch
 
     def __enter__(self):
-        counts, original, stub = self.counts, self.original, self.stub
+        counts, paths, original, stub = self.counts, self.paths, self.original, self.stub
 
         def launch(launcher, grid, args, key=None, stream=None):
-            name = getattr(launcher.fn, "__name__", None) or getattr(getattr(launcher.fn, "fn", None), "__name__", "?")
+            fn = getattr(launcher.fn, "fn", launcher.fn)  # (the interpreter wraps the function)
+            name = getattr(fn, "__name__", "?")
             counts[name] = counts.get(name, 0) + 1
-            if not stub:
-                original(launcher, grid, args, key, stream)
+            if stub:
+                return
+            before = dict(launcher.launches)
+            original(launcher, grid, args, key, stream)
+            for way, n in launcher.launches.items():
+                if isinstance(n, int) and n > before.get(way, 0):
+                    paths[f"{name}:{way}"] = paths.get(f"{name}:{way}", 0) + 1
         self.L.Launcher.launch = launch
         return self
 
     def __exit__(self, *exc):
-        if not self.stub:
-            self.L.Launcher.launch = self.original
+        self.L.Launcher.launch = self.original
 
-    def take(self) -> dict:
-        out = dict(self.counts)
+    def take(self) -> tuple[dict, dict]:
+        """(launches by kernel, launches by kernel and path) since the last take."""
+        out = dict(self.counts), dict(self.paths)
         self.counts.clear()
+        self.paths.clear()
         return out
 
 
 def torch_ops(fn, calls: int = 4) -> tuple[dict, float]:
     """({op: per call} of the torch operations ``fn`` runs that would launch a kernel on a GPU,
-    host syncs per call), from the profiler's CPU events (leaves of the op tree only)."""
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    host syncs per call), from the profiler's CPU events (leaves of the op tree only; the legacy
+    profiler: Kineto's first start costs seconds)."""
+    from torch.autograd.profiler import profile
+    with profile(use_kineto=False) as prof:
         for _ in range(calls):
             fn()
     ops, syncs = {}, 0
-    for e in prof.events():
+    for e in prof.function_events:
         if not e.name.startswith("aten::"):
             continue
         if e.name in SYNC_OPS:
@@ -243,8 +253,7 @@ def main(argv=None) -> int:
     from attnc.backends.triton import runtime
     if not gpu:
         runtime.marks_on_device = lambda t: True  # the GPU's row check: a device flag, no host check
-    counter = Launches(stub=not gpu)
-    with counter:
+    with Launches(stub=not gpu) as counter:
         cases = make_cases([a.profile] if a.profile else a.cases, a.mode)
         for fn, _ in cases.values():  # warm: plans made, launches bound (and compiled, on a GPU)
             fn()
@@ -253,29 +262,21 @@ def main(argv=None) -> int:
             torch.cuda.synchronize()
         counter.take()
         if a.profile:
-            fn = cases[a.profile][0]
-            prof = cProfile.Profile()
-            prof.enable()
-            for _ in range(calls):
-                fn()
-            prof.disable()
-            pstats.Stats(prof).sort_stats("tottime").print_stats(30)
-            pstats.Stats(prof).sort_stats("cumulative").print_stats(40)
+            profile(cases[a.profile][0], calls)
             return 0
-        launches = {}
+        launches, paths = {}, {}
         for n, (fn, _) in cases.items():
             for _ in range(4):
                 fn()
-            launches[n] = {k: c / 4 for k, c in counter.take().items()}
+            counts, ways = counter.take()
+            launches[n] = {k: c / 4 for k, c in counts.items()}
+            paths[n] = {k: c / 4 for k, c in ways.items()}
         ops = {n: torch_ops(fn) for n, (fn, _) in cases.items()}
         kernels = {n: cuda_kernels(fn) for n, (fn, _) in cases.items()} if gpu else {}
-        counter.take()
-    # timed without the counting wrapper on a GPU (stub mode keeps the stub: nothing may launch)
-    if gpu:
-        host, cpu = time_cases(cases, calls, a.rounds, gpu)
-    else:
-        with Launches(stub=True):
+        if not gpu:  # (the stub stands in for the launches: timed inside)
             host, cpu = time_cases(cases, calls, a.rounds, gpu)
+    if gpu:  # timed without the counting wrapper
+        host, cpu = time_cases(cases, calls, a.rounds, gpu)
     command = "python3 -m bench.host_time " + " ".join(sys.argv[1:] if argv is None else argv)
     out = a.out or f"bench/results/studies/host_time_{a.mode}.jsonl"
     Path(out).parent.mkdir(parents=True, exist_ok=True)
@@ -284,18 +285,29 @@ def main(argv=None) -> int:
         for n, (_, shape) in cases.items():
             row = {"command": command, "bench": "host", "case": n, "mode": a.mode, "shape": shape,
                    "host_us": round(host[n], 2), "host_cpu_us": round(cpu[n], 2), "calls": calls,
-                   "rounds": a.rounds,
-                   "launches": sum(launches[n].values()), "launches_by_kernel": launches[n],
+                   "rounds": a.rounds, "launches": sum(launches[n].values()), "launches_by_kernel": launches[n],
                    "device_ops": ops[n][0], "syncs": ops[n][1], "env": env}
             if gpu:
+                row["launch_paths"] = paths[n]
                 row["cuda_kernels"] = sum(kernels[n].values())
                 row["cuda_kernels_by_name"] = kernels[n]
             f.write(json.dumps(row) + "\n")
-            extra = f"  cuda kernels {row['cuda_kernels']:.1f}" if gpu else ""
-            print(f"{n:16s} {host[n]:7.1f} us/call (cpu {cpu[n]:6.1f})  launches {row['launches']:.1f} {launches[n]}  "
-                  f"torch ops {ops[n][0]}  syncs {ops[n][1]:.1f}{extra}", flush=True)
+            extra = f"  cuda kernels {row['cuda_kernels']:.1f} {paths[n]}" if gpu else ""
+            print(f"{n:16s} {host[n]:7.1f} us/call (cpu {cpu[n]:6.1f})  launches {row['launches']:.1f} "
+                  f"{launches[n]}  torch ops {ops[n][0]}  syncs {ops[n][1]:.1f}{extra}", flush=True)
     print(f"rows -> {out}", file=sys.stderr)
     return 0
+
+
+def profile(fn, calls: int) -> None:
+    """cProfile's tables (own time, cumulative) of ``calls`` calls of ``fn``."""
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(30)
+    pstats.Stats(prof).sort_stats("cumulative").print_stats(40)
 
 
 if __name__ == "__main__":

@@ -47,7 +47,7 @@ _MARK_BLOCK = 1024
 def marks_on_device(t) -> bool:
     """Whether a call on ``t``'s device checks its rows on the device (a flag marked without a host
     sync, ``Kernel._row_check``) rather than at the host: CUDA tensors.  (bench/host_time.py and
-    tests/unit/test_launch_counts.py replace it to take a GPU call's path on the CPU.)"""
+    tests/numerics/test_launch_counts.py replace it to take a GPU call's path on the CPU.)"""
     return t.is_cuda
 
 
