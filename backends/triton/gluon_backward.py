@@ -307,9 +307,11 @@ class GluonBackwardLaunch:
         if self.config.dq == "atomic":
             dqa = torch.zeros((self.batch * self.h_q * self.s_q * self.d,), device=q.device, dtype=torch.float32)
         a, bm = self.arrays, self.config.block_m
+        # (dO is new each call: where the launch goes raw, a per-call view of its rows, no descriptor made)
         args = (self._descriptor(q, bm, "q"), self._descriptor(k, self.kv_rows, "k"),
-                self._descriptor(v, self.kv_rows, "v"), self._descriptor(do, bm), dk, dv, dqa, lse, delta, a["order"],
-                a["ptr"], a["ent"], ts, *self.ints)
+                self._descriptor(v, self.kv_rows, "v"),
+                self.dkdv.output_descriptor(key, do, self.d, lambda: self._descriptor(do, bm)), dk, dv, dqa, lse, delta,
+                a["order"], a["ptr"], a["ent"], ts, *self.ints)
         self.dkdv.launch(self.grid, args, key)
         return dqa
 
@@ -319,7 +321,8 @@ class GluonBackwardLaunch:
         if mode == "gluon":
             bn = self.config.dq_block_n
             args = (self._descriptor(q, 64, "q"), self._descriptor(k, bn, "k"), self._descriptor(v, bn, "v"),
-                    self._descriptor(do, 64), dq, lse, delta, a["r_order"], a["r_ptr"], a["r_idx"], ts, *self.dq_ints)
+                    self.dq.output_descriptor(key, do, self.d, lambda: self._descriptor(do, 64)), dq, lse, delta,
+                    a["r_order"], a["r_ptr"], a["r_idx"], ts, *self.dq_ints)
             self.dq.launch(self.dq_grid, args, key)
         elif mode == "atomic":
             self.store.launch((triton_cdiv(self.s_q, DELTA_ROWS), self.batch * self.h_q),

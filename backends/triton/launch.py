@@ -25,6 +25,7 @@ from attnc.compiler.errors import PlanError
 
 from . import choice, raw_launch
 from . import workspace as W
+from .plans import Key
 from .choice import (PrefillConfig, default_walk, fp8_key_order, gluon_box, gluon_consumers,
                      gluon_overlap, gluon_pingpong, gluon_q_buffers, gluon_regs, gluon_stages)
 from .device import interpreted, sm_count, tma_ready
@@ -110,9 +111,10 @@ class Launcher:
             self.launches["not_kept"] = type(compiled).__name__
 
     def output_descriptor(self, key, out, cols: int, make):
-        """An output's TMA descriptor argument (O, new each call): where this key's launches go raw,
-        a per-call view of its [-1, cols] rows (``raw_launch.TensorView``: no descriptor object made,
-        nothing kept that would hold the caller's O); else ``make()``'s descriptor."""
+        """The TMA descriptor argument of a tensor new each call (O; the backward's dO): where this
+        key's launches go raw, a per-call view of its [-1, cols] rows (``raw_launch.TensorView``: no
+        descriptor object made, nothing kept that would hold the caller's tensor); else ``make()``'s
+        descriptor."""
         if key is not None and self.raw.get(key) is not None:
             return raw_launch.TensorView(out, cols)
         return make()
@@ -498,7 +500,7 @@ class SplitLaunch:
         sinks = (lambda lse: row_sinks(self.module, self._launchers, total_q, arrays, ts, lse)) \
             if sink_constexprs(self.module)["HAS_SINK"] else None
         return SplitCall(size, offsets, middle, producer, combine, grid, (total_q * self.module.SPEC["H_Q"],),
-                         (static_key, spec_key(ts)), plan["splits"], sinks)
+                         Key((static_key, spec_key(ts))), plan["splits"], sinks)
 
     def _derive(self, total_q: int, q_stride: tuple, plan: dict, ks, vs) -> tuple:
         """(workspace bytes, the fields' byte offsets (O, m, l, valid), the producer and combine

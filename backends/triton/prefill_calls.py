@@ -157,7 +157,8 @@ class PrefillCalls:
         out = qb.new_empty(bound.out_shape)  # (qb's dtype and q's device; new_empty: the cheapest allocation call)
         lse = qb.new_empty((bound.batch, self.program.heads_q, bound.s_q), dtype=torch.float32)
         ob = out.transpose(1, 2) if bound.bshd else out
-        self._run_launch(launch, qb, kb, vb, ts, ob, lse, key, flag)
+        # (the launch's key fixes the arguments' specialization: the plan key, hashed once, holds the call's)
+        self._run_launch(launch, qb, kb, vb, ts, ob, lse, key if bound.plan_key is None else bound.plan_key, flag)
         if bound.emulate:
             out = out.to(torch.bfloat16)
         return out, lse, flag is not None and launch.marks
