@@ -121,11 +121,19 @@ def torch_ops(fn, calls: int = 4) -> tuple[dict, float]:
     host syncs per call), from the profiler's CPU events (leaves of the op tree only; the legacy
     profiler: Kineto's first start costs seconds)."""
     from torch.autograd.profiler import profile
-    with profile(use_kineto=False) as prof:
-        for _ in range(calls):
-            fn()
+    try:
+        with profile(use_kineto=False) as prof:
+            for _ in range(calls):
+                fn()
+        events = prof.function_events
+    except (RuntimeError, ValueError, AssertionError):  # (a build without the legacy profiler)
+        from torch.profiler import ProfilerActivity, profile as kineto
+        with kineto(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(calls):
+                fn()
+        events = prof.events()
     ops, syncs = {}, 0
-    for e in prof.function_events:
+    for e in events:
         if not e.name.startswith("aten::"):
             continue
         if e.name in SYNC_OPS:

@@ -266,19 +266,20 @@ class GluonBackwardLaunch:
     def _descriptor(self, t, rows: int, role: str | None = None):
         """``t``'s TMA descriptor as [-1, d] in ``rows``-row boxes; with a ``role`` (q, k, v: inputs the
         caller keeps anyway), kept and reused while the tensor (address, shape, strides) is the same."""
+        if role is not None:
+            seen = (t.data_ptr(), t.shape, t.stride(), t.dtype)
+            hit = self.descs.get((role, rows))
+            if hit is not None and hit[0] == seen:
+                return hit[1]
         key = (rows, str(t.dtype))
         layout = self.layouts.get(key)
         if layout is None:
             dt = {"torch.float16": gl.float16, "torch.bfloat16": gl.bfloat16}[str(t.dtype)]
             layout = self.layouts[key] = gl.NVMMASharedLayout.get_default_for([rows, self.d], dt)
-        if role is None:
-            return TensorDescriptor.from_tensor(t.view(-1, self.d), [rows, self.d], layout)
-        seen = (t.data_ptr(), t.shape, t.stride())
-        hit = self.descs.get((role, rows))
-        if hit is None or hit[0] != seen:
-            hit = self.descs[(role, rows)] = (seen, TensorDescriptor.from_tensor(t.view(-1, self.d), [rows, self.d],
-                                                                                  layout))
-        return hit[1]
+        desc = TensorDescriptor.from_tensor(t.view(-1, self.d), [rows, self.d], layout)
+        if role is not None:
+            self.descs[(role, rows)] = (seen, desc)
+        return desc
 
     def __call__(self, q, k, v, o, lse, do, dlse, ts: tuple, dq, dk, dv, key=None):
         """Launch on contiguous bhsd tensors; writes dq, dk, dv (``grad.BackwardLaunch.__call__``'s
@@ -292,7 +293,7 @@ class GluonBackwardLaunch:
         """D = rowsum(dO * O) - dLSE, float32 [B, H_q, S_q]."""
         import torch
         DELTA_ROWS, triton_cdiv = G.DELTA_ROWS, G.triton_cdiv
-        delta = torch.empty((self.batch, self.h_q, self.s_q), device=o.device, dtype=torch.float32)
+        delta = o.new_empty((self.batch, self.h_q, self.s_q), dtype=torch.float32)
         has_dlse = dlse is not None
         self.delta[has_dlse].launch((triton_cdiv(self.s_q, DELTA_ROWS), self.batch * self.h_q),
                                     (o, do, dlse if has_dlse else delta, delta, *o.stride(), *do.stride(), self.s_q),

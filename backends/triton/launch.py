@@ -549,13 +549,15 @@ class SplitCall:
                             f"{self.size} uint8")
         ws_aligned = workspace.data_ptr() % 16 == 0
         aligned = (q.data_ptr() % 16 == 0, k_cache.data_ptr() % 16 == 0, v_cache.data_ptr() % 16 == 0, ws_aligned)
+        stream = _stream() if self.producer.fast else None  # (one stream query for both launches)
         self.producer.launch(self.grid, (q, k_cache, v_cache, workspace, *self.offsets, *self.middle),
-                             (aligned, self.key))
+                             (aligned, self.key), stream)
         mark = 0 if flag is None else 1  # (an int argument of 1 is specialized: the key says which)
         sinks = lse if self.sinks is None else self.sinks(lse)  # (lse: unread where the spec has no sink)
         self.combine.launch(self.combine_grid, (workspace, *self.offsets, out, lse, *out.stride(), self.s_cap, sinks,
                                                 lse if flag is None else flag, mark),
-                            (ws_aligned, out.data_ptr() % 16 == 0, _int_spec_key(out.stride() + (self.s_cap,)), mark))
+                            (ws_aligned, out.data_ptr() % 16 == 0, _int_spec_key(out.stride() + (self.s_cap,)), mark),
+                            stream)
 
 
 TL_DTYPES = {"torch.float32": tl.float32, "torch.float16": tl.float16, "torch.bfloat16": tl.bfloat16}

@@ -162,12 +162,12 @@ class SplitCalls:
     # step that changes the metadata in place (kv_lens += 1) makes a new one.
     def _split_key(self, q, arrays: dict):
         parts, objects = [], []
-        for n in sorted(arrays):
-            part = _split_key_part(n, arrays[n])
+        for n, t in arrays.items():  # (in the caller's order: each part names its input)
+            part = _split_key_part(n, t)
             if part is None:
                 return None, None
             parts.append(part)
-            objects.append(None if n in KV_KEYS else arrays[n])
+            objects.append(None if n in KV_KEYS else t)
         return (self.digest, "split", q.shape, q.stride(), q.dtype, q.device, q.data_ptr() % 16 == 0,
                 tuple(parts)), objects
 
