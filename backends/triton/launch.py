@@ -249,6 +249,8 @@ def tensor_args(module, tensors: dict, lengths=None) -> tuple:
 def call_tensor_args(module, tensors: dict, batch: int, s_q: int, s_k: int, device) -> tuple:
     """TS of a call whose requests all have S_q rows over S_k keys (the lengths only where the
     spec reads them)."""
+    if not module.LENGTHS and not module.TENSORS:
+        return ()
     return tensor_args(module, tensors, uniform_lengths(batch, s_q, s_k, device) if module.LENGTHS else None)
 
 
@@ -313,6 +315,9 @@ class PrefillLaunch(_GluonDescriptors):
         ``fp8``: float8 e4m3 Q, K and V (V transposed: ``__call__``) with descales (the Gluon
         engine only)."""
         self.module, self.config, self.arrays = module, config, arrays
+        # whether the launch sets a ``flag`` it is given where a row's LSE is NaN (the Triton kernel
+        # does; the Gluon engine does not: its caller marks with a launch of its own)
+        self.marks = config.engine != "gluon"
         self.batch, self.s_q, self.s_k = shape
         self.offsets = offsets
         self.fp8 = fp8
@@ -370,12 +375,6 @@ class PrefillLaunch(_GluonDescriptors):
                               arrays["full_indptr"], arrays["full_indices"], arrays["merged_run_ptr"],
                               arrays["merged_run_lo"], arrays["merged_run_hi"], arrays["merged_run_base"],
                               arrays["merged_partial"], arrays["merged_indptr"], arrays["merged_indices"], *vecs)
-
-    @property
-    def marks(self) -> bool:
-        """Whether the launch sets a ``flag`` it is given where a row's LSE is NaN (the Triton kernel
-        does; the Gluon engine does not: its caller marks with a launch of its own)."""
-        return self.config.engine != "gluon"
 
     def __call__(self, q, k, v, ts: tuple, out, lse, key=None, descales: tuple | None = None, flag=None):
         """Launch on bhsd views (strides carry the layout).  ``key``: the caller's binding key, which

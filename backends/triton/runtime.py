@@ -212,7 +212,7 @@ class Kernel(PrefillCalls, BackwardCalls, SplitCalls):
 
     def _key(self, q, k, v, tensors: dict) -> tuple:
         ts = tuple((n, tuple(t.shape), t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0)
-                   if hasattr(t, "data_ptr") else (n, id(t)) for n, t in tensors.items())
+                   if hasattr(t, "data_ptr") else (n, id(t)) for n, t in tensors.items()) if tensors else ()
         return (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
                 q.device, k.device, v.device, q.data_ptr() % 16 == 0, k.data_ptr() % 16 == 0,
                 v.data_ptr() % 16 == 0, ts)
