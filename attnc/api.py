@@ -387,6 +387,11 @@ def as_gradient(g, x):
     return out
 
 
+def _as_input_gradient(g, x):
+    """``g`` as autograd takes it for ``x`` outside tracing: as it is where it has x's shape and dtype."""
+    return g if g.dtype == x.dtype and g.shape == x.shape else as_gradient(g, x)
+
+
 @functools.lru_cache(maxsize=256)
 def _contiguous_strides(shape) -> tuple[int, ...]:
     strides, step = [], 1
@@ -474,8 +479,7 @@ def _register_ops() -> None:
         names = attn.tensor_names
         dq, dk, dv, dts = require(route[0], "backward").backward(
             route[1], q, k, v, o, lse, do, dlse, dict(zip(names, tensors)), tuple(names[i] for i in want))
-        return (*(g if g.dtype == x.dtype and g.shape == x.shape else as_gradient(g, x)
-                  for g, x in ((dq, q), (dk, k), (dv, v))),
+        return (_as_input_gradient(dq, q), _as_input_gradient(dk, k), _as_input_gradient(dv, v),
                 [as_gradient(dts[names[i]], tensors[i]) for i in want])
 
     global _EagerAttention

@@ -81,7 +81,10 @@ class BackwardCalls:
             P.PLANS.put(pkey, launch, launch.nbytes, named)
         if bound.emulate:
             q, k, v, o, do = (x.float() for x in (q, k, v, o, do))
-        dq, dk, dv = (torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v))
+        contiguous = torch.contiguous_format
+        dq = torch.empty_like(q, memory_format=contiguous)
+        dk = torch.empty_like(k, memory_format=contiguous)
+        dv = torch.empty_like(v, memory_format=contiguous)
         views = (q, k, v, o, do, dq, dk, dv)
         if bound.bshd:
             views = tuple(x.transpose(1, 2) for x in views)
