@@ -18,11 +18,14 @@ from attnc.bench.host_time import Launches, torch_ops  # noqa: E402
 from attnc.compiler.errors import PlanError  # noqa: E402
 
 DT = torch.float16  # (bf16 is carried in float32 under the interpreter: extra conversions a GPU has not)
+GPU = not runtime.interpreted() and torch.cuda.is_available()
 
 
 @pytest.fixture
 def gpu_path(monkeypatch):
     """Calls on CPU tensors take a GPU call's path for the non-finite rule; split calls run Triton."""
+    if not runtime.interpreted():
+        pytest.skip("CPU tensors through Triton's interpreter (TRITON_INTERPRET=1); test_gpu_* run on a GPU")
     from attnc.compiler import dispatch
     monkeypatch.setattr(runtime, "marks_on_device", lambda t: True)
     monkeypatch.setattr(dispatch, "device_default", lambda device: "triton")
@@ -103,3 +106,40 @@ def test_the_kernels_mark_non_finite_rows_without_a_launch_of_their_own(gpu_path
     attn.decode(qd, **cache)
     with pytest.raises(PlanError, match="NaN or \\+inf at a visible key"):
         attn.check_numerics()
+
+
+@pytest.mark.skipif(not GPU, reason="counts the GPU's kernels (ATTNC_TEST_GPU=1 on a CUDA machine)")
+def test_gpu_calls_launch_no_more_kernels_than_the_launch_layer_counts():
+    """On a GPU, the profiler's kernels, memsets and copies per call equal the launch layer's
+    launches (no torch operation launches one of its own), at most: prefill 2 (the Gluon engine's
+    launch and its non-finite mark; the Triton kernel marks itself), decode 2, backward through
+    autograd 3 (delta, dK/dV, dQ)."""
+    dev, dt = "cuda", torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(0)
+    causal = attnc.compile("attention c { dtype = bf16 mask = causal }")
+    q, k, v = (torch.randn(1, 4, 512, 128, device=dev, dtype=dt, generator=g, requires_grad=True) for _ in range(3))
+    with torch.no_grad():
+        prefill = lambda: causal(q, k, v)  # noqa: E731
+        prefill()
+        assert _gpu_per_call(prefill) <= 2
+    o = causal(q, k, v)
+    do = torch.randn_like(o)
+    assert _gpu_per_call(lambda: torch.autograd.grad(o, (q, k, v), do, retain_graph=True)) <= 3
+    attn = attnc.compile("attention p { dtype = bf16 mask = causal cache = paged(page_size = 16, layout = nhd) }")
+    qd = torch.randn(4, 32, 128, device=dev, dtype=dt, generator=g)
+    kc, vc = (torch.randn(64, 16, 8, 128, device=dev, dtype=dt, generator=g) for _ in range(2))
+    cache = {"k_cache": kc, "v_cache": vc, "block_table": torch.randperm(64).view(4, 16).to(torch.int32),
+             "kv_lens": torch.full((4,), 256, dtype=torch.int32)}
+    assert _gpu_per_call(lambda: attn.decode(qd, **cache)) == 2
+
+
+def _gpu_per_call(fn) -> float:
+    """The GPU work items per call of ``fn`` (after two calls), checked equal to its launches."""
+    from attnc.bench.host_time import cuda_kernels
+    fn()
+    fn()
+    with Launches(stub=False) as counter:
+        kernels = sum(cuda_kernels(fn, calls=4).values())
+        launches = sum(counter.take()[0].values()) / 4
+    assert kernels == launches, (kernels, launches)
+    return launches
