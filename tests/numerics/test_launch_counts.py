@@ -143,3 +143,18 @@ def _gpu_per_call(fn) -> float:
         launches = sum(counter.take()[0].values()) / 4
     assert kernels == launches, (kernels, launches)
     return launches
+
+
+def test_check_finite_0_neither_checks_nor_marks_and_1_checks_at_the_call(gpu_path, monkeypatch):
+    """ATTNC_CHECK_FINITE on a GPU call's path: "0" runs the kernels unmarked (no error, no flag),
+    "1" checks the rows at the call (the error names the row), whatever the calls before."""
+    causal = attnc.compile("attention c { dtype = f16 mask = causal }")
+    q, k, v = qkv()
+    q[0, 0, 3, 0] = float("inf")
+    monkeypatch.setenv("ATTNC_CHECK_FINITE", "0")
+    causal(q, k, v, backend="triton")
+    causal.check_numerics()  # nothing marked
+    monkeypatch.setenv("ATTNC_CHECK_FINITE", "1")
+    with pytest.raises(PlanError, match=r"query row \(b=0, h=0, q=3\)"):
+        causal(q, k, v, backend="triton")
+    causal.check_numerics()  # checked at the call, not marked
