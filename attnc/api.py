@@ -286,6 +286,12 @@ class Attention:
         be, kernel = self._kernel_for(q, k, v, tensors, backend)
         return require(be, "run" if plan is not None else "forward").forward(kernel, q, k, v, tensors, plan)
 
+    def _routed_forward(self, q, k, v, tensors: dict, backend: str | None):
+        """(O, LSE, (backend protocol object, kernel)) of one call: :meth:`forward`, keeping the route
+        for the same call's backward (the same q, k, v and tensors: the same key)."""
+        route = self._kernel_for(q, k, v, tensors, backend)
+        return (*require(route[0], "forward").forward(route[1], q, k, v, tensors, None), route)
+
     def backward(self, q, k, v, o, lse, do, dlse, tensors: dict, backend: str | None = None,
                  want: tuple[str, ...] = ()):
         """(dQ, dK, dV, {tensor: gradient} for the names in ``want``) of one call from its saved O
@@ -387,6 +393,11 @@ def as_gradient(g, x):
     return out
 
 
+def _as_input_gradient(g, x):
+    """``g`` as autograd takes it for ``x`` outside tracing: as it is where it has x's shape and dtype."""
+    return g if g.dtype == x.dtype and g.shape == x.shape else as_gradient(g, x)
+
+
 @functools.lru_cache(maxsize=256)
 def _contiguous_strides(shape) -> tuple[int, ...]:
     strides, step = [], 1
@@ -455,6 +466,9 @@ def _register_ops() -> None:
     def setup_context(ctx, inputs, output):
         handle, q, k, v, tensors, backend = inputs
         o, lse = output
+        # an output the loss does not read gets None, not a zeroed tensor: LSE's gradient is absent
+        # in most calls (no memset launched, and the backward's delta pass reads no dLSE)
+        ctx.set_materialize_grads(False)
         ctx.handle, ctx.backend, ctx.n_tensors = handle, backend, len(tensors)
         ctx.want = [i for i, t in enumerate(tensors) if t.requires_grad]
         ctx.save_for_backward(q, k, v, o, lse, *tensors)
@@ -462,6 +476,17 @@ def _register_ops() -> None:
     def grad_fn(ctx, grad_o, grad_lse):
         dq, dk, dv, grads = _gradients(ctx, grad_o, grad_lse, bwd)
         return None, dq, dk, dv, grads, None
+
+    def eager_backward_impl(route, handle, q, k, v, o, lse, do, dlse, tensors, want, backend):
+        """``backward_impl`` on the route the forward took (the same inputs: the same key), its
+        gradients handed to autograd as the backend made them where they have their input's shape
+        and dtype (only the custom op's fake fixes a layout)."""
+        attn = _HANDLES[handle]
+        names = attn.tensor_names
+        dq, dk, dv, dts = require(route[0], "backward").backward(
+            route[1], q, k, v, o, lse, do, dlse, dict(zip(names, tensors)), tuple(names[i] for i in want))
+        return (_as_input_gradient(dq, q), _as_input_gradient(dk, k), _as_input_gradient(dv, v),
+                [as_gradient(dts[names[i]], tensors[i]) for i in want])
 
     global _EagerAttention
 
@@ -471,14 +496,16 @@ def _register_ops() -> None:
 
         @staticmethod
         def forward(ctx, handle, backend, q, k, v, *tensors):
-            o, lse = impl(handle, q, k, v, tensors, backend)
+            attn = _HANDLES[handle]
+            o, lse, ctx.route = attn._routed_forward(q, k, v, dict(zip(attn.tensor_names, tensors)), backend or None)
             setup_context(ctx, (handle, q, k, v, tensors, backend), (o, lse))
             ctx.want = [i for i in range(len(tensors)) if ctx.needs_input_grad[5 + i]]
             return o, lse
 
         @staticmethod
         def backward(ctx, grad_o, grad_lse):
-            dq, dk, dv, grads = _gradients(ctx, grad_o, grad_lse, backward_impl)
+            dq, dk, dv, grads = _gradients(ctx, grad_o, grad_lse,
+                                           functools.partial(eager_backward_impl, ctx.route))
             return None, None, dq, dk, dv, *grads
 
     for name, tags in (("attnc::attention", ()), ("attnc::attention_planned", (unsafe,) if unsafe else ())):

@@ -22,7 +22,8 @@ def _kind(t) -> str:
 
 class _Bound(NamedTuple):
     """What one prefill key fixes once it is validated: the call's lengths, O's shape in q's
-    layout, whether that layout is bshd, and whether bf16 is carried in float32 (interpreter)."""
+    layout, whether that layout is bshd, whether bf16 is carried in float32 (interpreter), and
+    the plan cache's key of the call where the mask reads no tensor (``plans.Key``, made once)."""
 
     batch: int
     s_q: int
@@ -30,4 +31,5 @@ class _Bound(NamedTuple):
     out_shape: tuple
     bshd: bool
     emulate: bool
+    plan_key: object = None
 

@@ -50,24 +50,23 @@ class BackwardCalls:
     def _backward(self, q, k, v, o, lse, do, dlse, config, tensors: dict, want: tuple):
         torch = self._torch
         try:  # everything the checks and the choice of passes depend on
-            call_key = self._key(q, k, v, tensors)
-            bind_key = ("backward", call_key, o.shape, o.stride(), do.shape, do.stride(), lse.shape,
+            bind_key = ("backward", self._key(q, k, v, tensors), o.shape, o.stride(), do.shape, do.stride(), lse.shape,
                         o.data_ptr() % 16 == 0, do.data_ptr() % 16 == 0, None if dlse is None else dlse.shape,
                         config, self._score_wanted(want), GB.DEFAULT)  # (the engine switch: flipping it re-chooses)
         except (NotImplementedError, RuntimeError, AttributeError):
-            call_key = bind_key = None  # (e.g. a meta tensor has no address: the checks name what is wrong)
+            bind_key = None  # (e.g. a meta tensor has no address: the checks name what is wrong)
         hit = self._bound.get(bind_key) if bind_key is not None else None
         if hit is None:  # validated and chosen once per key, as the forward's calls are
             hit = self._backward_bind(q, k, v, o, lse, do, dlse, tensors, config, want)
             if bind_key is not None:
                 self._bound[bind_key] = hit
-            if call_key is None:
-                call_key = self._key(q, k, v, tensors)
-        bound, gluon, cfg = hit
+        bound, gluon, cfg, call_key = hit
         if gluon:
             do = GB.tma_input(do)
-        key = (call_key, o.stride(), do.stride(), o.data_ptr() % 16 == 0, do.data_ptr() % 16 == 0, dlse is not None)
-        named, pkey = self._plan_key("backward", key, gluon or cfg, tensors=tensors)
+        if isinstance(call_key, P.Key):  # (the mask reads no tensor: the key made once)
+            named, pkey = (), call_key
+        else:
+            named, pkey = self._plan_key("backward", call_key, gluon or cfg, tensors=tensors)
         launch = P.PLANS.get(pkey, named)
         if launch is None:
             (bm1, bn1), (bm2, bn2) = cfg.tiles()
@@ -82,7 +81,10 @@ class BackwardCalls:
             P.PLANS.put(pkey, launch, launch.nbytes, named)
         if bound.emulate:
             q, k, v, o, do = (x.float() for x in (q, k, v, o, do))
-        dq, dk, dv = (torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v))
+        contiguous = torch.contiguous_format
+        dq = torch.empty_like(q, memory_format=contiguous)
+        dk = torch.empty_like(k, memory_format=contiguous)
+        dv = torch.empty_like(v, memory_format=contiguous)
         views = (q, k, v, o, do, dq, dk, dv)
         if bound.bshd:
             views = tuple(x.transpose(1, 2) for x in views)
@@ -91,7 +93,7 @@ class BackwardCalls:
         dlse = dlse.contiguous() if dlse is not None else None
         ts = L.call_tensor_args(self.module, tensors, bound.batch, bound.s_q, bound.s_k, q.device)
         delta = launch(qb, kb, vb, ob, lse, dob, dlse, ts, dqb, dkb, dvb,
-                       key if not bound.emulate else None)
+                       call_key if not bound.emulate else None)  # (it fixes every argument's specialization)
         dts = {}
         if want:
             from . import score_grads
@@ -136,7 +138,8 @@ class BackwardCalls:
 
     def _backward_bind(self, q, k, v, o, lse, do, dlse, tensors: dict, config, want: tuple):
         """(what a backward call's key fixes, the Gluon passes' choice or None, the Triton passes'
-        config): the call's checks, once per key.  Calls asking score-tensor gradients take the
+        config, the call's part of the plan cache's key -- the whole key, a ``plans.Key``, where
+        the mask reads no tensor): the call's checks, once per key.  Calls asking score-tensor gradients take the
         Triton passes (``score_grads`` walks their plan rows); the sink's tensors' gradients come
         from LSE and D on either (:meth:`_sink_grads`)."""
         bound = self._validate(q, k, v, tensors)
@@ -150,4 +153,8 @@ class BackwardCalls:
         gluon = None if self._score_wanted(want) else \
             GB.choose(p, config, bound.s_q, bound.s_k, (q, k, v, o), bound.bshd, interpreted())
         cfg = (None if gluon else config) or G.default_backward_config(p.d_qk, p.d_v, interpreted())
-        return bound, gluon, cfg
+        d = GB.tma_input(do) if gluon else do  # (what the launch reads: its layout is fixed by do's)
+        key = (self._key(q, k, v, tensors), o.stride(), d.stride(), o.data_ptr() % 16 == 0, d.data_ptr() % 16 == 0,
+               dlse is not None)
+        named, plan_key = self._plan_key("backward", key, gluon or cfg, tensors=tensors)
+        return bound, gluon, cfg, key if named else plan_key

@@ -311,19 +311,20 @@ class GluonBackwardLaunch:
     def _descriptor(self, t, rows: int, role: str | None = None):
         """``t``'s TMA descriptor as [-1, d] in ``rows``-row boxes; with a ``role`` (q, k, v: inputs the
         caller keeps anyway), kept and reused while the tensor (address, shape, strides) is the same."""
+        if role is not None:
+            seen = (t.data_ptr(), t.shape, t.stride(), t.dtype)
+            hit = self.descs.get((role, rows))
+            if hit is not None and hit[0] == seen:
+                return hit[1]
         key = (rows, str(t.dtype))
         layout = self.layouts.get(key)
         if layout is None:
             dt = {"torch.float16": gl.float16, "torch.bfloat16": gl.bfloat16}[str(t.dtype)]
             layout = self.layouts[key] = gl.NVMMASharedLayout.get_default_for([rows, self.d], dt)
-        if role is None:
-            return TensorDescriptor.from_tensor(t.view(-1, self.d), [rows, self.d], layout)
-        seen = (t.data_ptr(), t.shape, t.stride())
-        hit = self.descs.get((role, rows))
-        if hit is None or hit[0] != seen:
-            hit = self.descs[(role, rows)] = (seen, TensorDescriptor.from_tensor(t.view(-1, self.d), [rows, self.d],
-                                                                                  layout))
-        return hit[1]
+        desc = TensorDescriptor.from_tensor(t.view(-1, self.d), [rows, self.d], layout)
+        if role is not None:
+            self.descs[(role, rows)] = (seen, desc)
+        return desc
 
     def __call__(self, q, k, v, o, lse, do, dlse, ts: tuple, dq, dk, dv, key=None):
         """Launch on contiguous bhsd tensors; writes dq, dk, dv (``grad.BackwardLaunch.__call__``'s
@@ -337,7 +338,7 @@ class GluonBackwardLaunch:
         """D = rowsum(dO * O) - dLSE, float32 [B, H_q, S_q]."""
         import torch
         DELTA_ROWS, triton_cdiv = G.DELTA_ROWS, G.triton_cdiv
-        delta = torch.empty((self.batch, self.h_q, self.s_q), device=o.device, dtype=torch.float32)
+        delta = o.new_empty((self.batch, self.h_q, self.s_q), dtype=torch.float32)
         has_dlse = dlse is not None
         self.delta[has_dlse].launch((triton_cdiv(self.s_q, DELTA_ROWS), self.batch * self.h_q),
                                     (o, do, dlse if has_dlse else delta, delta, *o.stride(), *do.stride(), self.s_q),
@@ -357,9 +358,11 @@ class GluonBackwardLaunch:
             dqa = torch.empty((rows,), device=q.device, dtype=torch.float32)
             sem = torch.zeros((self.batch * self.h_q * self.q_tiles,), device=q.device, dtype=torch.int32)
         a, bm = self.arrays, self.config.block_m
+        # (dO is new each call: where the launch goes raw, a per-call view of its rows, no descriptor made)
         args = (self._descriptor(q, bm, "q"), self._descriptor(k, self.kv_rows, "k"),
-                self._descriptor(v, self.kv_rows, "v"), self._descriptor(do, bm), dk, dv, dqa, lse, delta, a["order"],
-                a["ptr"], a["ent"], sem, a["turn"], ts, *self.ints)
+                self._descriptor(v, self.kv_rows, "v"),
+                self.dkdv.output_descriptor(key, do, self.d, lambda: self._descriptor(do, bm)), dk, dv, dqa, lse, delta,
+                a["order"], a["ptr"], a["ent"], sem, a["turn"], ts, *self.ints)
         self.dkdv.launch(self.grid, args, key)
         return dqa, sem
 
@@ -371,7 +374,8 @@ class GluonBackwardLaunch:
         if mode == "gluon":
             bn = self.config.dq_block_n
             args = (self._descriptor(q, 64, "q"), self._descriptor(k, bn, "k"), self._descriptor(v, bn, "v"),
-                    self._descriptor(do, 64), dq, lse, delta, a["r_order"], a["r_ptr"], a["r_idx"], ts, *self.dq_ints)
+                    self.dq.output_descriptor(key, do, self.d, lambda: self._descriptor(do, 64)), dq, lse, delta,
+                    a["r_order"], a["r_ptr"], a["r_idx"], ts, *self.dq_ints)
             self.dq.launch(self.dq_grid, args, key)
         elif mode in ("atomic", *FUSED):
             self.store.launch((triton_cdiv(self.s_q, self.store.constexprs["BLOCK"]), self.batch * self.h_q),

@@ -129,7 +129,7 @@ class BackwardLaunch:
         binding key (None: through the JIT)."""
         import torch
         a = self.arrays
-        delta = torch.empty((self.batch, self.h_q, self.s_q), device=q.device, dtype=torch.float32)
+        delta = q.new_empty((self.batch, self.h_q, self.s_q), dtype=torch.float32)
         has_dlse = dlse is not None
         self.delta[has_dlse].launch(
             (triton_cdiv(self.s_q, DELTA_ROWS), self.batch * self.h_q),

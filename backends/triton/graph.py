@@ -216,5 +216,6 @@ class DecodeGraph:
             self.graph.replay()
         else:
             self._launch()
-        self.kernel._check_scores(self.lse, plan={n: self.buffers[n] for n in ("qo_indptr", "kv_lens")})
+        self.kernel._check_scores(self.lse, self.kernel._row_check(self.lse),
+                                  plan={n: self.buffers[n] for n in ("qo_indptr", "kv_lens")})
         return self.out, self.lse

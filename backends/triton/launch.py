@@ -17,6 +17,7 @@ import functools
 from dataclasses import replace
 
 import numpy as np
+import triton.language as tl
 
 from attnc.compiler.fast_score import FAST_POSITIONS
 from attnc.compiler.separable import COLUMN_BLOCK
@@ -24,6 +25,7 @@ from attnc.compiler.errors import PlanError
 
 from . import choice, raw_launch
 from . import workspace as W
+from .plans import Key
 from .choice import (PrefillConfig, default_walk, fp8_key_order, gluon_box, gluon_consumers,
                      gluon_overlap, gluon_pingpong, gluon_q_buffers, gluon_regs, gluon_stages)
 from .device import interpreted, sm_count, tma_ready
@@ -109,9 +111,10 @@ class Launcher:
             self.launches["not_kept"] = type(compiled).__name__
 
     def output_descriptor(self, key, out, cols: int, make):
-        """An output's TMA descriptor argument (O, new each call): where this key's launches go raw,
-        a per-call view of its [-1, cols] rows (``raw_launch.TensorView``: no descriptor object made,
-        nothing kept that would hold the caller's O); else ``make()``'s descriptor."""
+        """The TMA descriptor argument of a tensor new each call (O; the backward's dO): where this
+        key's launches go raw, a per-call view of its [-1, cols] rows (``raw_launch.TensorView``: no
+        descriptor object made, nothing kept that would hold the caller's tensor); else ``make()``'s
+        descriptor."""
         if key is not None and self.raw.get(key) is not None:
             return raw_launch.TensorView(out, cols)
         return make()
@@ -246,6 +249,8 @@ def tensor_args(module, tensors: dict, lengths=None) -> tuple:
 def call_tensor_args(module, tensors: dict, batch: int, s_q: int, s_k: int, device) -> tuple:
     """TS of a call whose requests all have S_q rows over S_k keys (the lengths only where the
     spec reads them)."""
+    if not module.LENGTHS and not module.TENSORS:
+        return ()
     return tensor_args(module, tensors, uniform_lengths(batch, s_q, s_k, device) if module.LENGTHS else None)
 
 
@@ -310,6 +315,9 @@ class PrefillLaunch(_GluonDescriptors):
         ``fp8``: float8 e4m3 Q, K and V (V transposed: ``__call__``) with descales (the Gluon
         engine only)."""
         self.module, self.config, self.arrays = module, config, arrays
+        # whether the launch sets a ``flag`` it is given where a row's LSE is NaN (the Triton kernel
+        # does; the Gluon engine does not: its caller marks with a launch of its own)
+        self.marks = config.engine != "gluon"
         self.batch, self.s_q, self.s_k = shape
         self.offsets = offsets
         self.fp8 = fp8
@@ -368,11 +376,12 @@ class PrefillLaunch(_GluonDescriptors):
                               arrays["merged_run_lo"], arrays["merged_run_hi"], arrays["merged_run_base"],
                               arrays["merged_partial"], arrays["merged_indptr"], arrays["merged_indices"], *vecs)
 
-    def __call__(self, q, k, v, ts: tuple, out, lse, key=None, descales: tuple | None = None):
+    def __call__(self, q, k, v, ts: tuple, out, lse, key=None, descales: tuple | None = None, flag=None):
         """Launch on bhsd views (strides carry the layout).  ``key``: the caller's binding key, which
         fixes every argument's specialization (None: through the JIT).  FP8 launches: ``v`` is V^T,
         a [B, H_kv, d_v, S_k] view with unit stride along S_k and 16-byte aligned rows, and
-        ``descales`` (q [B * H_q], k [B * H_kv], v [B * H_kv]) float32."""
+        ``descales`` (q [B * H_q], k [B * H_kv], v [B * H_kv]) float32.  ``flag``: the call's
+        non-finite flag (int32 [1]), set where a row's LSE is NaN where ``marks``; None: not marked."""
         if self.config.engine == "gluon":
             desc = self._gluon_descriptor
             stream = _stream()
@@ -389,9 +398,10 @@ class PrefillLaunch(_GluonDescriptors):
         desc_k = desc_v = k
         if self.config.use_tma:  # Hopper bulk copies of K/V tiles from a [B * H_kv * S_k, d] view
             desc_k, desc_v = self._tma_descriptor(k, "k"), self._tma_descriptor(v, "v")
+        mark = 0 if flag is None else 1  # (an int argument of 1 is specialized: the key says which)
         args = (q, k, v, out, lse, desc_k, desc_v, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
-                *self.plan_args, ts, *self.ints)
-        self.launcher.launch(self.grid, args, key)
+                *self.plan_args, ts, *self.ints, lse if flag is None else flag, mark)
+        self.launcher.launch(self.grid, args, None if key is None else (key, mark))
 
     def _tma_descriptor(self, t, role):
         """The Triton kernel's K or V descriptor over a [-1, d] view in BLOCK_N-row blocks."""
@@ -435,7 +445,10 @@ class PrefillLaunch(_GluonDescriptors):
 # ---------------------------------------------------------------- split calls
 class SplitLaunch:
     """The split-K/V producer and the combine of one spec with one launch config (warps, stages):
-    ``__call__(q, k_cache, v_cache, plan, arrays, ts, out, lse, workspace)``."""
+    ``__call__(q, k_cache, v_cache, plan, arrays, ts, out, lse, workspace)``, or ``bind(...)`` once
+    and the bound call per call.  The combine marks the call's non-finite flag (``marks``)."""
+
+    marks = True
 
     def __init__(self, module, num_warps: int = 4, num_stages: int = 2):
         self.module = module
@@ -449,77 +462,104 @@ class SplitLaunch:
         if lz is None:
             spec = spec_constexprs(self.module)
             if which == "split":
-                lz = Launcher(split._decode_split, {**constexprs, **spec}, num_warps=self.num_warps,
+                lz = Launcher(split._split_at, {**constexprs, **spec}, num_warps=self.num_warps,
                               num_stages=self.num_stages)
             else:
                 keep = {n: spec[n] for n in ("H_Q", "D_V", "D_V_PAD")}
                 has_sink = sink_constexprs(self.module)["HAS_SINK"]
-                lz = Launcher(split._combine, {**constexprs, **keep, "HAS_SINK": has_sink}, num_warps=4)
+                lz = Launcher(split._combine_at, {**constexprs, **keep, "HAS_SINK": has_sink}, num_warps=4)
             self._launchers[key] = lz
         return lz
 
-    def __call__(self, q, k_cache, v_cache, plan: dict, arrays: dict, ts: tuple, out, lse, workspace):
-        """Both launches of one split call.  The plan's arrays and the workspace's fields are 16-byte
-        aligned by construction, so the arguments' specialization is fixed by the strides, the
-        split count, the table's width and the caller's pointers (the key below)."""
-        total_q = q.shape[0]
-        if total_q == 0:
+    def __call__(self, q, k_cache, v_cache, plan: dict, arrays: dict, ts: tuple, out, lse, workspace, flag=None):
+        """Both launches of one split call (``bind``, then the bound call); ``flag``: the call's
+        non-finite flag (int32 [1]), which the combine sets where a row's LSE is NaN (None: not marked)."""
+        if q.shape[0] == 0:
             return out, lse
+        self.bind(q.shape[0], q.stride(), plan, arrays, ts)(q, k_cache, v_cache, out, lse, workspace, flag)
+        return out, lse
+
+    def bind(self, total_q: int, q_stride: tuple, plan: dict, arrays: dict, ts: tuple) -> "SplitCall":
+        """The call of this plan's arrays and mask tensors for q of ``total_q`` rows (> 0) and strides
+        ``q_stride``: everything but the per-call tensors fixed once."""
         ks, vs = plan["k_strides"], plan["v_strides"]
         # what the launch derives from the plan and q's shape and strides, derived once per their values
-        memo_key = (total_q, q.stride(), plan["splits"], plan["abi"], plan["block_q"], plan["cache"],
+        memo_key = (total_q, q_stride, plan["splits"], plan["abi"], plan["block_q"], plan["cache"],
                     plan["page_size"], plan["one_row"], plan["block_n"], plan["bounded"], plan["table_stride"],
                     tuple(ks), tuple(vs), plan["tiles"])
         st = self._static.get(memo_key)
         if st is None:
             if len(self._static) >= 256:  # (a server's batch sizes vary: bounded)
                 self._static.clear()
-            st = self._static[memo_key] = self._derive(total_q, q.stride(), plan, ks, vs)
-        size, fields, producer, combine, grid, static_key = st
-        import torch
-        if workspace.dtype != torch.uint8 or workspace.numel() < size:
-            raise PlanError(f"workspace: {workspace.numel()} {workspace.dtype} elements; this call needs {size} uint8")
-        (o0, o1, o_t), (m0, m1, m_t), (l0, l1, l_t), (v0, v1, v_t) = fields
-        p_o, p_m, p_l, p_valid = (workspace[o0:o1].view(o_t), workspace[m0:m1].view(m_t), workspace[l0:l1].view(l_t),
-                                  workspace[v0:v1].view(v_t))
-        s_cap = plan["splits"]
-        args = (q, k_cache, v_cache, p_o, p_m, p_l, p_valid, *q.stride(), *ks, *vs,
-                arrays["kv_lens"], arrays["qo_indptr"], arrays["tile_req"], arrays["tile_row0"], arrays["base"],
-                arrays["table"], plan["table_stride"], arrays["entry_ptr"], arrays["blocks"], arrays["partial"], ts,
-                s_cap, qk_scale(self.module), arrays["split_bounds"])
-        aligned = (q.data_ptr() % 16 == 0, k_cache.data_ptr() % 16 == 0, v_cache.data_ptr() % 16 == 0,
-                   workspace.data_ptr() % 16 == 0)
-        producer.launch(grid, args, (aligned, static_key, spec_key(ts)))
-        sinks = row_sinks(self.module, self._launchers, total_q, arrays, ts, lse)  # (lse: unread, no sink)
-        cargs = (p_o, p_m, p_l, p_valid, out, lse, *out.stride(), s_cap, sinks)
-        combine.launch((total_q * self.module.SPEC["H_Q"],), cargs,
-                       (aligned[3], out.data_ptr() % 16 == 0, _int_spec_key(out.stride() + (s_cap,))))
-        return out, lse
+            st = self._static[memo_key] = self._derive(total_q, q_stride, plan, ks, vs)
+        size, offsets, producer, combine, grid, static_key = st
+        middle = (*q_stride, *ks, *vs, arrays["kv_lens"], arrays["qo_indptr"], arrays["tile_req"], arrays["tile_row0"],
+                  arrays["base"], arrays["table"], plan["table_stride"], arrays["entry_ptr"], arrays["blocks"],
+                  arrays["partial"], ts, plan["splits"], qk_scale(self.module), arrays["split_bounds"])
+        sinks = (lambda lse: row_sinks(self.module, self._launchers, total_q, arrays, ts, lse)) \
+            if sink_constexprs(self.module)["HAS_SINK"] else None
+        return SplitCall(size, offsets, middle, producer, combine, grid, (total_q * self.module.SPEC["H_Q"],),
+                         Key((static_key, spec_key(ts))), plan["splits"], sinks)
 
     def _derive(self, total_q: int, q_stride: tuple, plan: dict, ks, vs) -> tuple:
-        """(workspace bytes, the fields as (start, end, dtype), the producer and combine launchers,
-        the producer's grid, the strides' part of its key) of a call of this plan and q layout."""
-        import torch
+        """(workspace bytes, the fields' byte offsets (O, m, l, valid), the producer and combine
+        launchers, the producer's grid, the strides' and offsets' part of its key) of a call of this
+        plan and q layout."""
         spec = self.module.SPEC
         s_cap = plan["splits"]
         abi_mlu = plan["abi"] == "mlu"
         vec = W.vector_torch_dtype(self.module, plan["abi"])
         n, fields, size = W.split_layout(total_q, s_cap, plan["abi"], spec["H_Q"], spec["D_V"], vec.itemsize)
-
-        def field(name, dtype):
-            off, count = fields[name]
-            return (off, off + count * dtype.itemsize, dtype)
-        f_l = field("l", torch.float32) if abi_mlu else field("m", torch.float32)
-        views = (field("o", vec), field("m", torch.float32), f_l, field("valid", torch.uint8))
+        # (the (LSE, O) ABI has no l: the combine reads m in its place, unused)
+        offsets = (fields["o"][0], fields["m"][0], fields["l" if abi_mlu else "m"][0], fields["valid"][0])
         block_q = plan["block_q"]
         g_pad = max(W.next_power_of_2(spec["GROUP"]), 16 // block_q)
+        p_vec = TL_DTYPES[str(vec)]
         producer = self._launcher("split", dict(
-            CACHE=plan["cache"], PAGE_SIZE=plan["page_size"], ABI_MLU=abi_mlu, ONE_ROW=bool(plan["one_row"]),
-            BLOCK_Q=block_q, BLOCK_N=plan["block_n"], G_PAD=g_pad, BOUNDED=bool(plan["bounded"])))
+            P_VEC=p_vec, CACHE=plan["cache"], PAGE_SIZE=plan["page_size"], ABI_MLU=abi_mlu,
+            ONE_ROW=bool(plan["one_row"]), BLOCK_Q=block_q, BLOCK_N=plan["block_n"], G_PAD=g_pad,
+            BOUNDED=bool(plan["bounded"])))
         pad = max(2, W.next_power_of_2(min(s_cap, COMBINE_SLOTS)))
-        combine = self._launcher("combine", dict(ABI_MLU=abi_mlu, SPLITS_PAD=pad))
-        static_key = spec_key(tuple(q_stride) + tuple(ks) + tuple(vs) + (plan["table_stride"], s_cap))
-        return size, views, producer, combine, (s_cap, plan["tiles"] * spec["H_KV"]), static_key
+        combine = self._launcher("combine", dict(P_VEC=p_vec, ABI_MLU=abi_mlu, SPLITS_PAD=pad))
+        static_key = spec_key(offsets + tuple(q_stride) + tuple(ks) + tuple(vs) + (plan["table_stride"], s_cap))
+        return size, offsets, producer, combine, (s_cap, plan["tiles"] * spec["H_KV"]), static_key
+
+
+class SplitCall:
+    """A split call bound once (``SplitLaunch.bind``): ``call(q, k_cache, v_cache, out, lse,
+    workspace, flag=None)`` launches the producer and the combine over the one uint8 workspace,
+    its fields at fixed byte offsets.  The plan's arrays and the workspace's fields are 16-byte
+    aligned by construction, so the arguments' specialization is fixed by the strides and offsets
+    (the bound key), the caller's pointers and whether the combine marks."""
+
+    __slots__ = ("size", "offsets", "middle", "producer", "combine", "grid", "combine_grid", "key", "s_cap",
+                 "sinks", "uint8")
+
+    def __init__(self, size, offsets, middle, producer, combine, grid, combine_grid, key, s_cap, sinks):
+        import torch
+        self.uint8 = torch.uint8
+        self.size, self.offsets, self.middle = size, offsets, middle
+        self.producer, self.combine, self.grid, self.combine_grid = producer, combine, grid, combine_grid
+        self.key, self.s_cap, self.sinks = key, s_cap, sinks
+
+    def __call__(self, q, k_cache, v_cache, out, lse, workspace, flag=None):
+        if workspace.dtype is not self.uint8 or workspace.numel() < self.size:
+            raise PlanError(f"workspace: {workspace.numel()} {workspace.dtype} elements; this call needs "
+                            f"{self.size} uint8")
+        ws_aligned = workspace.data_ptr() % 16 == 0
+        aligned = (q.data_ptr() % 16 == 0, k_cache.data_ptr() % 16 == 0, v_cache.data_ptr() % 16 == 0, ws_aligned)
+        stream = _stream() if self.producer.fast else None  # (one stream query for both launches)
+        self.producer.launch(self.grid, (q, k_cache, v_cache, workspace, *self.offsets, *self.middle),
+                             (aligned, self.key), stream)
+        mark = 0 if flag is None else 1  # (an int argument of 1 is specialized: the key says which)
+        sinks = lse if self.sinks is None else self.sinks(lse)  # (lse: unread where the spec has no sink)
+        self.combine.launch(self.combine_grid, (workspace, *self.offsets, out, lse, *out.stride(), self.s_cap, sinks,
+                                                lse if flag is None else flag, mark),
+                            (ws_aligned, out.data_ptr() % 16 == 0, _int_spec_key(out.stride() + (self.s_cap,)), mark),
+                            stream)
+
+
+TL_DTYPES = {"torch.float32": tl.float32, "torch.float16": tl.float16, "torch.bfloat16": tl.bfloat16}
 
 
 @functools.lru_cache(maxsize=1024)
@@ -566,7 +606,9 @@ class CacheLaunch(_GluonDescriptors):
                 **separable_constexprs(self.module, end, self.block_n)), num_warps=4, maxnreg=self._maxnreg)
         return lz
 
-    def __call__(self, q, k_cache, v_cache, plan: dict, arrays: dict, ts: tuple, out, lse, workspace):
+    marks = False  # (the Gluon engine: its caller marks the non-finite flag with a launch of its own)
+
+    def __call__(self, q, k_cache, v_cache, plan: dict, arrays: dict, ts: tuple, out, lse, workspace, flag=None):
         spec = self.module.SPEC
         h_q, h_kv, d_qk, d_v = spec["H_Q"], spec["H_KV"], spec["D_QK"], spec["D_V"]
         jobs = plan["tiles"] * h_q

@@ -193,6 +193,23 @@ def upload(arrays: dict, device, dtypes: dict | None = None) -> dict:
 
 
 # ---------------------------------------------------------------- keys
+class Key:
+    """A cache key made once and looked up many times (a bound call's plan key): its hash is
+    computed once, not per lookup (a tuple's hash walks every element), and a dictionary finds
+    the same object by identity before comparing."""
+
+    __slots__ = ("parts", "_hash")
+
+    def __init__(self, parts: tuple):
+        self.parts, self._hash = parts, hash(parts)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other) -> bool:
+        return self is other or (type(other) is Key and self._hash == other._hash and self.parts == other.parts)
+
+
 def tensor_key(name: str, t) -> tuple:
     """What identifies a mask tensor's values for the cache (module docstring), beside its shape,
     strides, dtype and device (the caller's key holds those).  An inference tensor
@@ -251,12 +268,15 @@ class PlanCache:
         """The value under ``key`` if every torch tensor it was made from is still the same object."""
         with self._lock:
             e = self._items.get(key)
-            if e is not None and all(r() is t for r, t in zip(e.refs, tensors) if r is not None):
-                self._items.move_to_end(key)
-                self.hits += 1
-                return e.value
-            if e is not None:  # an id reused by another tensor: not the plan's tensor
-                self._drop(key)
+            if e is not None:
+                for r, t in zip(e.refs, tensors):
+                    if r is not None and r() is not t:  # an id reused by another tensor: not the plan's tensor
+                        self._drop(key)
+                        break
+                else:
+                    self._items.move_to_end(key)
+                    self.hits += 1
+                    return e.value
             self.misses += 1
             return None
 

@@ -42,8 +42,8 @@ class PrefillCalls:
                              "and every tensor as numpy arrays)")
         if q.dtype is self._fp8:
             o, lse = self._fp8_call(q, k, v, kwargs, plan, options)
-            self._check_scores(lse, k)
             return (o, lse) if return_lse else o
+        check = self._row_check(q)
         if plan is None and (not options or not any(v is not None for v in options.values())):
             try:
                 key = self._key(q, k, v, kwargs)
@@ -51,11 +51,11 @@ class PrefillCalls:
                 key = None  # e.g. a meta tensor has no address: the validating path names what is wrong
             bound = self._bound.get(key)
             if bound is not None:
-                o, lse = self._launch(bound, key, q, k, v, kwargs, None)
-                self._check_scores(lse, k)
+                o, lse, marked = self._launch(bound, key, q, k, v, kwargs, None, check[1])
+                self._check_scores(lse, check, k, marked=marked)
                 return (o, lse) if return_lse else o
-        o, lse = self._call_slow(q, k, v, kwargs, plan, options)
-        self._check_scores(lse, k)
+        o, lse, marked = self._call_slow(q, k, v, kwargs, plan, options, check[1])
+        self._check_scores(lse, check, k, marked=marked)
         return (o, lse) if return_lse else o
 
     # ------------------------------------------------------------ FP8 (e4m3) inputs
@@ -69,7 +69,7 @@ class PrefillCalls:
         descales = [tensors.pop(n, None) for n in FP8_INPUTS]
         key, bound, engine = self._fp8_route(q, k, v, tensors, descales, plan, options)
         d = self._fp8_descales(descales, bound, q.device)
-        if not engine:
+        if not engine:  # (the dequantized call checks its own rows)
             axis = 2 if bound.bshd else 1
             qd, kd, vd = (F.dequantize(x, s.view(bound.batch, -1), self._dtype, heads_axis=axis)
                           for x, s in zip((q, k, v), d))
@@ -77,7 +77,9 @@ class PrefillCalls:
         vt = F.v_transposed(v)
         launch = self._cached_launch(bound, key, q, k, vt, tensors, fp8=True) if key is not None else \
             self._make_launch(bound, q, k, vt, tensors, plan, options, fp8=True)
-        return self._fp8_launch(launch, bound, key, q, k, vt, tensors, d)
+        o, lse = self._fp8_launch(launch, bound, key, q, k, vt, tensors, d)
+        self._check_scores(lse, self._row_check(q), k)
+        return o, lse
 
     def _fp8_route(self, q, k, v, tensors: dict, descales: list, plan, options: dict, cache: bool = True):
         """(the call's key, or None for a call with a plan or options or not to ``cache``; what the
@@ -120,20 +122,23 @@ class PrefillCalls:
         return tuple(F.descale(name, d, (bound.batch, heads), device, self._unit_descales).view(-1)
                      for name, d, heads in zip(FP8_INPUTS, descales, (p.heads_q, p.heads_kv, p.heads_kv)))
 
-    def _call_slow(self, q, k, v, tensors: dict, plan, options: dict):
-        """Validate the call, then bind it (no options, no plan given) or run it once as asked."""
+    def _call_slow(self, q, k, v, tensors: dict, plan, options: dict, flag=None):
+        """Validate the call, then bind it (no options, no plan given) or run it once as asked:
+        (O, LSE, whether the launch marked ``flag``)."""
         bound = self._validate(q, k, v, tensors)
         if plan is None and not any(v is not None for v in options.values()):
             key = self._key(q, k, v, tensors)
-            self._bound[key] = bound
-            return self._launch(bound, key, q, k, v, tensors, None)
+            named, plan_key = self._plan_key(key, tensors=tensors)
+            bound = self._bound[key] = bound._replace(plan_key=None if named else plan_key)
+            return self._launch(bound, key, q, k, v, tensors, None, flag)
         if plan is not None:
             plan.check_call(self.program, bound.batch, bound.s_q, bound.s_k)
-        return self._launch(bound, None, q, k, v, tensors, (plan, options))
+        return self._launch(bound, None, q, k, v, tensors, (plan, options), flag)
 
-    def _launch(self, bound: _Bound, key, q, k, v, tensors: dict, asked):
-        """Find (or make) the launch for this call's plan and run it.  ``asked``: (plan, options)
-        of a call that overrides the launch layer; such calls are not cached by key."""
+    def _launch(self, bound: _Bound, key, q, k, v, tensors: dict, asked, flag=None):
+        """Find (or make) the launch for this call's plan and run it: (O, LSE, whether the launch
+        marked the non-finite ``flag``).  ``asked``: (plan, options) of a call that overrides the
+        launch layer; such calls are not cached by key."""
         torch = self._torch
         if bound.emulate:
             q, k, v = (x.float() for x in (q, k, v))
@@ -152,33 +157,39 @@ class PrefillCalls:
         out = qb.new_empty(bound.out_shape)  # (qb's dtype and q's device; new_empty: the cheapest allocation call)
         lse = qb.new_empty((bound.batch, self.program.heads_q, bound.s_q), dtype=torch.float32)
         ob = out.transpose(1, 2) if bound.bshd else out
-        self._run_launch(launch, qb, kb, vb, ts, ob, lse, key)
+        # (the launch's key fixes the arguments' specialization: the plan key, hashed once, holds the call's)
+        self._run_launch(launch, qb, kb, vb, ts, ob, lse, key if bound.plan_key is None else bound.plan_key, flag)
         if bound.emulate:
             out = out.to(torch.bfloat16)
-        return out, lse
+        return out, lse, flag is not None and launch.marks
 
-    def _run_launch(self, launch, qb, kb, vb, ts, ob, lse, key):
+    def _run_launch(self, launch, qb, kb, vb, ts, ob, lse, key, flag=None):
         self._check_values(vb)  # (after the checks and the plan, as on numpy; vb is logical bhsd)
         try:
-            launch(qb, kb, vb, ts, ob, lse, key)
+            launch(qb, kb, vb, ts, ob, lse, key, flag=flag)
         except Exception as e:  # the default may not fit a mask's extra loads: one stage fewer
             c = launch.config
             if c.origin != "default" or c.num_stages <= 1 or type(e).__name__ != "OutOfResources":
                 raise
             launch.__init__(launch.module, replace(c, num_stages=c.num_stages - 1), launch.arrays,
                             (launch.batch, launch.s_q, launch.s_k), launch.device, launch.offsets, fp8=launch.fp8)
-            self._run_launch(launch, qb, kb, vb, ts, ob, lse, key)
+            self._run_launch(launch, qb, kb, vb, ts, ob, lse, key, flag)
 
-    def _plan_key(self, *key, tensors: dict) -> tuple[list, tuple]:
+    def _plan_key(self, *key, tensors: dict) -> tuple[list, object]:
         """(the tensors the plan cache watches, the plan cache's key): the spec and ``key`` and,
-        for a mask that reads tensors, each tensor's identity and version (plans.tensor_key)."""
+        for a mask that reads tensors, each tensor's identity and version (plans.tensor_key).  A
+        mask that reads no tensor watches none, and its key is a ``plans.Key`` (its hash made
+        once: a binding keeps it)."""
         if not (self._mask_reads or self._index_reads):  # (a subscript that reads a tensor: its reads' check)
-            return [], (self.digest, *key)
+            return [], P.Key((self.digest, *key))
         named = [tensors[n] for n in self._tensor_names if n in tensors]
         return named, (self.digest, *key, tuple(P.tensor_key(n, tensors[n]) for n in self._tensor_names if n in tensors))
 
     def _cached_launch(self, bound: _Bound, key, qb, kb, vb, tensors: dict, fp8: bool = False):
-        named, pkey = self._plan_key(key, tensors=tensors)
+        if bound.plan_key is not None:
+            named, pkey = (), bound.plan_key
+        else:
+            named, pkey = self._plan_key(key, tensors=tensors)
         launch = P.PLANS.get(pkey, named)
         if launch is None:
             import torch
@@ -296,8 +307,11 @@ class PrefillCalls:
         ts = {n: device_tensor(t, dev, n) for n, t in call.tensors.items()}
         self._at_call.on = True  # (the rows come back to the host: non-finite rows raise at the call)
         try:
-            o, lse = self._call_slow(q_t, k_t, v_t, ts, plan, options) if plan is not None or any(
-                v is not None for v in options.values()) else self(q_t, k_t, v_t, return_lse=True, **ts)
+            if plan is not None or any(v is not None for v in options.values()):
+                o, lse, _ = self._call_slow(q_t, k_t, v_t, ts, plan, options)
+                self._check_scores(lse, self._row_check(q_t), k_t)
+            else:
+                o, lse = self(q_t, k_t, v_t, return_lse=True, **ts)
         finally:
             self._at_call.on = False
         o = o.float().cpu().numpy()

@@ -44,6 +44,13 @@ _MARK_BLOCK = 1024
 
 
 
+def marks_on_device(t) -> bool:
+    """Whether a call on ``t``'s device checks its rows on the device (a flag marked without a host
+    sync, ``Kernel._row_check``) rather than at the host: CUDA tensors.  (bench/host_time.py and
+    tests/numerics/test_launch_counts.py replace it to take a GPU call's path on the CPU.)"""
+    return t.is_cuda
+
+
 def _flag_outside_pools(torch, device):
     """A zeroed int32[1] on ``device``, made on a thread of its own: during torch.compile's CUDA-graph
     warm-up ("reduce-overhead") the calling thread's allocations go to the graphs' private pool, and
@@ -54,7 +61,8 @@ def _flag_outside_pools(torch, device):
     def make():
         try:
             made.append(torch.zeros(1, dtype=torch.int32, device=device))
-            torch.cuda.synchronize(device)
+            if made[0].is_cuda:
+                torch.cuda.synchronize(device)
         except Exception as e:  # noqa: BLE001 (raised on the calling thread below)
             made.append(e)
     worker = threading.Thread(target=make, name="attnc-flag")
@@ -133,26 +141,43 @@ class Kernel(PrefillCalls, BackwardCalls, SplitCalls):
             cache[key] = P.upload(P.walk_arrays(plan), device)
         return cache[key]
 
-    def _check_scores(self, lse, k=None, plan: dict | None = None):
-        """The non-finite-score rule (README "Limits and failures"; compiler.numerics.check_rows):
-        the kernels mark a row whose visible score was NaN or +inf (the score program, NaN or inf
-        in q or K, a scale that overflows q.k) with LSE NaN.  Host LSE (the CPU, the interpreter)
-        and specs whose score program can produce one (compiler.ranges.may_be_nonfinite) raise at
-        the call; elsewhere on a GPU (or with ATTNC_CHECK_FINITE=1, at every call) the call only
-        marks the kernel's device flag, asynchronously (a reduction over LSE, no host sync), and
-        :meth:`check_numerics` raises it.  While a CUDA graph is captured the marking is captured
+    def _row_check(self, t) -> tuple[bool, object]:
+        """How a call on ``t``'s device applies the non-finite-score rule (README "Limits and
+        failures"; compiler.numerics.check_rows): (whether the call's rows are checked at the host
+        after it, the device flag the call marks or None).  The kernels mark a row whose visible
+        score was NaN or +inf (the score program, NaN or inf in q or K, a scale that overflows q.k)
+        with LSE NaN.  Host LSE (the CPU, the interpreter) and specs whose score program can produce
+        one (compiler.ranges.may_be_nonfinite) raise at the call; elsewhere on a GPU the call only
+        marks the kernel's device flag, asynchronously (no host sync): in the kernel that writes
+        LSE (the Triton prefill kernel, the split combine) or by one launch after it (the Gluon
+        engine's calls: :meth:`_mark_rows`), and :meth:`check_numerics` raises it
+        (ATTNC_CHECK_FINITE=1: GPU calls check at the call too; "0": they neither check nor mark).  While a CUDA graph is captured the marking is captured
         (each replay marks) once an uncaptured call made the flag; DecodeGraph checks after each
         replay.  A call given numpy arrays copies its rows back to the host anyway: it checks at the
         call (``_at_call``), as the CPU does."""
-        torch = self._torch
-        if lse.is_cuda and torch.cuda.is_current_stream_capturing():
-            if str(lse.device) in self._nonfinite:  # (the flag is made by an uncaptured call, not in the graph's pool)
-                self._mark_rows(lse)
-            return
-        if lse.is_cuda and not (self._scores_may_fail or os.environ.get(CHECK_FINITE_VAR) == "1"
-                                or getattr(self._at_call, "on", False)):
-            if os.environ.get(CHECK_FINITE_VAR) != "0":  # "0": GPU calls neither check nor mark
-                self._mark_rows(lse)
+        if not marks_on_device(t):
+            return True, None
+        if t.is_cuda and self._torch.cuda.is_current_stream_capturing():
+            return False, self._nonfinite.get(str(t.device))  # (made by an uncaptured call, not in the graph's pool)
+        check = os.environ.get(CHECK_FINITE_VAR)
+        if self._scores_may_fail or check == "1" or getattr(self._at_call, "on", False):
+            return True, None
+        if check == "0":  # GPU calls neither check nor mark
+            return False, None
+        key = str(t.device)
+        flag = self._nonfinite.get(key)
+        if flag is None:
+            flag = self._nonfinite[key] = _flag_outside_pools(self._torch, t.device)
+        return False, flag
+
+    def _check_scores(self, lse, check: tuple[bool, object], k=None, plan: dict | None = None,
+                      marked: bool = False):
+        """Apply ``check`` (:meth:`_row_check` of the call) to the call's LSE: mark its flag where the
+        launch did not (``marked``), check the rows at the host where asked."""
+        host, flag = check
+        if flag is not None and not marked:
+            self._mark_rows(lse, flag)
+        if not host:
             return
         if plan is None:
             s_k = k.shape[1 if self.program.cache.layout is ir.Layout.BSHD else 2]
@@ -168,13 +193,9 @@ class Kernel(PrefillCalls, BackwardCalls, SplitCalls):
         if not v.is_cuda or os.environ.get(CHECK_FINITE_VAR) == "1" or getattr(self._at_call, "on", False):
             numerics.check_values(v)  # (v: the launch's logical bhsd view)
 
-    def _mark_rows(self, lse) -> None:
+    def _mark_rows(self, lse, flag) -> None:
         """flag = 1 where any LSE is NaN, on lse's device and stream: one launch (``kernels.numerics``),
         no host sync."""
-        key = str(lse.device)
-        flag = self._nonfinite.get(key)
-        if flag is None:
-            flag = self._nonfinite[key] = _flag_outside_pools(self._torch, lse.device)
         n = lse.numel()
         if n:
             lse = lse if lse.is_contiguous() else lse.contiguous()
@@ -198,7 +219,7 @@ class Kernel(PrefillCalls, BackwardCalls, SplitCalls):
 
     def _key(self, q, k, v, tensors: dict) -> tuple:
         ts = tuple((n, tuple(t.shape), t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0)
-                   if hasattr(t, "data_ptr") else (n, id(t)) for n, t in tensors.items())
+                   if hasattr(t, "data_ptr") else (n, id(t)) for n, t in tensors.items()) if tensors else ()
         return (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
                 q.device, k.device, v.device, q.data_ptr() % 16 == 0, k.data_ptr() % 16 == 0,
                 v.data_ptr() % 16 == 0, ts)

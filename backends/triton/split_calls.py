@@ -109,9 +109,10 @@ class SplitCalls:
         return DecodeGraph(self, q, max_kv_len=max_kv_len, block_n=block_n, splits=splits, block_q=block_q,
                            num_warps=num_warps, num_stages=num_stages, capture=capture, **arrays)
 
-    def _bind_split(self, plan: dict, device, k_cache, v_cache, tensors: dict, num_warps, num_stages) -> "_Split":
+    def _bind_split(self, plan: dict, q, k_cache, v_cache, tensors: dict, num_warps, num_stages) -> "_Split":
         """A split call's plan bound to the K/V tensors it reads (their strides, a contiguous cache's
-        row bases), uploaded to ``device`` in one copy, with its launch."""
+        row bases) and to q's rows and strides, uploaded to q's device in one copy, with its launch."""
+        device = q.device
         p = self.program
         kind, order = p.cache.kind.value, p.cache.layout.value
         plan = dict(plan)
@@ -132,16 +133,24 @@ class SplitCalls:
                                                  self._vector_bytes())
         ts = L.tensor_args(self.module, {n: device_tensor(t, device, n) for n, t in tensors.items()},
                            (arrays["kv_lens"], arrays["qo_indptr"]))
-        return _Split(plan, arrays, ts, launch, ws)
+        bound = getattr(launch, "bind", None) if q.shape[0] else None  # (SplitLaunch: its arguments fixed once)
+        call = bound(q.shape[0], q.stride(), plan, arrays, ts) if bound is not None else None
+        return _Split(plan, arrays, ts, launch, ws, call, (q.shape[0], q.stride()))
 
-    def _launch_split(self, bound: "_Split", q, k_cache, v_cache):
-        """Allocate O, LSE and the workspace; launch the producer and the combine."""
+    def _launch_split(self, bound: "_Split", q, k_cache, v_cache, flag=None):
+        """Allocate O, LSE and the workspace; launch the producer and the combine (the bound call
+        where q has the rows and strides it was bound for).  Returns (O, LSE, whether the launch
+        marked the non-finite ``flag``)."""
         torch = self._torch
         total_q = q.shape[0]
         out = q.new_empty((total_q, self.program.heads_q, self.program.d_v))  # (q's dtype and device)
         lse = q.new_empty((total_q, self.program.heads_q), dtype=torch.float32)
-        ws = q.new_empty(bound.workspace_bytes, dtype=torch.uint8)
-        return bound.launch(q, k_cache, v_cache, bound.plan, bound.arrays, bound.ts, out, lse, ws)
+        ws = q.new_empty(bound.workspace_bytes, dtype=torch.uint8) if bound.workspace_bytes else None
+        if bound.call is not None and bound.q_layout == (total_q, q.stride()):
+            bound.call(q, k_cache, v_cache, out, lse, ws, flag)
+        else:
+            bound.launch(q, k_cache, v_cache, bound.plan, bound.arrays, bound.ts, out, lse, ws, flag)
+        return out, lse, flag is not None and bound.launch.marks
 
     def prepare_decode(self, q, plan: dict, *, num_warps: int | None = None, num_stages: int | None = None,
                        **arrays):
@@ -149,8 +158,8 @@ class SplitCalls:
         the kernel's device)."""
         tensors = self.split_tensors(arrays)
         k_cache, v_cache = arrays.get("k_cache", arrays.get("k")), arrays.get("v_cache", arrays.get("v"))
-        bound = self._bind_split(plan, q.device, k_cache, v_cache, tensors, num_warps, num_stages)
-        return lambda: self._launch_split(bound, q, k_cache, v_cache)
+        bound = self._bind_split(plan, q, k_cache, v_cache, tensors, num_warps, num_stages)
+        return lambda: self._launch_split(bound, q, k_cache, v_cache)[:2]
 
     # A split call's plan depends on its metadata (lengths, page tables, query rows, mask tensors);
     # a call whose inputs are all torch tensors is cached under their identity and version, as a
@@ -158,12 +167,12 @@ class SplitCalls:
     # step that changes the metadata in place (kv_lens += 1) makes a new one.
     def _split_key(self, q, arrays: dict):
         parts, objects = [], []
-        for n in sorted(arrays):
-            part = _split_key_part(n, arrays[n])
+        for n, t in arrays.items():  # (in the caller's order: each part names its input)
+            part = _split_key_part(n, t)
             if part is None:
                 return None, None
             parts.append(part)
-            objects.append(None if n in KV_KEYS else arrays[n])
+            objects.append(None if n in KV_KEYS else t)
         return (self.digest, "split", q.shape, q.stride(), q.dtype, q.device, q.data_ptr() % 16 == 0,
                 tuple(parts)), objects
 
@@ -188,9 +197,10 @@ class SplitCalls:
             cache_key = cache_key if cache_key is None or engine is None else (*cache_key, engine)
             bound = P.PLANS.get(cache_key, cache_objects) if cache_key is not None else None
             if bound is not None:  # the plan for this metadata, made and uploaded by an earlier call
-                o, lse = self._launch_split(bound, q, arrays.get("k_cache", arrays.get("k")),
-                                            arrays.get("v_cache", arrays.get("v")))
-                self._check_scores(lse, plan=bound.plan)
+                check = self._row_check(q)
+                o, lse, marked = self._launch_split(bound, q, arrays.get("k_cache", arrays.get("k")),
+                                                    arrays.get("v_cache", arrays.get("v")), check[1])
+                self._check_scores(lse, check, plan=bound.plan, marked=marked)
                 return (o, lse) if return_lse else o
         tensors = self.split_tensors(arrays)
         if not from_numpy:
@@ -218,13 +228,14 @@ class SplitCalls:
         k_cache = on_device(arrays.get("k_cache", arrays.get("k")))
         v_cache = on_device(arrays.get("v_cache", arrays.get("v")))
         q_t = on_device(q)
-        bound = self._bind_split(plan, dev, k_cache, v_cache, tensors, num_warps, num_stages)
-        o, lse = self._launch_split(bound, q_t, k_cache, v_cache)
+        bound = self._bind_split(plan, q_t, k_cache, v_cache, tensors, num_warps, num_stages)
         self._at_call.on = from_numpy  # (numpy in: the rows come back to the host, checked at the call)
         try:
-            self._check_scores(lse, plan=bound.plan)
+            check = self._row_check(q_t)
         finally:
             self._at_call.on = False
+        o, lse, marked = self._launch_split(bound, q_t, k_cache, v_cache, check[1])
+        self._check_scores(lse, check, plan=bound.plan, marked=marked)
         if cache_key is not None:
             P.PLANS.put(cache_key, bound, P.nbytes_of(bound.arrays), cache_objects)
         o = o.to(self._dtype) if carry != self._dtype else o
@@ -235,13 +246,15 @@ class SplitCalls:
 
 class _Split(NamedTuple):
     """A split call bound once: its plan (with the K/V strides), the plan's arrays on the device,
-    the mask tensors' argument tuple, the launch and the workspace's size."""
+    the mask tensors' argument tuple, the launch, the workspace's size and the bound call."""
 
     plan: dict
     arrays: dict
     ts: tuple
     launch: L.SplitLaunch
     workspace_bytes: int
+    call: L.SplitCall | None  # (SplitLaunch.bind's, for q of q_layout: its rows and strides)
+    q_layout: tuple
 
 
 def _split_key_part(n, t):

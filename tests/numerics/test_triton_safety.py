@@ -119,17 +119,18 @@ def test_gpu_calls_mark_a_device_flag_that_check_numerics_raises():
     """The GPU's default path marks without a host sync (exercised here on host tensors)."""
     import torch
     kernel = runtime.load(compile_spec(f"attention t {{ {HEAD} mask = causal }}"))
-    kernel._mark_rows(torch.zeros(1, 2, 3))
+    flag = kernel._nonfinite["cpu"] = torch.zeros(1, dtype=torch.int32)  # (what _row_check makes on a GPU)
+    kernel._mark_rows(torch.zeros(1, 2, 3), flag)
     kernel.check_numerics()  # nothing marked
-    kernel._mark_rows(torch.tensor([[[0.0, float("nan")]]]))
-    kernel._mark_rows(torch.zeros(1, 2, 3))  # a later good call does not clear it
+    kernel._mark_rows(torch.tensor([[[0.0, float("nan")]]]), flag)
+    kernel._mark_rows(torch.zeros(1, 2, 3), flag)  # a later good call does not clear it
     with pytest.raises(PlanError, match="since the last check had NaN or \\+inf at a visible key"):
         kernel.check_numerics()
     kernel.check_numerics()  # cleared
     far = torch.zeros(2, 3, 417)  # one launch over several blocks: a NaN in the last one is marked
-    kernel._mark_rows(far)
+    kernel._mark_rows(far, flag)
     kernel.check_numerics()
     far[1, 2, 416] = float("nan")
-    kernel._mark_rows(far)
+    kernel._mark_rows(far, flag)
     with pytest.raises(PlanError):
         kernel.check_numerics()

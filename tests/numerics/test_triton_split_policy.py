@@ -149,7 +149,7 @@ def test_capacity_tail_on_the_kernel():
     assert plan["splits"] == TAIL["split_capacity"]
     dev = kernel.device
     q, k_cache, v_cache = (torch.as_tensor(arrays[n]).to(dev, torch.float16) for n in ("q", "k_cache", "v_cache"))
-    bound = kernel._bind_split(plan, dev, k_cache, v_cache, {}, None, None)
+    bound = kernel._bind_split(plan, q, k_cache, v_cache, {}, None, None)
     ws = torch.full((bound.workspace_bytes,), 0xFF, dtype=torch.uint8, device=dev)
     out = torch.empty(2, p.heads_q, p.d_v, dtype=q.dtype, device=dev)
     lse = torch.empty(2, p.heads_q, dtype=torch.float32, device=dev)

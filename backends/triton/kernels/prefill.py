@@ -160,7 +160,7 @@ def _attn_fwd(Q, K, V, O, LSE, desc_k, desc_v,
               s_ob, s_oh, s_om, s_od,
               ORDER, F_PTR, F_LO, F_HI, P_CSR, P_IDX, F_CSR, F_IDX, M_PTR, M_LO, M_HI, M_BASE, M_FLAG,
               M_CSR, M_IDX, UTS, UTE, LTS, LTE, TS,
-              S_Q, S_K, Q_OFF, K_OFF, PLAN_B, PLAN_H, Q_TILES, qk_scale, BH,
+              S_Q, S_K, Q_OFF, K_OFF, PLAN_B, PLAN_H, Q_TILES, qk_scale, BH, FLAG, MARK,
               MASK_FROM_INTERVALS: tl.constexpr, EVEN_N: tl.constexpr, USE_TMA: tl.constexpr,
               WALK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_GROUP: tl.constexpr,
               VISIBLE: tl.constexpr, SCORE: tl.constexpr, HAS_SCORE: tl.constexpr, SCALE: tl.constexpr,
@@ -168,7 +168,9 @@ def _attn_fwd(Q, K, V, O, LSE, desc_k, desc_v,
               D_QK: tl.constexpr, D_V: tl.constexpr, D_QK_PAD: tl.constexpr, D_V_PAD: tl.constexpr,
               DOT_PRECISION: tl.constexpr, HAS_SINK: tl.constexpr = False, SINK: tl.constexpr = None):
     """One query tile of one (request, query head): the program's job in ``_job``'s order.  HAS_SINK:
-    the spec's sink (``SINK(b, h, TS)``, natural units) joins every row once after its keys."""
+    the spec's sink (``SINK(b, h, TS)``, natural units) joins every row once after its keys.  MARK:
+    a row whose LSE is NaN sets the call's non-finite flag FLAG (int32), so no launch of its own
+    marks the call (``runtime.Kernel._check_scores``)."""
     rank, bh = _job(tl.program_id(0), BH, Q_TILES, HEAD_GROUP)
     pid_m, b, h, row = _tile_of(rank, bh, ORDER, PLAN_B, PLAN_H, Q_TILES, H_Q)
     kv_h = h // GROUP
@@ -233,3 +235,5 @@ def _attn_fwd(Q, K, V, O, LSE, desc_k, desc_v,
     o_ptrs = O + b * s_ob + h * s_oh + offs_m[:, None] * s_om + offs_dv[None, :] * s_od
     tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=(offs_m[:, None] < S_Q) & (offs_dv[None, :] < D_V))
     tl.store(LSE + bh * S_Q + offs_m, lse, mask=offs_m < S_Q)
+    if MARK:  # (every program that finds a NaN row stores the same value: their order does not matter)
+        tl.store(FLAG, 1, mask=tl.max(((lse != lse) & (offs_m < S_Q)).to(tl.int32), 0) > 0)

@@ -168,5 +168,5 @@ def _fallback_combine(NEED, P_O, P_M, P_L, P_VALID, O, LSE, s_ot, s_oh, s_od, S_
                       D_V_PAD: tl.constexpr, HAS_SINK: tl.constexpr = False):
     """``split._combine`` of the (m, l, u) states, only where NEED marks the (row, head)."""
     if tl.load(NEED + tl.program_id(0)) != 0:
-        split._combine(P_O, P_M, P_L, P_VALID, O, LSE, s_ot, s_oh, s_od, S_CAP, SINKS, ABI_MLU, SPLITS_PAD, H_Q, D_V,
-                       D_V_PAD, HAS_SINK)
+        split._combine(P_O, P_M, P_L, P_VALID, O, LSE, s_ot, s_oh, s_od, S_CAP, SINKS, LSE, 0, ABI_MLU, SPLITS_PAD,
+                       H_Q, D_V, D_V_PAD, HAS_SINK)

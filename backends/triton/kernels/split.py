@@ -21,7 +21,12 @@ normalized partial O in the storage dtype (a convex combination of V rows always
 
 ``_combine`` merges the S_cap partial states of each (packed query row, query head) with the
 validity branch (M4.5 §0x02C): invalid (empty or inactive) slots are the identity, excluded
-before any exponential.
+before any exponential.  Where MARK, it also sets the call's non-finite flag (FLAG, int32) on a
+row whose LSE is NaN: the combine writes LSE last, so no launch of its own marks a split call.
+
+A split call launches ``_split_at`` and ``_combine_at``: the same programs over one uint8
+workspace and each field's byte offset (``WS + *_AT`` cast to the field's type), so the host
+makes no per-field tensor view per call.
 
 The spec arrives as constexpr arguments (``VISIBLE``, ``SCORE``, head counts and dims, scale),
 as in ``prefill.py``; TS is the tuple of the spec's tensors with their strides and sizes.
@@ -147,7 +152,28 @@ def _decode_split(Q, K, V, P_O, P_M, P_L, P_VALID,
 
 
 @triton.jit
-def _combine(P_O, P_M, P_L, P_VALID, O, LSE, s_ot, s_oh, s_od, S_CAP, SINKS,
+def _split_at(Q, K, V, WS, O_AT, M_AT, L_AT, VALID_AT,
+              s_qt, s_qh, s_qd, s_kp, s_kt, s_kh, s_kd, s_vp, s_vt, s_vh, s_vd,
+              KV_LENS, QO_INDPTR, TILE_REQ, TILE_ROW0, BASE, TABLE, s_tb, ENTRY_PTR, BLOCKS, PARTIAL, TS,
+              S_CAP, qk_scale, SPLIT_BOUNDS,
+              P_VEC: tl.constexpr, CACHE: tl.constexpr, PAGE_SIZE: tl.constexpr, ABI_MLU: tl.constexpr,
+              BOUNDED: tl.constexpr, ONE_ROW: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+              G_PAD: tl.constexpr, VISIBLE: tl.constexpr, SCORE: tl.constexpr, HAS_SCORE: tl.constexpr,
+              SCALE: tl.constexpr, H_Q: tl.constexpr, H_KV: tl.constexpr, GROUP: tl.constexpr,
+              D_QK: tl.constexpr, D_V: tl.constexpr, D_QK_PAD: tl.constexpr, D_V_PAD: tl.constexpr,
+              DOT_PRECISION: tl.constexpr):
+    """``_decode_split`` over the uint8 workspace WS, its fields at byte offsets *_AT (O in P_VEC)."""
+    _decode_split(Q, K, V, (WS + O_AT).to(tl.pointer_type(P_VEC)), (WS + M_AT).to(tl.pointer_type(tl.float32)),
+                  (WS + L_AT).to(tl.pointer_type(tl.float32)), WS + VALID_AT,
+                  s_qt, s_qh, s_qd, s_kp, s_kt, s_kh, s_kd, s_vp, s_vt, s_vh, s_vd,
+                  KV_LENS, QO_INDPTR, TILE_REQ, TILE_ROW0, BASE, TABLE, s_tb, ENTRY_PTR, BLOCKS, PARTIAL, TS,
+                  S_CAP, qk_scale, SPLIT_BOUNDS, CACHE, PAGE_SIZE, ABI_MLU, BOUNDED, ONE_ROW, BLOCK_Q, BLOCK_N,
+                  G_PAD, VISIBLE, SCORE, HAS_SCORE, SCALE, H_Q, H_KV, GROUP, D_QK, D_V, D_QK_PAD, D_V_PAD,
+                  DOT_PRECISION)
+
+
+@triton.jit
+def _combine(P_O, P_M, P_L, P_VALID, O, LSE, s_ot, s_oh, s_od, S_CAP, SINKS, FLAG, MARK,
              ABI_MLU: tl.constexpr, SPLITS_PAD: tl.constexpr, H_Q: tl.constexpr, D_V: tl.constexpr,
              D_V_PAD: tl.constexpr, HAS_SINK: tl.constexpr = False):
     """Merge the S_cap partial states of one (packed query row, query head), SPLITS_PAD slots at
@@ -201,6 +227,18 @@ def _combine(P_O, P_M, P_L, P_VALID, O, LSE, s_ot, s_oh, s_od, S_CAP, SINKS,
     lse = tl.where(poisoned, float("nan"), tl.where(any_valid, m_ref + tl.log(d_safe), float("-inf")))
     tl.store(O + row * s_ot + h * s_oh + offs_dv * s_od, out.to(O.dtype.element_ty), mask=offs_dv < D_V)
     tl.store(LSE + rh, lse)
+    if MARK:  # (every program that finds a NaN row stores the same value: their order does not matter)
+        tl.store(FLAG, 1, mask=lse != lse)
+
+
+@triton.jit
+def _combine_at(WS, O_AT, M_AT, L_AT, VALID_AT, O, LSE, s_ot, s_oh, s_od, S_CAP, SINKS, FLAG, MARK,
+                P_VEC: tl.constexpr, ABI_MLU: tl.constexpr, SPLITS_PAD: tl.constexpr, H_Q: tl.constexpr,
+                D_V: tl.constexpr, D_V_PAD: tl.constexpr, HAS_SINK: tl.constexpr = False):
+    """``_combine`` over the uint8 workspace WS, its fields at byte offsets *_AT (O in P_VEC)."""
+    _combine((WS + O_AT).to(tl.pointer_type(P_VEC)), (WS + M_AT).to(tl.pointer_type(tl.float32)),
+             (WS + L_AT).to(tl.pointer_type(tl.float32)), WS + VALID_AT, O, LSE, s_ot, s_oh, s_od, S_CAP, SINKS,
+             FLAG, MARK, ABI_MLU, SPLITS_PAD, H_Q, D_V, D_V_PAD, HAS_SINK)
 
 
 @triton.jit
