@@ -190,7 +190,7 @@ class Kernel(PrefillCalls, BackwardCalls, SplitCalls):
         """V must be finite (compiler.numerics.check_values): checked at the call where V is on the
         host or the rows come back to it (the CPU, numpy inputs), and on a GPU with
         ATTNC_CHECK_FINITE=1 (a pass over V and a host sync); a plain GPU call does not look."""
-        if not v.is_cuda or os.environ.get(CHECK_FINITE_VAR) == "1" or getattr(self._at_call, "on", False):
+        if not marks_on_device(v) or os.environ.get(CHECK_FINITE_VAR) == "1" or getattr(self._at_call, "on", False):
             numerics.check_values(v)  # (v: the launch's logical bhsd view)
 
     def _mark_rows(self, lse, flag) -> None:
