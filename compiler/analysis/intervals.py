@@ -67,16 +67,42 @@ class Runs:
         ends = np.concatenate([self.start, np.full((n, 1), self.rows, np.int64)], axis=1)
         return _normalize(starts, ends, self.rows)
 
+    def _full(self) -> bool:
+        """Every column holds every row (one run ``[0, rows)``, as a normalized full set is held)."""
+        return self.start.shape[1] == 1 and not self.start.any() and bool((self.end == self.rows).all())
+
+    def _empty(self) -> bool:
+        return not (self.end > self.start).any()
+
+    def _trivial(self, other: "Runs") -> bool:
+        """Whether the shortcuts of ``&`` and ``|`` apply: with rows and columns, a full or empty set
+        (an atom the analysis gave up on, a guard that always holds) combines without a normalize,
+        into the very arrays (widths included) the normalize would give."""
+        return bool(self.rows and self.columns and self.start.shape[1] and other.start.shape[1])
+
     def __and__(self, other: "Runs") -> "Runs":
+        if self._trivial(other):
+            if other._full():
+                return self
+            if self._full():
+                return other
         s = np.maximum(self.start[:, :, None], other.start[:, None, :]).reshape(self.columns, -1)
         e = np.minimum(self.end[:, :, None], other.end[:, None, :]).reshape(self.columns, -1)
         return _normalize(s, e, self.rows)
 
     def __or__(self, other: "Runs") -> "Runs":
+        if self._trivial(other):
+            for a, b in ((self, other), (other, self)):
+                if b._full():
+                    return b
+                if b._empty():
+                    return a
         return _normalize(np.concatenate([self.start, other.start], axis=1),
                           np.concatenate([self.end, other.end], axis=1), self.rows)
 
     def __eq__(self, other) -> bool:
+        if other is self:
+            return True
         return (isinstance(other, Runs) and self.rows == other.rows
                 and self.start.shape[0] == other.start.shape[0]
                 and np.array_equal(*_same_width(self.start, other.start, self.rows))
@@ -163,13 +189,23 @@ class Truth:
     def exact(self) -> bool:
         return self.must == self.may
 
+    # an exact solver's result holds one Runs as both must and may: its operations compute once
     def __and__(self, o: "Truth") -> "Truth":
+        if self.must is self.may and o.must is o.may:
+            r = self.must & o.must
+            return Truth(r, r)
         return Truth(self.must & o.must, self.may & o.may)
 
     def __or__(self, o: "Truth") -> "Truth":
+        if self.must is self.may and o.must is o.may:
+            r = self.must | o.must
+            return Truth(r, r)
         return Truth(self.must | o.must, self.may | o.may)
 
     def __invert__(self) -> "Truth":
+        if self.must is self.may:
+            r = self.must.complement()
+            return Truth(r, r)
         return Truth(self.may.complement(), self.must.complement())
 
 
@@ -270,6 +306,25 @@ class _Analyzer:
         self.care: np.ndarray | None = None
         self.rows_cared: Runs | None = None
         self.lenient = False
+        self._reads_q: dict[int, tuple] = {}  # id(node) -> (node, whether it reads q)
+        self._constants: dict[int, np.ndarray] = {}
+
+    def constant(self, value: int) -> np.ndarray:
+        """A read-only int64 [N] of ``value``, made once (the forms share it; nothing writes to it)."""
+        a = self._constants.get(value)
+        if a is None:
+            a = self._constants[value] = np.full(self.n, value, np.int64)
+            a.flags.writeable = False
+        return a
+
+    def reads_q(self, e: ir.Expr) -> bool:
+        """``"q" in ir.free_vars(e)``, each node's answer computed once (the analysis asks at every
+        node of a subtree it walks)."""
+        hit = self._reads_q.get(id(e))
+        if hit is None:
+            v = e.name == "q" if isinstance(e, ir.Var) else any(self.reads_q(c) for c in ir.children(e))
+            hit = self._reads_q[id(e)] = (e, v)  # (the node is kept: its id is not reused meanwhile)
+        return hit[1]
 
     # column-only values ------------------------------------------------
     def column(self, e: ir.Expr) -> np.ndarray:
@@ -279,7 +334,7 @@ class _Analyzer:
     def under(self, guard: ir.Expr, truth: "Truth", holds: bool, analyze):
         """``analyze()`` where ``guard`` (whose ``truth`` the caller has) holds (``holds``) or not."""
         saved = self.care, self.rows_cared, self.lenient
-        if "q" in ir.free_vars(guard):
+        if self.reads_q(guard):
             t = truth if holds else ~truth
             if t.exact:
                 self.rows_cared = t.must if self.rows_cared is None else self.rows_cared & t.must
@@ -303,7 +358,7 @@ class _Analyzer:
 
     # conditions ----------------------------------------------------------
     def truth(self, e: ir.Expr) -> Truth:
-        if "q" not in ir.free_vars(e):
+        if not self.reads_q(e):
             r = Runs.where(self.column(e), self.rows, self.n)
             return Truth(r, r)
         if isinstance(e, ir.Binary) and e.op in ("and", "or"):
@@ -330,7 +385,7 @@ class _Analyzer:
             same = (a & b) | (~a & ~b)
             return same if op == "eq" else ~same
         for side, other, o in ((left, right, op), (right, left, _FLIP[op])):
-            if "q" in ir.free_vars(side) and isinstance(side, (ir.Call, ir.Select)):
+            if self.reads_q(side) and isinstance(side, (ir.Call, ir.Select)):
                 return self.truth(_distribute(side, other, o))
         lf, rf = self.form(left), self.form(right)
         if isinstance(lf, QLoad) and isinstance(rf, np.ndarray):
@@ -344,12 +399,12 @@ class _Analyzer:
     # numeric forms ------------------------------------------------------
     def form(self, e: ir.Expr):
         """Column values (ndarray [N]), a Linear form, or a QLoad."""
-        if "q" not in ir.free_vars(e):
+        if not self.reads_q(e):
             v = self.column(e)
             if not e.type.integer:
                 return v
             return v.astype(np.int64)
-        one, zero = np.ones(self.n, np.int64), np.zeros(self.n, np.int64)
+        one, zero = self.constant(1), self.constant(0)
         if isinstance(e, ir.Var):  # q
             return Linear(one, zero, one, zero)
         if isinstance(e, ir.Unary) and e.op == "cast_i64":  # a width, not a value
@@ -389,15 +444,15 @@ class _Analyzer:
             return f
         if isinstance(f, np.ndarray) and f.dtype.kind in "iu":
             base = other if isinstance(other, Linear) else None
-            z = np.zeros(self.n, np.int64)
-            d = base.d if base is not None else np.ones(self.n, np.int64)
+            z = self.constant(0)
+            d = base.d if base is not None else self.constant(1)
             off = base.off if base is not None else z
             return Linear(z, f.astype(np.int64), d, off)
         raise NotInterval("a position compared with a non-integer value")
 
     def q_load(self, e: ir.Load) -> QLoad:
         decl = self.program.tensor(e.tensor)
-        q_axes = [i for i, ix in enumerate(e.index) if "q" in ir.free_vars(ix)]
+        q_axes = [i for i, ix in enumerate(e.index) if self.reads_q(ix)]
         if len(q_axes) != 1 or decl.axes[q_axes[0]] != "s":
             raise NotInterval(f"'{e.tensor}' is read at q outside a single 's' axis")
         ax = q_axes[0]
@@ -451,6 +506,9 @@ class _Analyzer:
             raise NotInterval("positions under different divisors")
         base = lf if (lf.a != 0).any() else rf
         a, c = lf.a - rf.a, rf.c - lf.c  # a * u  op  c
+        uniform = _uniform(a), _uniform(base.d), _uniform(base.off)
+        if None not in uniform and uniform[0] != 0:
+            return self.solve_uniform(*uniform, op, c)
         neg = a < 0
         a, c = np.abs(a), np.where(neg, -c, c)
         safe = np.where(a == 0, 1, a)
@@ -474,6 +532,37 @@ class _Analyzer:
         zero = a == 0
         if zero.any():
             runs = _choose(zero, Runs.where(const_true, self.rows, self.n), runs, self.rows)
+        return Truth(runs, runs)
+
+    def solve_uniform(self, a: int, d: int, off: int, op: str, c: np.ndarray) -> Truth:
+        """:meth:`solve_linear` where ``a != 0``, ``d`` and ``off`` are one value for every column
+        (``q - k < w``, ``q // C == k // C``, ...): the same runs from scalar bounds, in a third
+        of the array operations."""
+        if a < 0:  # -|a| u op c  <=>  |a| u flip(op) -c
+            a, c, op = -a, -c, _FLIP[op]
+        if a == 1:
+            floor = ceil = c
+            divides = True
+        else:
+            floor, ceil = c // a, -((-c) // a)
+            divides = c % a == 0
+        umin, umax = (self.q0 + off) // d - 1, (self.q0 + self.rows + off) // d + 1
+        if op == "lt":
+            lo, hi = umin, _clamp(ceil, umin, umax)
+        elif op == "le":
+            lo, hi = umin, _clamp(floor + 1, umin, umax)
+        elif op == "gt":
+            lo, hi = _clamp(floor + 1, umin, umax), umax
+        elif op == "ge":
+            lo, hi = _clamp(ceil, umin, umax), umax
+        else:  # eq / ne: the eq set (complemented below)
+            lo = _clamp(ceil, umin, umax)
+            hi = _clamp(ceil + 1 if divides is True else np.where(divides, ceil + 1, ceil), umin, umax)
+        shift = off + self.q0
+        runs = Runs.between(d * lo - shift if d != 1 else lo - shift, d * hi - shift if d != 1 else hi - shift,
+                            self.rows, self.n)
+        if op == "ne":
+            runs = runs.complement()
         return Truth(runs, runs)
 
     def solve_load(self, f: QLoad, op: str, c: np.ndarray) -> Truth:
@@ -500,6 +589,14 @@ class _Analyzer:
 
 
 _BIG = np.int64(1) << 40
+
+
+def _uniform(x: np.ndarray):
+    """The one value of every entry of ``x`` (an int), else None."""
+    if not x.size:
+        return None
+    first = int(x[0])
+    return first if int(x.min()) == first == int(x.max()) else None
 
 
 def _u_bounds(op: str, floor, ceil, divides):
