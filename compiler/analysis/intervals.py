@@ -559,8 +559,7 @@ class _Analyzer:
             lo = _clamp(ceil, umin, umax)
             hi = _clamp(ceil + 1 if divides is True else np.where(divides, ceil + 1, ceil), umin, umax)
         shift = off + self.q0
-        runs = Runs.between(d * lo - shift if d != 1 else lo - shift, d * hi - shift if d != 1 else hi - shift,
-                            self.rows, self.n)
+        runs = Runs.between(d * lo - shift, d * hi - shift, self.rows, self.n)
         if op == "ne":
             runs = runs.complement()
         return Truth(runs, runs)

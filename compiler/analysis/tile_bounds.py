@@ -217,12 +217,14 @@ class _Bounds:
 
     def floordiv(self, a: _Int, b: _Int, err) -> _Int:
         """Floor division is monotone in each operand on a divisor range of one sign: its bounds
-        are among the four corners; a divisor range holding 0 (x // 0 = 0) is unbounded."""
+        are among the four corners; ``x // 0 = 0``; a divisor range across 0 is unbounded."""
         signed = (b.lo > 0) | (b.hi < 0)
         d_lo, d_hi = np.where(signed, b.lo, 1), np.where(signed, b.hi, 1)
         ends = [x // y for x in (a.lo, a.hi) for y in (d_lo, d_hi)]
-        return self.bound(np.where(signed, np.minimum.reduce(ends), -BIG - 1),
-                          np.where(signed, np.maximum.reduce(ends), BIG + 1), err)
+        zero = (b.lo == 0) & (b.hi == 0)
+        known = signed | zero
+        return self.bound(np.where(known, np.where(zero, 0, np.minimum.reduce(ends)), -BIG - 1),
+                          np.where(known, np.where(zero, 0, np.maximum.reduce(ends)), BIG + 1), err)
 
     def mod(self, a: _Int, b: _Int, err) -> _Int:
         """``a % d`` for one divisor d per tile: within one period (one quotient) the remainder is
