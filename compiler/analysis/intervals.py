@@ -52,6 +52,13 @@ class Runs:
         return _normalize(lo[:, None], hi[:, None], rows)
 
     @staticmethod
+    def every(rows: int, columns: int, holds: bool) -> "Runs":
+        """Every row of every column (``holds``), else none: ``between(0, rows or 0, ...)`` made
+        directly."""
+        end = np.full((columns, 1), rows, np.int64)
+        return Runs(np.zeros((columns, 1), np.int64) if holds else end.copy(), end, rows)
+
+    @staticmethod
     def where(flag, rows: int, columns: int) -> "Runs":
         """All rows where ``flag`` (a per-column bool) holds, none elsewhere."""
         flag = np.broadcast_to(np.asarray(flag, bool), (columns,))
@@ -306,7 +313,7 @@ class _Analyzer:
         self.care: np.ndarray | None = None
         self.rows_cared: Runs | None = None
         self.lenient = False
-        self._reads_q: dict[int, tuple] = {}  # id(node) -> (node, whether it reads q)
+        self._facts: dict[int, tuple] = {}  # id(node) -> (node, whether it reads q, whether it reads a tensor)
         self._constants: dict[int, np.ndarray] = {}
 
     def constant(self, value: int) -> np.ndarray:
@@ -317,22 +324,29 @@ class _Analyzer:
             a.flags.writeable = False
         return a
 
-    def reads_q(self, e: ir.Expr) -> bool:
-        """``"q" in ir.free_vars(e)``, each node's answer computed once (the analysis asks at every
-        node of a subtree it walks)."""
-        hit = self._reads_q.get(id(e))
+    def facts(self, e: ir.Expr) -> tuple:
+        """``(e, "q" in ir.free_vars(e), whether e reads a tensor)``, each node's computed once (the
+        analysis asks at every node of a subtree it walks; the node is kept: its id is not reused)."""
+        hit = self._facts.get(id(e))
         if hit is None:
-            v = e.name == "q" if isinstance(e, ir.Var) else any(self.reads_q(c) for c in ir.children(e))
-            hit = self._reads_q[id(e)] = (e, v)  # (the node is kept: its id is not reused meanwhile)
-        return hit[1]
+            kids = [self.facts(c) for c in ir.children(e)]
+            hit = self._facts[id(e)] = (e, (isinstance(e, ir.Var) and e.name == "q") or any(k[1] for k in kids),
+                                        isinstance(e, ir.Load) or any(k[2] for k in kids))
+        return hit
+
+    def reads_q(self, e: ir.Expr) -> bool:
+        return self.facts(e)[1]
 
     # column-only values ------------------------------------------------
     def column(self, e: ir.Expr) -> np.ndarray:
         care = None if self.care is None else self.care.reshape(self.shape)
         return np.broadcast_to(evaluate(e, self.env, self.tensors, care), self.shape).reshape(-1)
 
-    def under(self, guard: ir.Expr, truth: "Truth", holds: bool, analyze):
-        """``analyze()`` where ``guard`` (whose ``truth`` the caller has) holds (``holds``) or not."""
+    def under(self, guard: ir.Expr, truth: "Truth", holds: bool, e: ir.Expr) -> "Truth":
+        """``truth(e)`` where ``guard`` (whose ``truth`` the caller has) holds (``holds``) or not.  The
+        guard only narrows where reads are checked: an ``e`` that reads no tensor skips it."""
+        if not self.facts(e)[2]:
+            return self.truth(e)
         saved = self.care, self.rows_cared, self.lenient
         if self.reads_q(guard):
             t = truth if holds else ~truth
@@ -345,16 +359,13 @@ class _Analyzer:
             g = g if holds else ~g
             self.care = g if self.care is None else self.care & g
         try:
-            return analyze()
+            return self.truth(e)
         finally:
             self.care, self.rows_cared, self.lenient = saved
 
-    def all_rows(self) -> Runs:
-        return Runs.between(0, self.rows, self.rows, self.n)
-
     def unknown(self, e: ir.Expr, why: str) -> Truth:
         self.reasons.append(f"atom '{ir.format_expr(e)}' is not interval-analyzable: {why}")
-        return Truth(Runs.between(0, 0, self.rows, self.n), self.all_rows())
+        return Truth(Runs.every(self.rows, self.n, False), Runs.every(self.rows, self.n, True))
 
     # conditions ----------------------------------------------------------
     def truth(self, e: ir.Expr) -> Truth:
@@ -363,14 +374,13 @@ class _Analyzer:
             return Truth(r, r)
         if isinstance(e, ir.Binary) and e.op in ("and", "or"):
             a = self.truth(e.left)
-            b = self.under(e.left, a, e.op == "and", lambda: self.truth(e.right))
+            b = self.under(e.left, a, e.op == "and", e.right)
             return a & b if e.op == "and" else a | b
         if isinstance(e, ir.Unary) and e.op == "not":
             return ~self.truth(e.operand)
         if isinstance(e, ir.Select):
             c = self.truth(e.cond)
-            return (c & self.under(e.cond, c, True, lambda: self.truth(e.if_true))) | \
-                (~c & self.under(e.cond, c, False, lambda: self.truth(e.if_false)))
+            return (c & self.under(e.cond, c, True, e.if_true)) | (~c & self.under(e.cond, c, False, e.if_false))
         if isinstance(e, ir.Compare):
             try:
                 return self.compare(e)
@@ -762,7 +772,7 @@ def evaluate_columns(program: ir.Program, batch: int, s_q: int, s_k: int,
             rows = np.flatnonzero(first[bi, hi, ki]), np.flatnonzero(last[bi, hi, ki]) + 1
             reason = (f"column k={k0 + ki} (b={bi}, h={hi}) has {int(count[bi, hi, ki])} masked runs of query "
                       f"rows ({_show_runs(*rows)}); FlashMask encodes at most two")
-            nothing = Runs.between(0, 0, s_q, a.n)
+            nothing = Runs.every(s_q, a.n, False)
             return MaskIntervals(Truth(nothing, nothing), a.shape, s_q, s_k, True, False, reason,
                                  method="evaluation")
         cols = slice(k0, k1)
