@@ -28,7 +28,7 @@ from .. import ir, resources
 from .tiles import FULL, SKIP
 
 UNDECIDED = -1
-BIG = np.int64(1) << 62  # bounds past it are unbounded (sums of two stay inside int64)
+BIG = np.int64(1) << 61  # bounds past it are unbounded (sums and differences of two stay inside int64)
 SMALL = np.int64(1) << 31  # products of bounds within it stay inside int64
 STEP_TILES = 1 << 16  # tiles one step bounds (a few int64 arrays each per subexpression)
 
@@ -76,6 +76,8 @@ class _Bounds:
         self.no_err = np.zeros(n, bool)
 
     def point(self, value) -> _Int:
+        if not -BIG <= value <= BIG:
+            return self.top(self.no_err)
         v = np.full(self.n, value, np.int64)
         return _Int(v, v, self.no_err)
 
@@ -281,7 +283,7 @@ class _Bounds:
             if sel.any():
                 lo[sel], hi[sel] = self.ranges.min_max(e.tensor, array, axis, [f[sel] for f in first],
                                                        last[axis][sel])
-        return _Int(lo, hi, err)
+        return self.bound(lo, hi, err)
 
 
 MASK = np.int64(np.iinfo(np.int64).max)  # the bits a non-negative value may have

@@ -245,6 +245,19 @@ def test_each_bound_rule_holds_every_value(op):
         assert (t.can_true | ~truth.any(axis=(1, 2))).all() and (t.can_false | truth.all(axis=(1, 2))).all()
 
 
+def test_bounds_at_the_limit_widen_instead_of_wrapping():
+    """Sums, differences and products of the widest bounds never wrap around int64 into an
+    inverted range (which would decide a comparison): they become unbounded."""
+    from attnc.compiler.analysis.tile_bounds import BIG
+    bounds = _Bounds({}, {}, {}, _RangeTables({}), 3)
+    no = np.zeros(3, bool)
+    wide = _Int(np.array([0, -BIG, BIG]), np.array([BIG, 0, BIG]), no)
+    for op in ("add", "sub", "mul", "shl", "bitor", "bitxor"):
+        got = bounds.arith(op, wide, wide if op != "shl" else _Int(np.full(3, 1), np.full(3, 1), no))
+        assert (got.lo <= got.hi).all() and ((got.lo == -BIG) & (got.hi == BIG) | (got.lo == got.hi)).all(), op
+    assert bounds.point(1 << 62).lo[0] == -BIG and bounds.point(-(1 << 62)).hi[0] == BIG
+
+
 def test_known_bits_hold_for_every_value_of_a_range():
     """The bits of ``[lo, hi]`` known set or clear hold for its values: ranges of every width up to
     2^45, each checked at its ends, at the powers of two inside it and at random values."""
