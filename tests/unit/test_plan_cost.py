@@ -379,7 +379,7 @@ class Precomputed:
 @pytest.mark.parametrize("mask", ["causal & (window(512) | k < 16 | q % 1024 < 16)",
                                   "(q & k & 3072) == 0 | causal & window(128)"])
 def test_a_plans_python_work_does_not_grow_with_the_length(mask):
-    """From S = 4096 to 32768 (64x the tiles) the plan makes the same Python-level calls, with the
+    """From S = 4096 to 32768 (64x the tiles) the plan makes as many Python-level calls, with the
     GPU's evaluator's stand-in and with the host's numpy evaluator: the analysis, the classifier,
     the bounds and the cell stages are whole-array operations (the former classifier stepped over
     query-tile rows, the former evaluator over a few tiles at a time)."""
@@ -391,7 +391,9 @@ def test_a_plans_python_work_does_not_grow_with_the_length(mask):
         stub = Precomputed(truth.tiles.classes)
         counts[s] = (python_calls(lambda: make_plan(p, 1, s, s, {}, 128, 128, tile_evaluator=stub)),
                      python_calls(lambda: make_plan(p, 1, s, s, {}, 128, 128)))
-    assert counts[32768] == counts[4096], counts
+    # (a few calls of slack for data-dependent branches; a loop per query-tile row adds hundreds,
+    # one per tile tens of thousands: the former code's counts went 3794 -> 3962 and 5727 -> 122055)
+    assert all(big <= small + 40 for big, small in zip(counts[32768], counts[4096])), counts
 
 
 def test_the_host_evaluator_evaluates_a_few_cells_per_undecided_tile():
