@@ -3,6 +3,10 @@ modular, bitwise atoms), whose undecided tiles the predicate classifies, at the 
 
 For each mask and length, one JSON line per method:
   plan_host     ``compiler.plan.plan`` on the host, the numpy tile evaluator (what a CPU call pays);
+                ``tiles_by_bounds``: undecided tiles its bounds decided without a cell;
+  plan_stub     ``compiler.plan.plan`` with the undecided tiles' classes known in advance (an
+                evaluator that looks them up): the host's part of plan_gpu alone (analysis,
+                classifier, CSR), also without a GPU;
   plan_gpu      ``Kernel.plan`` of the Triton backend with CUDA tensors: the analysis on the host,
                 the undecided tiles on the GPU (``backends/triton/tile_classes.py``), the CSR on the
                 host (what a CUDA call pays once per plan; later calls find it in the plan cache);
@@ -38,6 +42,18 @@ MASKS = {
     "documents_periodic_rows": N("and", children=(N("causal"), N("document"), N("or", children=(
         N("window", (256,)), N("periodic_rows", (512, 8)))))),
 }
+
+
+class Known:
+    """A tile evaluator that looks the classes up (plan_stub: the host's part of a plan alone)."""
+
+    name = "known"
+
+    def __init__(self, classes):
+        self.classes = classes
+
+    def __call__(self, tiles, block_m, block_n):
+        return self.classes[tuple(tiles.T)]
 
 
 def _times(fn, repeats: int) -> list[float]:
@@ -77,7 +93,11 @@ def run(seqs, block, masks, batch, repeats, gpu, host_max_seq, out, command, dev
                 p = make_plan(program, batch, s, s, host, bm, bn)
                 _row(out, command, **common, method="plan_host", samples_ms=samples, tiles=p.tiles.counts(),
                      undecided=p.tiles.undecided, density=p.tiles.density(),
-                     cells_evaluated=p.tile_evaluator.cells)
+                     cells_evaluated=p.tile_evaluator.cells, tiles_by_bounds=p.tile_evaluator.by_bounds)
+                known = Known(p.tiles.classes)
+                _row(out, command, **common, method="plan_stub", undecided=p.tiles.undecided,
+                     samples_ms=_times(lambda: make_plan(program, batch, s, s, host, bm, bn, tile_evaluator=known),
+                                       repeats))
             if not gpu:
                 continue
             import torch
@@ -106,6 +126,11 @@ def run(seqs, block, masks, batch, repeats, gpu, host_max_seq, out, command, dev
                 raise AssertionError(f"{name} S={s}: the GPU's tile classes differ from the host's")
             _row(out, command, **common, method="plan_gpu", samples_ms=samples, tiles=gp.tiles.counts(),
                  undecided=gp.tiles.undecided, evaluated_by=gp.tiles.evaluated_by, density=gp.tiles.density())
+            if p is None:  # (past --host-max-seq: the host's part with the GPU's classes)
+                known = Known(gp.tiles.classes)
+                _row(out, command, **common, method="plan_stub", undecided=gp.tiles.undecided,
+                     samples_ms=_times(lambda: make_plan(program, batch, s, s, host, bm, bn, tile_evaluator=known),
+                                       repeats))
             mi = analyze(program, batch, s, s, host)
             und = np.zeros((mi.shape[0], mi.shape[1], -(-s // bm), -(-s // bn)), bool)
             classify_exact(mi, bm, bn, undecided=und)

@@ -145,15 +145,17 @@ def dense_bytes(cells: int, per_cell: float = CELL_BYTES) -> int:
     return int(per_cell * cells)
 
 
-# the exact tile classifier (analysis.tiles.classify_exact), per (query-tile row, column) cell of
-# one step: int64 covered-cell counts of the must and may row sets and their comparisons (16 B),
-# plus 8 B per run of the row sets (their temporaries); measured 32 / 48 / 64 B at 2 / 4 / 6 runs
-EXACT_CELL_BYTES = 16
+# the exact tile classifier (analysis.tiles.classify_exact): per analysed column (its offsets into
+# the counts, int64), per run slot of the widest row set (a count's int64 tile ranges), and per
+# tile of one step (the int64 difference array with the second bincount or the running counts, and
+# the bool masks); fits tracemalloc's peaks within 0.5% (16K-64K columns, 1-2 slots, 64K-1M tiles)
+EXACT_COLUMN_BYTES = 16
 EXACT_RUN_BYTES = 8
+EXACT_TILE_BYTES = 17
 
 
-def exact_classify_bytes(cells: int, runs: int) -> int:
-    return cells * (EXACT_CELL_BYTES + EXACT_RUN_BYTES * runs)
+def exact_classify_bytes(columns: int, runs: int, step_tiles: int) -> int:
+    return columns * (EXACT_COLUMN_BYTES + EXACT_RUN_BYTES * runs) + step_tiles * EXACT_TILE_BYTES
 
 
 def array_bytes(obj, seen: set | None = None, depth: int = 0) -> int:

@@ -47,9 +47,16 @@ class Runs:
     @staticmethod
     def between(lo, hi, rows: int, columns: int) -> "Runs":
         """One interval ``[lo, hi)`` per column, clipped to the row range."""
-        lo = np.clip(np.broadcast_to(np.asarray(lo, np.int64), (columns,)), 0, rows)
-        hi = np.clip(np.broadcast_to(np.asarray(hi, np.int64), (columns,)), 0, rows)
+        lo = _clamp(np.broadcast_to(np.asarray(lo, np.int64), (columns,)), 0, rows)
+        hi = _clamp(np.broadcast_to(np.asarray(hi, np.int64), (columns,)), 0, rows)
         return _normalize(lo[:, None], hi[:, None], rows)
+
+    @staticmethod
+    def every(rows: int, columns: int, holds: bool) -> "Runs":
+        """Every row of every column (``holds``), else none: ``between(0, rows or 0, ...)`` made
+        directly."""
+        end = np.full((columns, 1), rows, np.int64)
+        return Runs(np.zeros((columns, 1), np.int64) if holds else end.copy(), end, rows)
 
     @staticmethod
     def where(flag, rows: int, columns: int) -> "Runs":
@@ -67,16 +74,42 @@ class Runs:
         ends = np.concatenate([self.start, np.full((n, 1), self.rows, np.int64)], axis=1)
         return _normalize(starts, ends, self.rows)
 
+    def _full(self) -> bool:
+        """Every column holds every row (one run ``[0, rows)``, as a normalized full set is held)."""
+        return self.start.shape[1] == 1 and not self.start.any() and bool((self.end == self.rows).all())
+
+    def _empty(self) -> bool:
+        return not (self.end > self.start).any()
+
+    def _trivial(self, other: "Runs") -> bool:
+        """Whether the shortcuts of ``&`` and ``|`` apply: with rows and columns, a full or empty set
+        (an atom the analysis gave up on, a guard that always holds) combines without a normalize,
+        into the very arrays (widths included) the normalize would give."""
+        return bool(self.rows and self.columns and self.start.shape[1] and other.start.shape[1])
+
     def __and__(self, other: "Runs") -> "Runs":
+        if self._trivial(other):
+            if other._full():
+                return self
+            if self._full():
+                return other
         s = np.maximum(self.start[:, :, None], other.start[:, None, :]).reshape(self.columns, -1)
         e = np.minimum(self.end[:, :, None], other.end[:, None, :]).reshape(self.columns, -1)
         return _normalize(s, e, self.rows)
 
     def __or__(self, other: "Runs") -> "Runs":
+        if self._trivial(other):
+            for a, b in ((self, other), (other, self)):
+                if b._full():
+                    return b
+                if b._empty():
+                    return a
         return _normalize(np.concatenate([self.start, other.start], axis=1),
                           np.concatenate([self.end, other.end], axis=1), self.rows)
 
     def __eq__(self, other) -> bool:
+        if other is self:
+            return True
         return (isinstance(other, Runs) and self.rows == other.rows
                 and self.start.shape[0] == other.start.shape[0]
                 and np.array_equal(*_same_width(self.start, other.start, self.rows))
@@ -99,19 +132,25 @@ class Runs:
 
 def _same_width(a, b, fill):
     w = max(a.shape[1], b.shape[1])
-    pad = lambda x: np.pad(x, ((0, 0), (0, w - x.shape[1])), constant_values=fill)  # noqa: E731
+    pad = lambda x: x if x.shape[1] == w else np.concatenate(  # noqa: E731
+        [x, np.full((x.shape[0], w - x.shape[1]), fill, x.dtype)], axis=1)
     return pad(a), pad(b)
 
 
+def _clamp(x, lo, hi):
+    """``np.clip(x, lo, hi)`` (np.clip with Python ints costs about 4x two ufuncs)."""
+    return np.minimum(np.maximum(x, lo), hi)
+
+
 def _normalize(start: np.ndarray, end: np.ndarray, rows: int) -> Runs:
-    """Sort, drop empties, merge overlapping or touching intervals, compact."""
-    start, end = np.clip(start, 0, rows), np.clip(end, 0, rows)
+    """Sort, drop empties, merge overlapping or touching intervals, compact.  The bounds are rows
+    already, in ``[0, rows]`` (``Runs.between`` clips; the set operations keep them there)."""
     valid = end > start
+    if start.shape[1] == 1:
+        return Runs(np.where(valid, start, rows), np.where(valid, end, rows), rows)
     big = np.int64(rows + 1)
     s = np.where(valid, start, big)
     e = np.where(valid, end, big)
-    if s.shape[1] == 1:
-        return Runs(np.where(valid, start, rows), np.where(valid, end, rows), rows)
     if s.shape[1] == 2:
         return _normalize_pair(s, e, big, rows)
     order = np.argsort(s, axis=1, kind="stable")
@@ -157,13 +196,23 @@ class Truth:
     def exact(self) -> bool:
         return self.must == self.may
 
+    # an exact solver's result holds one Runs as both must and may: its operations compute once
     def __and__(self, o: "Truth") -> "Truth":
+        if self.must is self.may and o.must is o.may:
+            r = self.must & o.must
+            return Truth(r, r)
         return Truth(self.must & o.must, self.may & o.may)
 
     def __or__(self, o: "Truth") -> "Truth":
+        if self.must is self.may and o.must is o.may:
+            r = self.must | o.must
+            return Truth(r, r)
         return Truth(self.must | o.must, self.may | o.may)
 
     def __invert__(self) -> "Truth":
+        if self.must is self.may:
+            r = self.must.complement()
+            return Truth(r, r)
         return Truth(self.may.complement(), self.must.complement())
 
 
@@ -264,16 +313,42 @@ class _Analyzer:
         self.care: np.ndarray | None = None
         self.rows_cared: Runs | None = None
         self.lenient = False
+        self._facts: dict[int, tuple] = {}  # id(node) -> (node, whether it reads q, whether it reads a tensor)
+        self._constants: dict[int, np.ndarray] = {}
+
+    def constant(self, value: int) -> np.ndarray:
+        """A read-only int64 [N] of ``value``, made once (the forms share it; nothing writes to it)."""
+        a = self._constants.get(value)
+        if a is None:
+            a = self._constants[value] = np.full(self.n, value, np.int64)
+            a.flags.writeable = False
+        return a
+
+    def facts(self, e: ir.Expr) -> tuple:
+        """``(e, "q" in ir.free_vars(e), whether e reads a tensor)``, each node's computed once (the
+        analysis asks at every node of a subtree it walks; the node is kept: its id is not reused)."""
+        hit = self._facts.get(id(e))
+        if hit is None:
+            kids = [self.facts(c) for c in ir.children(e)]
+            hit = self._facts[id(e)] = (e, (isinstance(e, ir.Var) and e.name == "q") or any(k[1] for k in kids),
+                                        isinstance(e, ir.Load) or any(k[2] for k in kids))
+        return hit
+
+    def reads_q(self, e: ir.Expr) -> bool:
+        return self.facts(e)[1]
 
     # column-only values ------------------------------------------------
     def column(self, e: ir.Expr) -> np.ndarray:
         care = None if self.care is None else self.care.reshape(self.shape)
         return np.broadcast_to(evaluate(e, self.env, self.tensors, care), self.shape).reshape(-1)
 
-    def under(self, guard: ir.Expr, truth: "Truth", holds: bool, analyze):
-        """``analyze()`` where ``guard`` (whose ``truth`` the caller has) holds (``holds``) or not."""
+    def under(self, guard: ir.Expr, truth: "Truth", holds: bool, e: ir.Expr) -> "Truth":
+        """``truth(e)`` where ``guard`` (whose ``truth`` the caller has) holds (``holds``) or not.  The
+        guard only narrows where reads are checked: an ``e`` that reads no tensor skips it."""
+        if not self.facts(e)[2]:
+            return self.truth(e)
         saved = self.care, self.rows_cared, self.lenient
-        if "q" in ir.free_vars(guard):
+        if self.reads_q(guard):
             t = truth if holds else ~truth
             if t.exact:
                 self.rows_cared = t.must if self.rows_cared is None else self.rows_cared & t.must
@@ -284,32 +359,28 @@ class _Analyzer:
             g = g if holds else ~g
             self.care = g if self.care is None else self.care & g
         try:
-            return analyze()
+            return self.truth(e)
         finally:
             self.care, self.rows_cared, self.lenient = saved
 
-    def all_rows(self) -> Runs:
-        return Runs.between(0, self.rows, self.rows, self.n)
-
     def unknown(self, e: ir.Expr, why: str) -> Truth:
         self.reasons.append(f"atom '{ir.format_expr(e)}' is not interval-analyzable: {why}")
-        return Truth(Runs.between(0, 0, self.rows, self.n), self.all_rows())
+        return Truth(Runs.every(self.rows, self.n, False), Runs.every(self.rows, self.n, True))
 
     # conditions ----------------------------------------------------------
     def truth(self, e: ir.Expr) -> Truth:
-        if "q" not in ir.free_vars(e):
+        if not self.reads_q(e):
             r = Runs.where(self.column(e), self.rows, self.n)
             return Truth(r, r)
         if isinstance(e, ir.Binary) and e.op in ("and", "or"):
             a = self.truth(e.left)
-            b = self.under(e.left, a, e.op == "and", lambda: self.truth(e.right))
+            b = self.under(e.left, a, e.op == "and", e.right)
             return a & b if e.op == "and" else a | b
         if isinstance(e, ir.Unary) and e.op == "not":
             return ~self.truth(e.operand)
         if isinstance(e, ir.Select):
             c = self.truth(e.cond)
-            return (c & self.under(e.cond, c, True, lambda: self.truth(e.if_true))) | \
-                (~c & self.under(e.cond, c, False, lambda: self.truth(e.if_false)))
+            return (c & self.under(e.cond, c, True, e.if_true)) | (~c & self.under(e.cond, c, False, e.if_false))
         if isinstance(e, ir.Compare):
             try:
                 return self.compare(e)
@@ -324,7 +395,7 @@ class _Analyzer:
             same = (a & b) | (~a & ~b)
             return same if op == "eq" else ~same
         for side, other, o in ((left, right, op), (right, left, _FLIP[op])):
-            if "q" in ir.free_vars(side) and isinstance(side, (ir.Call, ir.Select)):
+            if self.reads_q(side) and isinstance(side, (ir.Call, ir.Select)):
                 return self.truth(_distribute(side, other, o))
         lf, rf = self.form(left), self.form(right)
         if isinstance(lf, QLoad) and isinstance(rf, np.ndarray):
@@ -338,12 +409,12 @@ class _Analyzer:
     # numeric forms ------------------------------------------------------
     def form(self, e: ir.Expr):
         """Column values (ndarray [N]), a Linear form, or a QLoad."""
-        if "q" not in ir.free_vars(e):
+        if not self.reads_q(e):
             v = self.column(e)
             if not e.type.integer:
                 return v
             return v.astype(np.int64)
-        one, zero = np.ones(self.n, np.int64), np.zeros(self.n, np.int64)
+        one, zero = self.constant(1), self.constant(0)
         if isinstance(e, ir.Var):  # q
             return Linear(one, zero, one, zero)
         if isinstance(e, ir.Unary) and e.op == "cast_i64":  # a width, not a value
@@ -383,15 +454,15 @@ class _Analyzer:
             return f
         if isinstance(f, np.ndarray) and f.dtype.kind in "iu":
             base = other if isinstance(other, Linear) else None
-            z = np.zeros(self.n, np.int64)
-            d = base.d if base is not None else np.ones(self.n, np.int64)
+            z = self.constant(0)
+            d = base.d if base is not None else self.constant(1)
             off = base.off if base is not None else z
             return Linear(z, f.astype(np.int64), d, off)
         raise NotInterval("a position compared with a non-integer value")
 
     def q_load(self, e: ir.Load) -> QLoad:
         decl = self.program.tensor(e.tensor)
-        q_axes = [i for i, ix in enumerate(e.index) if "q" in ir.free_vars(ix)]
+        q_axes = [i for i, ix in enumerate(e.index) if self.reads_q(ix)]
         if len(q_axes) != 1 or decl.axes[q_axes[0]] != "s":
             raise NotInterval(f"'{e.tensor}' is read at q outside a single 's' axis")
         ax = q_axes[0]
@@ -445,6 +516,9 @@ class _Analyzer:
             raise NotInterval("positions under different divisors")
         base = lf if (lf.a != 0).any() else rf
         a, c = lf.a - rf.a, rf.c - lf.c  # a * u  op  c
+        uniform = _uniform(a), _uniform(base.d), _uniform(base.off)
+        if None not in uniform and uniform[0] != 0:
+            return self.solve_uniform(*uniform, op, c)
         neg = a < 0
         a, c = np.abs(a), np.where(neg, -c, c)
         safe = np.where(a == 0, 1, a)
@@ -460,7 +534,7 @@ class _Analyzer:
         d, off = base.d, base.off
         qmin, qmax = self.q0, self.q0 + self.rows
         umin, umax = (qmin + off) // d - 1, (qmax + off) // d + 1
-        lo, hi = np.clip(lo, umin, umax), np.clip(hi, umin, umax)
+        lo, hi = _clamp(lo, umin, umax), _clamp(hi, umin, umax)
         q_lo, q_hi = d * lo - off, d * hi - off
         runs = Runs.between(q_lo - self.q0, q_hi - self.q0, self.rows, self.n)
         if ne:
@@ -468,6 +542,36 @@ class _Analyzer:
         zero = a == 0
         if zero.any():
             runs = _choose(zero, Runs.where(const_true, self.rows, self.n), runs, self.rows)
+        return Truth(runs, runs)
+
+    def solve_uniform(self, a: int, d: int, off: int, op: str, c: np.ndarray) -> Truth:
+        """:meth:`solve_linear` where ``a != 0``, ``d`` and ``off`` are one value for every column
+        (``q - k < w``, ``q // C == k // C``, ...): the same runs from scalar bounds, in a third
+        of the array operations."""
+        if a < 0:  # -|a| u op c  <=>  |a| u flip(op) -c
+            a, c, op = -a, -c, _FLIP[op]
+        if a == 1:
+            floor = ceil = c
+            divides = True
+        else:
+            floor, ceil = c // a, -((-c) // a)
+            divides = c % a == 0
+        umin, umax = (self.q0 + off) // d - 1, (self.q0 + self.rows + off) // d + 1
+        if op == "lt":
+            lo, hi = umin, _clamp(ceil, umin, umax)
+        elif op == "le":
+            lo, hi = umin, _clamp(floor + 1, umin, umax)
+        elif op == "gt":
+            lo, hi = _clamp(floor + 1, umin, umax), umax
+        elif op == "ge":
+            lo, hi = _clamp(ceil, umin, umax), umax
+        else:  # eq / ne: the eq set (complemented below)
+            lo = _clamp(ceil, umin, umax)
+            hi = _clamp(ceil + 1 if divides is True else np.where(divides, ceil + 1, ceil), umin, umax)
+        shift = off + self.q0
+        runs = Runs.between(d * lo - shift, d * hi - shift, self.rows, self.n)
+        if op == "ne":
+            runs = runs.complement()
         return Truth(runs, runs)
 
     def solve_load(self, f: QLoad, op: str, c: np.ndarray) -> Truth:
@@ -494,6 +598,14 @@ class _Analyzer:
 
 
 _BIG = np.int64(1) << 40
+
+
+def _uniform(x: np.ndarray):
+    """The one value of every entry of ``x`` (an int), else None."""
+    if not x.size:
+        return None
+    first = int(x[0])
+    return first if int(x.min()) == first == int(x.max()) else None
 
 
 def _u_bounds(op: str, floor, ceil, divides):
@@ -660,7 +772,7 @@ def evaluate_columns(program: ir.Program, batch: int, s_q: int, s_k: int,
             rows = np.flatnonzero(first[bi, hi, ki]), np.flatnonzero(last[bi, hi, ki]) + 1
             reason = (f"column k={k0 + ki} (b={bi}, h={hi}) has {int(count[bi, hi, ki])} masked runs of query "
                       f"rows ({_show_runs(*rows)}); FlashMask encodes at most two")
-            nothing = Runs.between(0, 0, s_q, a.n)
+            nothing = Runs.every(s_q, a.n, False)
             return MaskIntervals(Truth(nothing, nothing), a.shape, s_q, s_k, True, False, reason,
                                  method="evaluation")
         cols = slice(k0, k1)

@@ -16,6 +16,7 @@ import numpy as np
 
 from .. import ir
 from ..interp import evaluate
+from .tile_bounds import UNDECIDED, tile_bounds_classes
 from .tiles import FULL, PARTIAL, SKIP
 
 EVAL_CHUNK = 1 << 20  # cells one step holds (int64 temporaries of 8 MiB: measured no slower than 4x that)
@@ -37,6 +38,7 @@ class NumpyTileEvaluator:
         self.chunk = chunk
         self.max_cells = max_cells  # plan_tiles leaves the tiles PARTIAL past it
         self.cells = 0  # cells evaluated so far (a cost the bench reports)
+        self.by_bounds = 0  # tiles the bounds decided without a cell (tile_bounds)
 
     def __call__(self, tiles: np.ndarray, block_m: int, block_n: int) -> np.ndarray:
         return classify_tiles(self.program, self.s_q, self.s_k, self.tensors, tiles, block_m, block_n,
@@ -54,24 +56,34 @@ def classify_tiles(program: ir.Program, s_q: int, s_k: int, tensors: dict, tiles
     cell of each.  A tile across S_q or S_k evaluates its last row or key again in place of the
     ones past the end (the same cells, so the class is that of the cells inside).
 
-    First the tiles' borders (first and last rows, first and last keys: a few percent of the
-    cells): a tile with a visible and a hidden cell there is PARTIAL, and only the others are
-    evaluated whole (a dilation's or a stripe's tiles are decided by their borders)."""
+    First the bounds of the mask over each tile (``tile_bounds``: no cell evaluated; a periodic
+    row set's tiles away from its rows, a bitwise pattern's aligned tiles, documents that do not
+    meet), then of the remaining tiles 16 cells each (rows and keys 0, 1, the middle and the
+    last), then their borders (first and last rows, first and last keys: a few percent of the
+    cells): a tile with a visible and a hidden cell among them is PARTIAL, and only the others are
+    evaluated whole (a dilation's or a stripe's tiles are decided by their first cells)."""
     tiles = np.asarray(tiles, np.int64).reshape(-1, 4)
-    out = np.full(len(tiles), PARTIAL, np.int8)
+    out = tile_bounds_classes(program, s_q, s_k, tensors, tiles, block_m, block_n)
+    todo = np.flatnonzero(out == UNDECIDED)
+    out[todo] = PARTIAL
+    if counter is not None:
+        counter.by_bounds += len(tiles) - len(todo)
     q0 = s_k - s_q
     rows = lambda t, r: q0 + np.minimum(t[:, 2, None] * block_m + r, s_q - 1)  # noqa: E731
     keys = lambda t, c: np.minimum(t[:, 3, None] * block_n + c, s_k - 1)  # noqa: E731
     all_rows, all_keys = np.arange(block_m), np.arange(block_n)
-    todo = np.arange(len(tiles))
-    if block_m > 2 and block_n > 2:
+    stages = []
+    if block_m > 2 and block_n > 2:  # (rows, keys) parts of the cells each stage evaluates
+        pick_m = np.unique([0, 1, block_m // 2, block_m - 1])
+        pick_n = np.unique([0, 1, block_n // 2, block_n - 1])
         ends_m, ends_n = np.array([0, block_m - 1]), np.array([0, block_n - 1])
-        seen = np.zeros(len(tiles), np.int64)
-        for r, c in ((ends_m, all_keys), (all_rows, ends_n)):
-            seen += _visible(program, tensors, tiles, lambda t: rows(t, r), lambda t: keys(t, c), s_q, s_k,
-                             len(r) * len(c), chunk, counter)
-        border = 2 * (block_m + block_n)
-        todo = np.flatnonzero((seen == 0) | (seen == border))
+        stages = [((pick_m, pick_n),), ((ends_m, all_keys), (all_rows, ends_n))]
+    for parts in stages:  # a stage that sees a visible and a hidden cell proves PARTIAL
+        if not len(todo):
+            break
+        seen = sum(_visible(program, tensors, tiles[todo], lambda t, r=r: rows(t, r), lambda t, c=c: keys(t, c),
+                            s_q, s_k, len(r) * len(c), chunk, counter) for r, c in parts)
+        todo = todo[(seen == 0) | (seen == sum(len(r) * len(c) for r, c in parts))]
     seen = _visible(program, tensors, tiles[todo], lambda t: rows(t, all_rows), lambda t: keys(t, all_keys),
                     s_q, s_k, block_m * block_n, chunk, counter)
     out[todo] = np.where(seen == 0, SKIP, np.where(seen == block_m * block_n, FULL, PARTIAL))

@@ -74,38 +74,81 @@ def classify_exact(mi: MaskIntervals, block_m: int, block_n: int, chunk: int = 1
                    undecided: np.ndarray | None = None) -> np.ndarray:
     """int8 tile classes [B', H', T_r, T_c] from the per-column must/may row sets.  ``undecided``
     (bool, the classes' shape), when given, is set where a tile is PARTIAL without proof: no cell
-    of it is certainly visible or none is certainly hidden (only an inexact analysis leaves any)."""
+    of it is certainly visible or none is certainly hidden (only an inexact analysis leaves any).
+
+    Linear in the columns' runs plus the tiles, never in query tiles x columns: a run of rows
+    ``[s, e)`` of a column covers a range of query tiles (every row of the tile in the run) and
+    touches a slightly wider one, so how many of a tile column's columns cover (or touch) each
+    tile is a difference array along the query tiles, one ``bincount`` of the runs' range ends,
+    summed.  A tile is FULL where every column of its tile column has a ``must`` run covering
+    it, SKIP where no ``may`` run touches it.  Exact because runs are normalized (sorted, disjoint,
+    never adjacent: ``intervals._normalize``), so rows that a column's runs cover lie in one run.
+    ``chunk`` bounds the tiles of one step (a few query-tile rows of every tile column)."""
     b_, h_, s_k = mi.shape
-    i0, i1 = _row_tiles(mi.s_q, block_m)
-    starts = _block_starts(s_k, block_n)
-    classes = np.empty((b_, h_, len(i0), len(starts)), np.int8)
+    planes = b_ * h_
+    t_r, t_c = -(-mi.s_q // block_m), -(-s_k // block_n)
+    classes = np.empty((b_, h_, t_r, t_c), np.int8)
+    if not classes.size:
+        return classes
     must, may = mi.visible.must, mi.visible.may
-    runs = must.start.shape[1] + may.start.shape[1]
-    step = max(1, chunk // max(1, runs) // max(1, s_k))
-    # one step's working set, with the row sets and the classes alive meanwhile
-    resources.require(f"the exact tile classifier ({min(step, len(i0)):,} query tiles x {b_ * h_ * s_k:,} columns "
-                      f"at a time, {runs} row-set runs)",
-                      resources.exact_classify_bytes(min(step, len(i0)) * b_ * h_ * s_k, runs)
-                      + resources.array_bytes(mi) + classes.nbytes * (2 if undecided is not None else 1))
-    for r0 in range(0, len(i0), step):  # bounded memory: a few Q tiles at a time
-        sl = slice(r0, r0 + step)
-        lo, hi = i0[sl, None], i1[sl, None]
-        need = (hi - lo)
-        sure = must.cells_in(lo, hi)
-        maybe = may.cells_in(lo, hi)
-        all_visible = (sure == need).reshape(-1, b_, h_, s_k)
-        none_visible = (maybe == 0).reshape(-1, b_, h_, s_k)
-        full = np.logical_and.reduceat(all_visible, starts, axis=-1)
-        skip = np.logical_and.reduceat(none_visible, starts, axis=-1)
-        c = np.where(skip, SKIP, np.where(full, FULL, PARTIAL)).astype(np.int8)
-        classes[:, :, sl] = c.transpose(1, 2, 0, 3)
+    widest = max(must.start.shape[1], may.start.shape[1])
+    step = min(t_r, max(1, chunk // (planes * t_c)))
+    resources.require(f"the exact tile classifier ({step:,} query tiles x {planes * t_c:,} tile columns at a time, "
+                      f"{planes * s_k:,} columns, {must.start.shape[1] + may.start.shape[1]} row-set runs)",
+                      resources.exact_classify_bytes(planes * s_k, widest, planes * (step + 1) * t_c)
+                      + resources.array_bytes(mi) + classes.nbytes * (3 if undecided is not None else 1))
+    width = np.minimum(block_n, s_k - np.arange(t_c) * block_n)[:, None]  # columns per tile column
+    # each column's (plane, tile column) as the flat offset of its counts along the query tiles
+    # ([planes, T_c, rows + 1]: the running sums run along the contiguous axis)
+    tile_col = np.arange(planes)[:, None] * t_c + np.arange(s_k)[None, :] // block_n
+    for r0 in range(0, t_r, step):  # bounded memory: a few query-tile rows at a time
+        rows = min(t_r - r0, step)
+        at = (tile_col * (rows + 1)).reshape(-1)
+        count = lambda runs, cover: _tile_counts(runs, cover, block_m, t_r, at, r0, rows,  # noqa: E731
+                                                 planes * t_c).reshape(planes, t_c, rows)
+        c = np.where(count(may, False) == 0, SKIP_I8, PARTIAL_I8)
+        c[(count(must, True) == width) & (c == PARTIAL_I8)] = FULL_I8
+        classes[:, :, r0:r0 + rows] = c.reshape(b_, h_, t_c, rows).transpose(0, 1, 3, 2)
         if undecided is not None:  # PARTIAL is proven by a certainly visible and a certainly hidden cell
-            seen = np.logical_or.reduceat((sure > 0).reshape(-1, b_, h_, s_k), starts, axis=-1)
-            hidden = np.logical_or.reduceat((maybe < need).reshape(-1, b_, h_, s_k), starts, axis=-1)
-            undecided[:, :, sl] = ((c == PARTIAL) & ~(seen & hidden)).transpose(1, 2, 0, 3)
-            del seen, hidden
-        del sure, maybe, all_visible, none_visible, full, skip, c  # before the next step allocates its own
+            open_ = c == PARTIAL_I8
+            open_ &= ~((count(must, False) > 0) & (count(may, True) < width))
+            undecided[:, :, r0:r0 + rows] = open_.reshape(b_, h_, t_c, rows).transpose(0, 1, 3, 2)
+            del open_
+        del c, at
     return classes
+
+
+SKIP_I8, PARTIAL_I8, FULL_I8 = (np.int8(c) for c in (SKIP, PARTIAL, FULL))
+
+
+def _tile_counts(runs, cover: bool, block_m: int, t_r: int, at: np.ndarray, r0: int, rows: int,
+                 lines: int) -> np.ndarray:
+    """[lines, rows]: per tile column (of every plane) and query tile of ``[r0, r0 + rows)``, how
+    many of its columns have a run of ``runs`` that covers the tile (``cover``: every row of the
+    tile in the run; the last tile ends at S_q) or touches it (some row in it); ``at`` (int64 [N])
+    is each column's tile column's offset in the step's difference array ``[lines, rows + 1]``."""
+    s, e = runs.start, runs.end
+    if cover:
+        lo, hi = s + (block_m - 1), np.where(e >= runs.rows, t_r * block_m, e)
+    else:
+        lo, hi = s.copy(), e + (block_m - 1)
+    lo //= block_m
+    hi //= block_m
+    hi[e <= s] = 0  # empty runs (unused slots): no tile
+    if r0 or r0 + rows < t_r:
+        np.clip(lo, r0, r0 + rows, out=lo)
+        np.clip(hi, r0, r0 + rows, out=hi)
+    np.maximum(hi, lo, out=hi)  # an empty range starts and ends at one place: its +1 and -1 cancel
+    for x in (lo, hi):
+        if r0:
+            x -= r0
+        x += at[:, None]
+    size = lines * (rows + 1)
+    diff = np.bincount(lo.reshape(-1), minlength=size)
+    del lo
+    diff -= np.bincount(hi.reshape(-1), minlength=size)
+    del hi
+    return np.cumsum(diff.reshape(lines, rows + 1)[:, :rows], axis=1)
 
 
 @dataclass(frozen=True)
