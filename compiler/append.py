@@ -96,8 +96,13 @@ def validation_key(program: ir.Program, arrays: dict, new_rows: int, manifest: M
     (for metadata) values, the new rows, the manifest and the request ids.  Equal keys validate
     alike, so a plan keeps its validated call for calls with the same key (the layers of one
     serving step: other storage tensors of the same shapes, the same metadata)."""
-    h = hashlib.sha256(f"{ir.digest(program)}:{new_rows}:{manifest.digest if manifest else None}:"
-                       f"{None if request_ids is None else list(request_ids)}".encode())
+    # (inputs of the wrong kind key by identity: validate_append names what is wrong with them)
+    m = manifest.digest if isinstance(manifest, MicrobatchManifest) else None if manifest is None else id(manifest)
+    try:
+        ids = None if request_ids is None else [int(i) for i in request_ids]
+    except (TypeError, ValueError):
+        ids = id(request_ids)
+    h = hashlib.sha256(f"{ir.digest(program)}:{new_rows}:{m}:{ids}".encode())
     for n in sorted(arrays):
         a = arrays[n]
         if hasattr(a, "untyped_storage"):  # a storage tensor: its shape only is read

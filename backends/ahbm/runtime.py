@@ -262,7 +262,7 @@ class Kernel:
         if cache is not None or lengths is not None:
             raise PlanError("the AHBM programs take contiguous q/k/v (the K/V layout is the "
                             "driver's: round-robin slots or ring blocks per PE)")
-        run = self.simulate(q, k, v, plan=plan, sp=sp, case=case, mask_from=mask_from, **tensors)
+        run = self._simulate(q, k, v, plan, sp, case, mask_from, True, tensors)
         numerics.check_rows(run.lse, s_q=run.lse.shape[2], s_k=np.asarray(k).shape[
             1 if self.program.cache.layout is ir.Layout.BSHD else 2], sink=self.program.sink is not None)
         return (run.o, run.lse) if return_lse else run.o
@@ -277,6 +277,11 @@ class Kernel:
                  case: str | None = None, mask_from: str | None = None, **tensors) -> Run:
         """Run one call; returns the Run (outputs in the spec's layout are run.o / run.lse).
         mask_from: None (the plan's choice), "predicate" or "intervals" (representable only)."""
+        return self._simulate(q, k, v, plan, sp, case, mask_from, False, tensors)
+
+    def _simulate(self, q, k, v, plan, sp, case, mask_from, finite_v: bool, tensors: dict) -> Run:
+        """:meth:`simulate`; ``finite_v``: refuse a non-finite V first (a contiguous call's rule,
+        numerics.check_values; an append checks its output rows instead)."""
         p = self.program
         call = inputs.validate(p, {"q": q, "k": k, "v": v, **tensors})
         sp = self.sp if sp is None else _check_sp(sp)
@@ -291,7 +296,8 @@ class Kernel:
             plan = make_plan(p, B, s_q, s_k, call.tensors, s_q if case == "decode" else bm,
                              1 if col_classes else bn)
         plan.check_call(p, B, s_q, s_k)
-        numerics.check_values(call.v)  # (bhsd after validate; after the plan's checks, as on every backend)
+        if finite_v:  # (bhsd after validate; after the plan's checks, as on every backend)
+            numerics.check_values(call.v)
         want_n = 1 if col_classes else bn
         if plan.block_n != want_n or (plan.tiles.classes.shape[2] != 1 if case == "decode" else plan.block_m != bm):
             raise PlanError(f"ahbm {case} (N = {sp}) needs a plan with "
