@@ -192,7 +192,7 @@ RUN_ONE_IN = 25
 stats: dict[str, int] = {"accepted": 0, "refused": 0, "ran": 0}
 
 
-@settings(max_examples=1500, deadline=None, derandomize=True, database=None,
+@settings(max_examples=800, deadline=None, derandomize=True, database=None,
           suppress_health_check=list(HealthCheck))
 @given(text=specs(), run=st.integers(0, RUN_ONE_IN - 1))
 def test_check_never_raises_anything_but_a_located_error(text, run):
