@@ -122,7 +122,9 @@ def _streams_of(program: ir.Program, loads, call, b: int, h0: int, q_pos, k_pos,
                "q": np.asarray(q_pos, np.int64).reshape(1, -1, 1),
                "k": np.asarray(k_pos, np.int64).reshape(1, 1, -1),
                "S_q": np.int64(call.s_q), "S_k": np.int64(call.s_k)}
-        value = np.asarray(interp.evaluate(load, env, call.tensors))
+        # every position's value, clamped where it leaves the tensor: the plan raised the oracle's
+        # error for each read a visible cell uses, and a stream entry no cell uses is never read
+        value = np.asarray(interp.evaluate(load, env, call.tensors, care=np.False_))
         dtype = {ir.I32: np.int32, ir.F32: np.float32, ir.BOOL: np.bool_}[load.type]
         gs = G if "h" in vars_ else 1
         if not vars_:

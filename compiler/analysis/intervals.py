@@ -339,8 +339,27 @@ class _Analyzer:
 
     # column-only values ------------------------------------------------
     def column(self, e: ir.Expr) -> np.ndarray:
-        care = None if self.care is None else self.care.reshape(self.shape)
-        return np.broadcast_to(evaluate(e, self.env, self.tensors, care), self.shape).reshape(-1)
+        """``e`` (which does not read q) per column, its reads checked where it is used: in the
+        columns ``care`` keeps that have a row ``rows_cared`` keeps.  Under a guard the analysis
+        cannot solve (``lenient``) a read that may leave its tensor is not an error here: the
+        cells decide (``NotInterval``), as the oracle raises only where the read is used."""
+        used = self.used_columns()
+        care = None if used is None else used.reshape(self.shape)
+        try:
+            return np.broadcast_to(evaluate(e, self.env, self.tensors, care), self.shape).reshape(-1)
+        except PlanError:
+            if not self.lenient:
+                raise
+            raise NotInterval("a tensor read that may leave its tensor, under a condition the analysis "
+                              "cannot solve") from None
+
+    def used_columns(self) -> np.ndarray | None:
+        """bool [N]: the columns where the value being analyzed is used (None: all of them)."""
+        if self.rows_cared is None:
+            return self.care
+        r = self.rows_cared
+        some = (r.end > r.start).any(axis=1)
+        return some if self.care is None else self.care & some
 
     def under(self, guard: ir.Expr, truth: "Truth", holds: bool, e: ir.Expr) -> "Truth":
         """``truth(e)`` where ``guard`` (whose ``truth`` the caller has) holds (``holds``) or not.  The
@@ -355,9 +374,14 @@ class _Analyzer:
             else:
                 self.lenient = True
         else:
-            g = self.column(guard).astype(bool)
-            g = g if holds else ~g
-            self.care = g if self.care is None else self.care & g
+            try:
+                g = self.column(guard).astype(bool)
+            except NotInterval:  # the guard's own read may leave its tensor: where e is used is unknown
+                g = None
+                self.lenient = True
+            if g is not None:
+                g = g if holds else ~g
+                self.care = g if self.care is None else self.care & g
         try:
             return self.truth(e)
         finally:
@@ -370,7 +394,10 @@ class _Analyzer:
     # conditions ----------------------------------------------------------
     def truth(self, e: ir.Expr) -> Truth:
         if not self.reads_q(e):
-            r = Runs.where(self.column(e), self.rows, self.n)
+            try:
+                r = Runs.where(self.column(e), self.rows, self.n)
+            except NotInterval as why:
+                return self.unknown(e, str(why))
             return Truth(r, r)
         if isinstance(e, ir.Binary) and e.op in ("and", "or"):
             a = self.truth(e.left)
@@ -493,9 +520,15 @@ class _Analyzer:
                             f"[0, {length}) (shape {list(array.shape)})")
         idx = [self.column(ix) for ix in others]
         other_dims = tuple(d for i, d in enumerate(array.shape) if i != ax)
-        if self.n:  # the other subscripts are checked like every read
-            load(e.tensor, array, _insert(tuple(idx), ax, np.zeros(self.n, np.int64)), self.care)
-            if self.care is not None:
+        if self.n:  # the other subscripts are checked like every read, where it is used
+            try:
+                load(e.tensor, array, _insert(tuple(idx), ax, np.zeros(self.n, np.int64)), cols)
+            except PlanError:
+                if not self.lenient:
+                    raise
+                raise NotInterval(f"'{e.tensor}' is read under a condition the analysis cannot solve, "
+                                  "outside the tensor") from None
+            if not cols.all():
                 idx = [np.clip(i, 0, d - 1) for i, d in zip(idx, other_dims)]
         # distinct rows without sorting: subscripts are bounded by the tensor's shape
         flat = np.ravel_multi_index(tuple(idx), other_dims) if idx else np.zeros(self.n, np.int64)

@@ -143,6 +143,31 @@ def test_a_read_outside_its_tensor_where_it_is_used_is_the_same_error_everywhere
     assert_agree(results)
 
 
+@pytest.mark.parametrize("mask, raises", [
+    ("!((q - k) % 1 == 0) & doc[b, k + 1] == 1", False),  # the guard is never true (periodic: inexact)
+    ("q % 3 == 7 & doc[b, k + 1] == 0 | causal", False),
+    ("q < 0 & doc[b, k + 1] == 1 | causal", False),  # an exact guard on q that holds on no row
+    ("(q - k) % 3 == 1 & doc[b, k + 1] == 0 | causal", True),  # used at the last key
+    ("q % 2 == 1 & doc[b, q + 1] == 0 | causal", True),
+    ("q % 2 == 7 & doc[b, q + 1] == 0 | causal", False),
+])
+@pytest.mark.parametrize("s", [1, 8])
+def test_a_read_under_a_guard_the_analysis_cannot_solve_is_an_error_only_where_used(mask, raises, s):
+    """The interval analysis checked reads in every column a guard on q left (or, inexact, every
+    column): it raised where the oracle does not; the cells decide now, and AHBM's streams take the
+    plan's word instead of evaluating every position eagerly."""
+    from attnc.backends.triton import runtime as triton_runtime
+    torch = pytest.importorskip("torch")
+    p = spec(f"tensor doc: i32[b, s] ~ segments(1, 3) mask = {mask}")
+    arrays = inputs.sample(p, 2, s, s, seed=1)
+    results = run_all_arrays(p, arrays)
+    results["triton"] = outcome(lambda: triton_runtime.load(p)(
+        *(torch.from_numpy(arrays[n]) for n in ("q", "k", "v")), return_lse=True,
+        doc=torch.from_numpy(arrays["doc"])))
+    assert isinstance(results["oracle"], PlanError) == (raises and s > 1), results["oracle"]
+    assert_agree(results)
+
+
 # ---------------------------------------------------------------- floats are f32
 def test_float_masks_compute_in_f32_in_the_oracle_too():
     """`abs(q / 12 - k / 12) <= 3`: float64 and float32 disagree on cells at the boundary; the
