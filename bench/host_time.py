@@ -3,6 +3,8 @@
 Cases, each after warm calls (plan made, launch bound; the plan reused):
   prefill_causal     ``attn(q, k, v)`` under torch.no_grad, a closed-form mask;
   prefill_doc        ``attn(q, k, v, doc=doc)`` under torch.no_grad, a mask reading a tensor;
+  prefill_sinks      ``attn(q, k, v, sinks=sinks)`` under torch.no_grad, gpt-oss's sliding layer
+                     (``sink = sinks[h]``, window 128, GQA 8:1, d 64);
   prefill_grad       ``attn(q, k, v)`` with q, k, v requiring grad (a training forward);
   backward           ``torch.autograd.grad(o, (q, k, v), do, retain_graph=True)`` on a graph made
                      once (``attnc bench backward``'s bwd phase);
@@ -40,7 +42,7 @@ import sys
 import time
 from pathlib import Path
 
-CASES = ("prefill_causal", "prefill_doc", "prefill_grad", "backward", "decode_paged")
+CASES = ("prefill_causal", "prefill_doc", "prefill_sinks", "prefill_grad", "backward", "decode_paged")
 # torch operations that never launch a kernel on a GPU (allocation, views, metadata)
 NO_KERNEL = frozenset({
     "aten::empty", "aten::empty_like", "aten::empty_strided", "aten::new_empty", "aten::new_empty_strided",
@@ -193,6 +195,19 @@ def make_cases(names, mode: str) -> dict:
             with torch.no_grad():
                 return docs(q, k, v, doc=doc, **kw)
         out["prefill_doc"] = (prefill_doc, {**shape, "mask": "causal documents, 4 per row"})
+    if "prefill_sinks" in names:
+        bs, hq, hkv, ss, ds = (1, 64, 8, 8192, 64) if gpu else (1, 16, 2, 64, 64)
+        sink_attn = attnc.compile(f"attention host_sinks {{ heads = {hq}/{hkv} head_dim = {ds} dtype = {dts} "
+                                  "tensor sinks: f32[h] mask = causal & window(128) sink = sinks[h] }")
+        qs = torch.randn(bs, hq, ss, ds, device=dev, dtype=dt, generator=g)
+        ks, vs = (torch.randn(bs, hkv, ss, ds, device=dev, dtype=dt, generator=g) for _ in range(2))
+        sinks = torch.randn(hq, device=dev, dtype=torch.float32, generator=g)
+
+        def prefill_sinks():
+            with torch.no_grad():
+                return sink_attn(qs, ks, vs, sinks=sinks, **kw)
+        out["prefill_sinks"] = (prefill_sinks, {"B": bs, "H_q": hq, "H_kv": hkv, "S": ss, "d": ds, "dtype": dts,
+                                                "mask": "causal & window(128)", "sink": "sinks[h]"})
     if "prefill_grad" in names or "backward" in names:
         q, k, v = qkv(grad=True)
         if "prefill_grad" in names:

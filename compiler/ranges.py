@@ -10,8 +10,10 @@ located error, so no backend ever wraps around.
 
 **Floats** are IEEE binary32.  ``may_be_nonfinite`` decides whether a score program can turn a
 finite score into NaN or +inf (``exp`` overflow, ``log``/``sqrt`` of a negative, a division by
-a value that may be 0, an f32 tensor read, ...): only such programs pay for the run-time check
-of the non-finite-score policy on the kernels that cannot raise in place.
+a value that may be 0, a sum or product that may overflow, ...): only such programs pay for the
+run-time check of the non-finite-score policy on the kernels that cannot raise in place.  An f32
+tensor's values are inputs, finite as q and K are taken to be (any finite value: a read can still
+make a sum overflow); a NaN or inf in one is found as one in q or K is, by the rows it marks.
 """
 from __future__ import annotations
 
@@ -170,6 +172,10 @@ class _F:
         self.lo, self.hi, self.nan = lo, hi, nan
 
 
+FINITE_INPUT = _F(-FLT_MAX, FLT_MAX)  # an f32 tensor read taken as an input (may_be_nonfinite)
+ANY_VALUE = _F(-math.inf, math.inf, True)  # an f32 tensor read that may hold anything
+
+
 def _round(x: float) -> float:
     return math.copysign(math.inf, x) if abs(x) >= _OVERFLOW else x
 
@@ -201,41 +207,43 @@ def may_be_nonfinite(program: ir.Program) -> bool:
     ints = IntRanges(program.heads_q)
     score = _F(-FLT_MAX, FLT_MAX)
     for stmt in program.score:  # (each statement reads the score the one before it made)
-        score = _evaluator(ints, score)(stmt)
+        score = _evaluator(ints, score, FINITE_INPUT)(stmt)
         if score.nan or score.hi == math.inf:
             return True
     return False
 
 
-def float_range(e: ir.Expr, ints: IntRanges) -> tuple[float, float, bool]:
+def float_range(e: ir.Expr, ints: IntRanges, finite_tensors: bool = False) -> tuple[float, float, bool]:
     """(lo, hi, may be NaN): the values an f32 expression that reads no score may take, its
     integers ranging as ``ints`` has them (compiler/separable.py bounds a score program's parts
-    with it)."""
-    r = _evaluator(ints, _F(-math.inf, math.inf, True))(e)
+    with it); ``finite_tensors``: its f32 tensor reads are finite inputs (what ``may_be_nonfinite``
+    assumes; compiler/sinks.py asks it of a sink), else anything, NaN included."""
+    r = _evaluator(ints, _F(-math.inf, math.inf, True), FINITE_INPUT if finite_tensors else ANY_VALUE)(e)
     return r.lo, r.hi, r.nan
 
 
-def _evaluator(ints: IntRanges, score: _F):
-    """``_float`` over a tree, each shared node evaluated once, ``score`` the range of the score."""
+def _evaluator(ints: IntRanges, score: _F, tensor: _F):
+    """``_float`` over a tree, each shared node evaluated once, ``score`` the range of the score,
+    ``tensor`` that of an f32 tensor read."""
     memo: dict[int, tuple[ir.Expr, _F]] = {}
 
     def f(e: ir.Expr) -> _F:
         hit = memo.get(id(e))
         if hit is not None and hit[0] is e:
             return hit[1]
-        r = _float(e, f, ints, score)
+        r = _float(e, f, ints, score, tensor)
         memo[id(e)] = (e, r)
         return r
     return f
 
 
-def _float(e: ir.Expr, f, ints: IntRanges, score: _F) -> _F:
+def _float(e: ir.Expr, f, ints: IntRanges, score: _F, tensor: _F) -> _F:
     if isinstance(e, ir.Const):
         return _F(float(e.value), float(e.value), math.isnan(e.value))
     if isinstance(e, ir.Var):
         return score
     if isinstance(e, ir.Load):
-        return _F(-math.inf, math.inf, True)  # an f32 tensor may hold anything
+        return tensor
     if isinstance(e, ir.Unary):
         if e.op == "cast_f32":
             lo, hi = ints(e.operand)

@@ -86,6 +86,46 @@ def tensor_gradients(program: ir.Program, dsink, tensors: dict) -> dict[str, np.
     return out
 
 
+class Reduction:
+    """How the gradients of a sink's tensors come from dsink [batch, H_q] without their values: the
+    sink's reads and its derivatives do not depend on tensor values, and every element read is read
+    by the same number of (b, h).  Then ``grad(T).flat[targets[T]] = (dsink * scale[T]).flat[order[T]]
+    .reshape(-1, count[T]).sum(1)``: a gather and a fixed-order sum per element, the same bits every
+    run, on whichever device dsink is (no tensor goes to the host).  ``sink = sinks[h]``: each head's
+    element summed over the batch."""
+
+    def __init__(self, parts: dict[str, tuple]):
+        self.parts = parts  # tensor -> (scale [B, H] f64, order [n] i64, targets [m] i64, count)
+
+
+def reduction(program: ir.Program, batch: int, shapes: dict) -> Reduction | None:
+    """The :class:`Reduction` of the sink's tensor gradients at ``batch`` (the tensors' ``shapes``),
+    or None where the host must evaluate them (:func:`tensor_gradients`): reads or derivatives that
+    depend on tensor values, a tensor read twice, or elements read by different numbers of (b, h)."""
+    loads = f32_loads(program.sink)
+    if program.sink is None or reads_by_value(program) or len({ld.tensor for ld in loads}) != len(loads):
+        return None
+    env = {"b": np.arange(batch).reshape(-1, 1), "h": np.arange(program.heads_q).reshape(1, -1)}
+    full = (batch, program.heads_q)
+    parts = {}
+    for load in loads:
+        d = derivative(program.sink, load)
+        if ir.loads(d):
+            return None
+        scale = np.array(np.broadcast_to(evaluate(d, env, {}, wide=True), full), np.float64)
+        shape = tuple(shapes[load.tensor])
+        index = tuple(np.broadcast_to(evaluate(i, env, {}), full).reshape(-1) for i in load.index)
+        if any(((i < 0) | (i >= n)).any() for i, n in zip(index, shape)):
+            return None  # (the host's evaluation names the read)
+        flat = np.ravel_multi_index(index, shape) if shape else np.zeros(scale.size, np.int64)
+        order = np.argsort(flat, kind="stable")
+        targets, counts = np.unique(flat[order], return_counts=True)
+        if len(counts) and (counts != counts[0]).any():
+            return None
+        parts[load.tensor] = (scale, order.astype(np.int64), targets.astype(np.int64), int(counts[0]) if len(counts) else 1)
+    return Reduction(parts)
+
+
 def tensors_read(program: ir.Program) -> tuple[str, ...]:
     """The f32 tensors the sink reads (they get gradients), in declaration order."""
     if program.sink is None:
@@ -120,5 +160,5 @@ def may_be_nonfinite(program: ir.Program) -> bool:
     """Whether the sink can be NaN or +inf (a kernel that marks such rows then checks its output, as
     for a score program that can: ``ranges.may_be_nonfinite``)."""
     from .ranges import IntRanges, float_range
-    _, hi, nan = float_range(program.sink, IntRanges(program.heads_q))
+    _, hi, nan = float_range(program.sink, IntRanges(program.heads_q), finite_tensors=True)
     return nan or hi == float("inf")

@@ -123,8 +123,10 @@ class BackwardCalls:
         """{tensor: gradient} of the f32 tensors the sink reads, from the saved LSE and the delta
         pass's D - dLSE (every backward launch returns it): dL/dsink = sum over the head's rows of
         p_sink (dLSE - D), p_sink = exp(sink - LSE) (0 where LSE is -inf), a plain reduction per
-        (b, h) (no atomics: the same bits every run), then through the sink's derivative on the host
-        (``compiler.sinks``)."""
+        (b, h) (no atomics: the same bits every run), then through the sink's derivative: on the
+        device where it and the reads depend on no tensor value (``compiler.sinks.reduction``: a
+        gather and a fixed-order sum, no host sync; ``sink = sinks[h]``), else on the host
+        (``compiler.sinks.tensor_gradients``)."""
         import numpy as np
         torch = self._torch
         p = self.program
@@ -132,6 +134,26 @@ class BackwardCalls:
         finite = torch.isfinite(lse)
         p_sink = torch.where(finite, torch.exp(sink - torch.where(finite, lse, 0.0)), 0.0)
         dsink = -(p_sink.double() * delta.double()).sum(-1)
+        shapes = {n: tuple(t.shape) for n, t in tensors.items()}
+        key = ("sink_reduction", lse.shape[0], tuple(sorted(shapes.items())), str(lse.device))
+        made = self.__dict__.setdefault("_sink_reductions", {})  # (few keys: a batch size and shapes each)
+        red = made.get(key, False)
+        if red is False:
+            red = sinks.reduction(p, lse.shape[0], shapes)
+            if red is not None:  # the index arrays on the device once
+                red = {n: tuple(torch.as_tensor(a, device=lse.device) for a in part[:3]) + (part[3],)
+                       for n, part in red.parts.items()}
+            if len(made) >= 64:
+                made.clear()
+            made[key] = red
+        if red is not None:  # on the device, no host sync: a gather and a fixed-order sum
+            out = {}
+            for n, (scale, order, targets, count) in red.items():
+                t = tensors[n]
+                g = torch.zeros(t.numel(), dtype=torch.float64, device=t.device)
+                g[targets] = (dsink * scale).reshape(-1)[order].view(-1, count).sum(1)
+                out[n] = g.view(t.shape).to(t.dtype)
+            return out
         host = {n: t.detach().cpu().numpy() if hasattr(t, "detach") else np.asarray(t) for n, t in tensors.items()}
         grads = sinks.tensor_gradients(p, dsink.cpu().numpy(), host)
         return {n: torch.from_numpy(g).to(device=tensors[n].device, dtype=tensors[n].dtype) for n, g in grads.items()}

@@ -212,10 +212,11 @@ class Kernel(PrefillCalls, BackwardCalls, SplitCalls):
         for key, flag in self._nonfinite.items():
             if bool(flag.any()):
                 flag.zero_()
+                sink = " or a NaN or +inf sink" if self.program.sink is not None else ""
                 raise PlanError(f"a call of '{self.program.name}' on {key} since the last check had NaN or +inf "
-                                "at a visible key (NaN or inf in q or K, a scale that overflows q.k, or the "
-                                "score program): its LSE and O rows are NaN; set ATTNC_CHECK_FINITE=1 to "
-                                "raise at that call, naming the row")
+                                f"at a visible key{sink} (NaN or inf in q, K or a tensor, a scale that overflows "
+                                "q.k, or the score program): its LSE and O rows are NaN; set ATTNC_CHECK_FINITE=1 "
+                                "to raise at that call, naming the row")
 
     def _key(self, q, k, v, tensors: dict) -> tuple:
         ts = tuple((n, tuple(t.shape), t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0)

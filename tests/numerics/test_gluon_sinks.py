@@ -19,6 +19,7 @@ from attnc.backends.triton import choice, gluon_backward as GB, launch, plans, r
 from attnc.backends.triton.emit import emit  # noqa: E402
 from attnc.backends.triton.kernels import gluon_engine  # noqa: E402
 from attnc.compiler import inputs, numerics, oracle, sinks  # noqa: E402
+from attnc.compiler.errors import PlanError  # noqa: E402
 from attnc.compiler.lower import compile_file, compile_spec  # noqa: E402
 from tests.conftest import ROOT, prefill_launches  # noqa: E402
 
@@ -87,6 +88,32 @@ def test_prefill_with_sinks_on_the_engine_matches_the_oracle(name, phase, schedu
     assert empty.any() == (name == "gqa_unseen_rows_d128")
     assert not o[empty].any()
     np.testing.assert_allclose(lse[empty], sink[empty], rtol=0, atol=1e-6)
+
+
+@hopper
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_nan_or_inf_sink_tensor_marks_its_rows_without_a_host_sync(bad, monkeypatch):
+    """``sink = sinks[h]`` makes no non-finite value from finite inputs, so a GPU call does not check
+    its rows at the call (a host sync per call: 456 us of host time in r52's gpt-oss layer): a
+    NaN or +inf in the tensor marks its head's rows NaN and the device flag, check_numerics raises,
+    and ATTNC_CHECK_FINITE=1 raises at the call naming the first row."""
+    program = compile_spec(SPECS["gpt_oss_window_d64"])
+    arrays = inputs.sample(program, 1, 256, 256, seed=7)
+    arrays["sinks"] = np.array(arrays["sinks"], np.float32)
+    arrays["sinks"][3] = bad
+    (q, k, v), tensors = _cuda(program, arrays)
+    kernel = runtime.load(program)
+    monkeypatch.delenv(runtime.CHECK_FINITE_VAR, raising=False)
+    assert kernel._row_check(q)[0] is False, "a tensor sink took the host check"
+    o, lse = kernel(q, k, v, return_lse=True, **tensors)
+    rows = lse.isnan().any(dim=-1)[0].cpu().numpy()
+    assert rows.tolist() == [h == 3 for h in range(program.heads_q)]
+    with pytest.raises(PlanError, match="or a NaN or \\+inf sink"):
+        kernel.check_numerics()
+    kernel.check_numerics()  # (cleared)
+    monkeypatch.setenv(runtime.CHECK_FINITE_VAR, "1")
+    with pytest.raises(PlanError, match=r"query row \(b=0, h=3, q=0\) is NaN"):
+        kernel(q, k, v, **tensors)
 
 
 @hopper

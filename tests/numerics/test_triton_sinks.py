@@ -121,3 +121,18 @@ def test_backward_gives_dq_dk_dv_and_the_sinks_gradient(body):
 def test_a_sink_read_chosen_by_a_tensor_value_is_refused():
     with pytest.raises(PlanError, match="reads a tensor element chosen by a tensor's value"):
         runtime.load(program("sinks[slot[h]]", extra="tensor slot: i32[h] ~ randint(0, 4)"))
+
+
+@pytest.mark.parametrize("sink, at_call", [("sinks[h]", False), ("sinks[h] * 0.5 + b", False),
+                                           ("exp(sinks[h])", True), ("sinks[h] * 2.0", True)])
+def test_a_gpu_call_checks_its_rows_at_the_call_only_where_the_sink_can_make_a_non_finite_value(
+        sink, at_call, monkeypatch):
+    """A tensor's values are inputs, as q and K are: ``sinks[h]`` makes nothing non-finite from finite
+    ones, so a GPU call marks its rows on the device (no host sync); ``exp`` or a product that may
+    overflow checks at the call, as a score program that can does.  (The device flag's own test:
+    test_gluon_sinks.py, on an H200.)"""
+    monkeypatch.setattr(runtime, "marks_on_device", lambda t: True)
+    monkeypatch.delenv(runtime.CHECK_FINITE_VAR, raising=False)
+    kernel = runtime.load(program(sink))
+    q = torch.zeros(1, 4, 2, 16)
+    assert kernel._row_check(q)[0] is at_call

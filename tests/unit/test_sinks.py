@@ -173,3 +173,31 @@ def test_the_checker_refuses_what_a_sink_cannot_be(sink, message):
     text = SPEC.format(sink=sink).replace("tensor sinks", "tensor ids: i32[h] tensor sinks")
     with pytest.raises(SpecError, match=message.replace("(", r"\(").replace(")", r"\)")):
         compile_spec(text)
+
+
+@pytest.mark.parametrize("decl, sink, on_device", [
+    ("tensor sinks: f32[h]", "sinks[h]", True), ("tensor sinks: f32[h]", "2.0 * sinks[h] - 1.0", True),
+    ("tensor sk: f32[b, h]", "sk[b, h]", True), ("tensor sk: f32[h] tensor tb: f32[b]", "sk[h] * 3.0 + tb[b]", True),
+    ("tensor sk: f32[h]", "sk[h // 2]", True),
+    ("tensor sk: f32[h]", "sk[h] * sk[h]", False), ("tensor sk: f32[h]", "exp(sk[h])", False),
+    ("tensor sk: f32[h]", "sk[h % 3]", False)])  # (elements read by 3, 3 and 2 heads)
+def test_the_sink_tensor_gradients_reduce_without_tensor_values_where_they_can(decl, sink, on_device):
+    """``sinks.reduction`` (the Triton backward's device path: a gather and a fixed-order sum, no
+    host sync) gives what the host's evaluation gives, and declines what needs tensor values or
+    reads elements unevenly."""
+    from attnc.compiler import sinks
+    p = compile_spec(f"attention t {{ heads = 8/2 head_dim = 8 dtype = f32 {decl} mask = causal sink = {sink} }}")
+    batch, rng = 3, np.random.default_rng(0)
+    shapes = {t.name: tuple(batch if a == "b" else 8 for a in t.axes) for t in p.tensors}
+    tensors = {n: rng.standard_normal(s).astype(np.float32) for n, s in shapes.items()}
+    dsink = rng.standard_normal((batch, 8))
+    want = sinks.tensor_gradients(p, dsink, tensors)
+    red = sinks.reduction(p, batch, shapes)
+    assert (red is not None) == on_device
+    if red is None:
+        return
+    assert set(red.parts) == set(want)
+    for n, (scale, order, targets, count) in red.parts.items():
+        got = np.zeros(int(np.prod(shapes[n])))
+        got[targets] = (dsink * scale).reshape(-1)[order].reshape(-1, count).sum(1)
+        np.testing.assert_allclose(got.reshape(shapes[n]), want[n], rtol=1e-12, atol=1e-12)
