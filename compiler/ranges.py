@@ -11,9 +11,11 @@ located error, so no backend ever wraps around.
 **Floats** are IEEE binary32.  ``may_be_nonfinite`` decides whether a score program can turn a
 finite score into NaN or +inf (``exp`` overflow, ``log``/``sqrt`` of a negative, a division by
 a value that may be 0, a sum or product that may overflow, ...): only such programs pay for the
-run-time check of the non-finite-score policy on the kernels that cannot raise in place.  An f32
-tensor's values are inputs, finite as q and K are taken to be (any finite value: a read can still
-make a sum overflow); a NaN or inf in one is found as one in q or K is, by the rows it marks.
+run-time check of the non-finite-score policy on the kernels that cannot raise in place.  Its
+inputs -- the scaled q.k and the f32 tensors' values -- are taken to be finite and at most 2^63 in
+magnitude (``FINITE_INPUT``: sums and products of two are finite, ``exp`` of one is not); a NaN or
+inf in them, or a larger value that overflows, is the inputs' and is found as a NaN in q or K is,
+by the rows it marks (on a GPU, the device flag).
 """
 from __future__ import annotations
 
@@ -172,7 +174,8 @@ class _F:
         self.lo, self.hi, self.nan = lo, hi, nan
 
 
-FINITE_INPUT = _F(-FLT_MAX, FLT_MAX)  # an f32 tensor read taken as an input (may_be_nonfinite)
+INPUT_BOUND = 2.0 ** 63
+FINITE_INPUT = _F(-INPUT_BOUND, INPUT_BOUND)  # the score or an f32 tensor read, as may_be_nonfinite takes them
 ANY_VALUE = _F(-math.inf, math.inf, True)  # an f32 tensor read that may hold anything
 
 
@@ -200,12 +203,12 @@ def _mul(a: float, b: float) -> float:
 
 
 def may_be_nonfinite(program: ir.Program) -> bool:
-    """Whether the score program can produce NaN or +inf from a finite score (the scaled q.k):
+    """Whether the score program can produce NaN or +inf from finite inputs (``FINITE_INPUT``):
     the kernels that cannot raise at the cell then check their output rows after the call."""
     if not program.score:
         return False
     ints = IntRanges(program.heads_q)
-    score = _F(-FLT_MAX, FLT_MAX)
+    score = FINITE_INPUT
     for stmt in program.score:  # (each statement reads the score the one before it made)
         score = _evaluator(ints, score, FINITE_INPUT)(stmt)
         if score.nan or score.hi == math.inf:

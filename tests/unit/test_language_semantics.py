@@ -244,9 +244,11 @@ def test_minus_infinity_drops_a_visible_cell():
 def test_may_be_nonfinite_knows_the_safe_score_programs():
     from attnc.compiler.ranges import may_be_nonfinite
     safe = ["softcap(score, 20.0)", "score - exp(-(h + 1) * log(2.0)) * (q - k)", "score * 0.5 + tanh(score)",
-            "where(k > q, score, -score)", "erf(score) + sin(score) * cos(score)"]
+            "where(k > q, score, -score)", "erf(score) + sin(score) * cos(score)",
+            "score + w[h]", "score * w[h]", "score - w[h] * (q - k)"]  # (inputs: finite, at most 2^63)
     risky = ["exp(score * 100.0)", "sqrt(score)", "score / (q - k)", "log(score)", "score * 1e30",
-             "score + w[h]", "sin(exp(score))", "score + log(0.0 - 1.0)", "score + log(0.0 - h)"]
+             "sin(exp(score))", "score + log(0.0 - 1.0)", "score + log(0.0 - h)", "score + exp(w[h])",
+             "score * score * score", "score / w[h]"]
     decl = "tensor w: f32[h] ~ uniform(-1, 1) "
     assert not any(may_be_nonfinite(spec(decl + f"score = {s}")) for s in safe)
     assert all(may_be_nonfinite(spec(decl + f"score = {s}")) for s in risky)
