@@ -138,7 +138,8 @@ class PrefillCalls:
     def _launch(self, bound: _Bound, key, q, k, v, tensors: dict, asked, flag=None):
         """Find (or make) the launch for this call's plan and run it: (O, LSE, whether the launch
         marked the non-finite ``flag``).  ``asked``: (plan, options) of a call that overrides the
-        launch layer; such calls are not cached by key."""
+        launch layer: with options alone they are cached under the call's key and the options (a
+        plan given is the caller's: not cached)."""
         torch = self._torch
         if bound.emulate:
             q, k, v = (x.float() for x in (q, k, v))
@@ -152,6 +153,9 @@ class PrefillCalls:
             raise InputError(f"inputs: missing key '{e.args[0]}'") from None
         if asked is None:
             launch = self._cached_launch(bound, key, qb, kb, vb, tensors)
+        elif asked[0] is None and (okey := self._options_key(q, k, v, tensors, asked[1])) is not None:
+            key = okey  # launch options, no plan: cached like any call, keyed with them
+            launch = self._cached_launch(bound, key, qb, kb, vb, tensors, options=asked[1])
         else:
             launch = self._make_launch(bound, qb, kb, vb, tensors, *asked)
         out = qb.new_empty(bound.out_shape)  # (qb's dtype and q's device; new_empty: the cheapest allocation call)
@@ -185,7 +189,17 @@ class PrefillCalls:
         named = [tensors[n] for n in self._tensor_names if n in tensors]
         return named, (self.digest, *key, tuple(P.tensor_key(n, tensors[n]) for n in self._tensor_names if n in tensors))
 
-    def _cached_launch(self, bound: _Bound, key, qb, kb, vb, tensors: dict, fp8: bool = False):
+    def _options_key(self, q, k, v, tensors: dict, options: dict):
+        """The key of a call with launch ``options`` (and no plan): its call key and the options
+        given, or None where they cannot be a key."""
+        try:
+            asked = tuple(sorted((n, x) for n, x in options.items() if x is not None))
+            hash(asked)
+            return ("options", self._key(q, k, v, tensors), asked)
+        except (TypeError, NotImplementedError, RuntimeError, AttributeError):
+            return None
+
+    def _cached_launch(self, bound: _Bound, key, qb, kb, vb, tensors: dict, fp8: bool = False, options=None):
         if bound.plan_key is not None:
             named, pkey = (), bound.plan_key
         else:
@@ -197,7 +211,7 @@ class PrefillCalls:
                 raise PlanError("a prefill call is being captured in a CUDA graph but its plan is not made yet: "
                                 "run the call once before capture (its plan is then reused), and for a mask that "
                                 "reads tensors, capture with the same tensors (a graph replays its plan)")
-            launch = self._make_launch(bound, qb, kb, vb, tensors, None, {}, fp8=fp8)
+            launch = self._make_launch(bound, qb, kb, vb, tensors, None, dict(options or {}), fp8=fp8)
             P.PLANS.put(pkey, launch, P.nbytes_of(launch.arrays), named)
         return launch
 

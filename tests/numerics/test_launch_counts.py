@@ -59,6 +59,37 @@ def test_a_prefill_call_is_one_launch(gpu_path):
     assert per_call(lambda: docs(q, k, v, doc=doc, backend="triton")) == ({"_attn_fwd": 1}, {}, 0)
 
 
+def test_a_sink_and_a_bias_tensor_cost_no_host_check(gpu_path):
+    """``sink = sinks[h]`` and ``score + bias[...]`` make nothing non-finite from finite inputs: the
+    kernel marks a NaN row itself, and the call neither syncs nor copies (r52: 456 us of host time
+    per gpt-oss forward call when a tensor sink forced the host check)."""
+    q, k, v = qkv()
+    sinks = attnc.compile("attention s { dtype = f16 tensor sinks: f32[h] mask = causal & window(8) sink = sinks[h] }")
+    s = torch.randn(2)
+    assert per_call(lambda: sinks(q, k, v, sinks=s, backend="triton")) == ({"_attn_fwd": 1}, {}, 0)
+    bias = attnc.compile("attention b { dtype = f16 tensor bias: f32[h, s, s] mask = causal score = score + bias[h, q, k] }")
+    t = torch.randn(2, 16, 16)
+    assert per_call(lambda: bias(q, k, v, bias=t, backend="triton")) == ({"_attn_fwd": 1}, {}, 0)
+
+
+def test_a_call_with_launch_options_reuses_its_plan(gpu_path, monkeypatch):
+    """Options (an engine, tiles) once made a plan and a launch per call (18-51 ms per call on the
+    H200 at S = 8K in r52's sink study): now the launch is cached under the call and its options."""
+    from tests.conftest import prefill_launches
+    made = prefill_launches(monkeypatch)
+    from attnc.compiler.lower import compile_spec
+    kernel = runtime.load(compile_spec("attention c { heads = 2 head_dim = 16 dtype = f16 mask = causal & window(8) }"))
+    q, k, v = qkv()
+    first = kernel(q, k, v, engine="triton", block_m=16, block_n=16)
+    for _ in range(2):
+        again = kernel(q, k, v, engine="triton", block_m=16, block_n=16)
+    assert len(made) == 1 and torch.equal(first, again)
+    kernel(q, k, v, engine="triton", block_m=16, block_n=32)  # other options: their own
+    kernel(q, k, v)
+    assert len(made) == 3 and made[1].config.block_n == 32
+    assert per_call(lambda: kernel(q, k, v, engine="triton"))[0] == {"_attn_fwd": 1}
+
+
 def test_a_decode_call_is_the_split_and_the_combine(gpu_path):
     """Paged GQA decode: the producer and the combine, which marks the flag (no third launch)."""
     attn = attnc.compile("attention p { dtype = f16 mask = causal cache = paged(page_size = 4, layout = nhd) }")
