@@ -98,7 +98,8 @@ class BackwardCalls:
         if want:
             from . import score_grads
             if self._score_wanted(want):
-                dts = score_grads.tensor_gradients(self, launch, qb, kb, vb, ob, lse, dob, dlse, ts, tensors, want)
+                dts = score_grads.tensor_gradients(self, launch, qb, kb, vb, lse, delta, dob, ts, tensors, want,
+                                                   call_key if not bound.emulate else None)
             sunk = [n for n in want if n in sinks.tensors_read(self.program)]
             if sunk:
                 grads = self._sink_grads(lse, delta, ts, tensors)

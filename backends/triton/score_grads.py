@@ -22,7 +22,7 @@ are refused with the reason (the numpy backend gives them on the CPU).
 from __future__ import annotations
 
 from attnc.compiler import ir
-from .grad import DELTA_ROWS, triton_cdiv
+from .launch import Launcher
 from .kernels.tensor_grads import _bwd_tensor_grad
 
 AXES = ("b", "h", "q", "k")
@@ -69,18 +69,17 @@ def _workspace(shape: tuple, device):
     return torch.empty(shape, device=device, dtype=torch.float32)
 
 
-def tensor_gradients(kernel, launch, qb, kb, vb, ob, lse, dob, dlse, ts, tensors: dict, names) -> dict:
+def tensor_gradients(kernel, launch, qb, kb, vb, lse, delta, dob, ts, tensors: dict, names, key=None) -> dict:
     """{name: gradient} of the named score tensors (module docstring); bhsd views of the call's
-    q, k, v, O and dO, ``launch`` the call's ``grad.BackwardLaunch`` (its plan's tile classes)."""
+    q, k, v and dO, ``launch`` the call's ``grad.BackwardLaunch`` (its plan's tile classes) and
+    ``delta`` what it returned (D - dLSE); ``key`` the call's binding key (None: the JIT), which
+    with the load fixes the launch's specialization."""
     import torch
     program, module = kernel.program, kernel.module
     spec = module.SPEC
     batch, s_q, s_k = launch.batch, launch.s_q, launch.s_k
     h_q = spec["H_Q"]
-    delta = torch.empty((batch, h_q, s_q), device=qb.device, dtype=torch.float32)  # D, as the backward's
-    launch.delta[dlse is not None].launch((triton_cdiv(s_q, DELTA_ROWS), batch * h_q),
-                                          (ob, dob, delta if dlse is None else dlse, delta, *ob.stride(),
-                                           *dob.stride(), s_q))
+    launchers = launch.__dict__.setdefault("tensor_grad_launchers", {})
     bm, bn = launch.config.block_m2, launch.config.block_n2
     _, _, q_off, k_off, plan_b, plan_h, _, q_tiles = launch.ints[:8]
     k_tiles = -(-s_k // bn)
@@ -94,15 +93,20 @@ def tensor_gradients(kernel, launch, qb, kb, vb, ob, lse, dob, dlse, ts, tensors
         work = _workspace(work_shape(kept, batch, h_q, s_q, s_k, q_tiles), qb.device)
         tiles = (q_tiles * k_tiles if keep["q"] and keep["k"] else k_tiles if keep["k"] else q_tiles)
         grid = (tiles, (batch if keep["b"] else 1) * (h_q if keep["h"] else 1))
-        _bwd_tensor_grad[grid](
-            qb, kb, vb, dob, lse, delta, launch.arrays["r_cls"], work, *qb.stride(), *kb.stride(), *vb.stride(),
-            *dob.stride(), ts, batch, s_q, s_k, q_off, k_off, plan_b, plan_h, q_tiles, k_tiles, N=n,
-            KEEP_B=keep["b"], KEEP_H=keep["h"], KEEP_Q=keep["q"], KEEP_K=keep["k"],
-            EVEN=s_q % bm == 0 and s_k % bn == 0, BLOCK_M=bm, BLOCK_N=bn, VISIBLE=module.visible,
-            SCORE_GRAD=launch.score_grad, TENSOR_GRAD=module.tensor_grad, HAS_SCORE=spec["HAS_SCORE"],
-            SCALE=spec["SCALE"], H_Q=h_q, GROUP=spec["GROUP"], D_QK=spec["D_QK"], D_V=spec["D_V"],
-            D_QK_PAD=spec["D_QK_PAD"], D_V_PAD=spec["D_V_PAD"], DOT_PRECISION=spec["DOT_PRECISION"],
-            num_warps=8 if bm * bn >= 128 * 64 else 4)
+        which = (n, *keep.values())
+        launcher = launchers.get(which)
+        if launcher is None:  # (one per load and kept axes: the launch's shape fixes the rest)
+            launcher = launchers[which] = Launcher(
+                _bwd_tensor_grad, dict(
+                    N=n, KEEP_B=keep["b"], KEEP_H=keep["h"], KEEP_Q=keep["q"], KEEP_K=keep["k"],
+                    EVEN=s_q % bm == 0 and s_k % bn == 0, BLOCK_M=bm, BLOCK_N=bn, VISIBLE=module.visible,
+                    SCORE_GRAD=launch.score_grad, TENSOR_GRAD=module.tensor_grad, HAS_SCORE=spec["HAS_SCORE"],
+                    SCALE=spec["SCALE"], H_Q=h_q, GROUP=spec["GROUP"], D_QK=spec["D_QK"], D_V=spec["D_V"],
+                    D_QK_PAD=spec["D_QK_PAD"], D_V_PAD=spec["D_V_PAD"], DOT_PRECISION=spec["DOT_PRECISION"]),
+                num_warps=8 if bm * bn >= 128 * 64 else 4)
+        launcher.launch(grid, (qb, kb, vb, dob, lse, delta, launch.arrays["r_cls"], work, *qb.stride(), *kb.stride(),
+                               *vb.stride(), *dob.stride(), ts, batch, s_q, s_k, q_off, k_off, plan_b, plan_h,
+                               q_tiles, k_tiles), None if key is None else (key, which))
         summed = work if keep["q"] or keep["k"] else work.sum(-1)  # the query tiles' partial sums
         if "h" not in axes and keep["h"]:
             summed = summed.sum(kept.index("h"))

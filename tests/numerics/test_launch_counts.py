@@ -112,6 +112,19 @@ def test_a_backward_through_autograd_is_two_launches(gpu_path):
     assert launches == ({"_bwd_delta": 1, "_bwd_main": 1}, {}, 0)
 
 
+def test_a_learned_bias_backward_adds_one_launch_and_no_host_work(gpu_path):
+    """``score + bias[h, q, k]`` with bias requiring grad: the delta pass (once: the gradient's
+    launch reads the backward's D), the main pass and the bias's reduction, bound like the others
+    (not through the JIT per call); no copy, no sync."""
+    attn = attnc.compile("attention b { dtype = f16 tensor bias: f32[h, s, s] mask = causal score = score + bias[h, q, k] }")
+    q, k, v = qkv(grad=True)
+    bias = torch.randn(2, 16, 16).requires_grad_()
+    o = attn(q, k, v, bias=bias, backend="triton")
+    do = torch.randn_like(o)
+    launches = per_call(lambda: torch.autograd.grad(o, (q, k, v, bias), do, retain_graph=True))
+    assert launches == ({"_bwd_delta": 1, "_bwd_main": 1, "_bwd_tensor_grad": 1}, {}, 0)
+
+
 def test_the_kernels_mark_non_finite_rows_without_a_launch_of_their_own(gpu_path):
     """A NaN in q makes its rows' LSE NaN: the prefill kernel and the split combine set the device
     flag that check_numerics raises (and clears), with the launch counts above."""

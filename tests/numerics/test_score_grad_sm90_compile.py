@@ -37,20 +37,16 @@ from attnc.backends.triton import grad as G, launch as L, score_grads as SG
 from attnc.backends.triton.emit import emit
 from attnc.compiler.plan import plan as make_plan
 driver.set_active(SM90())
-kernel, compiled = SG._bwd_tensor_grad, []
+compiled = []
 
 
-class Warmup:  # tensor_gradients' launches, compiled only
-    def __getitem__(self, grid):
-        def launch(*args, **kw):
-            k = kernel.warmup(*args, grid=grid, **kw)
-            compiled.append([kw[n] for n in ("KEEP_B", "KEEP_H", "KEEP_Q", "KEEP_K")] if k.asm["ptx"] else None)
-        return launch
+def warmup(self, grid, args, key=None, stream=None):  # every launch compiled only
+    k = self.fn.warmup(*args, grid=grid, **self.constexprs, **self.options)
+    if self.fn is SG._bwd_tensor_grad:  # tensor_gradients' launches
+        compiled.append([self.constexprs[n] for n in ("KEEP_B", "KEEP_H", "KEEP_Q", "KEEP_K")] if k.asm["ptx"] else None)
 
 
-SG._bwd_tensor_grad = Warmup()
-L.Launcher.launch = lambda self, grid, args, key=None, stream=None: self.fn.warmup(  # D's launch, compiled only
-    *args, grid=grid, **self.constexprs, **self.options)
+L.Launcher.launch = warmup
 text = ("attention lt { heads = 4 / 2 head_dim = 128 tensor bias: f32[h, s, s] tensor slope: f32[h] "
         "tensor kb: f32[b, s] tensor rb: f32[b, h, s] "
         "score = score + bias[h, q, k] - slope[h] * (q - k) + kb[b, k] + rb[b, h, q] "
@@ -64,8 +60,8 @@ cfg = G.default_backward_config(d, d, False)
 dq_plan = make_plan(program, b, s, s, {n: t.numpy() for n, t in tensors.items()}, bm2, bn2)
 launch = G.BackwardLaunch(module, cfg, dq_plan.retile(bm1, bn1), dq_plan, (b, s, s), "cpu")
 q, k = torch.zeros(b, 4, s, d, dtype=torch.bfloat16), torch.zeros(b, 2, s, d, dtype=torch.bfloat16)
-SG.tensor_gradients(types.SimpleNamespace(program=program, module=module), launch, q, k, k, q, torch.zeros(b, 4, s), q,
-                    None, L.call_tensor_args(module, tensors, b, s, s, "cpu"), tensors, tuple(tensors))
+SG.tensor_gradients(types.SimpleNamespace(program=program, module=module), launch, q, k, k, torch.zeros(b, 4, s),
+                    torch.zeros(b, 4, s), q, L.call_tensor_args(module, tensors, b, s, s, "cpu"), tensors, tuple(tensors))
 print(json.dumps({"compiled": compiled}))
 '''
 
