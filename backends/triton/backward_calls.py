@@ -11,6 +11,7 @@ from . import launch as L
 from . import plans as P
 from .decode import _check_gpu_tile
 from .device import interpreted
+from .kernels.sink_grad import _sink_grad
 
 
 class BackwardCalls:
@@ -123,18 +124,24 @@ class BackwardCalls:
     def _sink_grads(self, lse, delta, ts: tuple, tensors: dict) -> dict:
         """{tensor: gradient} of the f32 tensors the sink reads, from the saved LSE and the delta
         pass's D - dLSE (every backward launch returns it): dL/dsink = sum over the head's rows of
-        p_sink (dLSE - D), p_sink = exp(sink - LSE) (0 where LSE is -inf), a plain reduction per
-        (b, h) (no atomics: the same bits every run), then through the sink's derivative: on the
+        p_sink (dLSE - D), p_sink = exp(sink - LSE) (0 where LSE is -inf), one launch with a
+        program per (b, h) (``kernels/sink_grad.py``: no atomics, the same bits every run), then
+        through the sink's derivative: on the
         device where it and the reads depend on no tensor value (``compiler.sinks.reduction``: a
         gather and a fixed-order sum, no host sync; ``sink = sinks[h]``), else on the host
         (``compiler.sinks.tensor_gradients``)."""
         import numpy as np
         torch = self._torch
         p = self.program
-        sink = L.sink_values(self.module, lse.shape[0], ts, lse.device)[..., None]
-        finite = torch.isfinite(lse)
-        p_sink = torch.where(finite, torch.exp(sink - torch.where(finite, lse, 0.0)), 0.0)
-        dsink = -(p_sink.double() * delta.double()).sum(-1)
+        batch, h_q, s_q = lse.shape
+        dsink = torch.empty((batch, h_q), device=lse.device, dtype=torch.float32)
+        if batch * h_q:
+            lz = self.__dict__.get("_sink_grad_launcher")
+            if lz is None:
+                lz = self._sink_grad_launcher = L.Launcher(_sink_grad, dict(SINK=self.module.sink_value, H_Q=h_q,
+                                                                           BLOCK=256), num_warps=4)
+            args = (lse, delta.contiguous(), dsink, ts, s_q)
+            lz.launch((batch * h_q,), args, ("sink_grad", L.spec_key(args)))
         shapes = {n: tuple(t.shape) for n, t in tensors.items()}
         key = ("sink_reduction", lse.shape[0], tuple(sorted(shapes.items())), str(lse.device))
         made = self.__dict__.setdefault("_sink_reductions", {})  # (few keys: a batch size and shapes each)

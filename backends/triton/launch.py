@@ -218,19 +218,6 @@ def row_sinks(module, launchers: dict, total_q: int, arrays: dict, ts: tuple, un
     return out
 
 
-def sink_values(module, batch: int, ts: tuple, device):
-    """The spec's sink of every (request, query head), float32 [batch, H_q], on the device (the
-    generated ``sink_value`` through ``split._sink_rows``, one row per request)."""
-    import torch
-    h_q = module.SPEC["H_Q"]
-    out = torch.empty((batch, h_q), device=device, dtype=torch.float32)
-    if batch:
-        rows = torch.arange(batch + 1, dtype=torch.int32, device=device)
-        Launcher(split._sink_rows, dict(SINK=module.sink_value, H_Q=h_q, H_PAD=W.next_power_of_2(h_q)),
-                 num_warps=1).launch((batch,), (out, rows, ts))
-    return out
-
-
 def tensor_args(module, tensors: dict, lengths=None) -> tuple:
     """TS: the spec's tensors, each followed by its strides and sizes, in the module's order;
     then, for a spec that reads S_q or S_k (``module.LENGTHS``), the call's ``lengths``:
