@@ -102,8 +102,10 @@ def reduction(program: ir.Program, batch: int, shapes: dict) -> Reduction | None
     """The :class:`Reduction` of the sink's tensor gradients at ``batch`` (the tensors' ``shapes``),
     or None where the host must evaluate them (:func:`tensor_gradients`): reads or derivatives that
     depend on tensor values, a tensor read twice, or elements read by different numbers of (b, h)."""
+    if program.sink is None or reads_by_value(program):
+        return None
     loads = f32_loads(program.sink)
-    if program.sink is None or reads_by_value(program) or len({ld.tensor for ld in loads}) != len(loads):
+    if len({ld.tensor for ld in loads}) != len(loads):
         return None
     env = {"b": np.arange(batch).reshape(-1, 1), "h": np.arange(program.heads_q).reshape(1, -1)}
     full = (batch, program.heads_q)
