@@ -123,38 +123,15 @@ class BackwardCalls:
 
     def _sink_grads(self, lse, delta, ts: tuple, tensors: dict) -> dict:
         """{tensor: gradient} of the f32 tensors the sink reads, from the saved LSE and the delta
-        pass's D - dLSE (every backward launch returns it): dL/dsink = sum over the head's rows of
-        p_sink (dLSE - D), p_sink = exp(sink - LSE) (0 where LSE is -inf), one launch with a
-        program per (b, h) (``kernels/sink_grad.py``: no atomics, the same bits every run), then
-        through the sink's derivative: on the
-        device where it and the reads depend on no tensor value (``compiler.sinks.reduction``: a
-        gather and a fixed-order sum, no host sync; ``sink = sinks[h]``), else on the host
-        (``compiler.sinks.tensor_gradients``)."""
+        pass's D - dLSE (every backward launch returns it): dL/dsink per (b, h) (:meth:`_dsink`),
+        then through the sink's derivative: on the device where it and the reads depend on no
+        tensor value (``compiler.sinks.reduction``: a gather and a fixed-order sum, no host sync;
+        ``sink = sinks[h]``), else on the host (``compiler.sinks.tensor_gradients``)."""
         import numpy as np
         torch = self._torch
-        p = self.program
-        batch, h_q, s_q = lse.shape
-        dsink = torch.empty((batch, h_q), device=lse.device, dtype=torch.float32)
-        if batch * h_q:
-            lz = self.__dict__.get("_sink_grad_launcher")
-            if lz is None:
-                lz = self._sink_grad_launcher = L.Launcher(_sink_grad, dict(SINK=self.module.sink_value, H_Q=h_q,
-                                                                           BLOCK=256), num_warps=4)
-            args = (lse, delta.contiguous(), dsink, ts, s_q)
-            lz.launch((batch * h_q,), args, ("sink_grad", L.spec_key(args)))
-        shapes = {n: tuple(t.shape) for n, t in tensors.items()}
-        key = ("sink_reduction", lse.shape[0], tuple(sorted(shapes.items())), str(lse.device))
-        made = self.__dict__.setdefault("_sink_reductions", {})  # (few keys: a batch size and shapes each)
-        red = made.get(key, False)
-        if red is False:
-            red = sinks.reduction(p, lse.shape[0], shapes)
-            if red is not None:  # the index arrays on the device once
-                red = {n: tuple(torch.as_tensor(a, device=lse.device) for a in part[:3]) + (part[3],)
-                       for n, part in red.parts.items()}
-            if len(made) >= 64:
-                made.clear()
-            made[key] = red
-        if red is not None:  # on the device, no host sync: a gather and a fixed-order sum
+        dsink = self._dsink(lse, delta, ts)
+        red = self._sink_reduction(lse.shape[0], tensors, lse.device)
+        if red is not None:
             out = {}
             for n, (scale, order, targets, count) in red.items():
                 t = tensors[n]
@@ -163,8 +140,40 @@ class BackwardCalls:
                 out[n] = g.view(t.shape).to(t.dtype)
             return out
         host = {n: t.detach().cpu().numpy() if hasattr(t, "detach") else np.asarray(t) for n, t in tensors.items()}
-        grads = sinks.tensor_gradients(p, dsink.cpu().numpy(), host)
+        grads = sinks.tensor_gradients(self.program, dsink.cpu().numpy(), host)
         return {n: torch.from_numpy(g).to(device=tensors[n].device, dtype=tensors[n].dtype) for n, g in grads.items()}
+
+    def _dsink(self, lse, delta, ts: tuple):
+        """dL/dsink [B, H_q] float32 = sum over the head's rows of p_sink (dLSE - D), p_sink =
+        exp(sink - LSE) (0 where LSE is -inf): one launch, a program per (b, h) with its rows in a
+        fixed order (``kernels/sink_grad.py``: no atomics, the same bits every run)."""
+        batch, h_q, s_q = lse.shape
+        dsink = self._torch.empty((batch, h_q), device=lse.device, dtype=self._torch.float32)
+        if batch * h_q:
+            lz = self.__dict__.get("_sink_grad_launcher")
+            if lz is None:
+                lz = self._sink_grad_launcher = L.Launcher(_sink_grad, dict(SINK=self.module.sink_value, H_Q=h_q,
+                                                                           BLOCK=256), num_warps=4)
+            args = (lse, delta.contiguous(), dsink, ts, s_q)
+            lz.launch((batch * h_q,), args, ("sink_grad", L.spec_key(args)))
+        return dsink
+
+    def _sink_reduction(self, batch: int, tensors: dict, device) -> dict | None:
+        """``compiler.sinks.reduction`` of this call's batch and tensor shapes with its index arrays
+        on ``device`` ({tensor: (scale, order, targets, count)}), made once per key; None: the host's."""
+        shapes = {n: tuple(t.shape) for n, t in tensors.items()}
+        key = (batch, tuple(sorted(shapes.items())), str(device))
+        made = self.__dict__.setdefault("_sink_reductions", {})  # (few keys: a batch size and shapes each)
+        red = made.get(key, False)
+        if red is False:
+            red = sinks.reduction(self.program, batch, shapes)
+            if red is not None:
+                red = {n: tuple(self._torch.as_tensor(a, device=device) for a in part[:3]) + (part[3],)
+                       for n, part in red.parts.items()}
+            if len(made) >= 64:
+                made.clear()
+            made[key] = red
+        return red
 
     def _backward_bind(self, q, k, v, o, lse, do, dlse, tensors: dict, config, want: tuple):
         """(what a backward call's key fixes, the Gluon passes' choice or None, the Triton passes'
