@@ -12,6 +12,7 @@ from attnc.compiler import oracle
 from attnc.compiler.analysis.intervals import analyze
 from attnc.compiler.analysis.tile_eval import NumpyTileEvaluator, classify_tiles
 from attnc.compiler.analysis.tiles import FULL, PARTIAL, SKIP, plan_tiles
+from attnc.compiler.errors import PlanError
 from attnc.compiler.lower import compile_spec
 from attnc.compiler.oracle import dense_mask
 from attnc.compiler.plan import plan as make_plan
@@ -29,11 +30,15 @@ ATOMS = (
 DOC = "tensor doc: i32[b, s]"
 
 
+# reads that may leave the tensor (past the last key or row, before the first): errors only where used
+READS = ("doc[b, k + {c}] == 0", "doc[b, q + {c}] == 1", "doc[b, k - {c}] == doc[b, q]", "doc[b, q - {c}] < 2")
+
+
 @st.composite
-def masks(draw):
+def masks(draw, atoms=ATOMS):
     """A random mask of two to four atoms under &, | and !, with its call shape and tiles."""
     def one():
-        a = draw(st.sampled_from(ATOMS)).format(w=draw(st.integers(1, 24)), c=draw(st.integers(1, 8)),
+        a = draw(st.sampled_from(atoms)).format(w=draw(st.integers(1, 24)), c=draw(st.integers(1, 8)),
                                                  p=draw(st.integers(2, 20)), d=draw(st.integers(2, 4)),
                                                  m=draw(st.sampled_from([1, 2, 4, 6, 8, 12, 16])))
         return f"!({a})" if draw(st.integers(0, 5)) == 0 else f"({a})"
@@ -80,6 +85,27 @@ def test_plans_classify_every_tile_exactly(case):
     decided = (safe.classes == want) | (safe.classes == PARTIAL)
     assert decided.all(), expr
     assert int((safe.classes != want).sum()) <= safe.undecided
+
+
+@PROPERTY
+@given(masks(ATOMS + READS * 3))
+def test_plans_raise_the_oracles_read_error_exactly_where_it_does(case):
+    """Reads that may leave their tensor under guards of every kind (exact, periodic, bitwise): the
+    plan raises the oracle's error when a cell that uses the read is out of range, and otherwise
+    plans every tile exactly (the analysis once raised where the guard kept no such cell)."""
+    expr, s_q, s_k, block_m, block_n, seed = case
+    p = program(expr)
+    tensors = call_tensors(p, 2, s_k, seed)
+    try:
+        want = dense_mask(p, 2, s_q, s_k, tensors)
+    except PlanError as e:
+        with pytest.raises(PlanError) as got:
+            make_plan(p, 2, s_q, s_k, tensors, block_m, block_n)
+        assert str(got.value) == str(e), expr
+        return
+    plan = make_plan(p, 2, s_q, s_k, tensors, block_m, block_n)
+    b_, h_ = plan.intervals.shape[:2]
+    np.testing.assert_array_equal(plan.tiles.classes, brute_classes(want[:b_, :h_], block_m, block_n), err_msg=expr)
 
 
 def test_an_exact_analysis_evaluates_nothing():
