@@ -42,11 +42,18 @@ indices in a step with no cache reads), where ``unit`` is the physical rows per 
 the block stride ``2 L P``); a page start that is not on a unit boundary is refused, so a layout
 change in transformers is an error, never a wrong answer.
 
-**Refused, saying why:** sliding-window layers (transformers keeps them in a ring buffer: the token
-at position ``t`` lives in slot ``t mod window``, and attnc's pages hold position ``t`` at page
-``t // P``; Mistral, Gemma-2, gpt-oss's sliding layers), CUDA-graph capture (an append validates on
-the host: pass ``ContinuousBatchingConfig(use_cuda_graph=False)``), softcap, dropout, position bias.
-Learned sinks (``s_aux``, gpt-oss) join the spec as ``sink = sinks[h]``.
+**Sliding-window layers** (Mistral, gpt-oss's sliding layers): transformers keeps them in a ring
+buffer (the token at position ``t`` in slot ``t mod window``), which attnc's page layout (position
+``t`` at page ``t // P``) cannot address, and a step's new rows overwrite keys its earlier queries
+still see, so the cache must be read before it is written.  On the 5.24 API the model's cache
+update does exactly that for them (``_gather_sliding_layers`` sends those layers down its index
+path while the full layers keep the page table): each request's last ``window - 1`` cached rows and
+its new rows, which one ragged ``attn.decode`` with ``causal & window(n)`` attends over.  On the
+5.17 API they are refused, saying why.
+
+**Refused, saying why:** CUDA-graph capture (an append validates on the host: pass
+``ContinuousBatchingConfig(use_cuda_graph=False)``), softcap, dropout, position bias.  Learned
+sinks (``s_aux``, gpt-oss) join the spec as ``sink = sinks[h]``.
 """
 from __future__ import annotations
 
@@ -112,6 +119,19 @@ def paged_attention_for(page_size: int, scale: float | None, sinks: bool) -> "at
     return attnc.compile(paged_spec_text(page_size, scale, sinks), name="transformers_paged")
 
 
+def window_spec_text(window: int, scale: float | None = None, sinks: bool = False) -> str:
+    """The spec of a sliding-window layer's step: ``causal & window(n)`` (transformers'
+    ``kv_idx > q_idx - sliding_window``) over the ragged K/V transformers gathers for it (each
+    request's last ``window - 1`` cached rows, then its new rows)."""
+    text = paged_spec_text(1, scale, sinks).replace("mask = causal", f"mask = causal & window({int(window)})")
+    return text.replace("cache = paged(page_size = 1, layout = nhd, table = dense)", "cache = ragged")
+
+
+@functools.lru_cache(maxsize=None)
+def window_attention_for(window: int, scale: float | None, sinks: bool) -> "attnc.Attention":
+    return attnc.compile(window_spec_text(window, scale, sinks), name="transformers_window")
+
+
 # ---------------------------------------------------------------- one attention group's pages
 class _Pool:
     """One attention group's pages in attnc's layout: ``unit`` physical rows per page id in
@@ -129,12 +149,16 @@ class _Pool:
             self.group = allocator.index
             self.page_size = int(allocator.tokens_per_page)
             self.unit = int(allocator.block_physical_stride)
-        if self.sliding:
-            raise InputError(f"transformers: layer {layer_idx} is a sliding-window layer; continuous batching keeps its "
+            self.window = getattr(allocator, "sliding_window", None)
+            if self.sliding and not (isinstance(self.window, int) and self.window > 0):
+                raise InputError(f"transformers: layer {layer_idx} is a {allocator.layer_type!r} layer without a "
+                                 "positive sliding_window; attnc's integration knows full and sliding-window layers")
+        if self.sliding and api() == "attention":
+            raise InputError(f"transformers: layer {layer_idx} is a sliding-window layer; this transformers keeps its "
                              "K/V in a ring buffer (position t in slot t mod window), which attnc's paged layout "
-                             "(position t at page t // page_size) cannot read. Models with sliding layers are not "
-                             "supported under continuous batching with attnc (use generate() with attnc, or "
-                             "transformers' own paged implementation)")
+                             "(position t at page t // page_size) cannot read, and attnc's integration reads "
+                             "sliding layers only where the model gathers them (transformers 5.24's API). Use "
+                             "generate() with attnc, or transformers' own paged implementation")
 
     def pages(self, c, layer_idx: int):
         """(K pages, V pages) of a layer of cache ``c``, each [pages, P, H_kv, d]: views of
@@ -174,12 +198,24 @@ class _Step:
         """(pool, page table, T, manifest) of the layer's attention group, made on its first layer."""
         pool = _Pool(self.cache, layer_idx)
         g = pool.group
+        if pool.sliding:  # (the model gathers its K/V: no table, no manifest)
+            self.pools[g] = pool
+            return pool, None, None, None
         if g not in self.tables:
             self.pools[g] = pool
             self.tables[g], self.T[g] = self._table(pool, g)
             self.manifests[g] = attnc.MicrobatchManifest.freeze(range(len(self.C)), range(len(self.C)),
                                                                self.T[g].numpy(), self.C.numpy())
         return self.pools[g], self.tables[g], self.T[g], self.manifests[g]
+
+    def gathered_indptr(self, layer_type: str):
+        """(kv_indptr, qo_indptr) host int32 of a sliding group's gathered K/V (made once per step)."""
+        made = self.__dict__.setdefault("_gathered", {})
+        if layer_type not in made:
+            cu_q, cu_k = self._cu[0], self._cu[1]
+            cu_k = cu_k[layer_type] if isinstance(cu_k, dict) else cu_k
+            made[layer_type] = (cu_k.detach().to("cpu", torch.int32), cu_q.to(torch.int32))
+        return made[layer_type]
 
     def _table(self, pool: _Pool, g: int):
         cu_q, cu_k, read_index, write_index = self._cu
@@ -241,6 +277,8 @@ def attend(module, query, key, value, step: _Step, *, scaling=None, s_aux=None, 
                          "append cannot take: pass ContinuousBatchingConfig(use_cuda_graph=False) and no compile "
                          "config")
     pool, table, T, manifest = step.group(module.layer_idx)
+    if pool.sliding:
+        return _attend_gathered(query, key, value, step, pool, scaling, s_aux)
     k_pages, v_pages = pool.pages(step.cache, module.layer_idx)
     attn = paged_attention_for(pool.page_size, None if scaling is None else float(scaling), s_aux is not None)
     q = query[0].transpose(0, 1).contiguous()
@@ -253,6 +291,24 @@ def attend(module, query, key, value, step: _Step, *, scaling=None, s_aux=None, 
                                             **cache)
     o = attn.append(q, k_new, v_new, manifest=manifest, plan=step.plans[key_], backend=backend, kv_lens=T.clone(),
                     **cache)
+    return o.unsqueeze(0)
+
+
+def _attend_gathered(query, key, value, step: _Step, pool: _Pool, scaling, s_aux):
+    """A sliding-window layer of one step: transformers' cache update read the layer's ring buffer
+    before writing it (the new rows may overwrite keys the older queries still see) and handed over
+    each request's last ``window - 1`` cached rows then its new ones, key/value [1, H_kv, rows, d];
+    one ragged ``attn.decode`` over them (the window is short: this is a copy of at most
+    ``window - 1 + C`` rows per request, what transformers' own paged path reads)."""
+    kv_indptr, qo_indptr = step.gathered_indptr("sliding_attention")
+    if key.shape[2] != int(kv_indptr[-1]):
+        raise InputError(f"transformers: a sliding-window layer was handed {key.shape[2]} key rows for "
+                         f"{int(kv_indptr[-1])} in cu_seq_lens_k")
+    attn = window_attention_for(pool.window, None if scaling is None else float(scaling), s_aux is not None)
+    q = query[0].transpose(0, 1).contiguous()
+    k, v = (t[0].transpose(0, 1).contiguous() for t in (key, value))
+    extra = {} if s_aux is None else {"sinks": s_aux.detach().float().contiguous()}
+    o = attn.decode(q, k=k, v=v, kv_indptr=kv_indptr, qo_indptr=qo_indptr, **extra)  # (the device's backend)
     return o.unsqueeze(0)
 
 
@@ -321,6 +377,9 @@ def _pre_hook(model, args, kwargs):
                                          kwargs["write_index"]))
     for layer_idx in cache.layer_to_allocator:
         step.group(layer_idx)  # (each group's table, and the refusals, before any layer runs)
+    if not step.tables:  # sliding-window layers only: the model gathers every layer's K/V
+        return None
+    _gather_sliding_layers(cache)
     groups = len(cache.cache_allocators)
     width = max(t.shape[1] for t in step.tables.values())
     table = torch.full((groups, len(step.C), width), -1, dtype=torch.int32)
@@ -328,6 +387,24 @@ def _pre_hook(model, args, kwargs):
         table[g, :, :t.shape[1]] = t
     kwargs["block_table"] = table.to(cache.device if hasattr(cache, "device") else "cpu")
     return args, kwargs
+
+
+def _gather_sliding_layers(cache) -> None:
+    """Make ``cache.update`` take its index path (read the ring buffer, then write it) on sliding-window
+    layers while the step carries a page table for the full-attention ones: transformers' sliding
+    allocator has no page-table path, and its ring (position t in slot t mod window) is not attnc's
+    page layout.  Once per cache; the wrapper holds the cache weakly."""
+    if getattr(cache, "_attnc_gathers_sliding", False):
+        return
+    ref, update = weakref.ref(cache), type(cache).update
+
+    def sliding_aware_update(key_states, value_states, layer_idx, kwargs):
+        c = ref()
+        if c.layer_to_allocator[layer_idx].layer_type != "full_attention":
+            kwargs.pop("block_table", None)  # (this layer's kwargs: each layer is called with its own)
+        return update(c, key_states, value_states, layer_idx, kwargs=kwargs)
+    cache.update = sliding_aware_update
+    cache._attnc_gathers_sliding = True
 
 
 def continuous_batching(model):
