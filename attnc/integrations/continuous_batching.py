@@ -45,11 +45,11 @@ change in transformers is an error, never a wrong answer.
 **Sliding-window layers** (Mistral, gpt-oss's sliding layers): transformers keeps them in a ring
 buffer (the token at position ``t`` in slot ``t mod window``), which attnc's page layout (position
 ``t`` at page ``t // P``) cannot address, and a step's new rows overwrite keys its earlier queries
-still see, so the cache must be read before it is written.  On the 5.24 API the model's cache
-update does exactly that for them (``_gather_sliding_layers`` sends those layers down its index
-path while the full layers keep the page table): each request's last ``window - 1`` cached rows and
-its new rows, which one ragged ``attn.decode`` with ``causal & window(n)`` attends over.  On the
-5.17 API they are refused, saying why.
+still see, so the cache must be read before it is written.  transformers' cache update does exactly
+that for them -- called by the attention function here on the 5.17 API, by the model on 5.24
+(``_gather_sliding_layers`` sends those layers down its index path while the full layers keep the
+page table) -- and hands over each request's last ``window - 1`` cached rows and its new rows,
+which one ragged ``attn.decode`` with ``causal & window(n)`` attends over.
 
 **Refused, saying why:** CUDA-graph capture (an append validates on the host: pass
 ``ContinuousBatchingConfig(use_cuda_graph=False)``), softcap, dropout, position bias.  Learned
@@ -141,6 +141,7 @@ class _Pool:
         if api() == "attention":
             window = cache.sliding_windows.get(layer_idx, 1)
             self.sliding = window not in (None, 1)
+            self.window = window if self.sliding else None
             self.group = cache.layer_index_to_group_indices[layer_idx][0]
             self.page_size = self.unit = int(cache.block_size)
         else:
@@ -149,16 +150,10 @@ class _Pool:
             self.group = allocator.index
             self.page_size = int(allocator.tokens_per_page)
             self.unit = int(allocator.block_physical_stride)
-            self.window = getattr(allocator, "sliding_window", None)
-            if self.sliding and not (isinstance(self.window, int) and self.window > 0):
-                raise InputError(f"transformers: layer {layer_idx} is a {allocator.layer_type!r} layer without a "
-                                 "positive sliding_window; attnc's integration knows full and sliding-window layers")
-        if self.sliding and api() == "attention":
-            raise InputError(f"transformers: layer {layer_idx} is a sliding-window layer; this transformers keeps its "
-                             "K/V in a ring buffer (position t in slot t mod window), which attnc's paged layout "
-                             "(position t at page t // page_size) cannot read, and attnc's integration reads "
-                             "sliding layers only where the model gathers them (transformers 5.24's API). Use "
-                             "generate() with attnc, or transformers' own paged implementation")
+            self.window = getattr(allocator, "sliding_window", None) if self.sliding else None
+        if self.sliding and not (isinstance(self.window, int) and self.window > 0):
+            raise InputError(f"transformers: layer {layer_idx} has sliding window {self.window!r}; attnc's integration "
+                             "knows full and sliding-window layers with a positive window")
 
     def pages(self, c, layer_idx: int):
         """(K pages, V pages) of a layer of cache ``c``, each [pages, P, H_kv, d]: views of
@@ -334,6 +329,10 @@ def attention_forward_attention_api(module, query, key, value, attention_mask, c
         raise InputError("transformers: this step uses transformers' decode fast path (block_table), which calls a "
                          "FlashAttention kernel; attnc's name should not be given a fast path")
     step = _step_for(cu_seq_lens_q, lambda: _Step(cache, cu_seq_lens_q, cu_seq_lens_k, read_index, write_index))
+    if cache.sliding_windows.get(module.layer_idx, 1) not in (None, 1):  # read the ring, then write it
+        k, v = cache.update(key_states=key, value_states=value, layer_idx=module.layer_idx, read_index=read_index,
+                            write_index=write_index)  # [rows, H_kv, d]
+        key, value = (t.transpose(0, 1).unsqueeze(0) for t in (k, v))
     return attend(module, query, key, value, step, scaling=scaling, s_aux=s_aux, backend=_backend()), None
 
 

@@ -194,12 +194,7 @@ def _sliding_pair(cfg):
     return theirs.eval(), hf.continuous_batching(ours.eval())
 
 
-SLIDING = pytest.mark.skipif(cb.api() != "model", reason="sliding-window layers: transformers 5.24's API (the model "
-                                                         "gathers them); the 5.17 API refuses them (below)")
-
-
-@SLIDING
-def test_sliding_window_layers_read_what_the_model_gathers():
+def test_sliding_window_layers_read_what_transformers_gathers():
     """Mistral with a window of 16 (every layer sliding: transformers keeps each request's last
     keys in a ring buffer): prompts shorter and longer than the window, chunked prefill (33 rows over
     steps of 24 tokens) and decode past the window; the tokens are transformers' own."""
@@ -213,10 +208,9 @@ def test_sliding_window_layers_read_what_the_model_gathers():
     assert [o.generated_tokens for o in got] == [o.generated_tokens for o in want]
 
 
-@SLIDING
 def test_gpt_oss_alternating_sliding_and_full_layers_with_sinks():
     """gpt-oss's layout: sliding (window 8) and full layers alternating, learned sinks on both; the
-    full layers read their pages in place (one append each), the sliding ones what the model gathers."""
+    full layers read their pages in place (one append each), the sliding ones what transformers gathers."""
     cfg = transformers.GptOssConfig(hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                                     num_key_value_heads=2, head_dim=16, vocab_size=VOCAB, num_local_experts=4,
                                     num_experts_per_tok=2, layer_types=["sliding_attention", "full_attention"],
@@ -226,16 +220,6 @@ def test_gpt_oss_alternating_sliding_and_full_layers_with_sinks():
     want, got = _generate(theirs, prompts), _generate(ours, prompts)
     assert [o.error for o in got] == [None] * 3
     assert [o.generated_tokens for o in got] == [o.generated_tokens for o in want]
-
-
-@pytest.mark.skipif(cb.api() != "attention", reason="the 5.17 API's refusal")
-def test_sliding_window_layers_are_refused_on_the_attention_api_with_the_reason():
-    cfg = transformers.MistralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                                     num_key_value_heads=2, vocab_size=VOCAB, sliding_window=16,
-                                     max_position_embeddings=256)
-    model = hf.continuous_batching(transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="attnc"))
-    out = _generate(model.eval(), _prompts((6,)))
-    assert "ring buffer" in str(out[0].error)
 
 
 def test_an_unknown_transformers_api_is_refused(monkeypatch, llama):
