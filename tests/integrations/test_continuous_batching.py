@@ -266,3 +266,20 @@ def test_tokens_match_transformers_paged_attention_on_gpu(requests):
     assert [o.error for o in got] == [None] * requests
     same = sum(g.generated_tokens == w.generated_tokens for g, w in zip(got, want))
     assert same == requests, f"{requests - same} of {requests} requests differ"
+
+
+@pytest.mark.skipif(not GPU, reason="ATTNC_TEST_GPU=1 and a CUDA device")
+def test_gpt_oss_sliding_and_full_layers_on_gpu():
+    """gpt-oss's layout on CUDA (float32 weights: the comparison is of attention, not of rounding):
+    16 requests past the window of 8, the sliding layers' ragged decode and the full layers' appends
+    on the Triton kernels."""
+    cfg = transformers.GptOssConfig(hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                    num_key_value_heads=2, head_dim=16, vocab_size=VOCAB, num_local_experts=4,
+                                    num_experts_per_tok=2, layer_types=["sliding_attention", "full_attention"],
+                                    sliding_window=8, max_position_embeddings=256, initializer_range=0.3)
+    theirs, ours = (m.to("cuda") for m in _sliding_pair(cfg))
+    prompts = _prompts([8 + (29 * i) % 41 for i in range(16)], seed=16)
+    config = dict(page_size=16, max_batch_tokens=128, num_blocks=128)
+    want, got = _generate(theirs, prompts, **config), _generate(ours, prompts, **config)
+    assert [o.error for o in got] == [None] * 16
+    assert [g.generated_tokens for g in got] == [w.generated_tokens for w in want]
