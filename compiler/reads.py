@@ -20,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import ir, resources
+from .errors import PlanError
 from .interp import evaluate
 from .ranges import IntRanges, Range
 
@@ -117,36 +118,58 @@ def _evaluate(program: ir.Program, tensors: dict, suspects: set[int], sizes: dic
             hit = holds[id(e)] = id(e) in suspects or any(has(c) for c in ir.children(e))
         return hit
 
+    # The oracle evaluates each read over the whole call in turn and raises the first read (in
+    # evaluation order) that leaves its tensor anywhere, naming its first such cell.  The envs (a
+    # split call's requests, in order) are walked one by one, so each read keeps the error of the
+    # first env where it has one, and the read first in evaluation order is raised at the end.
+    errors: dict[int, tuple[int, PlanError]] = {}  # id(read) -> (its evaluation order, first error)
+    order: dict[int, int] = {}
     for env in envs:
         for e in (*program.score, program.mask):
             if has(e):
-                _walk(e, env, tensors, None, has, suspects)
+                _walk(e, env, tensors, None, has, suspects, _Found(errors, order))
+    if errors:
+        raise min(errors.values(), key=lambda hit: hit[0])[1]
+
+
+class _Found:
+    """The out-of-range reads the walks find (``errors``, shared by the envs) in evaluation order."""
+
+    def __init__(self, errors: dict, order: dict):
+        self.errors, self.order = errors, order
+
+    def read(self, e: ir.Load, run) -> bool:
+        """Run ``run()`` (the read's evaluation); record its PlanError: whether it succeeded."""
+        position = self.order.setdefault(id(e), len(self.order))
+        try:
+            run()
+            return True
+        except PlanError as err:
+            self.errors.setdefault(id(e), (position, err))
+            return False
 
 
 def _narrow(care, where):
     return where if care is None else care & where
 
 
-def _walk(e: ir.Expr, env: dict, tensors: dict, care, has, suspects: set[int]) -> None:
+def _walk(e: ir.Expr, env: dict, tensors: dict, care, has, suspects: set[int], found: _Found) -> bool:
     """Evaluate the suspect reads under ``e`` where their values are used (interp.evaluate's
-    guards), raising the first out-of-range one as the oracle does."""
+    guards), recording each out-of-range one (``found``): whether none failed."""
     if not has(e):
-        return
+        return True
     if isinstance(e, ir.Load) and id(e) in suspects:
-        evaluate(e, env, tensors, care)  # (its subscripts first, then the read: interp.load's error)
-        return
+        ok = all([_walk(c, env, tensors, care, has, suspects, found) for c in ir.children(e)])  # (subscripts first)
+        return ok and found.read(e, lambda: evaluate(e, env, tensors, care))
     guard = e.cond if isinstance(e, ir.Select) else e.left if isinstance(e, ir.Binary) and e.op in ("and", "or") \
         else None
     if guard is None:
-        for c in ir.children(e):
-            _walk(c, env, tensors, care, has, suspects)
-        return
-    _walk(guard, env, tensors, care, has, suspects)
+        return all([_walk(c, env, tensors, care, has, suspects, found) for c in ir.children(e)])
+    if not _walk(guard, env, tensors, care, has, suspects, found):
+        return False  # (the guard's read failed: what it guards comes later in evaluation order)
     value = None if "score" in ir.free_vars(guard) else np.asarray(evaluate(guard, env, tensors, care), bool)
     if isinstance(e, ir.Select):
-        for branch, taken in ((e.if_true, True), (e.if_false, False)):
-            _walk(branch, env, tensors, care if value is None else _narrow(care, value if taken else ~value),
-                  has, suspects)
-    else:
-        _walk(e.right, env, tensors, care if value is None else _narrow(care, value if e.op == "and" else ~value),
-              has, suspects)
+        return all([_walk(branch, env, tensors, care if value is None else _narrow(care, value if taken else ~value),
+                          has, suspects, found) for branch, taken in ((e.if_true, True), (e.if_false, False))])
+    return _walk(e.right, env, tensors, care if value is None else _narrow(care, value if e.op == "and" else ~value),
+                 has, suspects, found)

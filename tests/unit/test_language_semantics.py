@@ -168,6 +168,19 @@ def test_a_read_under_a_guard_the_analysis_cannot_solve_is_an_error_only_where_u
     assert_agree(results)
 
 
+def test_a_split_call_names_the_read_the_oracle_names():
+    """Two reads that leave the tensor in different requests: the oracle raises the read first in
+    evaluation order (over the whole call), the split call's request-by-request check named the
+    first request's (found by a random cross-backend run: index 20 against the oracle's 25)."""
+    mask = ("((abs(q - k) <= 8 & !(doc[b, k - 4] == doc[b, q])) | doc[b, k + 7] == 0) & "
+            "!(doc[b, k + 5] == 0)")
+    p = spec(f"tensor doc: i32[b, s] ~ segments(1, 9) mask = {mask} score = softcap(score, 5.0)")
+    arrays = inputs.sample(p, 2, 4, 20, seed=9)
+    results = run_all_arrays(p, arrays)
+    assert "index 25" in str(results["oracle"]), results["oracle"]
+    assert_agree(results)
+
+
 # ---------------------------------------------------------------- floats are f32
 def test_float_masks_compute_in_f32_in_the_oracle_too():
     """`abs(q / 12 - k / 12) <= 3`: float64 and float32 disagree on cells at the boundary; the
