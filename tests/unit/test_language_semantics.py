@@ -254,6 +254,23 @@ def test_minus_infinity_drops_a_visible_cell():
     np.testing.assert_allclose(dropped["numpy"][0], hidden["oracle"][0], atol=1e-6)
 
 
+@pytest.mark.parametrize("s", [1, 16, 128])
+def test_a_row_whose_visible_scores_are_all_minus_infinity_sees_no_key_everywhere(s):
+    """Every visible cell dropped by the score program (on tiles the mask keeps whole): O = 0 and
+    LSE = -inf on every backend (AHBM took exp(-inf - -inf) on FULL tiles and raised the non-finite
+    error; found by a random cross-backend run at S = 1)."""
+    from attnc.backends.triton import runtime as triton_runtime
+    torch = pytest.importorskip("torch")
+    p = spec("mask = true score = where(k < 64, -1e30 * 1e30, score)")
+    arrays = inputs.sample(p, 1, s, s, seed=0)
+    results = run_all_arrays(p, arrays)
+    results["triton"] = outcome(lambda: triton_runtime.load(p)(
+        *(torch.from_numpy(arrays[n]) for n in ("q", "k", "v")), return_lse=True))
+    if s <= 64:  # (every key dropped; at 128 the rows see keys 64..127)
+        assert np.isneginf(results["oracle"][1]).all()
+    assert_agree(results)
+
+
 def test_may_be_nonfinite_knows_the_safe_score_programs():
     from attnc.compiler.ranges import may_be_nonfinite
     safe = ["softcap(score, 20.0)", "score - exp(-(h + 1) * log(2.0)) * (q - k)", "score * 0.5 + tanh(score)",

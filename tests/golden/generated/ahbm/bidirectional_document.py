@@ -198,10 +198,11 @@ def masked(tl, s, keep):
 
 def update(tl, rows, s, wait_v, cls):
     """The online-softmax update of ADR-0060 §3; V is waited for only after the softmax, so
-    its DMA overlaps Q.K^T.  On a PARTIAL tile a row may have seen no visible key yet
-    (m = -inf): exp() is taken against 0 there so no -inf - -inf appears."""
+    its DMA overlaps Q.K^T.  On a PARTIAL tile, or where the score program may drop a visible
+    cell (-inf), a row may have seen no visible key yet (m = -inf): exp() is taken against 0
+    there so no -inf - -inf appears."""
     m_new = tl.maximum(rows.m, tl.max(s, axis=-1, keepdims=True))
-    m_use = tl.where(m_new == NEG_INF, 0.0, m_new) if cls == PARTIAL else m_new
+    m_use = tl.where(m_new == NEG_INF, 0.0, m_new) if cls == PARTIAL or HAS_SCORE else m_new
     p = tl.exp(s - m_use)
     corr = tl.exp(rows.m - m_use)
     tl.assign(rows.l, rows.l * corr + tl.sum(p, axis=-1, keepdims=True))
