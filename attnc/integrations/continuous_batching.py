@@ -102,7 +102,12 @@ CONTINUOUS_BATCHING = name_for(api())
 def paged_spec_text(page_size: int, scale: float | None = None, sinks: bool = False) -> str:
     """The spec of a continuous-batching layer: causal over transformers' nhd pages (shape-generic
     in heads, head dim and dtype), with ``sink = sinks[h]`` for models with learned sinks."""
-    lines = ["attention transformers_paged {"]
+    return _spec_text("transformers_paged", "causal",
+                      f"paged(page_size = {int(page_size)}, layout = nhd, table = dense)", scale, sinks)
+
+
+def _spec_text(name: str, mask: str, cache: str, scale: float | None, sinks: bool) -> str:
+    lines = [f"attention {name} {{"]
     if scale is not None:
         if not math.isfinite(scale) or scale <= 0:
             raise InputError(f"transformers: scaling {scale!r} is not a positive finite number")
@@ -110,7 +115,7 @@ def paged_spec_text(page_size: int, scale: float | None = None, sinks: bool = Fa
     if sinks:
         lines += ["    tensor sinks: f32[h]          # the layer's learned sink logits (s_aux)",
                   "    sink = sinks[h]"]
-    lines += ["    mask = causal", f"    cache = paged(page_size = {int(page_size)}, layout = nhd, table = dense)", "}"]
+    lines += [f"    mask = {mask}", f"    cache = {cache}", "}"]
     return "\n".join(lines) + "\n"
 
 
@@ -123,8 +128,7 @@ def window_spec_text(window: int, scale: float | None = None, sinks: bool = Fals
     """The spec of a sliding-window layer's step: ``causal & window(n)`` (transformers'
     ``kv_idx > q_idx - sliding_window``) over the ragged K/V transformers gathers for it (each
     request's last ``window - 1`` cached rows, then its new rows)."""
-    text = paged_spec_text(1, scale, sinks).replace("mask = causal", f"mask = causal & window({int(window)})")
-    return text.replace("cache = paged(page_size = 1, layout = nhd, table = dense)", "cache = ragged")
+    return _spec_text("transformers_window", f"causal & window({int(window)})", "ragged", scale, sinks)
 
 
 @functools.lru_cache(maxsize=None)
@@ -182,6 +186,7 @@ class _Step:
         cu_q_host = cu_q.detach().to("cpu", torch.int64)
         self.C = torch.diff(cu_q_host)
         self.tables, self.T, self.manifests, self.plans, self.pools = {}, {}, {}, {}, {}
+        self._gathered: dict = {}  # layer type -> (kv_indptr, qo_indptr) of a sliding group's gathered K/V
         self._cu = (cu_q_host, cu_k, read_index, write_index)
 
     @property
@@ -205,7 +210,7 @@ class _Step:
 
     def gathered_indptr(self, layer_type: str):
         """(kv_indptr, qo_indptr) host int32 of a sliding group's gathered K/V (made once per step)."""
-        made = self.__dict__.setdefault("_gathered", {})
+        made = self._gathered
         if layer_type not in made:
             cu_q, cu_k = self._cu[0], self._cu[1]
             cu_k = cu_k[layer_type] if isinstance(cu_k, dict) else cu_k

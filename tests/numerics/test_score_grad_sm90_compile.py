@@ -5,17 +5,14 @@ per reduction mode (bias[h, q, k]: the tile summed over the batch; slope[h]: per
 sums; kb[b, k]: key columns; rb[b, h, q]: query rows)."""
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 
 pytest.importorskip("torch", reason="the Triton backend's tests need torch (pip install -e '.[test]')")
 pytest.importorskip("triton", reason="the Triton backend's tests need triton (pip install -e '.[test]')")
 
-from tests.conftest import ROOT  # noqa: E402
+from tests.sm90 import compile_script  # noqa: E402
 
 SCRIPT = r'''
 import json, sys, types
@@ -69,13 +66,7 @@ print(json.dumps({"compiled": compiled}))
 @pytest.mark.skipif(os.environ.get("ATTNC_SLOW_COMPILE") != "1",
                     reason="four kernels compile in about 15 s on 2 cores (ATTNC_SLOW_COMPILE=1); the GPU runs them")
 def test_score_tensor_gradient_kernels_compile_for_sm_90():
-    env = {n: v for n, v in os.environ.items() if n != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    run = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-4000:]
-    out = json.loads(run.stdout.strip().splitlines()[-1])
-    if "skip" in out:
-        pytest.skip(out["skip"])
+    out = compile_script(SCRIPT)
     # bias[h, q, k], slope[h], kb[b, k] (h kept apart), rb[b, h, q]: (KEEP_B, KEEP_H, KEEP_Q, KEEP_K)
     assert out["compiled"] == [[False, True, True, True], [False, True, False, False], [True, True, False, True],
                                [True, True, True, False]]

@@ -5,33 +5,20 @@ target, tests/sm90.py), with the generated ``sink_value`` of a tensor sink and o
 the interpreter, tests/numerics/test_gluon_sinks.py on an H200."""
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 
 pytest.importorskip("torch", reason="the Triton backend's tests need torch (pip install -e '.[test]')")
 pytest.importorskip("triton", reason="the Triton backend's tests need triton (pip install -e '.[test]')")
 
-from tests.conftest import ROOT  # noqa: E402
+from tests.sm90 import PREAMBLE, compile_script  # noqa: E402
 
-SCRIPT = r'''
-import json, sys
+SCRIPT = PREAMBLE + r'''
 import torch
-from triton.runtime import driver
-try:
-    from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401
-except ImportError:
-    print(json.dumps({"skip": "this Triton has no NVIDIA backend"})); sys.exit(0)
-from tests.sm90 import SM90
 import attnc
 from attnc.backends.common import load_module
 from attnc.backends.triton import launch as L
 from attnc.backends.triton.emit import emit
 from attnc.backends.triton.kernels.sink_grad import _sink_grad
-driver.set_active(SM90())
 out = []
 for sink in ("sinks[h]", "1.5"):
     text = "attention g { tensor sinks: f32[h] mask = causal & window(128) sink = %s }" % sink
@@ -47,11 +34,4 @@ print(json.dumps({"compiled": out}))
 
 
 def test_the_sink_gradient_kernel_compiles_for_sm_90():
-    env = {n: v for n, v in os.environ.items() if n != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    run = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-4000:]
-    out = json.loads(run.stdout.strip().splitlines()[-1])
-    if "skip" in out:
-        pytest.skip(out["skip"])
-    assert out["compiled"] == [True, True]
+    assert compile_script(SCRIPT)["compiled"] == [True, True]

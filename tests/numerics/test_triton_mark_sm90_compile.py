@@ -8,17 +8,14 @@ so the marked kernels are compilations of their own.  Their numerics run in the 
 Triton's cache: ATTNC_SLOW_COMPILE=1."""
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 
 pytest.importorskip("torch", reason="the Triton backend's tests need torch (pip install -e '.[test]')")
 pytest.importorskip("triton", reason="the Triton backend's tests need triton (pip install -e '.[test]')")
 
-from tests.conftest import ROOT  # noqa: E402
+from tests.sm90 import compile_script  # noqa: E402
 
 # Runs without TRITON_INTERPRET (the tests' conftest sets it): the kernels are compiled, not interpreted.
 SCRIPT = r'''
@@ -88,13 +85,7 @@ print(json.dumps({"engine": config.engine, "stores": stores}))
                     reason="compiling the split, combine and prefill kernels takes minutes on 2 cores "
                            "(ATTNC_SLOW_COMPILE=1); the GPU runs them")
 def test_the_marking_kernels_compile_for_sm_90():
-    env = {n: v for n, v in os.environ.items() if n != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    run = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=900)
-    assert run.returncode == 0, run.stderr[-4000:]
-    out = json.loads(run.stdout.strip().splitlines()[-1])
-    if "skip" in out:
-        pytest.skip(out["skip"])
+    out = compile_script(SCRIPT, timeout=900)
     assert out["engine"] == "triton"
     names = [name for name, _, _ in out["stores"]]
     assert names == ["_split_at", "_combine_at", "_split_at", "_combine_at", "_attn_fwd", "_attn_fwd"], out

@@ -7,17 +7,14 @@ default config.  The calls are those of test_training.py's GPU tests and test_tr
 dLSE test; their numerics run on the GPU (ATTNC_TEST_GPU=1) and in the interpreter."""
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 
 pytest.importorskip("torch", reason="the Triton backend's tests need torch (pip install -e '.[test]')")
 pytest.importorskip("triton", reason="the Triton backend's tests need triton (pip install -e '.[test]')")
 
-from tests.conftest import ROOT  # noqa: E402
+from tests.sm90 import compile_script  # noqa: E402
 
 # Runs without TRITON_INTERPRET (the tests' conftest sets it): the kernels are compiled, not interpreted.
 SCRIPT = r'''
@@ -91,13 +88,7 @@ print(json.dumps(out))
     os.environ.get("ATTNC_SLOW_COMPILE") != "1", reason="the backward's passes take minutes to compile on 2 cores "
     "(ATTNC_SLOW_COMPILE=1); the GPU runs them"))])
 def test_small_head_f32_training_kernels_compile_for_sm_90(passes):
-    env = {n: v for n, v in os.environ.items() if n != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    run = subprocess.run([sys.executable, "-c", SCRIPT, passes], env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-4000:]
-    out = json.loads(run.stdout.strip().splitlines()[-1])
-    if "skip" in out:
-        pytest.skip(out["skip"])
+    out = compile_script(SCRIPT, passes)
     assert set(out) == {"doc_d8", "bias_d4", *(("dlse_d16",) if passes == "backward" else ())}
     for name, got in out.items():  # the forward, D = rowsum(dO * O) - dLSE, and the fused dK/dV + dQ pass
         assert got["kernels"] == ["_attn_fwd", "_bwd_delta", "_bwd_main"][:3 if passes == "backward" else 1], \
