@@ -16,12 +16,12 @@ forward+backward 3.5x.
 """
 from __future__ import annotations
 
-import importlib.util
 import math
 import time
 
 import numpy as np
 
+from .peers import fa4 as fa4_peer, flash_importable
 from .harness import (GOAL_MASKS, PREFILL_MASKS, Rows, _dense_visible, _flex_mask_mod, _visible_cells, call_key,
                       environment, spec_text, timed)
 
@@ -38,43 +38,6 @@ def _reference_grads(q, k, v, do, planes, dense):
         (p @ vv).backward(do[b, h].float())
         out.append((qq.grad, kk.grad, vv.grad))
     return out
-
-
-def _fa4_peer(name, q, k, v, do, tensors):
-    """FlashAttention-4 on this mask: (forward, (its q, k, v leaves), its dO, gradients -> bhsd), or
-    why it is skipped.  Its own bshd copies of the inputs (FA4's layout); the documents run
-    ``flash_attn_varlen_func`` over the packed rows of every request, split where ``doc`` changes."""
-    try:
-        from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
-    except ImportError as e:
-        return f"flash_attn.cute is not importable: {e}"
-    import torch
-    windows = {"causal": (True, (None, None)), "full": (False, (None, None)),
-               "sliding_window_1024": (True, (1023, 0)), "causal_document": (True, (None, None))}
-    if name not in windows:
-        return f"FlashAttention-4 has no '{name}' mask"
-    causal, window = windows[name]
-    qs, ks, vs = (x.detach().transpose(1, 2).contiguous().requires_grad_() for x in (q, k, v))
-    dos = do.transpose(1, 2).contiguous()
-    batch, seq, heads = qs.shape[:3]
-
-    def first(r):
-        return r[0] if isinstance(r, tuple) else r
-    if name == "causal_document":
-        doc = tensors["doc"]
-        starts = [torch.nonzero(torch.diff(doc[b].long(), prepend=doc[b, :1].long() - 1)).flatten() + b * seq
-                  for b in range(batch)]
-        cu = torch.cat([*starts, torch.tensor([batch * seq], device=q.device)]).to(torch.int32)
-        longest = int(torch.diff(cu).max())
-
-        def forward():
-            flat = [x.view(batch * seq, *x.shape[2:]) for x in (qs, ks, vs)]
-            return first(flash_attn_varlen_func(*flat, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest,
-                                                max_seqlen_k=longest, causal=True)).view(qs.shape)
-    else:
-        def forward():
-            return first(flash_attn_func(qs, ks, vs, causal=causal, window_size=window))
-    return forward, (qs, ks, vs), dos, (lambda grads: [g.transpose(1, 2) for g in grads])
 
 
 def run_backward(batch=4, heads=16, seq=8192, head_dim=128, masks=None, out=None, seed=0, command="",
@@ -138,18 +101,20 @@ def run_backward(batch=4, heads=16, seq=8192, head_dim=128, masks=None, out=None
                     with sdpa_kernel(backend):
                         return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=name == "causal")
                 impls[impl] = fn
-        if flex_flash and flex_modes and importlib.util.find_spec("flash_attn") is None:
+        if flex_flash and flex_modes and not flash_importable():
             print(f"{label} flex_flash: skipped (its FLASH backend needs flash_attn.cute, not importable)", flush=True)
         elif flex_flash and flex_modes:
             impls["flex_flash"] = (lambda c=torch.compile(flex_attention): c(
                 q, k, v, block_mask=block_mask, kernel_options={"BACKEND": "FLASH"}))
         leaves = {impl: ((q, k, v), do, None) for impl in impls}
         if fa4:
-            peer = _fa4_peer(name, q, k, v, do, tensors)
+            peer = fa4_peer(name, q, k, v, tensors, grad=True)
             if isinstance(peer, str):
                 print(f"{label} fa4: skipped ({peer})", flush=True)
-            else:
-                impls["fa4"], leaves["fa4"] = peer[0], peer[1:]
+            else:  # its own bshd leaves and dO; its gradients back to bhsd for the check
+                forward, fa4_leaves, to_bhsd = peer
+                impls["fa4"] = forward
+                leaves["fa4"] = (fa4_leaves, do.transpose(1, 2).contiguous(), lambda gs, f=to_bhsd: [f(x) for x in gs])
         for impl, forward in impls.items():
             grad_of, grad_o, to_bhsd = leaves[impl]
             t0 = time.perf_counter()

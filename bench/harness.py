@@ -18,6 +18,11 @@ Prefill implementations:
   attnc_kernel  the same kernel with its launch bound once (``Kernel.prepare``): the kernel alone;
   flex_<mode>   FlexAttention compiled with torch.compile (its BlockMask made once; dynamo reset
                 before each mode and case; score_mod for the score programs, enable_gqa for GQA);
+  flex_flash    the same compiled call with ``kernel_options={"BACKEND": "FLASH"}`` (FlashAttention-4's
+                kernels under Flex; skipped with a line when ``flash_attn`` is not importable);
+  fa4           FlashAttention-4 itself (``flash_attn.cute``: bench/peers.py) on the masks it has
+                (causal, full, window, documents through varlen) with no score program or softcap,
+                on its own bshd copies made once;
   sdpa_cudnn, sdpa_flash   SDPA's backends (plain causal and full cases only; FP8: tried on the
                 quantized tensors, a refusal is recorded as an error row).
 Decode implementations (GQA, paged bf16 cache, page 16, shuffled page ids):
@@ -40,6 +45,8 @@ import time
 from dataclasses import dataclass, replace
 
 import numpy as np
+
+from .peers import fa4 as fa4_peer, flash_importable
 
 PREFILL_MASKS = {
     # name -> (mask in the .attn language, tensors it declares)
@@ -394,7 +401,8 @@ def _error_row(rows, record, label, e):
 
 
 def run_prefill(batch=4, heads=16, seq=8192, head_dim=128, masks=None, out=None, seed=0, command="",
-                flex_modes=ISSUE21_FLEX_MODES, sdpa=True, kernel_alone=True, cases=None, issue21=False):
+                flex_modes=ISSUE21_FLEX_MODES, sdpa=True, kernel_alone=True, cases=None, issue21=False,
+                flex_flash=True, fa4=True):
     """Time every case (``cases``: ``PrefillCase`` s; default the bench masks ``masks`` at the given
     shape) in this process; with ``issue21``, end with issue 21's summary table and its JSON row."""
     import torch
@@ -408,7 +416,7 @@ def run_prefill(batch=4, heads=16, seq=8192, head_dim=128, masks=None, out=None,
         print(f"[{i + 1}/{len(cases)}] {case.name}: {case.describe()}  ({time.perf_counter() - start:.0f} s so far)",
               flush=True)
         try:
-            _run_case(case, rows, env, seed, flex_modes, sdpa, kernel_alone)
+            _run_case(case, rows, env, seed, flex_modes, sdpa, kernel_alone, flex_flash, fa4)
         except Exception as e:  # noqa: BLE001 - a case that fails outside timed() (inputs, plan) is a row
             _error_row(rows, {"bench": "prefill", "case": case.name, "impl": "case", "env": env},
                        f"{case.name} (setup)", e)
@@ -424,7 +432,8 @@ def run_prefill(batch=4, heads=16, seq=8192, head_dim=128, masks=None, out=None,
     return list(rows)
 
 
-def _run_case(case: PrefillCase, rows: Rows, env: dict, seed: int, flex_modes, sdpa: bool, kernel_alone: bool):
+def _run_case(case: PrefillCase, rows: Rows, env: dict, seed: int, flex_modes, sdpa: bool, kernel_alone: bool,
+              flex_flash: bool = True, fa4: bool = True):
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
     import attnc
@@ -548,7 +557,33 @@ def _run_case(case: PrefillCase, rows: Rows, env: dict, seed: int, flex_modes, s
                                   "block_mask": f"create_block_mask(B={B if tensors else None}, H=None), made once"}},
                       rows, f"{label} flex_{mode[:8]}", flops, "TFLOPs", tol=tol)
                 del compiled
+            if flex_flash and not flash_importable():
+                print(f"{label} flex_flash: skipped (its FLASH backend needs flash_attn.cute, not importable)",
+                      flush=True)
+            elif flex_flash:
+                torch._dynamo.reset()
+                compiled = torch.compile(flex_attention)
+                print(f"{label} flex_flash: compiling", flush=True)
+                timed(lambda: compiled(q, k, v, **flex_kw, kernel_options={"BACKEND": "FLASH"}), check,
+                      {**record, "impl": "flex_flash", "flex_mode": "default", "block_mask_ms": bm_ms,
+                       "config": {"flex_mode": "default", "kernel_options": {"BACKEND": "FLASH"},
+                                  "score_mod": case.score or None, "enable_gqa": case.gqa}},
+                      rows, f"{label} flex_flash", flops, "TFLOPs", tol=tol)
+                del compiled
             del block_mask
+    if fa4 and not case.fp8 and case.score in ("", "softcap30"):
+        peer = fa4_peer(case.mask, q, k, v, tensors, softcap=30.0 if case.score == "softcap30" else 0.0)
+        if isinstance(peer, str):
+            print(f"{label} fa4: skipped ({peer})", flush=True)
+        else:
+            forward, _, to_bhsd = peer
+
+            def fa4_call(forward=forward, to_bhsd=to_bhsd):
+                with torch.no_grad():
+                    return to_bhsd(forward())
+            timed(fa4_call, check, {**record, "impl": "fa4", "layout": "bshd (its own copies, made once)"},
+                  rows, f"{label} fa4         ", flops, "TFLOPs", tol=tol)
+            del forward, peer
     if sdpa and case.sdpa:
         backends = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}
         sdpa_args = args  # FP8: the quantized tensors, no descales (SDPA has none): a refusal is the expected row

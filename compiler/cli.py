@@ -397,7 +397,7 @@ def cmd_bench(args) -> int:
         from ..bench.backward import run_backward
         rows = run_backward(**_bench_shape(args), masks=args.masks.split(",") if args.masks else None, out=args.out,
                             command=command, flex_modes=tuple(m for m in args.flex_modes.split(",") if m),
-                            sdpa=not args.no_sdpa)
+                            sdpa=not args.no_sdpa, flex_flash=not args.no_flex_flash, fa4=not args.no_fa4)
     elif args.cases:  # prefill: issue 21's cases, by name (the table's shapes)
         if args.masks:
             raise AttncError("attnc bench prefill: give --cases or --masks, not both (--cases names the masks too)")
@@ -410,12 +410,13 @@ def cmd_bench(args) -> int:
             raise AttncError(f"attnc bench prefill --cases: {e}") from None
         rows = harness.run_prefill(cases=cases, out=args.out, command=command,
                                    flex_modes=tuple(m for m in args.flex_modes.split(",") if m),
-                                   sdpa=not args.no_sdpa, issue21=True)
+                                   sdpa=not args.no_sdpa, issue21=True, flex_flash=not args.no_flex_flash,
+                                   fa4=not args.no_fa4)
     else:
         rows = harness.run_prefill(**_bench_shape(args), masks=args.masks.split(",") if args.masks else None,
                                    out=args.out, command=command,
                                    flex_modes=tuple(m for m in args.flex_modes.split(",") if m),
-                                   sdpa=not args.no_sdpa)
+                                   sdpa=not args.no_sdpa, flex_flash=not args.no_flex_flash, fa4=not args.no_fa4)
     print(harness.summary(rows))
     return 0
 
@@ -694,6 +695,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "torch.compile modes of FlexAttention (eager: uncompiled, to check the bench itself); empty: "
                    "no FlexAttention")
     p.add_argument("--no-sdpa", action="store_true")
+    p.add_argument("--no-flex-flash", action="store_true", help="prefill, backward: no Flex "
+                   "kernel_options={'BACKEND': 'FLASH'} rows (they need flash_attn.cute importable)")
+    p.add_argument("--no-fa4", action="store_true", help="prefill, backward: no FlashAttention-4 rows "
+                   "(flash_attn.cute)")
     p.add_argument("--cases", default=None, help="prefill: 'all' or a comma list of issue 21's cases "
                    "(causal, sliding_window_1024, causal_document, prefix_lm_2048, full, causal_s8000, "
                    "causal_d64_h32, alibi, softcap30_gqa, mla_192_128, causal_d256, fp8_causal; each at its own "
