@@ -60,7 +60,7 @@ def run_backward(batch=4, heads=16, seq=8192, head_dim=128, masks=None, out=None
         program = attn.specialize(heads, heads, head_dim, head_dim, "bf16")
         tensors = {}
         if program.tensors:
-            sample = inputs.sample(program, batch, seq, seq, seed)
+            sample = inputs.sample_tensors(program, batch, seq, seed)  # (q, k, v are drawn on the GPU)
             tensors = {t.name: torch.as_tensor(sample[t.name].astype(np.int32), device="cuda")
                        for t in program.tensors}
         visible = _visible_cells(program, batch, seq, tensors)

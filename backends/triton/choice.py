@@ -10,7 +10,8 @@ in bench/results/README.md):
 * Hopper (sm_90), f16 / bf16, head dims 64, 128, 192 or 256 (q.k's and v's may differ: 192 /
   128 as in MLA prefill), any S_q and S_k (the tiles across the ends are masked), contiguous bhsd
   tensors: the Gluon engine (``gluon_engine.py``) on ``gluon_default_tiles`` (128 x 128; above
-  128, 128 x 64; at most 64, 192 x 128 on three consumer warpgroups), 2 K/V stages, programs
+  128, 128 x 64; at most 64, 192 x 128 on three consumer warpgroups, unless its rows are short:
+  ``GLUON_SHORT_ROW_BLOCKS``, narrow windows), 2 K/V stages, programs
   drawing jobs from a counter; PARTIAL blocks from each row's run of keys where the plan has them
   (documents), else the predicate; at head dim 128 the next block's Q.K^T under this block's
   softmax (``gluon_overlap``), the consumers' turns (``gluon_pingpong``) and 240 consumer
@@ -111,6 +112,13 @@ def gluon_regs(d_qk: int, d_v: int, consumers: int = 2) -> tuple:
         return GLUON_REGS_3WG
     return GLUON_REGS_D128 if d_qk == d_v == 128 else gluon_engine.REGS
 SHORT_ROW_BLOCKS = 16  # computed K/V blocks per 128-row tile under which rows count as short
+# The Gluon engine's 192-row tiles (d <= 64) on rows this short (computed K/V blocks per tile, on
+# average) give the call to the Triton kernel's short-row config: gpt-oss's sliding layer (window
+# 128, GQA 64/8, d 64, sinks, B4 S8K bf16) on the H200 ran 1005 us on 192 x 128 Gluon tiles (about 3.5
+# blocks a tile, 1/3 of their cells visible, ptxas spilling once a sink joins the window's
+# epilogue), 622 us on 128 x 128 and 576 us on the Triton kernel's 64 x 64 (FlashAttention-4: 570;
+# bench/results/sinks_h200_r53.jsonl)
+GLUON_SHORT_ROW_BLOCKS = 4
 SHORT_ROW_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 64, "num_stages": 3}  # warps follow the tile: 4
 MERGED_RUN_BLOCKS = 24  # the merged walk once the plan's runs average this many blocks
 INTERPRETER_TILES = (16, 16)
@@ -174,6 +182,12 @@ def short_row_config(plan) -> dict | None:
     if (plan.block_m, plan.block_n) == (128, 128) and mean_row_blocks(plan) < SHORT_ROW_BLOCKS:
         return dict(SHORT_ROW_CONFIG)
     return None
+
+
+def short_gluon_rows(plan) -> bool:
+    """Whether a plan on the Gluon engine's 192-row tiles has rows too short for them
+    (``GLUON_SHORT_ROW_BLOCKS``): narrow windows at head dims up to 64."""
+    return plan.block_m == 192 and mean_row_blocks(plan) <= GLUON_SHORT_ROW_BLOCKS
 
 
 def default_walk(mean_merged_run_blocks: float, mask_source: str | None) -> str:
@@ -308,6 +322,9 @@ def choose_prefill(program: ir.Program, s_q: int, s_k: int, plan_for, *, asked: 
     if tiles is None:
         tiles = gluon_tiles if gluon else (default["BLOCK_M"], default["BLOCK_N"])
     plan = given_plan if given_plan is not None else plan_for(*tiles)
+    if gluon and engine is None and origin == "default" and short_gluon_rows(plan):
+        gluon, tiles = False, (default["BLOCK_M"], default["BLOCK_N"])  # the Triton kernel's rule, below
+        plan = plan_for(*tiles)
     stages = asked.get("num_stages") or tuned.get("num_stages") or (GLUON_STAGES if gluon else default["num_stages"])
     if not gluon and origin == "default" and not interp:  # the default's tiles, chosen again now the rows are known
         short = short_row_config(plan)

@@ -45,8 +45,10 @@ def facts(device=None) -> DeviceFacts:
     a GPU, capability 0 (nothing Triton runs there)."""
     if interpreted():
         return INTERPRETER
-    index = getattr(device, "index", None)
-    if index is None:  # numpy inputs, or a device named without its index: the current one
+    # a torch device's index; numpy arrays have a ``device`` too (the string "cpu", whose ``index``
+    # is str.index): numpy inputs, or a device named without its index, mean the current one
+    index = getattr(device, "index", None) if not isinstance(device, str) else None
+    if not isinstance(index, int):
         import torch
         index = torch.cuda.current_device() if torch.cuda.is_available() else -1
     hit = _FACTS.get(index)

@@ -108,3 +108,15 @@ def test_attnc_plan_says_which_device_facts_it_assumed(tmp_path, capsys):
     assert launch["assumed"] == ["capability", "gluon", "cache"]
     with pytest.raises(InputError, match="expected 'here' or a compute capability"):
         SC.device_facts("hopper")
+
+
+def test_numpy_inputs_read_the_current_devices_facts(monkeypatch):
+    """A split call on numpy arrays asks for the facts of ``array.device``: numpy's is the string
+    "cpu", whose ``index`` is ``str.index`` (a method, not a device index).  On a GPU machine every
+    Triton call on numpy inputs raised TypeError from torch.device (the GPU test list's most common
+    failure); numpy inputs mean the current device, as None does."""
+    from attnc.backends.triton import device
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(device, "_FACTS", {})
+    assert device.facts(np.zeros(2).device) == device.facts(None)
+    assert device.facts("cuda") == device.facts(None)

@@ -75,6 +75,25 @@ def test_untuned_calls_on_hopper_take_the_gluon_engine(mask, monkeypatch):
     assert config.mask_source == ("rows" if mask == "causal_document" else "predicate")
 
 
+@pytest.mark.parametrize("mask, sink, engine", [
+    ("causal & window(128)", True, "triton"), ("causal & window(128)", False, "triton"),
+    ("causal & window(512)", True, "gluon"), ("causal", True, "gluon"), ("true", False, "gluon")])
+def test_narrow_windows_at_d64_leave_the_192_row_tiles(mask, sink, engine, monkeypatch):
+    """gpt-oss's sliding layer (window 128, d 64): about 3.5 computed blocks per 192-row Gluon tile
+    (``choice.GLUON_SHORT_ROW_BLOCKS``) run on the Triton kernel's short-row tiles; wider windows and
+    causal keep the Gluon engine's 192 x 128 tiles; asking for the engine or tiles keeps them."""
+    decls = "tensor sinks: f32[h] ~ uniform(-1, 1) " if sink else ""
+    program = compile_spec(f"attention w {{ heads = 8 / 2 head_dim = 64 dtype = bf16 {decls}mask = {mask}"
+                           f"{' sink = sinks[h]' if sink else ''} }}")
+    config, plan = _choose(program, monkeypatch=monkeypatch)
+    assert config.engine == engine, (mask, choice.mean_row_blocks(plan))
+    assert (config.block_m, config.block_n) == ((64, 64) if engine == "triton" else (192, 128))
+    assert config.origin == "default"
+    if engine == "triton":
+        for asked in ({"engine": "gluon"}, {"block_m": 192, "block_n": 128}):
+            assert _choose(program, asked=asked, monkeypatch=monkeypatch)[0].engine == "gluon"
+
+
 def test_engine_choice_by_hand_by_spec_and_by_shape(monkeypatch):
     config, _ = _choose(_spec("causal_document"), asked={"engine": "gluon"}, monkeypatch=monkeypatch)
     assert (config.engine, config.origin) == ("gluon", "default")
