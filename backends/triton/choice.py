@@ -119,6 +119,7 @@ SHORT_ROW_BLOCKS = 16  # computed K/V blocks per 128-row tile under which rows c
 # epilogue), 622 us on 128 x 128 and 576 us on the Triton kernel's 64 x 64 (FlashAttention-4: 570;
 # bench/results/sinks_h200_r53.jsonl)
 GLUON_SHORT_ROW_BLOCKS = 4
+GLUON_SHORT_ROW_KEYS = 8  # ... of at least this many key blocks (short rows of a long call; small calls stay)
 SHORT_ROW_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 64, "num_stages": 3}  # warps follow the tile: 4
 MERGED_RUN_BLOCKS = 24  # the merged walk once the plan's runs average this many blocks
 INTERPRETER_TILES = (16, 16)
@@ -185,9 +186,11 @@ def short_row_config(plan) -> dict | None:
 
 
 def short_gluon_rows(plan) -> bool:
-    """Whether a plan on the Gluon engine's 192-row tiles has rows too short for them
-    (``GLUON_SHORT_ROW_BLOCKS``): narrow windows at head dims up to 64."""
-    return plan.block_m == 192 and mean_row_blocks(plan) <= GLUON_SHORT_ROW_BLOCKS
+    """Whether a plan on the Gluon engine's 192-row tiles has rows too short for them: at most
+    ``GLUON_SHORT_ROW_BLOCKS`` computed blocks per tile of at least ``GLUON_SHORT_ROW_KEYS`` key
+    blocks (narrow windows at head dims up to 64; a short call keeps the engine)."""
+    return (plan.block_m == 192 and plan.tiles.classes.shape[3] >= GLUON_SHORT_ROW_KEYS
+            and mean_row_blocks(plan) <= GLUON_SHORT_ROW_BLOCKS)
 
 
 def default_walk(mean_merged_run_blocks: float, mask_source: str | None) -> str:

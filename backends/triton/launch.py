@@ -302,9 +302,8 @@ class PrefillLaunch(_GluonDescriptors):
         ``fp8``: float8 e4m3 Q, K and V (V transposed: ``__call__``) with descales (the Gluon
         engine only)."""
         self.module, self.config, self.arrays = module, config, arrays
-        # whether the launch sets a ``flag`` it is given where a row's LSE is NaN (the Triton kernel
-        # does; the Gluon engine does not: its caller marks with a launch of its own)
-        self.marks = config.engine != "gluon"
+        # whether the launch sets a ``flag`` it is given where a row's LSE is NaN (both engines do)
+        self.marks = True
         self.batch, self.s_q, self.s_k = shape
         self.offsets = offsets
         self.fp8 = fp8
@@ -378,9 +377,11 @@ class PrefillLaunch(_GluonDescriptors):
             k_desc = self._fp8_k_descriptor(k) if self.p_perm else desc(k, bn, "k")
             o_desc = self.launcher.output_descriptor(key, out, self.module.SPEC["D_V"],
                                                      lambda: self._gluon_descriptor(out, rows, "o", keep=False))
+            mark = 0 if flag is None else 1
             args = (desc(q, rows, "q"), k_desc, v_desc, o_desc, out, lse, counter,
-                    *self.fixed_tail, *(descales if self.fp8 else self.no_descales), ts, *self.ints)
-            self.launcher.launch(self.grid, args, key, stream)
+                    *self.fixed_tail, *(descales if self.fp8 else self.no_descales), ts, *self.ints,
+                    lse if flag is None else flag, mark)
+            self.launcher.launch(self.grid, args, None if key is None else (key, mark), stream)
             return
         desc_k = desc_v = k
         if self.config.use_tma:  # Hopper bulk copies of K/V tiles from a [B * H_kv * S_k, d] view

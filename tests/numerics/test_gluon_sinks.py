@@ -95,8 +95,9 @@ def test_prefill_with_sinks_on_the_engine_matches_the_oracle(name, phase, schedu
 def test_a_nan_or_inf_sink_tensor_marks_its_rows_without_a_host_sync(bad, monkeypatch):
     """``sink = sinks[h]`` makes no non-finite value from finite inputs, so a GPU call does not check
     its rows at the call (a host sync per call: 456 us of host time in r52's gpt-oss layer): a
-    NaN or +inf in the tensor marks its head's rows NaN and the device flag, check_numerics raises,
-    and ATTNC_CHECK_FINITE=1 raises at the call naming the first row."""
+    NaN or +inf in the tensor marks its head's rows NaN and the device flag (the engine's epilogue
+    sets it: no marking launch), check_numerics raises, and ATTNC_CHECK_FINITE=1 raises at the call
+    naming the first row."""
     program = compile_spec(SPECS["gpt_oss_window_d64"])
     arrays = inputs.sample(program, 1, 256, 256, seed=7)
     arrays["sinks"] = np.array(arrays["sinks"], np.float32)
@@ -108,6 +109,7 @@ def test_a_nan_or_inf_sink_tensor_marks_its_rows_without_a_host_sync(bad, monkey
     o, lse = kernel(q, k, v, return_lse=True, **tensors)
     rows = lse.isnan().any(dim=-1)[0].cpu().numpy()
     assert rows.tolist() == [h == 3 for h in range(program.heads_q)]
+    assert kernel._mark is None, "a launch of its own marked the call (the engine marks its NaN rows itself)"
     with pytest.raises(PlanError, match="or a NaN or \\+inf sink"):
         kernel.check_numerics()
     kernel.check_numerics()  # (cleared)

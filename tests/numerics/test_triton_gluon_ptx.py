@@ -70,7 +70,7 @@ def compile_engine(text, mode, fp8=False, d=128, bn=None, consumers=2, p_perm=Fa
                                box, gl.NVMMASharedLayout.get_default_for(box, gdt))
     args = (desc(4096, d, [64, d]), k, v, desc(4096, d, [64, d], torch.bfloat16, gl.bfloat16),
             o, f32, i32, i32, i32, i32, i32, i32, i32, f32, f32, f32, ts, 256, 384, 128, 0, 1, 1, 2,
-            1.4426950408889634, 8)
+            1.4426950408889634, 8, i32, 1)  # (the non-finite flag, marked)
     maxnreg, regs, _ = C.gluon_regs(d, d, consumers)
     kernel = G._attn_fwd_ws.warmup(*args, grid=(1,), num_warps=4, maxnreg=maxnreg, MASK_FROM_ROWS=False, EVEN_Q=True,
                                    EVEN_K=True, ROWS_=64, BLOCK_N=bn, D=d, SAME_D=True, STAGES=2, HEAD_GROUP=4,

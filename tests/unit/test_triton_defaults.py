@@ -92,6 +92,7 @@ def test_narrow_windows_at_d64_leave_the_192_row_tiles(mask, sink, engine, monke
     if engine == "triton":
         for asked in ({"engine": "gluon"}, {"block_m": 192, "block_n": 128}):
             assert _choose(program, asked=asked, monkeypatch=monkeypatch)[0].engine == "gluon"
+        assert _choose(program, s=500, monkeypatch=monkeypatch)[0].engine == "gluon"  # a short call keeps it
 
 
 def test_engine_choice_by_hand_by_spec_and_by_shape(monkeypatch):

@@ -421,7 +421,8 @@ def _ws_blocks(q, k_smem, v_smem, blk_smem, bars, lo, hi, c, ks, ke, b, h, q_pos
 
 @gluon.jit
 def _ws_consumer(half, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars, o_desc, O, LSE, KS, KE, DQ, DK, DV,
-                 S_Q, S_K, Q_OFF, K_OFF, PLAN_B, PLAN_H, Q_TILES, BH, qk_scale, TS, MASK_FROM_ROWS: tl.constexpr,
+                 S_Q, S_K, Q_OFF, K_OFF, PLAN_B, PLAN_H, Q_TILES, BH, FLAG, MARK, qk_scale, TS,
+                 MASK_FROM_ROWS: tl.constexpr,
                  EVEN_Q: tl.constexpr, EVEN_K: tl.constexpr, ROWS_: tl.constexpr,
                  BLOCK_N: tl.constexpr, D: tl.constexpr, STAGES: tl.constexpr, HEAD_GROUP: tl.constexpr,
                  VISIBLE: tl.constexpr, SCORE: tl.constexpr, HAS_SCORE: tl.constexpr, SCALE: tl.constexpr,
@@ -521,6 +522,9 @@ def _ws_consumer(half, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars,
             gl.store(LSE + bh * S_Q + rows, lse_out)
         else:
             gl.store(LSE + bh * S_Q + rows, lse_out, mask=rows < S_Q)
+        if MARK:  # a NaN row sets the call's non-finite flag (every finder stores the same value)
+            if gl.max(((lse_out != lse_out) & (rows < S_Q)).to(gl.int32), axis=0) > 0:
+                gl.store(FLAG, 1)
         jc += 1
         t = _ws_take_job(job_smem, q_ready, jc, Q_BUFS)
     tma.store_wait(0)
@@ -593,7 +597,7 @@ def _ws_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, job_smem, blk_s
 
 @gluon.jit
 def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, O, LSE, COUNTER_PTR, ORDER, M_CSR, M_IDX, M_FLAG, KS, KE, DQ, DK, DV, TS,
-                 S_Q, S_K, Q_OFF, K_OFF, PLAN_B, PLAN_H, Q_TILES, qk_scale, BH,
+                 S_Q, S_K, Q_OFF, K_OFF, PLAN_B, PLAN_H, Q_TILES, qk_scale, BH, FLAG, MARK,
                  MASK_FROM_ROWS: tl.constexpr, EVEN_Q: tl.constexpr, EVEN_K: tl.constexpr, ROWS_: tl.constexpr,
                  BLOCK_N: tl.constexpr, D: tl.constexpr, SAME_D: tl.constexpr,
                  STAGES: tl.constexpr, HEAD_GROUP: tl.constexpr, CONSUMER_REGS: tl.constexpr,
@@ -616,7 +620,8 @@ def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, O, LSE, COUNTER_PTR, ORDER, M_C
     SCORE_ROW and SCORE_COLUMN its parts (``_ws_softmax``; the launch layer decides per call).
     Q_BUFS: Q's buffers (``_ws_producer``; two where they cost no K/V stage: ``launch.gluon_q_buffers``).
     HAS_SINK: the spec's sink ``SINK`` joins every row once (``_ws_rows_out``; not on a block of a
-    larger call, whose merge adds it)."""
+    larger call, whose merge adds it).  MARK: a row whose LSE is NaN (a visible NaN or +inf score)
+    sets the call's non-finite flag FLAG (int32), so no launch of its own marks the call."""
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [Q_BUFS * CONSUMERS] + q_desc.block_type.shape, q_desc.layout)
     if SCHEDULE == ONE_TILE and SAME_D and not FP8:
         o_smem = q_smem  # one tile per program: O goes out through Q's stages
@@ -629,17 +634,20 @@ def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, O, LSE, COUNTER_PTR, ORDER, M_C
     if CONSUMERS == 3:  # (d <= 64: three 64-row warpgroups, FlashAttention-3's 192-row tiles)
         gl.warp_specialize([
             (_ws_consumer, (0, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars, o_desc, O, LSE, KS, KE, DQ, DK,
-                            DV, S_Q, S_K, Q_OFF, K_OFF, PLAN_B, PLAN_H, Q_TILES, BH, qk_scale, TS, MASK_FROM_ROWS,
+                            DV, S_Q, S_K, Q_OFF, K_OFF, PLAN_B, PLAN_H, Q_TILES, BH, FLAG, MARK, qk_scale, TS,
+                            MASK_FROM_ROWS,
                             EVEN_Q, EVEN_K, ROWS_, BLOCK_N, D, STAGES, HEAD_GROUP, VISIBLE, SCORE, HAS_SCORE, SCALE,
                             H_Q, H_KV, GROUP, FP8, OVERLAP, ZERO_TAIL, PINGPONG, SEPARABLE, SCORE_SCALE, SCORE_ROW,
                             SCORE_COLUMN, CONSUMERS, P_PERM, Q_BUFS, HAS_SINK, SINK)),
             (_ws_consumer, (1, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars, o_desc, O, LSE, KS, KE, DQ, DK,
-                            DV, S_Q, S_K, Q_OFF, K_OFF, PLAN_B, PLAN_H, Q_TILES, BH, qk_scale, TS, MASK_FROM_ROWS,
+                            DV, S_Q, S_K, Q_OFF, K_OFF, PLAN_B, PLAN_H, Q_TILES, BH, FLAG, MARK, qk_scale, TS,
+                            MASK_FROM_ROWS,
                             EVEN_Q, EVEN_K, ROWS_, BLOCK_N, D, STAGES, HEAD_GROUP, VISIBLE, SCORE, HAS_SCORE, SCALE,
                             H_Q, H_KV, GROUP, FP8, OVERLAP, ZERO_TAIL, PINGPONG, SEPARABLE, SCORE_SCALE, SCORE_ROW,
                             SCORE_COLUMN, CONSUMERS, P_PERM, Q_BUFS, HAS_SINK, SINK)),
             (_ws_consumer, (2, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars, o_desc, O, LSE, KS, KE, DQ, DK,
-                            DV, S_Q, S_K, Q_OFF, K_OFF, PLAN_B, PLAN_H, Q_TILES, BH, qk_scale, TS, MASK_FROM_ROWS,
+                            DV, S_Q, S_K, Q_OFF, K_OFF, PLAN_B, PLAN_H, Q_TILES, BH, FLAG, MARK, qk_scale, TS,
+                            MASK_FROM_ROWS,
                             EVEN_Q, EVEN_K, ROWS_, BLOCK_N, D, STAGES, HEAD_GROUP, VISIBLE, SCORE, HAS_SCORE, SCALE,
                             H_Q, H_KV, GROUP, FP8, OVERLAP, ZERO_TAIL, PINGPONG, SEPARABLE, SCORE_SCALE, SCORE_ROW,
                             SCORE_COLUMN, CONSUMERS, P_PERM, Q_BUFS, HAS_SINK, SINK)),
@@ -650,12 +658,14 @@ def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, O, LSE, COUNTER_PTR, ORDER, M_C
     else:
         gl.warp_specialize([
             (_ws_consumer, (0, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars, o_desc, O, LSE, KS, KE, DQ, DK,
-                            DV, S_Q, S_K, Q_OFF, K_OFF, PLAN_B, PLAN_H, Q_TILES, BH, qk_scale, TS, MASK_FROM_ROWS,
+                            DV, S_Q, S_K, Q_OFF, K_OFF, PLAN_B, PLAN_H, Q_TILES, BH, FLAG, MARK, qk_scale, TS,
+                            MASK_FROM_ROWS,
                             EVEN_Q, EVEN_K, ROWS_, BLOCK_N, D, STAGES, HEAD_GROUP, VISIBLE, SCORE, HAS_SCORE, SCALE,
                             H_Q, H_KV, GROUP, FP8, OVERLAP, ZERO_TAIL, PINGPONG, SEPARABLE, SCORE_SCALE, SCORE_ROW,
                             SCORE_COLUMN, CONSUMERS, P_PERM, Q_BUFS, HAS_SINK, SINK)),
             (_ws_consumer, (1, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars, o_desc, O, LSE, KS, KE, DQ, DK,
-                            DV, S_Q, S_K, Q_OFF, K_OFF, PLAN_B, PLAN_H, Q_TILES, BH, qk_scale, TS, MASK_FROM_ROWS,
+                            DV, S_Q, S_K, Q_OFF, K_OFF, PLAN_B, PLAN_H, Q_TILES, BH, FLAG, MARK, qk_scale, TS,
+                            MASK_FROM_ROWS,
                             EVEN_Q, EVEN_K, ROWS_, BLOCK_N, D, STAGES, HEAD_GROUP, VISIBLE, SCORE, HAS_SCORE, SCALE,
                             H_Q, H_KV, GROUP, FP8, OVERLAP, ZERO_TAIL, PINGPONG, SEPARABLE, SCORE_SCALE, SCORE_ROW,
                             SCORE_COLUMN, CONSUMERS, P_PERM, Q_BUFS, HAS_SINK, SINK)),
