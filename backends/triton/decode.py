@@ -93,7 +93,7 @@ def decode_plan(program, arrays: dict, *, block_n: int | None = None, splits: in
     engine = None if launch.engine == "split" else launch.engine
     block_n, block_q, splits, bounds = launch.block_n, launch.block_q, launch.splits, launch.bounds
     if block_n < GPU_MIN_TILE:
-        _check_gpu_tile(None, block_n)
+        _check_gpu_tile(None, block_n, facts.interpreter)
     blocks = split_blocks(p, kv_lens, tensors, block_n, splits, None if one_row else q_lens, block_q,
                           longest=longest, nonempty=one_row and not empty, bounds=bounds)
     k_str, v_str = cache_strides(lay.kind, lay.order, arrays[k_key], arrays[v_key])
@@ -257,9 +257,10 @@ def device_tensor(t, device, name: str = "?"):
 GPU_MIN_TILE = 16  # tl.dot on a GPU multiplies at least 16 x 16 x 16; the interpreter takes any size
 
 
-def _check_gpu_tile(block_m: int | None, block_n: int) -> None:
-    """Refuse, before any compile, tiles a GPU's tl.dot cannot take (the interpreter can)."""
-    if interpreted():
+def _check_gpu_tile(block_m: int | None, block_n: int, interpreter: bool | None = None) -> None:
+    """Refuse, before any compile, tiles a GPU's tl.dot cannot take (the interpreter can);
+    ``interpreter``: the call's device facts' word (None: this process's TRITON_INTERPRET)."""
+    if interpreted() if interpreter is None else interpreter:
         return
     for name, v in (("block_m", block_m), ("block_n", block_n)):
         if v is not None and v < GPU_MIN_TILE:

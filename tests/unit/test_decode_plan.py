@@ -16,6 +16,13 @@ PLAN_ARRAYS = ("kv_lens", "q_lens", "qo_indptr", "cache_rows", "base", "table", 
                "entry_ptr", "blocks", "partial")
 
 
+@pytest.fixture(autouse=True)
+def interpreter_facts(monkeypatch):
+    """Host plans for Triton's interpreter whatever the machine: 8-key blocks (a GPU's tiles take at
+    least 16) and the interpreter's SM count, so the GPU test list runs these checks unchanged."""
+    monkeypatch.setattr(D.device, "facts", lambda device=None: D.device.INTERPRETER)
+
+
 def same_plan(a: dict, b: dict) -> None:
     assert a.keys() == b.keys()
     for n in a:
@@ -89,9 +96,9 @@ def test_quick_checks_give_the_full_checks_plan(cache, mask, monkeypatch):
         arrays = call(p, kv, q)
         total_q = None if q is None else sum(q)
         quick = D.decode_plan(p, arrays, block_n=8, total_q=total_q)
-        monkeypatch.setattr(kvl, "quick_layout", lambda *a, **k: None)
-        full = D.decode_plan(p, arrays, block_n=8, total_q=total_q)
-        monkeypatch.undo()
+        with monkeypatch.context() as m:
+            m.setattr(kvl, "quick_layout", lambda *a, **k: None)
+            full = D.decode_plan(p, arrays, block_n=8, total_q=total_q)
         same_plan(quick, full)
         assert quick["table"] is not arrays.get("block_table", arrays.get("kv_indices"))  # a copy
 
