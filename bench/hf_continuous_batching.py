@@ -58,6 +58,8 @@ def _args(argv):
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
+                    help="the model's dtype on the GPU (float32: tokens comparable without bf16 near-ties)")
     ap.add_argument("--smoke", action="store_true", help="a tiny model on the CPU, to check the script")
     return ap.parse_args(argv)
 
@@ -93,7 +95,7 @@ def main(argv=None) -> int:
     elif not torch.cuda.is_available():
         print("hf_continuous_batching: needs a CUDA device (or --smoke)", file=sys.stderr)
         return 2
-    device, dtype = ("cpu", torch.float32) if args.smoke else ("cuda", torch.bfloat16)
+    device, dtype = ("cpu", torch.float32) if args.smoke else ("cuda", getattr(torch, args.dtype))
     cfg = transformers.LlamaConfig(hidden_size=args.hidden, intermediate_size=args.intermediate,
                                    num_hidden_layers=args.layers, num_attention_heads=args.heads,
                                    num_key_value_heads=args.kv_heads, head_dim=args.head_dim, vocab_size=args.vocab,
@@ -149,7 +151,7 @@ def main(argv=None) -> int:
                    same_requests=sum(a == b for a, b in zip(tokens, reference)),
                    same_tokens=same_tokens, model=dict(layers=args.layers, hidden=args.hidden, heads=args.heads,
                                                        kv_heads=args.kv_heads, head_dim=args.head_dim),
-                   smoke=args.smoke, command=command)
+                   dtype=str(dtype).removeprefix("torch."), smoke=args.smoke, command=command)
         rows.append(row)
         with open(args.out, "a") as f:
             f.write(json.dumps(row) + "\n")
