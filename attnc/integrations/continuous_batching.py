@@ -136,6 +136,12 @@ def window_attention_for(window: int, scale: float | None, sinks: bool) -> "attn
     return attnc.compile(window_spec_text(window, scale, sinks), name="transformers_window")
 
 
+def _sliding(window) -> bool:
+    """Whether transformers' ``cache.sliding_windows`` entry names a sliding-window layer (the
+    attention API's 5.17 cache: 1 or None for full attention)."""
+    return window not in (None, 1)
+
+
 # ---------------------------------------------------------------- one attention group's pages
 class _Pool:
     """One attention group's pages in attnc's layout: ``unit`` physical rows per page id in
@@ -144,7 +150,7 @@ class _Pool:
     def __init__(self, cache, layer_idx: int):
         if api() == "attention":
             window = cache.sliding_windows.get(layer_idx, 1)
-            self.sliding = window not in (None, 1)
+            self.sliding = _sliding(window)
             self.window = window if self.sliding else None
             self.group = cache.layer_index_to_group_indices[layer_idx][0]
             self.page_size = self.unit = int(cache.block_size)
@@ -334,7 +340,7 @@ def attention_forward_attention_api(module, query, key, value, attention_mask, c
         raise InputError("transformers: this step uses transformers' decode fast path (block_table), which calls a "
                          "FlashAttention kernel; attnc's name should not be given a fast path")
     step = _step_for(cu_seq_lens_q, lambda: _Step(cache, cu_seq_lens_q, cu_seq_lens_k, read_index, write_index))
-    if cache.sliding_windows.get(module.layer_idx, 1) not in (None, 1):  # read the ring, then write it
+    if _sliding(cache.sliding_windows.get(module.layer_idx, 1)):  # read the ring, then write it
         k, v = cache.update(key_states=key, value_states=value, layer_idx=module.layer_idx, read_index=read_index,
                             write_index=write_index)  # [rows, H_kv, d]
         key, value = (t.transpose(0, 1).unsqueeze(0) for t in (k, v))

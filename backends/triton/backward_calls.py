@@ -150,7 +150,7 @@ class BackwardCalls:
         batch, h_q, s_q = lse.shape
         dsink = self._torch.empty((batch, h_q), device=lse.device, dtype=self._torch.float32)
         if batch * h_q:
-            lz = self.__dict__.get("_sink_grad_launcher")
+            lz = self._sink_grad_launcher
             if lz is None:
                 lz = self._sink_grad_launcher = L.Launcher(_sink_grad, dict(SINK=self.module.sink_value, H_Q=h_q,
                                                                            BLOCK=256), num_warps=4)
@@ -163,7 +163,7 @@ class BackwardCalls:
         on ``device`` ({tensor: (scale, order, targets, count)}), made once per key; None: the host's."""
         shapes = {n: tuple(t.shape) for n, t in tensors.items()}
         key = (batch, tuple(sorted(shapes.items())), str(device))
-        made = self.__dict__.setdefault("_sink_reductions", {})  # (few keys: a batch size and shapes each)
+        made = self._sink_reductions  # (few keys: a batch size and shapes each)
         red = made.get(key, False)
         if red is False:
             red = sinks.reduction(self.program, batch, shapes)

@@ -98,6 +98,7 @@ class BackwardLaunch:
         spec = module.SPEC
         c = config
         self.h_q, self.h_kv = spec["H_Q"], spec["H_KV"]
+        self.tensor_grad_launchers: dict = {}  # score_grads.tensor_gradients': one per load and kept axes
         k_tiles, q_tiles = cc.shape[3], rc.shape[2]
         self.jobs = (k_tiles * self.batch * self.h_kv, q_tiles * self.batch * self.h_q)
         q_off, k_off = offsets if offsets is not None else (self.s_k - self.s_q, 0)

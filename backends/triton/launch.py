@@ -295,6 +295,8 @@ class PrefillLaunch(_GluonDescriptors):
     """A prefill launch bound to a spec, a config, a plan's device arrays and one call shape
     (B, H_q, S_q, S_k, strides, dtypes, alignments): ``__call__(q, k, v, ts, out, lse)``."""
 
+    marks = True  # it sets a ``flag`` it is given where a row's LSE is NaN (both engines do)
+
     def __init__(self, module, config: PrefillConfig, arrays: dict, shape: tuple, device,
                  offsets: tuple[int, int] | None = None, fp8: bool = False):
         """``offsets``: the absolute positions (Q_OFF, K_OFF) of the first row and key, for one block
@@ -302,8 +304,6 @@ class PrefillLaunch(_GluonDescriptors):
         ``fp8``: float8 e4m3 Q, K and V (V transposed: ``__call__``) with descales (the Gluon
         engine only)."""
         self.module, self.config, self.arrays = module, config, arrays
-        # whether the launch sets a ``flag`` it is given where a row's LSE is NaN (both engines do)
-        self.marks = True
         self.batch, self.s_q, self.s_k = shape
         self.offsets = offsets
         self.fp8 = fp8

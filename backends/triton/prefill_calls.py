@@ -190,14 +190,14 @@ class PrefillCalls:
         return named, (self.digest, *key, tuple(P.tensor_key(n, tensors[n]) for n in self._tensor_names if n in tensors))
 
     def _options_key(self, q, k, v, tensors: dict, options: dict):
-        """The key of a call with launch ``options`` (and no plan): its call key and the options
-        given, or None where they cannot be a key."""
+        """The key of a validated call with launch ``options`` (and no plan): its call key and the
+        options given, or None where an option's value cannot be a key (the call runs uncached)."""
+        asked = tuple(sorted((n, x) for n, x in options.items() if x is not None))
         try:
-            asked = tuple(sorted((n, x) for n, x in options.items() if x is not None))
             hash(asked)
-            return ("options", self._key(q, k, v, tensors), asked)
-        except (TypeError, NotImplementedError, RuntimeError, AttributeError):
+        except TypeError:
             return None
+        return ("options", self._key(q, k, v, tensors), asked)
 
     def _cached_launch(self, bound: _Bound, key, qb, kb, vb, tensors: dict, fp8: bool = False, options=None):
         if bound.plan_key is not None:

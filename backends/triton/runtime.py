@@ -96,6 +96,8 @@ class Kernel(PrefillCalls, BackwardCalls, SplitCalls):
         self._bound: dict = {}
         self._nonfinite: dict = {}  # device -> int32 flag: a call marked a non-finite row (_mark_rows)
         self._mark = None  # the marking launch (kernels.numerics._mark_nan), made at the first GPU mark
+        self._sink_grad_launcher = None  # BackwardCalls._dsink's, made at the first sink backward
+        self._sink_reductions: dict = {}  # BackwardCalls._sink_reduction's, by batch and tensor shapes
         self._at_call = threading.local()  # .on: this thread's call returns host arrays (numpy in): check now
         self._splits: dict = {}
         self._torch = torch

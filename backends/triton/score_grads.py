@@ -79,7 +79,7 @@ def tensor_gradients(kernel, launch, qb, kb, vb, lse, delta, dob, ts, tensors: d
     spec = module.SPEC
     batch, s_q, s_k = launch.batch, launch.s_q, launch.s_k
     h_q = spec["H_Q"]
-    launchers = launch.__dict__.setdefault("tensor_grad_launchers", {})
+    launchers = launch.tensor_grad_launchers
     bm, bn = launch.config.block_m2, launch.config.block_n2
     _, _, q_off, k_off, plan_b, plan_h, _, q_tiles = launch.ints[:8]
     k_tiles = -(-s_k // bn)
