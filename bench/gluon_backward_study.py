@@ -39,7 +39,8 @@ def _variants(d, names=None):
            "gluon_plain_atomic": GB.GluonBackwardConfig(**{**base.__dict__, "warp_specialize": False, "dq": "atomic"}),
            "gluon_fused": GB.GluonBackwardConfig(**{**base.__dict__, "dq": "fused"}),
            "gluon_fused_atomic": GB.GluonBackwardConfig(**{**base.__dict__, "dq": "fused_atomic"}),
-           "gluon_fused_s3": GB.GluonBackwardConfig(**{**base.__dict__, "dq": "fused", "stages": 3})}
+           "gluon_fused_s3": GB.GluonBackwardConfig(**{**base.__dict__, "dq": "fused", "stages": 3}),
+           "gluon_fused_m128": GB.GluonBackwardConfig(**{**base.__dict__, "dq": "fused", "block_m": 128})}
     return {n: c for n, c in out.items() if names is None or n in names}
 
 

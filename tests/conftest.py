@@ -35,8 +35,11 @@ def seed_contracts() -> dict:
 
 def prefill_launches(monkeypatch) -> list:
     """The Triton backend's prefill launches (``launch.PrefillLaunch``) made from here on, in order
-    (a call with options makes its own): the tests read the config and constexprs a call ran with."""
-    from attnc.backends.triton import launch
+    (a call with options makes its own): the tests read the config and constexprs a call ran with.
+    The process's plan cache is emptied first: a launch an earlier test left there for the same call
+    would be reused, and none made here."""
+    from attnc.backends.triton import launch, plans
+    plans.PLANS.clear()
     made = []
     init = launch.PrefillLaunch.__init__
 

@@ -24,17 +24,20 @@ one program, dK/dV summed over the GQA group in a fixed order.
 ``GluonBackwardConfig`` also selects ``_bwd_dkdv`` (the same step on 8 warps that issue their own
 loads: no warp specialization) and dQ by the Triton backward's dQ pass or by float32 atomics inside
 ``_bwd_dkdv`` (five GEMMs, not bit-reproducible; slower at d 128 on the H200), or fused into
-``_bwd_dkdv_ws`` (dq "fused"; five GEMMs, bit-reproducible): each consumer also computes its keys'
-part of the entry's dQ = dS K (dS^T staged in shared memory for it), and a 2-warp dQ
-writer sums the two parts and adds them into a float32 workspace.  The adds to a (query tile,
-query head) go in a fixed order, FlashAttention-3's deterministic scheme: a counter per tile; an
-entry's turn (``group_lists``: how many key tiles launched before its own compute the same tile)
-is awaited with acquire loads, the turn-0 program stores (no zeroing), the counter is raised with
-release; programs wait only on programs launched earlier, and the walk goes down the query blocks
-so that a causal plane's key tiles move in step (each waits one entry on its predecessor).
-"fused_atomic" adds in any order into a zeroed workspace.  ``_bwd_dq_store`` then scales and casts
-(a tile whose count is 0 -- nobody computed it -- is 0).  ``choose`` is the one decision place
-(``refusal``: what the passes cannot run goes to the Triton backward).
+``_bwd_dkdv_ws`` (dq "fused"; five GEMMs, bit-reproducible), FlashAttention-3's scheme: both
+consumers put their halves of the entry's dS^T in shared memory (two buffers), and once both are
+there dQ = dS K over the tile's 128 keys is made (d 128: each consumer 64 of the columns; d 64: the
+consumers take whole entries in turn, ``dq_split``) into a float32 tile in shared memory, which a
+one-warp dQ writer adds into a float32 workspace [B * H_q * S_qp, d] with one TMA reduce-add (in
+L2; no per-element atomics).  The adds to a (query tile, query head) go in a fixed order, FlashAttention-3's
+deterministic scheme: a counter per tile; an entry's turn (``group_lists``: how many key tiles
+launched before its own compute the same tile) is awaited with acquire loads, the turn-0 program
+stores (no zeroing), its writes are waited for, and the counter is raised with release; programs
+wait only on programs launched earlier, and the walk goes down the query blocks so that a causal
+plane's key tiles move in step (each waits one entry on its predecessor).  "fused_atomic" adds in
+any order into a zeroed workspace.  ``_bwd_dq_store`` then scales and casts (a tile whose count is
+0 -- nobody computed it -- is 0).  ``choose`` is the one decision place (``refusal``: what the
+passes cannot run goes to the Triton backward).
 
 Tiles past S_q or S_k: TMA reads the next head's rows there (zeros past the tensor's end); their
 scores are masked, so P = 0 and nothing of them reaches this head's gradients (for finite inputs).
@@ -107,17 +110,31 @@ class GluonBackwardConfig:
 
 def default_config(d: int) -> GluonBackwardConfig:
     """The untuned launch: 64 query rows per dK/dV entry (registers: a consumer holds dK, dV, S^T and
-    dP^T of its 64 keys), dQ on 128 x 64 tiles at d 128, 128 x 128 at d 64."""
-    return GluonBackwardConfig(dq_block_n=64 if d > 64 else 128)
+    dP^T of its 64 keys); dQ at d 128 by its own pass on 128 x 64 tiles, at d 64 fused in order (both
+    deterministic).  H200, kernel alone, causal B4 S8K (study r54): d 64 H32 fused 365.0 TFLOP/s
+    against the own pass's 319.5; d 128 H16 fused 402.2 against 425.1 (the ordered adds wait on
+    each other there; fused_atomic, not bit-reproducible, 463.8)."""
+    if d <= 64:
+        return GluonBackwardConfig(dq="fused")
+    return GluonBackwardConfig(dq_block_n=64)
+
+
+def dq_split(d: int) -> int:
+    """The fused dQ's split of each entry's dQ = dS K between the two consumer warpgroups: 2, each
+    makes D / 2 columns (d 128: 64-column slices of K's 128-byte swizzled rows); 1, the warpgroups
+    take whole entries in turn (d 64: a 32-column slice would cut a swizzle row)."""
+    return 2 if d >= 128 else 1
 
 
 def smem_bytes(d: int, config: GluonBackwardConfig) -> int:
     """Shared memory of the larger of the two passes' programs (2-byte elements, plus barriers): the
-    dK/dV pass's K and V tiles and STAGES Q and dO tiles (and dS^T: atomic or fused dQ; fused, the
-    consumers' float32 dQ parts); the dQ pass's Q and dO tiles and its K/V stages."""
+    dK/dV pass's K and V tiles and STAGES Q and dO tiles (and dS^T: atomic dQ one tile, fused two
+    buffers; fused, the consumers' two float32 dQ tiles of D / dq_split columns); the dQ pass's Q and
+    dO tiles and its K/V stages."""
     c = config
-    ds = c.block_m * c.block_n if c.dq in ("atomic", *FUSED) else 0
-    dkdv = 2 * c.block_n * d + 2 * c.stages * c.block_m * d + ds + (2 * 2 * c.block_m * d if c.dq in FUSED else 0)
+    ds = {"atomic": 1, "fused": 2, "fused_atomic": 2}.get(c.dq, 0) * c.block_m * c.block_n
+    dq_tiles = 2 * 2 * c.block_m * (d // dq_split(d)) if c.dq in FUSED else 0  # (float32: two 2-byte units)
+    dkdv = 2 * c.block_n * d + 2 * c.stages * c.block_m * d + ds + dq_tiles
     dq = 2 * 128 * d + 2 * c.dq_stages * c.dq_block_n * d if c.dq == "gluon" else 0
     return 2 * max(dkdv, dq) + 128
 
@@ -239,7 +256,8 @@ def kernel_constexprs(module, config: GluonBackwardConfig, s_q: int, s_k: int) -
         EVEN_M=s_q % c.block_m == 0, EVEN_N=s_k % c.block_n == 0, BLOCK_M=c.block_m, BLOCK_N=c.block_n,
         D=spec["D_QK"], STAGES=c.stages, HEAD_GROUP=choice.HEAD_GROUP, ATOMIC_DQ=c.dq == "atomic",
         NUM_WARPS=4 if c.warp_specialize else 8, **score,
-        **(dict(ws, FUSED_DQ=FUSED.get(c.dq, 0), WRITER_REGS=WRITER_REGS) if c.warp_specialize else {})),
+        **(dict(ws, FUSED_DQ=FUSED.get(c.dq, 0), WRITER_REGS=WRITER_REGS, DQ_SPLIT=dq_split(spec["D_QK"]))
+           if c.warp_specialize else {})),
         dict(num_warps=4, maxnreg=maxnreg) if c.warp_specialize else dict(num_warps=8))}
     if c.dq == "gluon":
         out["dq"] = (_bwd_dq_ws, dict(EVEN_M=s_q % 128 == 0, EVEN_N=s_k % c.dq_block_n == 0, ROWS=64,
@@ -276,6 +294,7 @@ class GluonBackwardLaunch:
         lists = group_lists(classes, spec["GROUP"], self.fused)
         host = {"order": lists["order"], "ptr": lists["ptr"], "ent": lists["ent"], "turn": lists.get("turn", np.zeros(1, np.int32))}
         self.q_tiles = classes.shape[2]
+        self.s_qa = self.q_tiles * c.block_m  # (the fused dQ workspace's rows per head)
         k_tiles = classes.shape[3]
         bkv = self.batch * self.h_kv
         self.grid = (k_tiles * bkv,)
@@ -351,17 +370,26 @@ class GluonBackwardLaunch:
         unused pointer)."""
         import torch
         dqa = sem = delta
-        mode, rows = self.config.dq, self.batch * self.h_q * self.s_q * self.d
-        if mode in ("atomic", "fused_atomic"):
-            dqa = torch.zeros((rows,), device=q.device, dtype=torch.float32)
-        elif mode == "fused":  # (the turn-0 tile stores: no zeroing; a tile nobody computes reads its count 0)
-            dqa = torch.empty((rows,), device=q.device, dtype=torch.float32)
-            sem = torch.zeros((self.batch * self.h_q * self.q_tiles,), device=q.device, dtype=torch.int32)
-        a, bm = self.arrays, self.config.block_m
+        mode, a, bm = self.config.dq, self.arrays, self.config.block_m
+        if mode == "atomic":
+            dqa = torch.zeros((self.batch * self.h_q * self.s_q * self.d,), device=q.device, dtype=torch.float32)
+        elif mode in FUSED:  # [B * H_q * S_qp, d]: a tile's TMA box never reaches the next head's rows
+            rows = self.batch * self.h_q * self.s_qa * self.d
+            if mode == "fused":  # (the turn-0 tile stores: no zeroing; a tile nobody computes reads its count 0)
+                dqa = torch.empty((rows,), device=q.device, dtype=torch.float32)
+                sem = torch.zeros((self.batch * self.h_q * self.q_tiles,), device=q.device, dtype=torch.int32)
+            else:
+                dqa = torch.zeros((rows,), device=q.device, dtype=torch.float32)
+        dqa_arg = dqa
+        if mode in FUSED:
+            cols = self.d // dq_split(self.d)
+            dqa_arg = self.dkdv.output_descriptor(key, dqa, self.d, lambda: TensorDescriptor.from_tensor(
+                dqa.view(-1, self.d), [bm, cols], gl.NVMMASharedLayout.get_default_for([bm, cols], gl.float32)))
         # (dO is new each call: where the launch goes raw, a per-call view of its rows, no descriptor made)
         args = (self._descriptor(q, bm, "q"), self._descriptor(k, self.kv_rows, "k"),
                 self._descriptor(v, self.kv_rows, "v"),
-                self.dkdv.output_descriptor(key, do, self.d, lambda: self._descriptor(do, bm)), dk, dv, dqa, lse, delta,
+                self.dkdv.output_descriptor(key, do, self.d, lambda: self._descriptor(do, bm)), dk, dv, dqa_arg, lse,
+                delta,
                 a["order"], a["ptr"], a["ent"], sem, a["turn"], ts, *self.ints)
         self.dkdv.launch(self.grid, args, key)
         return dqa, sem
@@ -378,8 +406,9 @@ class GluonBackwardLaunch:
                     a["r_order"], a["r_ptr"], a["r_idx"], ts, *self.dq_ints)
             self.dq.launch(self.dq_grid, args, key)
         elif mode in ("atomic", *FUSED):
+            s_qa = self.s_qa if mode in FUSED else self.s_q
             self.store.launch((triton_cdiv(self.s_q, self.store.constexprs["BLOCK"]), self.batch * self.h_q),
-                              (dqa, dq, sem, *dq.stride(), self.s_q), key)
+                              (dqa, dq, sem, *dq.stride(), self.s_q, s_qa), key)
         else:
             t = self.triton
             ta = t.arrays

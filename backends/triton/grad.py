@@ -146,7 +146,7 @@ class BackwardLaunch:
             launcher.launch((jobs,), args, key)
         if not self.config.deterministic:
             self.store.launch((triton_cdiv(self.s_q, DELTA_ROWS), self.batch * self.h_q),
-                              (dqa, dq, dqa, *dq.stride(), self.s_q), key)
+                              (dqa, dq, dqa, *dq.stride(), self.s_q, self.s_q), key)
         return delta
 
 

@@ -188,7 +188,7 @@ def test_the_fused_dq_store_scales_and_zeroes_the_tiles_nobody_wrote():
     counts = torch.tensor([1, 0, 3, 2, 0, 0, 1, 5], dtype=torch.int32)  # [b * h, tiles]
     dq = torch.empty(b, h, s, d, dtype=torch.float32)
     store = L.Launcher(K._bwd_dq_store, dict(H_Q=h, BLOCK=block, D_QK=d, D_QK_PAD=d, SCALE=0.25, COUNTED=True))
-    store.launch((tiles, b * h), (dqa, dq, counts, *dq.stride(), s), None)
+    store.launch((tiles, b * h), (dqa, dq, counts, *dq.stride(), s, s), None)
     want = (dqa.view(b, h, s, d) * 0.25).clone()
     for bh in range(b * h):
         for t in range(tiles):

@@ -65,8 +65,13 @@ def compile_passes(text, config, s_q, s_k):
     out = {}
     fn, consts, options = kernels["dkdv"]
     kv = config.block_n // 2 if config.warp_specialize else config.block_n
+    dqa = f32
+    if config.dq in GB.FUSED:  # (the fused dQ's workspace: a float32 TMA descriptor)
+        box = [config.block_m, d // GB.dq_split(d)]
+        dqa = GB.TensorDescriptor.from_tensor(torch.empty(4096, d, dtype=torch.float32), box,
+                                              gl.NVMMASharedLayout.get_default_for(box, gl.float32))
     args = (desc(4096, [config.block_m, d]), desc(4096, [kv, d]), desc(4096, [kv, d]), desc(4096, [config.block_m, d]),
-            bf, bf, f32, f32, f32, i32, i32, i32, i32, i32, ts, s_q, s_k, s_k - s_q, 0, 1, 1, 1, 4, 8)
+            bf, bf, dqa, f32, f32, i32, i32, i32, i32, i32, ts, s_q, s_k, s_k - s_q, 0, 1, 1, 1, 4, 8)
     kernel = fn.warmup(*args, grid=(1,), **consts, **options)
     out["dkdv"] = ops_of(kernel)
     out["dkdv"]["shared"] = kernel.metadata.shared
@@ -124,16 +129,17 @@ SLOW = pytest.mark.skipif(os.environ.get("ATTNC_SLOW_COMPILE") != "1", reason="C
 @pytest.mark.parametrize("case", ["fused_softcap_gqa_tails", pytest.param("fused_window_gqa_d64", marks=SLOW),
                                   pytest.param("fused_atomic_full_d128", marks=SLOW)])
 def test_the_fused_dq_compiles_for_sm_90(case, ptx_ops):
-    """One launch: the dK/dV pass with dQ's GEMM (five per entry, in both consumers), its float32 adds
-    (vector atomics; 3.6 writes atom, 3.9 red), in the ordered mode behind an acquire-load spin and a
-    release increment per entry and nowhere else, in the shared memory of one sm_90 program."""
+    """One launch: the dK/dV pass with dQ's GEMM (five per entry), dQ added into the float32
+    workspace by TMA reduce-add (bulk tensor operations, no per-element atomics), in the ordered
+    mode behind an acquire-load spin and a release increment per entry and nowhere else, in the
+    shared memory of one sm_90 program, without spilling."""
     ops = ptx_ops[case]["dkdv"]
     assert set(ptx_ops[case]) == {"dkdv"}  # no dQ pass
     mma = sum(n for op, n in ops.items() if op.startswith("wgmma.mma_async"))
     assert mma >= 10, mma
-    adds = sum(n for op, n in ops.items() if op.startswith(("atom.global.gpu.relaxed.add", "red.global.gpu.relaxed.add"))
-               and op.endswith(".f32"))
-    assert adds > 0 and any(op.endswith(("add.v4.f32", "add.v2.f32")) for op in ops)  # vectors of 4 (or 2)
+    assert any(op.startswith("cp.reduce.async.bulk.tensor") for op in ops), ops
+    assert not any(op.startswith(("atom.global.gpu.relaxed", "red.global.gpu.relaxed")) for op in ops)  # no element adds
+    assert not any(op.startswith(("ld.local", "st.local")) for op in ops)  # no spills
     ordered = not case.startswith("fused_atomic")
     release = sum(n for op, n in ops.items() if "release" in op)
     acquire = sum(n for op, n in ops.items() if "acquire" in op)

@@ -278,16 +278,17 @@ def _bwd_main(Q, K, V, DO, DQ, DK, DV, LSE, DELTA, DQA,
 
 
 @triton.jit
-def _bwd_dq_store(DQA, DQ, COUNTS, s_b, s_h, s_m, s_d, S_Q, H_Q: tl.constexpr, BLOCK: tl.constexpr,
+def _bwd_dq_store(DQA, DQ, COUNTS, s_b, s_h, s_m, s_d, S_Q, S_QA, H_Q: tl.constexpr, BLOCK: tl.constexpr,
                   D_QK: tl.constexpr, D_QK_PAD: tl.constexpr, SCALE: tl.constexpr, COUNTED: tl.constexpr = False):
-    """dQ = SCALE * the float32 accumulator, in dQ's dtype and strides (ATOMIC_DQ; the Gluon backward's
-    atomic and fused dQ).  COUNTED (the Gluon fused dQ in order): COUNTS [B * H_q, cdiv(S_q, BLOCK)]
-    holds how many K/V tiles wrote each BLOCK-row tile of DQA, never written where 0 (dQ = 0)."""
+    """dQ = SCALE * the float32 accumulator DQA [B * H_q, S_QA, D_QK_PAD] (S_QA >= S_q rows per head),
+    in dQ's dtype and strides (ATOMIC_DQ; the Gluon backward's atomic and fused dQ).  COUNTED (the
+    Gluon fused dQ in order): COUNTS [B * H_q, cdiv(S_q, BLOCK)] holds how many K/V tiles wrote each
+    BLOCK-row tile of DQA, never written where 0 (dQ = 0)."""
     bh = tl.program_id(1)
     offs_m = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     offs_d = tl.arange(0, D_QK_PAD)
     inside = (offs_m[:, None] < S_Q) & (offs_d[None, :] < D_QK)
-    acc = tl.load(DQA + (bh * S_Q + offs_m[:, None]) * D_QK_PAD + offs_d[None, :], mask=inside, other=0.0)
+    acc = tl.load(DQA + (bh * S_QA + offs_m[:, None]) * D_QK_PAD + offs_d[None, :], mask=inside, other=0.0)
     if COUNTED:
         acc = tl.where(tl.load(COUNTS + bh * tl.cdiv(S_Q, BLOCK) + tl.program_id(0)) > 0, acc, 0.0)
     tl.store(DQ + (bh // H_Q) * s_b + (bh % H_Q) * s_h + offs_m[:, None] * s_m + offs_d[None, :] * s_d,

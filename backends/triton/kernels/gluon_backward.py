@@ -13,6 +13,18 @@ try:
                                                                   warpgroup_mma, warpgroup_mma_wait)
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
     _sync = getattr(gl, "thread_barrier", None) or gl.barrier  # (a partition's warps: bar.sync; Triton 3.6 / 3.9)
+    _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+    from triton._C.libtriton import ir as _ir
+    from triton.experimental.gluon.language._core import builtin as _builtin
+
+    @_builtin
+    def _tma_add(tensor_desc, coord, src, _semantic=None):
+        """TMA reduce-add of a shared-memory tile into global memory (``tma.async_atomic_add`` of Triton
+        3.9; Triton 3.6's Gluon has the builder's op but no wrapper): one bulk operation, added in L2."""
+        coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+        _semantic.builder.create_async_tma_reduce(_ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord,
+                                                  src.handle)
+
     HAS_GLUON = True
 except (ImportError, AttributeError):  # a Triton without Gluon: the engine is unavailable
     HAS_GLUON = False
@@ -214,7 +226,7 @@ def _ws_dkdv_producer(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, 
                       H_KV: tl.constexpr, GROUP: tl.constexpr):
     """The TMA warp: the K/V tile's two halves once, then each entry's Q and dO into a stage both
     consumers have released."""
-    kv_bar, ready, empty, dq_full, dq_empty = bars
+    kv_bar, ready, empty, ds_full, dq_full, dq_empty = bars
     pid_n, b, kv_h, bkv, lo, hi = _dkdv_job(ORDER, G_PTR, PLAN_B, PLAN_H, KV_PLANES, K_TILES, BKV, HEAD_GROUP, H_KV)
     HALF: tl.constexpr = BLOCK_N // 2
     kv_row = bkv * S_K + pid_n * BLOCK_N
@@ -229,18 +241,23 @@ def _ws_dkdv_producer(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, 
 
 
 @gluon.jit
-def _ws_dkdv_consumer(half, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_part, bars, DK, DV, LSE, DELTA, ORDER,
+def _ws_dkdv_consumer(half: tl.constexpr, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_stage, bars, DK, DV, LSE, DELTA, ORDER,
                       G_PTR, G_ENT, TS, S_Q, S_K, Q_OFF, K_OFF, PLAN_B, PLAN_H, KV_PLANES, K_TILES, BKV,
                       EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       D: tl.constexpr, STAGES: tl.constexpr, HEAD_GROUP: tl.constexpr, VISIBLE: tl.constexpr,
                       SCORE_GRAD: tl.constexpr, HAS_SCORE: tl.constexpr, SCALE: tl.constexpr, H_Q: tl.constexpr,
-                      H_KV: tl.constexpr, GROUP: tl.constexpr, FUSED_DQ: tl.constexpr):
+                      H_KV: tl.constexpr, GROUP: tl.constexpr, FUSED_DQ: tl.constexpr, DQ_SPLIT: tl.constexpr):
     """One warpgroup's half of the K/V tile (keys [half * BLOCK_N / 2, + BLOCK_N / 2)): every entry's
     S^T, dP^T, dV and dK (``_bwd_dkdv``'s step on 64 keys), the stage released once its MMAs are
-    done; then its rows of dK and dV.  FUSED_DQ: also the entry's dQ over these keys, dS K_half
-    (dS^T through its own ``ds_smem`` buffer; dK's operand stays in registers), handed to the dQ writer in
-    ``dq_part``."""
-    kv_bar, ready, empty, dq_full, dq_empty = bars
+    done; then its rows of dK and dV.  FUSED_DQ: the entry's dS^T also goes to shared memory
+    (``ds_smem``: two buffers of both halves, [buffer * 2 + half]), and once both halves are there
+    (``ds_full``) dQ = dS K over all BLOCK_N keys is made -- DQ_SPLIT 2: each warpgroup its D / 2
+    columns every entry; 1: the whole of it by warpgroup ``c % 2`` (entries alternate) -- into
+    ``dq_stage[half]`` (float32), handed to the dQ writer (``dq_full`` / ``dq_empty``).  A dS^T
+    buffer is rewritten two entries later, after both warpgroups have read it: each warpgroup that
+    reads entry c's buffer does so before it writes entry c + 1's half, which the next reader
+    awaits."""
+    kv_bar, ready, empty, ds_full, dq_full, dq_empty = bars
     pid_n, b, kv_h, bkv, lo, hi = _dkdv_job(ORDER, G_PTR, PLAN_B, PLAN_H, KV_PLANES, K_TILES, BKV, HEAD_GROUP, H_KV)
     HALF: tl.constexpr = BLOCK_N // 2
     dtype: tl.constexpr = k_smem.dtype
@@ -249,7 +266,7 @@ def _ws_dkdv_consumer(half, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_part, b
     acc_layout: tl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, D, 16])
     op_layout: tl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
-    DQ_COLS: tl.constexpr = D
+    DQ_COLS: tl.constexpr = D // DQ_SPLIT
     dq_layout: tl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, DQ_COLS, 16])
     row_l: tl.constexpr = gl.SliceLayout(1, s_layout)
@@ -297,28 +314,37 @@ def _ws_dkdv_consumer(half, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_part, b
         dst = pt * (dpt - delta[None, :])
         if HAS_SCORE:
             dst = gl.where(pt > 0.0, dst * gt, 0.0)
-        if FUSED_DQ != 0:  # dS^T also through shared memory for dQ over this half's keys, dS K_half
-            ds_t = ds_smem.index(half)
-            ds_op = dst.to(dtype)
-            dk = warpgroup_mma(gl.convert_layout(ds_op, op_layout), q_t, dk, is_async=True)
-            ds_t.store(ds_op)
+        ds_op = dst.to(dtype)
+        dk = warpgroup_mma(gl.convert_layout(ds_op, op_layout), q_t, dk, is_async=True)
+        if FUSED_DQ != 0:  # dS^T to shared memory: dQ reads both halves
+            db = c % 2
+            ds_smem.index(db * 2 + half).store(ds_op)
             fence_async_shared()
-            _sync()  # (the warpgroup's whole dS^T is in shared memory before the MMAs read it)
-            dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
-            mbarrier.arrive(empty.index(stage), count=1)
-            mbarrier.wait(dq_empty.index(half), (c & 1) ^ 1)  # the writer has taken entry c - 1's partial
-            for c0 in gl.static_range(0, D, DQ_COLS):  # (DQ_COLS columns at a time: registers)
+            _sync()  # (the warpgroup's whole half is in shared memory before it says so)
+            mbarrier.arrive(ds_full.index(db), count=1)
+        dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
+        mbarrier.arrive(empty.index(stage), count=1)  # (dQ reads dS^T and K, not this stage's Q or dO)
+        if FUSED_DQ != 0:
+            if DQ_SPLIT == 2:
+                take = c >= 0
+            else:
+                take = c % 2 == half
+            if take:
+                db = c % 2
+                COL0: tl.constexpr = half * (D - DQ_COLS)  # (DQ_SPLIT 2: this warpgroup's half; 1: 0)
+                uses = c if DQ_SPLIT == 2 else c // 2  # (this warpgroup's earlier uses of its dQ buffer)
+                mbarrier.wait(ds_full.index(db), (c // 2) & 1)  # both halves of entry c's dS^T
+                mbarrier.wait(dq_empty.index(half), (uses & 1) ^ 1)  # the writer has sent the last one
                 dq0 = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, dq_layout)
-                dq = warpgroup_mma(ds_t.permute((1, 0)), k_t.slice(c0, DQ_COLS, dim=1), dq0, use_acc=False,
-                                   is_async=True)
+                dq = warpgroup_mma(ds_smem.index(db * 2).permute((1, 0)), k_smem.index(0).slice(COL0, DQ_COLS, dim=1),
+                                   dq0, use_acc=False, is_async=True)
+                dq = warpgroup_mma(ds_smem.index(db * 2 + 1).permute((1, 0)),
+                                   k_smem.index(1).slice(COL0, DQ_COLS, dim=1), dq, is_async=True)
                 dq = warpgroup_mma_wait(0, deps=(dq, ))
-                dq_part.slice(c0, DQ_COLS, dim=1).store(dq)
-            _sync()  # (every thread's rows are in shared memory before the writer is told)
-            mbarrier.arrive(dq_full.index(half), count=1)
-        else:
-            dk = warpgroup_mma(gl.convert_layout(dst.to(dtype), op_layout), q_t, dk, is_async=True)
-            dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
-            mbarrier.arrive(empty.index(stage), count=1)
+                dq_stage.index(half).store(dq)
+                fence_async_shared()
+                _sync()  # (every thread's rows are in shared memory before the writer is told)
+                mbarrier.arrive(dq_full.index(half), count=1)
     out_rows = gl.arange(0, HALF, gl.SliceLayout(1, acc_layout))
     out_cols = gl.arange(0, D, gl.SliceLayout(0, acc_layout))
     keys = pid_n * BLOCK_N + half * HALF + out_rows
@@ -332,31 +358,41 @@ def _ws_dkdv_consumer(half, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_part, b
 
 
 @gluon.jit
-def _ws_dq_writer(dq_stage0, dq_stage1, bars, DQA, SEM, TURN, ORDER, G_PTR, G_ENT, S_Q, PLAN_B, PLAN_H, KV_PLANES,
-                  K_TILES, BKV, EVEN_M: tl.constexpr, BLOCK_M: tl.constexpr, D: tl.constexpr, HEAD_GROUP: tl.constexpr,
-                  H_Q: tl.constexpr, H_KV: tl.constexpr, GROUP: tl.constexpr, ORDERED: tl.constexpr,
-                  WRITER_WARPS: tl.constexpr):
-    """The dQ warps of FUSED_DQ: per entry, the two consumers' parts (``dq_stage0`` / ``1``) summed and
-    added into the float32 workspace DQA [B * H_q * S_q, D] (unscaled), 8 x 32 at a time.  ORDERED (the
-    deterministic mode): the K/V tiles of a (query tile, query head) add in a fixed order -- the
-    entry's turn TURN[i] (how many earlier-launched programs add to this tile) is awaited on the
-    tile's counter SEM[b * H_q + h, query tile] (acquire), the turn-0 program stores instead of adding
-    (DQA needs no zeroing), and the counter is then raised (release).  A program waits only on
+def _bulk_wait(WRITES: tl.constexpr):
+    """This thread's TMA stores and adds waited for: until their shared-memory sources are read, or
+    (WRITES) until their writes to global memory are done -- before a release that publishes them
+    (Triton 3.6's ``store_wait`` waits for the reads only)."""
+    if WRITES:
+        gl.inline_asm_elementwise("cp.async.bulk.wait_group 0;", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+    else:
+        tma.store_wait(0)
+
+
+@gluon.jit
+def _ws_dq_writer(dq_stage, bars, dqa_desc, SEM, TURN, ORDER, G_PTR, G_ENT, S_Q, PLAN_B, PLAN_H, KV_PLANES, K_TILES,
+                  BKV, BLOCK_M: tl.constexpr, D: tl.constexpr, HEAD_GROUP: tl.constexpr, H_Q: tl.constexpr,
+                  H_KV: tl.constexpr, GROUP: tl.constexpr, ORDERED: tl.constexpr, DQ_SPLIT: tl.constexpr):
+    """The dQ warp of FUSED_DQ: per entry, the consumers' float32 dQ tile (``dq_stage``: DQ_SPLIT 2,
+    each warpgroup's D / 2 columns; 1, warpgroup c % 2's whole tile) added into the workspace DQA
+    (``dqa_desc``: float32 [B * H_q * S_qp, D], S_qp = S_q rounded up to BLOCK_M, so that no tile
+    reaches another head's rows; unscaled) by TMA reduce-add, one bulk operation per tile, added in
+    L2 (FlashAttention-3's dQ accumulation).  ORDERED (the deterministic mode): the K/V tiles of a
+    (query tile, query head) add in a fixed order -- the entry's turn TURN[i] (how many
+    earlier-launched programs add to this tile) is awaited on the tile's counter SEM[b * H_q + h,
+    query tile] (acquire), the turn-0 program stores instead of adding (DQA needs no zeroing), its
+    writes are waited for, and the counter is then raised (release).  A program waits only on
     programs launched before it, so the waits cannot deadlock while the GPU starts programs in
-    launch order.  Unordered: float32 atomic adds into a zeroed DQA, in whatever order they land."""
-    kv_bar, ready, empty, dq_full, dq_empty = bars
+    launch order.  Unordered: adds into a zeroed DQA, in whatever order they land."""
+    kv_bar, ready, empty, ds_full, dq_full, dq_empty = bars
     pid_n, b, kv_h, bkv, lo, hi = _dkdv_job(ORDER, G_PTR, PLAN_B, PLAN_H, KV_PLANES, K_TILES, BKV, HEAD_GROUP, H_KV)
-    CH: tl.constexpr = 8  # rows and columns per step (a swizzle atom; 4 floats of each part per lane)
-    CW: tl.constexpr = 32
-    layout: tl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [WRITER_WARPS, 1], [1, 0])
-    rows0 = gl.arange(0, CH, gl.SliceLayout(1, layout))
-    cols0 = gl.arange(0, CW, gl.SliceLayout(0, layout))
+    DQ_COLS: tl.constexpr = D // DQ_SPLIT
     q_tiles = (S_Q + BLOCK_M - 1) // BLOCK_M
     for i in range(lo, hi):
         c = i - lo
         e = gl.load(G_ENT + i)
         qb = e >> 8
         bh = b * H_Q + kv_h * GROUP + ((e >> 1) & 127)
+        row = (bh * q_tiles + qb) * BLOCK_M
         lock = SEM + bh * q_tiles + qb
         first = i < 0  # (False: unordered adds never store)
         if ORDERED:
@@ -364,30 +400,30 @@ def _ws_dq_writer(dq_stage0, dq_stage1, bars, DQA, SEM, TURN, ORDER, G_PTR, G_EN
             seen = gl.atomic_add(lock, 0, sem="acquire", scope="gpu")
             while seen != turn:
                 seen = gl.atomic_add(lock, 0, sem="acquire", scope="gpu")
-            _sync()  # (every lane's adds below come after the acquire)
             first = turn == 0
-        mbarrier.wait(dq_full.index(0), c & 1)
-        mbarrier.wait(dq_full.index(1), c & 1)
-        for r0 in gl.static_range(0, BLOCK_M, CH):
-            for c0 in gl.static_range(0, D, CW):
-                part = (dq_stage0.slice(r0, CH).slice(c0, CW, dim=1).load(layout)
-                        + dq_stage1.slice(r0, CH).slice(c0, CW, dim=1).load(layout))
-                rows = qb * BLOCK_M + r0 + rows0
-                ptrs = DQA + (bh * S_Q + rows)[:, None] * D + (c0 + cols0)[None, :]
-                if first:
-                    if EVEN_M:
-                        gl.store(ptrs, part)
-                    else:
-                        gl.store(ptrs, part, mask=(rows < S_Q)[:, None])
-                else:
-                    if EVEN_M:
-                        gl.atomic_add(ptrs, part, sem="relaxed")
-                    else:
-                        gl.atomic_add(ptrs, part, mask=(rows < S_Q)[:, None], sem="relaxed")
-        _sync()  # (every lane has read both partials and issued its adds)
-        mbarrier.arrive(dq_empty.index(0), count=1)
-        mbarrier.arrive(dq_empty.index(1), count=1)
+        if DQ_SPLIT == 2:
+            mbarrier.wait(dq_full.index(0), c & 1)
+            mbarrier.wait(dq_full.index(1), c & 1)
+            if first:
+                _tma_store(dqa_desc, [row, 0], dq_stage.index(0))
+                _tma_store(dqa_desc, [row, DQ_COLS], dq_stage.index(1))
+            else:
+                _tma_add(dqa_desc, [row, 0], dq_stage.index(0))
+                _tma_add(dqa_desc, [row, DQ_COLS], dq_stage.index(1))
+            _bulk_wait(ORDERED)
+            mbarrier.arrive(dq_empty.index(0), count=1)
+            mbarrier.arrive(dq_empty.index(1), count=1)
+        else:
+            w = c % 2
+            mbarrier.wait(dq_full.index(w), (c // 2) & 1)
+            if first:
+                _tma_store(dqa_desc, [row, 0], dq_stage.index(w))
+            else:
+                _tma_add(dqa_desc, [row, 0], dq_stage.index(w))
+            _bulk_wait(ORDERED)
+            mbarrier.arrive(dq_empty.index(w), count=1)
         if ORDERED:
+            _sync()  # (the issuing lane's writes are done before any lane releases them)
             gl.atomic_add(lock, 1, sem="release", scope="gpu")
 
 
@@ -399,15 +435,17 @@ def _bwd_dkdv_ws(q_desc, k_desc, v_desc, do_desc, DK, DV, DQA, LSE, DELTA, ORDER
                  VISIBLE: tl.constexpr, SCORE_GRAD: tl.constexpr, HAS_SCORE: tl.constexpr, SCALE: tl.constexpr,
                  H_Q: tl.constexpr, H_KV: tl.constexpr, GROUP: tl.constexpr, NUM_WARPS: tl.constexpr,
                  CONSUMER_REGS: tl.constexpr = 240, PRODUCER_REGS: tl.constexpr = 24, FUSED_DQ: tl.constexpr = 0,
-                 WRITER_REGS: tl.constexpr = 64):
+                 WRITER_REGS: tl.constexpr = 24, DQ_SPLIT: tl.constexpr = 2):
     """``_bwd_dkdv``'s job, warp-specialized: a TMA producer warp and two consumer warpgroups, each
     with half of the K/V tile's keys (its own dK and dV rows), released stage by stage through
     mbarriers, so that one warpgroup's softmax-side arithmetic runs under the other's MMAs.  Same
     arguments (k_desc / v_desc in BLOCK_N / 2-row boxes; ATOMIC_DQ unused) and SEM, TURN.  FUSED_DQ
-    (1: ordered, deterministic; 2: unordered atomics; 0: dQ by its own pass): each consumer also
-    makes its keys' part of every entry's dQ (a fifth GEMM) and a dQ warp (``_ws_dq_writer``) adds
-    the two parts into DQA (float32 [B * H_q * S_q, D]); SEM: int32 [B * H_q, query tiles], zero
-    before the launch (ordered); TURN: each entry's turn, beside G_ENT."""
+    (1: ordered, deterministic; 2: unordered; 0: dQ by its own pass): the consumers also make every
+    entry's dQ = dS K (a fifth GEMM; ``_ws_dkdv_consumer``, DQ_SPLIT) and a dQ warp
+    (``_ws_dq_writer``) adds it into the workspace by TMA: DQA is then a TMA descriptor of float32
+    [B * H_q * S_qp, D] in [BLOCK_M, D / DQ_SPLIT] boxes (S_qp: S_q rounded up to BLOCK_M); SEM:
+    int32 [B * H_q, query tiles], zero before the launch (ordered); TURN: each entry's turn, beside
+    G_ENT."""
     HALF: tl.constexpr = BLOCK_N // 2
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
     do_smem = gl.allocate_shared_memory(do_desc.dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
@@ -422,44 +460,44 @@ def _bwd_dkdv_ws(q_desc, k_desc, v_desc, do_desc, DK, DV, DQA, LSE, DELTA, ORDER
         mbarrier.init(empty.index(s), count=2)  # both consumers release a stage
     if FUSED_DQ != 0:
         ds_layout: tl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF, BLOCK_M], k_desc.dtype)
-        ds_smem = gl.allocate_shared_memory(k_desc.dtype, [2, HALF, BLOCK_M], ds_layout)
-        dq_layout: tl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, D], gl.float32)
-        dq_stage0 = gl.allocate_shared_memory(gl.float32, [BLOCK_M, D], dq_layout)
-        dq_stage1 = gl.allocate_shared_memory(gl.float32, [BLOCK_M, D], dq_layout)
+        ds_smem = gl.allocate_shared_memory(k_desc.dtype, [4, HALF, BLOCK_M], ds_layout)  # [buffer * 2 + half]
+        dq_stage = gl.allocate_shared_memory(gl.float32, [2] + DQA.block_type.shape, DQA.layout)
+        ds_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         dq_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         dq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for w in gl.static_range(2):
+            mbarrier.init(ds_full.index(w), count=2)  # both halves of a dS^T buffer
             mbarrier.init(dq_full.index(w), count=1)
             mbarrier.init(dq_empty.index(w), count=1)
         fence_async_shared()
-        bars = (kv_bar, ready, empty, dq_full, dq_empty)
+        bars = (kv_bar, ready, empty, ds_full, dq_full, dq_empty)
         gl.warp_specialize([
-            (_ws_dkdv_consumer, (0, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_stage0, bars, DK, DV, LSE, DELTA,
+            (_ws_dkdv_consumer, (0, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_stage, bars, DK, DV, LSE, DELTA,
                                  ORDER, G_PTR, G_ENT, TS, S_Q, S_K, Q_OFF, K_OFF, PLAN_B, PLAN_H, KV_PLANES, K_TILES,
                                  BKV, EVEN_M, EVEN_N, BLOCK_M, BLOCK_N, D, STAGES, HEAD_GROUP, VISIBLE, SCORE_GRAD,
-                                 HAS_SCORE, SCALE, H_Q, H_KV, GROUP, FUSED_DQ)),
-            (_ws_dkdv_consumer, (1, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_stage1, bars, DK, DV, LSE, DELTA,
+                                 HAS_SCORE, SCALE, H_Q, H_KV, GROUP, FUSED_DQ, DQ_SPLIT)),
+            (_ws_dkdv_consumer, (1, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_stage, bars, DK, DV, LSE, DELTA,
                                  ORDER, G_PTR, G_ENT, TS, S_Q, S_K, Q_OFF, K_OFF, PLAN_B, PLAN_H, KV_PLANES, K_TILES,
                                  BKV, EVEN_M, EVEN_N, BLOCK_M, BLOCK_N, D, STAGES, HEAD_GROUP, VISIBLE, SCORE_GRAD,
-                                 HAS_SCORE, SCALE, H_Q, H_KV, GROUP, FUSED_DQ)),
+                                 HAS_SCORE, SCALE, H_Q, H_KV, GROUP, FUSED_DQ, DQ_SPLIT)),
             (_ws_dkdv_producer, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, bars, ORDER, G_PTR,
                                  G_ENT, S_Q, S_K, PLAN_B, PLAN_H, KV_PLANES, K_TILES, BKV, BLOCK_M, BLOCK_N, STAGES,
                                  HEAD_GROUP, H_Q, H_KV, GROUP)),
-            (_ws_dq_writer, (dq_stage0, dq_stage1, bars, DQA, SEM, TURN, ORDER, G_PTR, G_ENT, S_Q, PLAN_B, PLAN_H, KV_PLANES,
-                             K_TILES, BKV, EVEN_M, BLOCK_M, D, HEAD_GROUP, H_Q, H_KV, GROUP, FUSED_DQ == 1, 2)),
-        ], [4, 1, 2], [CONSUMER_REGS, PRODUCER_REGS, WRITER_REGS])
+            (_ws_dq_writer, (dq_stage, bars, DQA, SEM, TURN, ORDER, G_PTR, G_ENT, S_Q, PLAN_B, PLAN_H, KV_PLANES,
+                             K_TILES, BKV, BLOCK_M, D, HEAD_GROUP, H_Q, H_KV, GROUP, FUSED_DQ == 1, DQ_SPLIT)),
+        ], [4, 1, 1], [CONSUMER_REGS, PRODUCER_REGS, WRITER_REGS])
     else:
         fence_async_shared()
-        bars = (kv_bar, ready, empty, ready, empty)  # (no dQ barriers: FUSED_DQ 0 never reads them)
+        bars = (kv_bar, ready, empty, ready, ready, empty)  # (no dQ barriers: FUSED_DQ 0 never reads them)
         gl.warp_specialize([
             (_ws_dkdv_consumer, (0, q_smem, do_smem, k_smem, v_smem, k_smem, k_smem, bars, DK, DV, LSE, DELTA, ORDER,
                                  G_PTR, G_ENT, TS, S_Q, S_K, Q_OFF, K_OFF, PLAN_B, PLAN_H, KV_PLANES, K_TILES, BKV,
                                  EVEN_M, EVEN_N, BLOCK_M, BLOCK_N, D, STAGES, HEAD_GROUP, VISIBLE, SCORE_GRAD,
-                                 HAS_SCORE, SCALE, H_Q, H_KV, GROUP, FUSED_DQ)),
+                                 HAS_SCORE, SCALE, H_Q, H_KV, GROUP, FUSED_DQ, DQ_SPLIT)),
             (_ws_dkdv_consumer, (1, q_smem, do_smem, k_smem, v_smem, k_smem, k_smem, bars, DK, DV, LSE, DELTA, ORDER,
                                  G_PTR, G_ENT, TS, S_Q, S_K, Q_OFF, K_OFF, PLAN_B, PLAN_H, KV_PLANES, K_TILES, BKV,
                                  EVEN_M, EVEN_N, BLOCK_M, BLOCK_N, D, STAGES, HEAD_GROUP, VISIBLE, SCORE_GRAD,
-                                 HAS_SCORE, SCALE, H_Q, H_KV, GROUP, FUSED_DQ)),
+                                 HAS_SCORE, SCALE, H_Q, H_KV, GROUP, FUSED_DQ, DQ_SPLIT)),
             (_ws_dkdv_producer, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, bars, ORDER, G_PTR,
                                  G_ENT, S_Q, S_K, PLAN_B, PLAN_H, KV_PLANES, K_TILES, BKV, BLOCK_M, BLOCK_N, STAGES,
                                  HEAD_GROUP, H_Q, H_KV, GROUP)),
