@@ -40,7 +40,9 @@ def _variants(d, names=None):
            "gluon_fused": GB.GluonBackwardConfig(**{**base.__dict__, "dq": "fused"}),
            "gluon_fused_atomic": GB.GluonBackwardConfig(**{**base.__dict__, "dq": "fused_atomic"}),
            "gluon_fused_s3": GB.GluonBackwardConfig(**{**base.__dict__, "dq": "fused", "stages": 3}),
-           "gluon_fused_m128": GB.GluonBackwardConfig(**{**base.__dict__, "dq": "fused", "block_m": 128})}
+           "gluon_fused_m128": GB.GluonBackwardConfig(**{**base.__dict__, "dq": "fused", "block_m": 128}),
+           "gluon_fused_b2": GB.GluonBackwardConfig(**{**base.__dict__, "dq": "fused", "dq_buffers": 2}),
+           "gluon_fused_atomic_b2": GB.GluonBackwardConfig(**{**base.__dict__, "dq": "fused_atomic", "dq_buffers": 2})}
     return {n: c for n, c in out.items() if names is None or n in names}
 
 
@@ -142,7 +144,7 @@ def main(path, names, variants=None, sdpa=("cudnn", "flash")):
                 else:
                     ms = bench(lambda: kernel.backward(q, k, v, o, lse, do, config=cfg))
                     row.update(ms=ms, tflops=bwd_flops / ms * 1e-9)
-                    if vname in ("gluon", "gluon_triton_dq", "gluon_fused", "gluon_fused_atomic"):
+                    if vname in ("gluon", "gluon_triton_dq", "gluon_fused", "gluon_fused_atomic", "gluon_fused_b2"):
                         front, back = _parts(kernel, cfg, q, k, v, o, lse, do, bench)
                         row.update(ms_delta_dkdv=front, ms_dq=back)
             except Exception as e:  # noqa: BLE001 - recorded, the study goes on

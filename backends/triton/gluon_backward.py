@@ -89,6 +89,7 @@ class GluonBackwardConfig:
     dq: str = "gluon"
     dq_block_n: int = 64
     dq_stages: int = 2
+    dq_buffers: int = 1  # fused: float32 dQ tiles per consumer (2: it may run two entries ahead of the writer)
 
     def __post_init__(self):
         if self.dq not in DQ_MODES:
@@ -98,6 +99,8 @@ class GluonBackwardConfig:
         if self.dq in FUSED and not self.warp_specialize:
             raise ValueError(f"GluonBackwardConfig: dq={self.dq!r} runs in the warp-specialized dK/dV kernel "
                              "(warp_specialize=True)")
+        if self.dq_buffers not in (1, 2):
+            raise ValueError(f"GluonBackwardConfig.dq_buffers must be 1 or 2, not {self.dq_buffers!r}")
         if self.warp_specialize and self.block_n != 128:
             raise ValueError("GluonBackwardConfig: the warp-specialized dK/dV kernel takes 128-key tiles (two halves "
                              f"of 64), not {self.block_n}")
@@ -105,7 +108,8 @@ class GluonBackwardConfig:
     def describe(self) -> str:
         kind = "warp-specialized" if self.warp_specialize else "plain"
         return (f"gluon dK/dV {kind} {self.block_m} x {self.block_n}, {self.stages} stages; dQ {self.dq}"
-                + (f" 128 x {self.dq_block_n}, {self.dq_stages} stages" if self.dq == "gluon" else ""))
+                + (f" 128 x {self.dq_block_n}, {self.dq_stages} stages" if self.dq == "gluon" else "")
+                + (f", {self.dq_buffers} dQ tiles per consumer" if self.dq in FUSED else ""))
 
 
 def default_config(d: int) -> GluonBackwardConfig:
@@ -133,7 +137,7 @@ def smem_bytes(d: int, config: GluonBackwardConfig) -> int:
     dO tiles and its K/V stages."""
     c = config
     ds = {"atomic": 1, "fused": 2, "fused_atomic": 2}.get(c.dq, 0) * c.block_m * c.block_n
-    dq_tiles = 2 * 2 * c.block_m * (d // dq_split(d)) if c.dq in FUSED else 0  # (float32: two 2-byte units)
+    dq_tiles = 2 * 2 * c.dq_buffers * c.block_m * (d // dq_split(d)) if c.dq in FUSED else 0  # (float32: 2 units)
     dkdv = 2 * c.block_n * d + 2 * c.stages * c.block_m * d + ds + dq_tiles
     dq = 2 * 128 * d + 2 * c.dq_stages * c.dq_block_n * d if c.dq == "gluon" else 0
     return 2 * max(dkdv, dq) + 128
@@ -256,7 +260,8 @@ def kernel_constexprs(module, config: GluonBackwardConfig, s_q: int, s_k: int) -
         EVEN_M=s_q % c.block_m == 0, EVEN_N=s_k % c.block_n == 0, BLOCK_M=c.block_m, BLOCK_N=c.block_n,
         D=spec["D_QK"], STAGES=c.stages, HEAD_GROUP=choice.HEAD_GROUP, ATOMIC_DQ=c.dq == "atomic",
         NUM_WARPS=4 if c.warp_specialize else 8, **score,
-        **(dict(ws, FUSED_DQ=FUSED.get(c.dq, 0), WRITER_REGS=WRITER_REGS, DQ_SPLIT=dq_split(spec["D_QK"]))
+        **(dict(ws, FUSED_DQ=FUSED.get(c.dq, 0), WRITER_REGS=WRITER_REGS, DQ_SPLIT=dq_split(spec["D_QK"]),
+                DQ_BUFS=c.dq_buffers)
            if c.warp_specialize else {})),
         dict(num_warps=4, maxnreg=maxnreg) if c.warp_specialize else dict(num_warps=8))}
     if c.dq == "gluon":

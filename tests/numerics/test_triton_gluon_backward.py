@@ -30,7 +30,8 @@ SPECS = {
 SHAPES = {"tails": (333, 333), "append_tails": (77, 400)}  # (tiles across S_q and S_k; the study runs S = 8192)
 # every launch on the default; the other dK/dV kernel and dQ modes on two of the calls, beside the Triton backward
 CONFIGS = {"triton_dq": dict(dq="triton"), "plain_atomic": dict(warp_specialize=False, dq="atomic"),
-           "fused": dict(dq="fused"), "fused_atomic": dict(dq="fused_atomic")}
+           "fused": dict(dq="fused"), "fused_atomic": dict(dq="fused_atomic"),
+           "fused_two_tiles": dict(dq="fused", dq_buffers=2)}
 WIDE = {("gqa_d128_causal", "tails"), ("softcap_gqa", "append_tails"), ("documents", "tails"), ("d64_full", "tails")}
 
 
@@ -72,7 +73,7 @@ def test_gluon_backward_matches_the_reference_and_the_triton_backward(name, shap
 
 
 @hopper
-@pytest.mark.parametrize("dq", ["gluon", "fused"])
+@pytest.mark.parametrize("dq", ["gluon", "fused", "fused_two_tiles"])
 @pytest.mark.parametrize("name", ["softcap_gqa", "gqa_d128_causal", "d64_full"])
 def test_gluon_backward_is_deterministic(name, dq):
     """Bit-identical gradients run to run: the default, and the fused dQ whose K/V tiles add into
@@ -80,13 +81,14 @@ def test_gluon_backward_is_deterministic(name, dq):
     gradients within rounding."""
     program = compile_spec(SPECS[name])
     kernel, _, args, tensors = _call(program, 1000, 1000, seed=5)
-    config = GB.GluonBackwardConfig(**{**GB.default_config(program.d_qk).__dict__, "dq": dq})
+    asked = {"dq": "fused", "dq_buffers": 2} if dq == "fused_two_tiles" else {"dq": dq}
+    config = GB.GluonBackwardConfig(**{**GB.default_config(program.d_qk).__dict__, **asked})
     first = kernel.backward(*args, config=config, **tensors)
     for _ in range(3):
         again = kernel.backward(*args, config=config, **tensors)
         assert all(torch.equal(a, b) for a, b in zip(first, again))
-    if dq == "fused":
-        base = kernel.backward(*args, config=GB.default_config(program.d_qk), **tensors)
+    if dq != "gluon":
+        base = kernel.backward(*args, config=GB.GluonBackwardConfig(dq="gluon"), **tensors)
         for a, b in zip(first, base):
             assert ((a.float() - b.float()).norm() / b.float().norm()).item() < 1e-2
 

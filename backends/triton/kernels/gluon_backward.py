@@ -246,14 +246,17 @@ def _ws_dkdv_consumer(half: tl.constexpr, q_smem, do_smem, k_smem, v_smem, ds_sm
                       EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       D: tl.constexpr, STAGES: tl.constexpr, HEAD_GROUP: tl.constexpr, VISIBLE: tl.constexpr,
                       SCORE_GRAD: tl.constexpr, HAS_SCORE: tl.constexpr, SCALE: tl.constexpr, H_Q: tl.constexpr,
-                      H_KV: tl.constexpr, GROUP: tl.constexpr, FUSED_DQ: tl.constexpr, DQ_SPLIT: tl.constexpr):
+                      H_KV: tl.constexpr, GROUP: tl.constexpr, FUSED_DQ: tl.constexpr, DQ_SPLIT: tl.constexpr,
+                      DQ_BUFS: tl.constexpr):
     """One warpgroup's half of the K/V tile (keys [half * BLOCK_N / 2, + BLOCK_N / 2)): every entry's
     S^T, dP^T, dV and dK (``_bwd_dkdv``'s step on 64 keys), the stage released once its MMAs are
     done; then its rows of dK and dV.  FUSED_DQ: the entry's dS^T also goes to shared memory
     (``ds_smem``: two buffers of both halves, [buffer * 2 + half]), and once both halves are there
     (``ds_full``) dQ = dS K over all BLOCK_N keys is made -- DQ_SPLIT 2: each warpgroup its D / 2
     columns every entry; 1: the whole of it by warpgroup ``c % 2`` (entries alternate) -- into
-    ``dq_stage[half]`` (float32), handed to the dQ writer (``dq_full`` / ``dq_empty``).  A dS^T
+    ``dq_stage[half * DQ_BUFS + use % DQ_BUFS]`` (float32: DQ_BUFS tiles per warpgroup, so that it
+    may run DQ_BUFS entries ahead of the writer), handed to the dQ writer (``dq_full`` /
+    ``dq_empty``).  A dS^T
     buffer is rewritten two entries later, after both warpgroups have read it: each warpgroup that
     reads entry c's buffer does so before it writes entry c + 1's half, which the next reader
     awaits."""
@@ -334,17 +337,18 @@ def _ws_dkdv_consumer(half: tl.constexpr, q_smem, do_smem, k_smem, v_smem, ds_sm
                 COL0: tl.constexpr = half * (D - DQ_COLS)  # (DQ_SPLIT 2: this warpgroup's half; 1: 0)
                 uses = c if DQ_SPLIT == 2 else c // 2  # (this warpgroup's earlier uses of its dQ buffer)
                 mbarrier.wait(ds_full.index(db), (c // 2) & 1)  # both halves of entry c's dS^T
-                mbarrier.wait(dq_empty.index(half), (uses & 1) ^ 1)  # the writer has sent the last one
+                slot = half * DQ_BUFS + uses % DQ_BUFS
+                mbarrier.wait(dq_empty.index(slot), ((uses // DQ_BUFS) & 1) ^ 1)  # the writer has sent its last tile
                 dq0 = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, dq_layout)
                 dq = warpgroup_mma(ds_smem.index(db * 2).permute((1, 0)), k_smem.index(0).slice(COL0, DQ_COLS, dim=1),
                                    dq0, use_acc=False, is_async=True)
                 dq = warpgroup_mma(ds_smem.index(db * 2 + 1).permute((1, 0)),
                                    k_smem.index(1).slice(COL0, DQ_COLS, dim=1), dq, is_async=True)
                 dq = warpgroup_mma_wait(0, deps=(dq, ))
-                dq_stage.index(half).store(dq)
+                dq_stage.index(slot).store(dq)
                 fence_async_shared()
                 _sync()  # (every thread's rows are in shared memory before the writer is told)
-                mbarrier.arrive(dq_full.index(half), count=1)
+                mbarrier.arrive(dq_full.index(slot), count=1)
     out_rows = gl.arange(0, HALF, gl.SliceLayout(1, acc_layout))
     out_cols = gl.arange(0, D, gl.SliceLayout(0, acc_layout))
     keys = pid_n * BLOCK_N + half * HALF + out_rows
@@ -371,7 +375,8 @@ def _bulk_wait(WRITES: tl.constexpr):
 @gluon.jit
 def _ws_dq_writer(dq_stage, bars, dqa_desc, SEM, TURN, ORDER, G_PTR, G_ENT, S_Q, PLAN_B, PLAN_H, KV_PLANES, K_TILES,
                   BKV, BLOCK_M: tl.constexpr, D: tl.constexpr, HEAD_GROUP: tl.constexpr, H_Q: tl.constexpr,
-                  H_KV: tl.constexpr, GROUP: tl.constexpr, ORDERED: tl.constexpr, DQ_SPLIT: tl.constexpr):
+                  H_KV: tl.constexpr, GROUP: tl.constexpr, ORDERED: tl.constexpr, DQ_SPLIT: tl.constexpr,
+                  DQ_BUFS: tl.constexpr):
     """The dQ warp of FUSED_DQ: per entry, the consumers' float32 dQ tile (``dq_stage``: DQ_SPLIT 2,
     each warpgroup's D / 2 columns; 1, warpgroup c % 2's whole tile) added into the workspace DQA
     (``dqa_desc``: float32 [B * H_q * S_qp, D], S_qp = S_q rounded up to BLOCK_M, so that no tile
@@ -401,27 +406,30 @@ def _ws_dq_writer(dq_stage, bars, dqa_desc, SEM, TURN, ORDER, G_PTR, G_ENT, S_Q,
             while seen != turn:
                 seen = gl.atomic_add(lock, 0, sem="acquire", scope="gpu")
             first = turn == 0
-        if DQ_SPLIT == 2:
-            mbarrier.wait(dq_full.index(0), c & 1)
-            mbarrier.wait(dq_full.index(1), c & 1)
+        if DQ_SPLIT == 2:  # (both warpgroups' tiles of this entry: their use c)
+            s0 = c % DQ_BUFS
+            s1 = DQ_BUFS + c % DQ_BUFS
+            mbarrier.wait(dq_full.index(s0), (c // DQ_BUFS) & 1)
+            mbarrier.wait(dq_full.index(s1), (c // DQ_BUFS) & 1)
             if first:
-                _tma_store(dqa_desc, [row, 0], dq_stage.index(0))
-                _tma_store(dqa_desc, [row, DQ_COLS], dq_stage.index(1))
+                _tma_store(dqa_desc, [row, 0], dq_stage.index(s0))
+                _tma_store(dqa_desc, [row, DQ_COLS], dq_stage.index(s1))
             else:
-                _tma_add(dqa_desc, [row, 0], dq_stage.index(0))
-                _tma_add(dqa_desc, [row, DQ_COLS], dq_stage.index(1))
+                _tma_add(dqa_desc, [row, 0], dq_stage.index(s0))
+                _tma_add(dqa_desc, [row, DQ_COLS], dq_stage.index(s1))
             _bulk_wait(ORDERED)
-            mbarrier.arrive(dq_empty.index(0), count=1)
-            mbarrier.arrive(dq_empty.index(1), count=1)
-        else:
-            w = c % 2
-            mbarrier.wait(dq_full.index(w), (c // 2) & 1)
+            mbarrier.arrive(dq_empty.index(s0), count=1)
+            mbarrier.arrive(dq_empty.index(s1), count=1)
+        else:  # (warpgroup c % 2's tile: its use c // 2)
+            u = c // 2
+            slot = (c % 2) * DQ_BUFS + u % DQ_BUFS
+            mbarrier.wait(dq_full.index(slot), (u // DQ_BUFS) & 1)
             if first:
-                _tma_store(dqa_desc, [row, 0], dq_stage.index(w))
+                _tma_store(dqa_desc, [row, 0], dq_stage.index(slot))
             else:
-                _tma_add(dqa_desc, [row, 0], dq_stage.index(w))
+                _tma_add(dqa_desc, [row, 0], dq_stage.index(slot))
             _bulk_wait(ORDERED)
-            mbarrier.arrive(dq_empty.index(w), count=1)
+            mbarrier.arrive(dq_empty.index(slot), count=1)
         if ORDERED:
             _sync()  # (the issuing lane's writes are done before any lane releases them)
             gl.atomic_add(lock, 1, sem="release", scope="gpu")
@@ -435,7 +443,7 @@ def _bwd_dkdv_ws(q_desc, k_desc, v_desc, do_desc, DK, DV, DQA, LSE, DELTA, ORDER
                  VISIBLE: tl.constexpr, SCORE_GRAD: tl.constexpr, HAS_SCORE: tl.constexpr, SCALE: tl.constexpr,
                  H_Q: tl.constexpr, H_KV: tl.constexpr, GROUP: tl.constexpr, NUM_WARPS: tl.constexpr,
                  CONSUMER_REGS: tl.constexpr = 240, PRODUCER_REGS: tl.constexpr = 24, FUSED_DQ: tl.constexpr = 0,
-                 WRITER_REGS: tl.constexpr = 24, DQ_SPLIT: tl.constexpr = 2):
+                 WRITER_REGS: tl.constexpr = 24, DQ_SPLIT: tl.constexpr = 2, DQ_BUFS: tl.constexpr = 1):
     """``_bwd_dkdv``'s job, warp-specialized: a TMA producer warp and two consumer warpgroups, each
     with half of the K/V tile's keys (its own dK and dV rows), released stage by stage through
     mbarriers, so that one warpgroup's softmax-side arithmetic runs under the other's MMAs.  Same
@@ -461,12 +469,13 @@ def _bwd_dkdv_ws(q_desc, k_desc, v_desc, do_desc, DK, DV, DQA, LSE, DELTA, ORDER
     if FUSED_DQ != 0:
         ds_layout: tl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF, BLOCK_M], k_desc.dtype)
         ds_smem = gl.allocate_shared_memory(k_desc.dtype, [4, HALF, BLOCK_M], ds_layout)  # [buffer * 2 + half]
-        dq_stage = gl.allocate_shared_memory(gl.float32, [2] + DQA.block_type.shape, DQA.layout)
+        dq_stage = gl.allocate_shared_memory(gl.float32, [2 * DQ_BUFS] + DQA.block_type.shape, DQA.layout)
         ds_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        dq_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        dq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        dq_full = gl.allocate_shared_memory(gl.int64, [2 * DQ_BUFS, 1], mbarrier.MBarrierLayout())
+        dq_empty = gl.allocate_shared_memory(gl.int64, [2 * DQ_BUFS, 1], mbarrier.MBarrierLayout())
         for w in gl.static_range(2):
             mbarrier.init(ds_full.index(w), count=2)  # both halves of a dS^T buffer
+        for w in gl.static_range(2 * DQ_BUFS):
             mbarrier.init(dq_full.index(w), count=1)
             mbarrier.init(dq_empty.index(w), count=1)
         fence_async_shared()
@@ -475,16 +484,17 @@ def _bwd_dkdv_ws(q_desc, k_desc, v_desc, do_desc, DK, DV, DQA, LSE, DELTA, ORDER
             (_ws_dkdv_consumer, (0, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_stage, bars, DK, DV, LSE, DELTA,
                                  ORDER, G_PTR, G_ENT, TS, S_Q, S_K, Q_OFF, K_OFF, PLAN_B, PLAN_H, KV_PLANES, K_TILES,
                                  BKV, EVEN_M, EVEN_N, BLOCK_M, BLOCK_N, D, STAGES, HEAD_GROUP, VISIBLE, SCORE_GRAD,
-                                 HAS_SCORE, SCALE, H_Q, H_KV, GROUP, FUSED_DQ, DQ_SPLIT)),
+                                 HAS_SCORE, SCALE, H_Q, H_KV, GROUP, FUSED_DQ, DQ_SPLIT, DQ_BUFS)),
             (_ws_dkdv_consumer, (1, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_stage, bars, DK, DV, LSE, DELTA,
                                  ORDER, G_PTR, G_ENT, TS, S_Q, S_K, Q_OFF, K_OFF, PLAN_B, PLAN_H, KV_PLANES, K_TILES,
                                  BKV, EVEN_M, EVEN_N, BLOCK_M, BLOCK_N, D, STAGES, HEAD_GROUP, VISIBLE, SCORE_GRAD,
-                                 HAS_SCORE, SCALE, H_Q, H_KV, GROUP, FUSED_DQ, DQ_SPLIT)),
+                                 HAS_SCORE, SCALE, H_Q, H_KV, GROUP, FUSED_DQ, DQ_SPLIT, DQ_BUFS)),
             (_ws_dkdv_producer, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, bars, ORDER, G_PTR,
                                  G_ENT, S_Q, S_K, PLAN_B, PLAN_H, KV_PLANES, K_TILES, BKV, BLOCK_M, BLOCK_N, STAGES,
                                  HEAD_GROUP, H_Q, H_KV, GROUP)),
             (_ws_dq_writer, (dq_stage, bars, DQA, SEM, TURN, ORDER, G_PTR, G_ENT, S_Q, PLAN_B, PLAN_H, KV_PLANES,
-                             K_TILES, BKV, BLOCK_M, D, HEAD_GROUP, H_Q, H_KV, GROUP, FUSED_DQ == 1, DQ_SPLIT)),
+                             K_TILES, BKV, BLOCK_M, D, HEAD_GROUP, H_Q, H_KV, GROUP, FUSED_DQ == 1, DQ_SPLIT,
+                             DQ_BUFS)),
         ], [4, 1, 1], [CONSUMER_REGS, PRODUCER_REGS, WRITER_REGS])
     else:
         fence_async_shared()
@@ -493,11 +503,11 @@ def _bwd_dkdv_ws(q_desc, k_desc, v_desc, do_desc, DK, DV, DQA, LSE, DELTA, ORDER
             (_ws_dkdv_consumer, (0, q_smem, do_smem, k_smem, v_smem, k_smem, k_smem, bars, DK, DV, LSE, DELTA, ORDER,
                                  G_PTR, G_ENT, TS, S_Q, S_K, Q_OFF, K_OFF, PLAN_B, PLAN_H, KV_PLANES, K_TILES, BKV,
                                  EVEN_M, EVEN_N, BLOCK_M, BLOCK_N, D, STAGES, HEAD_GROUP, VISIBLE, SCORE_GRAD,
-                                 HAS_SCORE, SCALE, H_Q, H_KV, GROUP, FUSED_DQ, DQ_SPLIT)),
+                                 HAS_SCORE, SCALE, H_Q, H_KV, GROUP, FUSED_DQ, DQ_SPLIT, DQ_BUFS)),
             (_ws_dkdv_consumer, (1, q_smem, do_smem, k_smem, v_smem, k_smem, k_smem, bars, DK, DV, LSE, DELTA, ORDER,
                                  G_PTR, G_ENT, TS, S_Q, S_K, Q_OFF, K_OFF, PLAN_B, PLAN_H, KV_PLANES, K_TILES, BKV,
                                  EVEN_M, EVEN_N, BLOCK_M, BLOCK_N, D, STAGES, HEAD_GROUP, VISIBLE, SCORE_GRAD,
-                                 HAS_SCORE, SCALE, H_Q, H_KV, GROUP, FUSED_DQ, DQ_SPLIT)),
+                                 HAS_SCORE, SCALE, H_Q, H_KV, GROUP, FUSED_DQ, DQ_SPLIT, DQ_BUFS)),
             (_ws_dkdv_producer, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, bars, ORDER, G_PTR,
                                  G_ENT, S_Q, S_K, PLAN_B, PLAN_H, KV_PLANES, K_TILES, BKV, BLOCK_M, BLOCK_N, STAGES,
                                  HEAD_GROUP, H_Q, H_KV, GROUP)),
