@@ -72,7 +72,10 @@ def test_split_decode_adds_the_sink_once_per_row(state):
     assert not o[3].any()
 
 
-def test_a_bad_sink_is_the_oracles_error():
+def test_a_bad_sink_is_the_oracles_error(monkeypatch):
+    # (a GPU call whose score program cannot fail only marks a device flag; ATTNC_CHECK_FINITE=1
+    # makes it raise at the call, naming the row, as the host paths do)
+    monkeypatch.setenv("ATTNC_CHECK_FINITE", "1")
     p = program("sinks[h]")
     arrays = inputs.sample(p, 1, 5, 5, seed=0)
     call = inputs.validate(p, arrays)
