@@ -71,3 +71,21 @@ def golden(request):
         assert actual == expected, f"{path} differs from the current output (pytest --update-golden rewrites it)"
 
     return compare
+
+
+def triton_device() -> str:
+    """The device the Triton backend's kernels run on in this test run: "cuda" in a GPU run
+    (ATTNC_TEST_GPU=1 with a CUDA device), else "cpu" (Triton's interpreter takes CPU tensors).
+    The Triton backend refuses torch tensors on any other device, so tests hand it theirs here."""
+    if os.environ.get("ATTNC_TEST_GPU") == "1":
+        import torch
+        if torch.cuda.is_available():
+            return "cuda"
+    return "cpu"
+
+
+def to_triton(x):
+    """``x`` (a torch tensor or array-like) as a torch tensor on ``triton_device()``; a tensor
+    keeps its dtype, an array becomes the torch tensor ``torch.as_tensor`` makes of it."""
+    import torch
+    return torch.as_tensor(x).to(triton_device())

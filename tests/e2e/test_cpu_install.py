@@ -28,8 +28,12 @@ print("README example ran on", scope["device"])
 
 
 def test_the_readme_example_runs_with_torch_alone():
-    env = {**os.environ, "ATTNC_TEST_HIDE": "triton", "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT / "tests" / "fixtures" / "no_gpu_stack"), str(ROOT)])}
+    # a CPU-only machine, also on a GPU one: triton hidden (by name, by the fixture's sitecustomize,
+    # first on the path; then this checkout, then the parent's path, where attnc's dependencies may
+    # live) and no CUDA device visible to torch (the README's example would take it)
+    path = [str(ROOT / "tests" / "fixtures" / "no_gpu_stack"), str(ROOT), os.environ.get("PYTHONPATH", "")]
+    env = {**os.environ, "ATTNC_TEST_HIDE": "triton", "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "",
+           "PYTHONPATH": os.pathsep.join(p for p in path if p)}
     r = subprocess.run([sys.executable, "-c", RUN_README], env=env, cwd=ROOT, capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0 and "README example ran on cpu" in r.stdout, r.stderr[-3000:]

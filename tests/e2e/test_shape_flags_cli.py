@@ -37,13 +37,25 @@ def _cli(capsys, *argv) -> tuple[int, str, str]:
     return rc, out, err
 
 
+def _selected_here(spec_text: str, heads: int, head_dim: int, dtype: str, batch: int, length: int) -> str:
+    """The backend `attnc run` takes for this call on this machine: dispatch under --backend auto,
+    as the CLI asks it (numpy without a CUDA device, triton with one)."""
+    import attnc
+    from attnc.compiler.dispatch import dispatch, run_environment
+    program = attnc.compile(spec_text).specialize(heads, heads, head_dim, head_dim, dtype)
+    call = {"B": batch, "S_q": [length] * batch, "S_k": [length] * batch, "graph_mode": False,
+            "backend_request": "auto"}
+    return dispatch(program, call, run_environment(None, "auto")).require()
+
+
 def test_run_check_on_a_shape_generic_spec(specs):
     """Issue 37's command, as a user runs it."""
+    auto = _selected_here(GENERIC, 4, 32, "f32", 2, 64)
     r = subprocess.run([sys.executable, "-m", "attnc", "run", specs / "generic.attn", "--heads", "4", "--head-dim",
                         "32", "--dtype", "f32", "--kv-len", "64", "--check"], cwd=ROOT, capture_output=True,
                        text=True, timeout=300)
     assert r.returncode == 0, r.stderr
-    assert "doc_causal on numpy: B=2 S_q=64 S_k=64 o [2, 4, 64, 32] float32" in r.stdout
+    assert f"doc_causal on {auto}: B=2 S_q=64 S_k=64 o [2, 4, 64, 32] float32" in r.stdout, r.stdout
     assert r.stdout.count("vs float64 oracle") == 2 and r.stdout.count(" ok") == 2, r.stdout
 
 

@@ -13,6 +13,8 @@ import sys
 import zipfile
 from pathlib import Path
 
+import pytest
+
 import attnc
 from tests.conftest import ROOT
 
@@ -46,6 +48,10 @@ def _data_files(folder: str, pattern: str) -> set[str]:
     return {p.relative_to(ROOT / folder).as_posix() for p in (ROOT / folder).glob(pattern)}
 
 
+@pytest.mark.skipif(os.environ.get("ATTNC_TEST_GPU") == "1",
+                    reason="packaging is CPU CI's job: the GPU list's machine has no package index, attnc's "
+                           "dependencies reach its interpreter only through PYTHONPATH (which a user's venv "
+                           "does not see), and this test's `attnc bench` expects no GPU")
 def test_wheel_installs_one_package_that_runs_the_demo(tmp_path):
     import setuptools  # noqa: F401  (the build runs without isolation: setuptools must be installed here)
 

@@ -115,9 +115,12 @@ def _check_backward(name, attn, program, cp, plan, q, k, v, tensors, posted, ran
             assert not any(s.grad.any() for s in shards), where
 
 
-def _check_triton_blocks(rank: int, ranks: int) -> None:
-    """The Triton blocks (the CPU interpreter) through the same exchange: a GQA document mask's O
-    and gradients against the single-process numpy call (the GPU runs this in test_distributed_gpu)."""
+def _check_triton_blocks(rank: int, ranks: int, device: str) -> None:
+    """The Triton blocks through the same exchange: a GQA document mask's O and gradients against
+    the single-process numpy call.  ``device`` is the Triton backend's (tests.conftest.triton_device):
+    CPU tensors in the interpreter, or in a GPU run (ATTNC_TEST_GPU=1) CUDA tensors, both ranks on
+    the one GPU, their messages staged through host memory by gloo (test_distributed_gpu runs larger
+    bf16 calls so)."""
     import attnc
     import attnc.distributed as cpd
     from attnc.compiler import numerics
@@ -127,24 +130,26 @@ def _check_triton_blocks(rank: int, ranks: int) -> None:
     program = attn.program
     q, k, v, tensors = _inputs("documents", program, 1, 48, ranks)
     cp = cpd.ContextParallel(attn, block=BLOCK, strategy="auto")
-    plan = cp.plan(batch=1, seq_len=48, **tensors)
+    plan = cp.plan(batch=1, seq_len=48, **{n: t.to(device) for n, t in tensors.items()})
     g_o = torch.randn(1, program.heads_q, 48, program.d_v, generator=torch.Generator().manual_seed(2))
     whole = [x.detach().clone().requires_grad_() for x in (q, k, v)]
     o, lse = attn(*whole, return_lse=True, backend="numpy", **tensors)
     (o * g_o).sum().backward()
-    shards = [plan.shard(x.detach()).requires_grad_() for x in (q, k, v)]
+    shards = [plan.shard(x.detach()).to(device).requires_grad_() for x in (q, k, v)]
     o_l, lse_l = cp(*shards, plan=plan, return_lse=True, backend="triton")
-    (o_l * plan.shard(g_o)).sum().backward()
+    assert o_l.device.type == device
+    (o_l * plan.shard(g_o).to(device)).sum().backward()
     where = f"triton blocks, rank {rank} of {ranks}"
-    for c in numerics.compare_outputs("f32", o_l.detach().numpy(), lse_l.detach().numpy(), plan.shard(o).detach().numpy(),
-                                      plan.shard(lse, dim=2).detach().numpy()):
+    for c in numerics.compare_outputs("f32", o_l.detach().cpu().numpy(), lse_l.detach().cpu().numpy(),
+                                      plan.shard(o).detach().numpy(), plan.shard(lse, dim=2).detach().numpy()):
         assert c.ok, f"{where}: {c}"
     for n, shard, x in zip("qkv", shards, whole):
-        c = numerics.compare_gradient(f"d{n}", "f32", shard.grad.double().numpy(), plan.shard(x.grad).double().numpy())
+        c = numerics.compare_gradient(f"d{n}", "f32", shard.grad.double().cpu().numpy(),
+                                      plan.shard(x.grad).double().numpy())
         assert c.ok, f"{where}: {c}"
 
 
-def _worker(rank: int, ranks: int, init: str) -> None:
+def _worker(rank: int, ranks: int, init: str, triton_device: str) -> None:
     import attnc
     import attnc.distributed as cpd
     from attnc.compiler import numerics, oracle
@@ -205,7 +210,7 @@ def _worker(rank: int, ranks: int, init: str) -> None:
             if name in GRAD_CASES:
                 _check_backward(name, attn, program, cp, plan, q, k, v, tensors, posted, rank, ranks, where)
         if ranks == 2:
-            _check_triton_blocks(rank, ranks)
+            _check_triton_blocks(rank, ranks, triton_device)
         if ranks == 4:  # the tiny case's even split leaves rank 0 without a token
             assert cpd.ContextParallel(attnc.compile(CASES["tiny"][0]), block=BLOCK, strategy="even").plan(
                 batch=1, seq_len=20).tokens == (0, 8, 8, 4)[rank]
@@ -223,4 +228,5 @@ def test_gloo_ranks_match_the_single_process_call(ranks, tmp_path, monkeypatch):
     import torch.multiprocessing as mp
     init = f"file://{tmp_path / 'rendezvous'}"
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the ranks share this machine's cores
-    mp.spawn(_worker, args=(ranks, init), nprocs=ranks, join=True)
+    from tests.conftest import triton_device
+    mp.spawn(_worker, args=(ranks, init, triton_device()), nprocs=ranks, join=True)

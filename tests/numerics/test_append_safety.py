@@ -1,5 +1,5 @@
-"""Appends that cannot corrupt a cache (issue 35), on the numpy, Triton (the CPU interpreter) and
-AHBM backends: every refusal and every failure injected after staging (the attention, the
+"""Appends that cannot corrupt a cache (issue 35), on the numpy, Triton (the CPU interpreter, or
+CUDA tensors under ATTNC_TEST_GPU=1) and AHBM backends: every refusal and every failure injected after staging (the attention, the
 output check, the commit itself) leaves the NaN-poisoned cache's bytes and kv_lens as they were,
 byte by byte, and the same input gives the same located error on every backend.  Tiny shapes:
 two requests, T = [4, 7], C = [1, 2] unless a case needs more."""
@@ -20,7 +20,7 @@ def attempt(layout, backend, change=None, *, T=(4, 7), C=(1, 2), spec=""):
     """One append on a fresh poisoned cache after ``change(cache, args, rows)``; returns the error
     (or None) after checking that nothing the call may write changed when it failed."""
     attn = compiled(LAYOUTS[layout], score=spec)
-    cache = Cache(layout, list(T), list(C), seed=9)
+    cache = Cache(layout, list(T), list(C), seed=9).to(backend)  # (the Triton backend's device)
     q, k_new, v_new = new_rows(cache)
     args = {**cache.arrays, "q_lens": torch.tensor(list(C))}
     rows = {"q": q, "k_new": k_new, "v_new": v_new}
@@ -51,7 +51,7 @@ def _idle_row_lists_a_written_page(cache, args, rows):
 
 
 def _expanded_lengths(cache, args, rows):
-    args["kv_lens"] = torch.tensor([4], dtype=torch.int32).expand(2)
+    args["kv_lens"] = torch.tensor([4], dtype=torch.int32, device=args["kv_lens"].device).expand(2)
 
 
 def _inference_lengths(cache, args, rows):
@@ -69,7 +69,7 @@ def _new_rows_in_the_cache(cache, args, rows):
 
 def _lengths_in_metadata(cache, args, rows):
     ptr = args["kv_indptr"].to(torch.int32).clone()
-    ptr[1:3] = torch.tensor([4, 7], dtype=torch.int32)  # kv_lens = [4, 7] lives inside kv_indptr
+    ptr[1:3] = torch.tensor([4, 7], dtype=torch.int32, device=ptr.device)  # kv_lens = [4, 7] lives inside kv_indptr
     args["kv_indptr"], args["kv_lens"] = ptr, ptr[1:3]
 
 
@@ -160,7 +160,7 @@ def test_failure_at_commit_rolls_back_and_a_retry_appends_once(backend, monkeypa
         raise RuntimeError("injected at commit")
 
     attn = compiled(LAYOUTS["paged_dense_hnd"])
-    cache = Cache("paged_dense_hnd", [4, 7], [1, 2], seed=9)
+    cache = Cache("paged_dense_hnd", [4, 7], [1, 2], seed=9).to(backend)
     q, k_new, v_new = new_rows(cache)
     before = cache.snapshot()
     monkeypatch.setattr(serving._Transaction, "commit", failing)

@@ -171,7 +171,7 @@ def test_attnc_plan_reports_the_engines_launch():
     q = dev.pop("q")
     kernel = runtime.load(program)
     plan = kernel.decode_plan(dict(dev), total_q=int(q.shape[0]))
-    bound = kernel._bind_split(plan, q.device, dev["k_cache"], dev["v_cache"], {}, None, None)
+    bound = kernel._bind_split(plan, q, dev["k_cache"], dev["v_cache"], {}, None, None)
     report = plan_launch(program, logical_layout(program, KV_LENS), Q_LENS, device="here").report()
     assert plan["engine"] == report["launch"]["engine"] == "gluon" and report["launch"]["device"]["here"]
     assert (plan["splits"], bound.workspace_bytes) == (report["capacity"], report["workspace_bytes"]["allocated"])

@@ -21,7 +21,7 @@ from attnc.backends.triton.kernels import gluon_engine  # noqa: E402
 from attnc.compiler import inputs, numerics, oracle, sinks  # noqa: E402
 from attnc.compiler.errors import PlanError  # noqa: E402
 from attnc.compiler.lower import compile_file, compile_spec  # noqa: E402
-from tests.conftest import ROOT, prefill_launches  # noqa: E402
+from tests.conftest import ROOT, prefill_launches, triton_device  # noqa: E402
 
 HOPPER = (not runtime.interpreted() and torch.cuda.is_available()
           and torch.cuda.get_device_capability() == (9, 0))
@@ -274,9 +274,10 @@ def test_a_call_wanting_the_sinks_gradient_keeps_the_gluon_backward(body, gluon,
     monkeypatch.setattr(GB, "choose", lambda *a, **kw: chosen)
     kernel = runtime.load(compile_spec("attention g { heads = 4 / 2 head_dim = 64 dtype = bf16 tensor sinks: f32[h] "
                                        f"mask = causal {body} }}"))
-    q, k, v = (torch.zeros(1, h, 8, 64, dtype=torch.bfloat16) for h in (4, 2, 2))
-    lse = torch.zeros(1, 4, 8)
-    tensors = {"sinks": torch.zeros(4)}
+    dev = triton_device()
+    q, k, v = (torch.zeros(1, h, 8, 64, dtype=torch.bfloat16, device=dev) for h in (4, 2, 2))
+    lse = torch.zeros(1, 4, 8, device=dev)
+    tensors = {"sinks": torch.zeros(4, device=dev)}
     got = kernel._backward_bind(q, k, v, q, lse, q, None, tensors, None, ("sinks",))[1]
     assert (got is chosen) == gluon
     assert kernel._backward_bind(q, k, v, q, lse, q, None, tensors, None, ())[1] is chosen

@@ -12,6 +12,7 @@ pytest.importorskip("triton", reason="the Triton backend's tests need triton (pi
 from attnc.compiler import inputs, numerics, oracle  # noqa: E402
 from attnc.compiler.lower import compile_spec  # noqa: E402
 from attnc.backends.triton import gluon_backward as GB, runtime  # noqa: E402
+from tests.conftest import to_triton  # noqa: E402
 
 HOPPER = (not runtime.interpreted() and torch.cuda.is_available()
           and torch.cuda.get_device_capability() == (9, 0))
@@ -179,24 +180,25 @@ def test_group_lists_give_the_fused_dq_its_turns():
 
 
 def test_the_fused_dq_store_scales_and_zeroes_the_tiles_nobody_wrote():
-    """``_bwd_dq_store`` with COUNTED (the fused dQ's cast, in the interpreter): dQ = SCALE * the
+    """``_bwd_dq_store`` with COUNTED (the fused dQ's cast; in the interpreter, or compiled on the GPU
+    under ATTNC_TEST_GPU=1): dQ = SCALE * the
     float32 workspace where a tile's count is positive, 0 where no K/V tile wrote it (the workspace
     there is never written: garbage that must not leak); tiles across S_q."""
     from attnc.backends.triton import launch as L
     from attnc.backends.triton.kernels import backward as K
     b, h, s, d, block = 1, 2, 100, 16, 32
     tiles = -(-s // block)
-    dqa = torch.randn(b * h * s * d, dtype=torch.float32)
-    counts = torch.tensor([1, 0, 3, 2, 0, 0, 1, 5], dtype=torch.int32)  # [b * h, tiles]
-    dq = torch.empty(b, h, s, d, dtype=torch.float32)
+    dqa = to_triton(torch.randn(b * h * s * d, dtype=torch.float32))  # (on the Triton backend's device)
+    counts = to_triton(torch.tensor([1, 0, 3, 2, 0, 0, 1, 5], dtype=torch.int32))  # [b * h, tiles]
+    dq = to_triton(torch.empty(b, h, s, d, dtype=torch.float32))
     store = L.Launcher(K._bwd_dq_store, dict(H_Q=h, BLOCK=block, D_QK=d, D_QK_PAD=d, SCALE=0.25, COUNTED=True))
     store.launch((tiles, b * h), (dqa, dq, counts, *dq.stride(), s, s), None)
-    want = (dqa.view(b, h, s, d) * 0.25).clone()
+    want = (dqa.cpu().view(b, h, s, d) * 0.25).clone()
     for bh in range(b * h):
         for t in range(tiles):
             if counts[bh * tiles + t] == 0:
                 want[0, bh, t * block:(t + 1) * block] = 0.0
-    assert torch.equal(dq, want)
+    assert torch.equal(dq.cpu(), want)
 
 
 def test_where_the_gluon_backward_is_refused():

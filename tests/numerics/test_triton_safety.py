@@ -1,4 +1,4 @@
-"""Issue 35's silent wrong answers on the Triton kernels (CPU interpreter): NaN through min/max,
+"""Issue 35's silent wrong answers on the Triton kernels (CPU interpreter unless ATTNC_TEST_GPU=1): NaN through min/max,
 int64 tensor values past i32, reads outside a tensor at any subscript, non-finite inputs.  Each
 gives the oracle's answer or the oracle's error, as numpy and AHBM do."""
 import numpy as np
@@ -14,6 +14,7 @@ from attnc.backends.triton import runtime  # noqa: E402
 from attnc.compiler import inputs, reads  # noqa: E402
 from attnc.compiler.errors import AttncError, InputError, PlanError  # noqa: E402
 from attnc.compiler.lower import compile_spec  # noqa: E402
+from tests.conftest import to_triton, triton_device  # noqa: E402
 
 HEAD = "heads = 2 head_dim = 16 dtype = f32"
 
@@ -41,7 +42,7 @@ def test_int64_tensor_values_past_i32_are_refused_on_every_backend():
     p, arrays = _cache_call()
     errors = []
     for run in (lambda: numpy_runtime.load(p).run(arrays), lambda: runtime.load(p).run(arrays),
-                lambda: runtime.load(p).decode(**{n: torch.as_tensor(a) for n, a in arrays.items()})):
+                lambda: runtime.load(p).decode(**{n: to_triton(a) for n, a in arrays.items()})):
         with pytest.raises(InputError) as e:
             run()
         errors.append(str(e.value))
@@ -116,18 +117,21 @@ def test_non_finite_cache_rows_are_an_error_in_split_calls():
 
 
 def test_gpu_calls_mark_a_device_flag_that_check_numerics_raises():
-    """The GPU's default path marks without a host sync (exercised here on host tensors)."""
+    """The GPU's default path marks without a host sync (exercised on host tensors in the
+    interpreter, on CUDA tensors under ATTNC_TEST_GPU=1)."""
     import torch
+    dev = triton_device()
     kernel = runtime.load(compile_spec(f"attention t {{ {HEAD} mask = causal }}"))
-    flag = kernel._nonfinite["cpu"] = torch.zeros(1, dtype=torch.int32)  # (what _row_check makes on a GPU)
-    kernel._mark_rows(torch.zeros(1, 2, 3), flag)
+    flag = torch.zeros(1, dtype=torch.int32, device=dev)  # (what _row_check makes on a GPU)
+    kernel._nonfinite[str(flag.device)] = flag  # (keyed by the device, as _row_check keys it)
+    kernel._mark_rows(torch.zeros(1, 2, 3, device=dev), flag)
     kernel.check_numerics()  # nothing marked
-    kernel._mark_rows(torch.tensor([[[0.0, float("nan")]]]), flag)
-    kernel._mark_rows(torch.zeros(1, 2, 3), flag)  # a later good call does not clear it
+    kernel._mark_rows(torch.tensor([[[0.0, float("nan")]]], device=dev), flag)
+    kernel._mark_rows(torch.zeros(1, 2, 3, device=dev), flag)  # a later good call does not clear it
     with pytest.raises(PlanError, match="since the last check had NaN or \\+inf at a visible key"):
         kernel.check_numerics()
     kernel.check_numerics()  # cleared
-    far = torch.zeros(2, 3, 417)  # one launch over several blocks: a NaN in the last one is marked
+    far = torch.zeros(2, 3, 417, device=dev)  # one launch over several blocks: a NaN in the last one is marked
     kernel._mark_rows(far, flag)
     kernel.check_numerics()
     far[1, 2, 416] = float("nan")

@@ -1,5 +1,6 @@
 """The separable form of score programs on the CPU: the generated module's ``score_scale``,
-``score_row`` and ``score_column`` under Triton's interpreter against its ``score_program``, and
+``score_row`` and ``score_column`` under Triton's interpreter (compiled on the GPU under
+ATTNC_TEST_GPU=1) against its ``score_program``, and
 the Gluon engine's online softmax on the form, emulated in float32 (numpy), against the float64
 oracle -- with the origin, and without it, where the cancellation between the parts costs LSE
 its tolerance (compiler/separable.py).  The engine itself runs on an sm_90 GPU only
@@ -19,6 +20,7 @@ from attnc.backends.triton import launch, runtime  # noqa: E402
 from attnc.compiler import inputs, numerics, oracle, separable  # noqa: E402
 from attnc.compiler.interp import evaluate  # noqa: E402
 from attnc.compiler.lower import compile_spec  # noqa: E402
+from tests.conftest import to_triton, triton_device  # noqa: E402
 
 ALIBI = "score - exp(-(h + 1) * log(2.0)) * (q - k)"
 SPECS = {  # score (and tensors) -> whether the column part is affine
@@ -64,7 +66,7 @@ def test_the_generated_parts_add_up_to_the_score_program(name):
     assert (module.SEPARABLE_BLOCK_POSITIONS > 0) == SPECS[name][2]
     rng = np.random.default_rng(5)
     arrays = inputs.sample(program, 2, LENGTH, LENGTH, seed=5)
-    tensors = {t.name: torch.as_tensor(arrays[t.name]) for t in program.tensors}
+    tensors = {t.name: to_triton(arrays[t.name]) for t in program.tensors}
     ts = launch.tensor_args(module, tensors)
     far = not program.tensors  # without tensors, positions near 2**29 (the parts read them from the origin)
     base = 2**29 if far else 1000
@@ -73,11 +75,12 @@ def test_the_generated_parts_add_up_to_the_score_program(name):
     s = (rng.standard_normal((16, 32)) * 4).astype(np.float32)
     origin, middle = int(q[0]) + separable.ORIGIN_ROWS // 2, int(base - 300)
     for b, h in ((0, 0), (1, 3)):
-        direct, parts, steps = (torch.empty(shape, dtype=torch.float32) for shape in ((16, 32), (16, 32), (1, 32)))
-        _evaluate[(1,)](direct, parts, steps, torch.as_tensor(s), torch.as_tensor(q), torch.as_tensor(k), b, h, origin,
+        direct, parts, steps = (torch.empty(shape, dtype=torch.float32, device=triton_device())
+                                for shape in ((16, 32), (16, 32), (1, 32)))
+        _evaluate[(1,)](direct, parts, steps, to_triton(s), to_triton(q), to_triton(k), b, h, origin,
                         middle, ts, SCORE=module.score_program, SCORE_SCALE=module.score_scale,
                         SCORE_ROW=module.score_row, SCORE_COLUMN=module.score_column, R=16, N=32)
-        direct, parts = direct.numpy().astype(np.float64), parts.numpy().astype(np.float64)
+        direct, parts = direct.cpu().numpy().astype(np.float64), parts.cpu().numpy().astype(np.float64)
         # float32 roundings: a few units of the largest magnitude involved, per cell
         env = {"q": q[:, None], "k": k[None, :], "b": np.asarray(b), "h": np.asarray(h), "o": np.asarray(origin)}
         host = {n: np.asarray(a) for n, a in arrays.items()}
@@ -87,7 +90,7 @@ def test_the_generated_parts_add_up_to_the_score_program(name):
         assert (np.abs(parts - direct) <= 8 * 2.0**-24 * size).all(), (name, np.abs(parts - direct).max())
         if SPECS[name][2]:  # an affine column part steps from any key
             column = evaluate(form.column, {**env, "k": k[None, :]}, host, wide=True)
-            np.testing.assert_allclose(steps.numpy(), column, rtol=0, atol=8 * 2.0**-24 * np.abs(column).max())
+            np.testing.assert_allclose(steps.cpu().numpy(), column, rtol=0, atol=8 * 2.0**-24 * np.abs(column).max())
 
 
 # ---------------------------------------------------------------- the engine's softmax, emulated

@@ -157,13 +157,17 @@ def test_a_read_under_a_guard_the_analysis_cannot_solve_is_an_error_only_where_u
     column): it raised where the oracle does not; the cells decide now, and AHBM's streams take the
     plan's word instead of evaluating every position eagerly."""
     from attnc.backends.triton import runtime as triton_runtime
-    torch = pytest.importorskip("torch")
+    pytest.importorskip("torch")
+    from tests.conftest import to_triton
     p = spec(f"tensor doc: i32[b, s] ~ segments(1, 3) mask = {mask}")
     arrays = inputs.sample(p, 2, s, s, seed=1)
     results = run_all_arrays(p, arrays)
-    results["triton"] = outcome(lambda: triton_runtime.load(p)(
-        *(torch.from_numpy(arrays[n]) for n in ("q", "k", "v")), return_lse=True,
-        doc=torch.from_numpy(arrays["doc"])))
+
+    def triton():  # torch tensors on the Triton backend's device (CUDA in a GPU run), O and LSE back on the host
+        o, lse = triton_runtime.load(p)(*(to_triton(arrays[n]) for n in ("q", "k", "v")), return_lse=True,
+                                        doc=to_triton(arrays["doc"]))
+        return o.cpu(), lse.cpu()
+    results["triton"] = outcome(triton)
     assert isinstance(results["oracle"], PlanError) == (raises and s > 1), results["oracle"]
     assert_agree(results)
 

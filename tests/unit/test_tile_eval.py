@@ -194,8 +194,9 @@ def test_triton_evaluator_equals_the_host_one():
     tiles = np.array([[0, 0, 0, 0], [1, 0, 2, 1], [0, 1, 4, 4], [1, 1, 1, 3], [1, 0, 3, 2]],
                      np.int64)  # (4, 4): the tile across S_q = 35 and S_k = 37
     host = classify_tiles(p, 35, 37, doc, tiles, 8, 9)
-    dev = TritonTileEvaluator(kernel.module, {"doc": torch.as_tensor(doc["doc"], dtype=torch.int32)}, 2, 35, 37,
-                              kernel.device)(tiles, 8, 9)
+    from tests.conftest import to_triton
+    doc_t = to_triton(torch.as_tensor(doc["doc"], dtype=torch.int32))  # on the kernel's device (CUDA in a GPU run)
+    dev = TritonTileEvaluator(kernel.module, {"doc": doc_t}, 2, 35, 37, kernel.device)(tiles, 8, 9)
     np.testing.assert_array_equal(dev, host)
     assert dev.dtype == np.int8 and len(set(host.tolist())) > 1
 
@@ -204,7 +205,7 @@ def test_triton_evaluator_equals_the_host_one():
                                   "doc[b, q] == doc[b, k] & (q & k & 8) == 0"])
 def test_triton_calls_plan_with_the_device_evaluator_and_cache_it(monkeypatch, expr):
     """A Triton call whose analysis is inexact plans its tiles with the predicate kernel (forced here
-    under the interpreter, as a CUDA call is), matches the float64 oracle, and keeps the plan: the
+    under the interpreter, as a CUDA call is; CUDA tensors under ATTNC_TEST_GPU=1), matches the float64 oracle, and keeps the plan: the
     second call evaluates nothing, a document tensor changed in place is planned again."""
     torch = pytest.importorskip("torch")
     pytest.importorskip("triton")
@@ -220,22 +221,24 @@ def test_triton_calls_plan_with_the_device_evaluator_and_cache_it(monkeypatch, e
 
     monkeypatch.setattr(tile_classes, "tile_evaluator", lambda module, tensors, batch, s_q, s_k, device:
                         Counting(module, tensors, batch, s_q, s_k, device))
+    from tests.conftest import to_triton
     p = program(expr)
     kernel = runtime.load(p)
     rng = np.random.default_rng(0)
-    q, k, v = (torch.from_numpy(rng.standard_normal((1, 2, 40, 4)).astype(np.float32)) for _ in range(3))
-    doc = torch.as_tensor(call_tensors(p, 1, 40, 2).get("doc", np.zeros((1, 40))), dtype=torch.int32)
+    q, k, v = (to_triton(rng.standard_normal((1, 2, 40, 4)).astype(np.float32)) for _ in range(3))
+    doc = to_triton(torch.as_tensor(call_tensors(p, 1, 40, 2).get("doc", np.zeros((1, 40))), dtype=torch.int32))
     named = {"doc": doc} if p.tensors else {}
     o, lse = kernel(q, k, v, return_lse=True, **named)
     assert len(runs) == 1 and runs[0] > 0
-    host = {"doc": doc.numpy().astype(np.int64)} if p.tensors else {}
-    ref_o, ref_lse = oracle.reference(p, q.numpy(), k.numpy(), v.numpy(), host)
-    assert all(c.ok for c in numerics.compare_outputs("f32", o.numpy(), lse.numpy(), ref_o, ref_lse))
+    host = {"doc": doc.cpu().numpy().astype(np.int64)} if p.tensors else {}
+    hq, hk, hv = (t.cpu().numpy() for t in (q, k, v))
+    ref_o, ref_lse = oracle.reference(p, hq, hk, hv, host)
+    assert all(c.ok for c in numerics.compare_outputs("f32", o.cpu().numpy(), lse.cpu().numpy(), ref_o, ref_lse))
     kernel(q, k, v, **named)
     assert len(runs) == 1  # the plan cache's
     if p.tensors:
         doc[0, 20:] += 1  # in place: a new version, a new plan
         o2 = kernel(q, k, v, **named)
         assert len(runs) == 2
-        ref2, _ = oracle.reference(p, q.numpy(), k.numpy(), v.numpy(), {"doc": doc.numpy().astype(np.int64)})
-        assert numerics.compare_outputs("f32", o2.numpy(), lse.numpy(), ref2, ref_lse)[0].ok
+        ref2, _ = oracle.reference(p, hq, hk, hv, {"doc": doc.cpu().numpy().astype(np.int64)})
+        assert numerics.compare_outputs("f32", o2.cpu().numpy(), lse.cpu().numpy(), ref2, ref_lse)[0].ok
