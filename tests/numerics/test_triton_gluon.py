@@ -263,7 +263,8 @@ def test_tma_takes_contiguous_tensors_at_aligned_addresses():
     assert device.tma_ready(x, x[2:])
     assert not device.tma_ready(x.view(-1)[1:]) and not device.tma_ready(x.t())
     program = compile_spec(SPECS["gqa_d128_causal"])
-    refusal = choice.gluon_call_refusal(program, 256, 256, device.tma_ready(x.view(-1)[1:]), 90)
+    odd = torch.zeros(2 * 8 * 256 * 128 + 1, dtype=torch.bfloat16)[1:].view(2, 8, 256, 128)
+    refusal = choice.gluon_call_refusal(program, 256, 256, choice.gluon_layouts(odd, odd, odd, "bhsd"), 90)
     assert refusal is not None and (runtime.interpreted() or "16-byte aligned" in refusal)
 
 
