@@ -44,12 +44,11 @@ The counter is an int32 the launch layer keeps per device and stream, zero befor
 program whose draw is the launch's last (the counter then holds the job count) sets it back to
 zero, so a launch leaves it ready for the next one on its stream, CUDA-graph replays included.
 """
-import triton
 import triton.language as tl
 
 from .gluon_sync import (HAS_GLUON, TensorDescriptor, _ws_claim_q, _ws_get, _ws_handover, _ws_put,  # noqa: F401
                          _ws_take_job, gluon)  # (HAS_GLUON, TensorDescriptor: the launch layer's)
-from .prefill import _job, _tile_of
+from .prefill import _job, _tile_of, _tile_origin
 
 if HAS_GLUON:
     from .gluon_sync import (_tma_load, _tma_store, fence_async_shared, gl, mbarrier, tma, warpgroup_mma,
@@ -64,17 +63,6 @@ SCHEDULES = {"one_tile": 0, "counter": 1}
 # SEPARABLE: the score program per cell (0), or its separable form (compiler/separable.py) with the
 # column part evaluated per key, or (an affine one) per block
 COLUMN_PER_KEY, COLUMN_PER_BLOCK = tl.constexpr(1), tl.constexpr(2)
-
-
-@triton.jit
-def _tile_origin(bh, S, H: tl.constexpr, COLS: tl.constexpr, BSHD: tl.constexpr):
-    """(row, column) of the first row of head ``bh`` (b * H + h) in the 2-D view a TMA descriptor
-    copies: bhsd, [B * H * S, d] (row bh * S, column 0); BSHD, [B * S, H * COLS] (row b * S, column
-    h * COLS).  The head's row r is then row + r.  ``launch.tile_origin`` is its numpy twin."""
-    if BSHD:
-        return (bh // H) * S, (bh % H) * COLS
-    else:
-        return bh * S, 0
 
 
 @gluon.jit
