@@ -4,7 +4,10 @@
 ``o = attn(q, k, v, doc=doc)`` on torch tensors in the spec's layout (bhsd by default).  CUDA
 tensors run the Triton backend, CPU tensors the numpy backend; ``backend=`` forces one, and a
 backend that refuses the call says why (the dispatch key's admission, DESIGN §6).  O comes back
-as a torch tensor of q's dtype, device and layout; ``return_lse=True`` adds LSE [B, H_q, S_q]
+as a torch tensor of q's dtype, device and layout -- stored token-major where q is a token-major view
+([B, S, H, d] memory seen as [B, H, S, d], as transformers hands it over: ``attnc.layouts``), so that
+``o.transpose(1, 2)`` is contiguous (the custom op, under torch.compile: contiguous, as its fake
+says); ``return_lse=True`` adds LSE [B, H_q, S_q]
 (float32, natural log, -inf on rows that see no key; with a sink, ``sink = ...``, LSE includes it
 and is the sink on those rows).
 
@@ -31,6 +34,7 @@ import os
 import threading
 from pathlib import Path
 
+from . import layouts
 from .compiler import ir
 from .compiler.dispatch.protocol import BackendRefused, require
 from .compiler.errors import InputError
@@ -281,16 +285,35 @@ class Attention:
             route = self._routes[key] = self._route(program, q, k, backend)
         return route
 
-    def forward(self, q, k, v, tensors: dict, backend: str | None = None, plan=None):
-        """(O, LSE) of one call, on the backend the call's key selects (no autograd, no tracing)."""
+    def forward(self, q, k, v, tensors: dict, backend: str | None = None, plan=None, contiguous: bool = False):
+        """(O, LSE) of one call, on the backend the call's key selects (no autograd, no tracing).
+        O is stored in q's order (``_in_out_order``), or ``contiguous`` (the custom op's: its fake
+        fixes the layout, and inductor may hand the op inputs in other strides than the fake saw)."""
         be, kernel = self._kernel_for(q, k, v, tensors, backend)
-        return require(be, "run" if plan is not None else "forward").forward(kernel, q, k, v, tensors, plan)
+        o, lse = require(be, "run" if plan is not None else "forward").forward(kernel, q, k, v, tensors, plan)
+        if contiguous:
+            return (o if o.is_contiguous() else o.contiguous()), lse
+        return self._in_out_order(o, q), lse
 
     def _routed_forward(self, q, k, v, tensors: dict, backend: str | None):
         """(O, LSE, (backend protocol object, kernel)) of one call: :meth:`forward`, keeping the route
         for the same call's backward (the same q, k, v and tensors: the same key)."""
         route = self._kernel_for(q, k, v, tensors, backend)
-        return (*require(route[0], "forward").forward(route[1], q, k, v, tensors, None), route)
+        o, lse = require(route[0], "forward").forward(route[1], q, k, v, tensors, None)
+        return self._in_out_order(o, q), lse, route
+
+    def _in_out_order(self, o, q):
+        """O as the call returns it: in the order ``attnc.layouts.out_order`` gives q (a bhsd spec's
+        token-major q: O token-major too), copied there only where the backend did not write it so
+        (the Triton backend allocates it so; the numpy backend's O comes back contiguous)."""
+        if self._bshd or layouts.out_order(q.shape, q.stride()) == layouts.BHSD:
+            return o
+        if o.stride() == layouts.out_strides(o.shape, layouts.BSHD):
+            return o
+        out = layouts.new_out(q, o.shape, layouts.BSHD)
+        out.copy_(o)
+        return out
+
 
     def backward(self, q, k, v, o, lse, do, dlse, tensors: dict, backend: str | None = None,
                  want: tuple[str, ...] = ()):
@@ -438,7 +461,8 @@ def _register_ops() -> None:
 
     def impl(handle, q, k, v, tensors, backend):
         attn = _HANDLES[handle]
-        o, lse = attn.forward(q, k, v, dict(zip(attn.tensor_names, tensors)), backend or None)
+        # (O contiguous, as the fake's: under torch.compile the op's layout is fixed by its fake)
+        o, lse = attn.forward(q, k, v, dict(zip(attn.tensor_names, tensors)), backend or None, contiguous=True)
         return o, lse
 
     def fake(handle, q, k, v, tensors, backend):

@@ -258,7 +258,8 @@ def attnc_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
                             sliding_window: int | None = None, softcap: float | None = None,
                             is_causal: bool | None = None, **kwargs):
     """transformers' attention interface: query [B, H_q, S_q, d], key/value [B, H_kv, S_k, d]
-    (bhsd) in, (attn_output [B, S_q, H_q, d] contiguous, None) out."""
+    (bhsd shapes; usually [B, S, H, d] memory) in, (attn_output [B, S_q, H_q, d] contiguous, None)
+    out, with no copy of q, k, v or O where q is token-major."""
     if dropout:
         raise InputError(f"transformers: attention dropout {dropout} is not supported by attnc (model.eval(), or "
                          "attention_dropout=0 to train)")
@@ -276,9 +277,11 @@ def attnc_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         doc = _documents(kwargs, batch, s_q, s_k)
         if doc is not None:
             tensors["doc"] = doc
-    # transformers hands value (and, without RoPE, key) over as a transposed view of its
-    # [B, S, H, d] projection; the fastest engine (Gluon, on Hopper) reads contiguous bhsd tensors
-    query, key, value = (t if t.is_contiguous() else t.contiguous() for t in (query, key, value))
+    # transformers hands q, k and v over as transposed views of its [B, S, H, d] projections (RoPE's
+    # output keeps that order; a cache's concatenation is contiguous): passed on as they are -- the
+    # Gluon engine reads token-major views in place, the Triton kernel takes strides, the numpy
+    # backend copies to the host anyway -- and O comes back token-major for a token-major q
+    # (attnc.layouts.out_order), so the transpose below is contiguous and .contiguous() copies nothing
     attn = _BY_HANDLE[_handle_for(bool(causal), None if sliding_window is None else int(sliding_window),
                                   float(softcap) if softcap else None, None if scaling is None else float(scaling),
                                   "pad" in tensors, "doc" in tensors, "sinks" in tensors)]

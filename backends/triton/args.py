@@ -22,8 +22,9 @@ def _kind(t) -> str:
 
 class _Bound(NamedTuple):
     """What one prefill key fixes once it is validated: the call's lengths, O's shape in q's
-    layout, whether that layout is bshd, whether bf16 is carried in float32 (interpreter), and
-    the plan cache's key of the call where the mask reads no tensor (``plans.Key``, made once)."""
+    layout, whether that layout is bshd, whether bf16 is carried in float32 (interpreter), the
+    plan cache's key of the call where the mask reads no tensor (``plans.Key``, made once), and
+    the order O is stored in, ``attnc.layouts`` (a bhsd spec's token-major q: "bshd")."""
 
     batch: int
     s_q: int
@@ -32,4 +33,5 @@ class _Bound(NamedTuple):
     bshd: bool
     emulate: bool
     plan_key: object = None
+    out_order: str = "bhsd"
 

@@ -2,7 +2,7 @@
 a mixin of ``runtime.Kernel``."""
 from __future__ import annotations
 
-from attnc.compiler import inputs, sinks
+from attnc.compiler import inputs, ir, sinks
 from attnc.compiler.errors import InputError
 
 from . import blocks
@@ -10,6 +10,7 @@ from . import gluon_backward as GB, grad as G
 from . import launch as L
 from . import plans as P
 from .decode import _check_gpu_tile
+from . import device
 from .device import interpreted
 from .kernels.sink_grad import _sink_grad
 
@@ -50,6 +51,9 @@ class BackwardCalls:
 
     def _backward(self, q, k, v, o, lse, do, dlse, config, tensors: dict, want: tuple):
         torch = self._torch
+        if self.program.cache.layout is not ir.Layout.BSHD and not self._tma_ready(q, k, v, o) and \
+                not self._score_wanted(want) and GB.takes_copies(self.program, config, (q, k, v, o), interpreted()):
+            q, k, v, o = (GB.tma_input(x) for x in (q, k, v, o))  # (token-major views: the Gluon passes read copies)
         try:  # everything the checks and the choice of passes depend on
             bind_key = ("backward", self._key(q, k, v, tensors), o.shape, o.stride(), do.shape, do.stride(), lse.shape,
                         o.data_ptr() % 16 == 0, do.data_ptr() % 16 == 0, None if dlse is None else dlse.shape,
@@ -109,6 +113,15 @@ class BackwardCalls:
         if bound.emulate:
             dq, dk, dv = (x.to(torch.bfloat16) for x in (dq, dk, dv))
         return dq, dk, dv, dts
+
+    @staticmethod
+    def _tma_ready(*tensors) -> bool:
+        """``device.tma_ready``, or True where a tensor has no address to ask (a meta tensor: the
+        checks that follow name what is wrong)."""
+        try:
+            return device.tma_ready(*tensors)
+        except (NotImplementedError, RuntimeError, AttributeError):
+            return True
 
     def _score_wanted(self, want: tuple) -> bool:
         """Whether a backward call wants the gradient of a tensor the score program reads (the

@@ -8,8 +8,9 @@ the call's dispatch key, else the untuned defaults below (measured on the H200; 
 in bench/results/README.md):
 
 * Hopper (sm_90), f16 / bf16, head dims 64, 128, 192 or 256 (q.k's and v's may differ: 192 /
-  128 as in MLA prefill), any S_q and S_k (the tiles across the ends are masked), contiguous bhsd
-  tensors: the Gluon engine (``gluon_engine.py``) on ``gluon_default_tiles`` (128 x 128; above
+  128 as in MLA prefill), any S_q and S_k (the tiles across the ends are masked), q, k, v and O
+  each contiguous bhsd or token-major bshd (``gluon_layouts``: transformers' transposed views,
+  read and written in place): the Gluon engine (``gluon_engine.py``) on ``gluon_default_tiles`` (128 x 128; above
   128, 128 x 64; at most 64, 192 x 128 on three consumer warpgroups, unless its rows are short:
   ``GLUON_SHORT_ROW_BLOCKS``, narrow windows), 2 K/V stages, programs
   drawing jobs from a counter; PARTIAL blocks from each row's run of keys where the plan has them
@@ -30,6 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from attnc import layouts as LO
 from attnc.compiler import ir
 
 from .device import interpreted
@@ -142,10 +144,13 @@ class PrefillConfig:
     head_group: int = HEAD_GROUP
     schedule: str = "counter"  # the Gluon engine's (gluon_engine.SCHEDULES)
     origin: str = "default"
+    layouts: tuple = (LO.BHSD,) * 4  # how the Gluon engine's TMA addresses q, k, v and O (``gluon_layouts``)
 
     def describe(self) -> str:
         tail = (f"schedule {self.schedule}" if self.engine == "gluon"
                 else f"walk {self.walk}, {self.num_warps} warps" + (", TMA" if self.use_tma else ""))
+        if self.engine == "gluon" and self.layouts != BHSD_LAYOUTS:
+            tail += ", q/k/v/o " + "/".join(self.layouts)
         return (f"{self.engine} {self.block_m}x{self.block_n}, {self.num_stages} stages, {tail}, "
                 f"mask from {self.mask_source} ({self.origin})")
 
@@ -205,17 +210,55 @@ def gluon_spec_refusal(program: ir.Program) -> str | None:
         return "this Triton has no Gluon (triton.experimental.gluon)"
     if program.dtype not in ("f16", "bf16"):
         return f"the Gluon engine takes f16 / bf16, not {program.dtype}"
-    if program.cache.layout is ir.Layout.BSHD:
-        return "the Gluon engine reads and writes bhsd tensors (the spec's layout is bshd)"
     if program.d_qk not in GLUON_HEAD_DIMS or program.d_v not in GLUON_V_DIMS:
         return (f"the Gluon engine takes q.k head dims {', '.join(map(str, GLUON_HEAD_DIMS))} and v head dims "
                 f"{', '.join(map(str, GLUON_V_DIMS))}, not {program.d_qk} / {program.d_v}")
     return None
 
 
-def gluon_call_refusal(program: ir.Program, s_q: int, s_k: int, contiguous: bool, device_capability: int,
+BHSD_LAYOUTS = (LO.BHSD,) * 4
+BHSD_REFUSAL = "the Gluon engine reads and writes contiguous bhsd tensors at 16-byte aligned addresses (TMA)"
+FP8_LAYOUT_REFUSAL = "the Gluon engine's FP8 calls read contiguous bhsd q and k at 16-byte aligned addresses (TMA)"
+
+
+def tensor_layout(shape, strides, address: int, itemsize: int, d: int) -> str | None:
+    """How the Gluon engine's TMA copies tiles of a logical bhsd tensor [B, H, S, d] (q, k, v or
+    O; ``attnc.layouts``): "bhsd" where it is contiguous (a [B * H * S, d] view; a head's rows
+    follow each other, ``gluon_box(d)`` columns, zero-filled past d), "bshd" where it is token-major
+    with d a power of two (a [B * S, H * d] view with rows ``token_rows`` apart, [rows, d] boxes at
+    column h * d: a box wider than d would read the next head's columns), and only at a 16-byte
+    aligned address (and, bshd, row pitch); else None."""
+    if address % 16:
+        return None
+    order = LO.order_of(shape, strides)
+    if order == LO.BHSD:
+        return LO.BHSD
+    if order == LO.BSHD and gluon_box(d) == d and int(shape[0]) * int(shape[2]) > 0 and \
+            LO.token_rows(shape, strides) * itemsize % 16 == 0:
+        return LO.BSHD
+    return None
+
+
+def gluon_layouts(q, k, v, o_order: str) -> tuple[str, str, str, str] | str:
+    """The Gluon engine's layouts of a call's logical bhsd q, k, v (torch tensors, or anything with
+    ``shape``, ``stride()``, ``data_ptr()`` and ``element_size()``) and of its O, which the call
+    allocates in ``o_order`` (``attnc.layouts.out_order``): ("bhsd" | "bshd",) * 4 for
+    (q, k, v, O) (``tensor_layout``), or the sentence saying why the engine cannot read them."""
+    out = []
+    for n, t in (("q", q), ("k", k), ("v", v)):
+        lay = tensor_layout(t.shape, t.stride(), t.data_ptr(), t.element_size(), t.shape[3])
+        if lay is None:
+            return (f"the Gluon engine reads q, k and v contiguous (bhsd) or token-major (bshd: [B, S, H, d] "
+                    f"memory, head dims 64, 128 or 256) at 16-byte aligned addresses (TMA); '{n}' (shape "
+                    f"{list(t.shape)}, strides {list(t.stride())}) is neither")
+        out.append(lay)
+    return (*out, o_order)
+
+
+def gluon_call_refusal(program: ir.Program, s_q: int, s_k: int, layouts: tuple | str, device_capability: int,
                        tiles: tuple[int, int] = GLUON_TILES) -> str | None:
-    """Why the Gluon engine cannot run this call, or None."""
+    """Why the Gluon engine cannot run this call, or None.  ``layouts``: ``gluon_layouts``' answer
+    for the call's tensors (a tuple: readable; a sentence: why not)."""
     if interpreted():
         return "Gluon kernels do not run in Triton's interpreter"
     if device_capability != 90:
@@ -232,8 +275,8 @@ def gluon_call_refusal(program: ir.Program, s_q: int, s_k: int, contiguous: bool
     if need > gluon_engine.SMEM:
         return (f"the Gluon engine's buffers for head dims {program.d_qk} / {program.d_v} on {tiles[0]} x {tiles[1]} "
                 f"tiles take {need:,} bytes of shared memory, over the {gluon_engine.SMEM:,} a program has")
-    if not contiguous:
-        return "the Gluon engine reads and writes contiguous bhsd tensors at 16-byte aligned addresses (TMA)"
+    if isinstance(layouts, str):
+        return layouts
     return None
 
 
@@ -291,10 +334,14 @@ def check_options(asked: dict) -> None:
 
 
 def choose_prefill(program: ir.Program, s_q: int, s_k: int, plan_for, *, asked: dict, tuned: dict | None,
-                   contiguous: bool, device_capability: int, given_plan=None, fp8: bool = False):
+                   contiguous: bool, device_capability: int, given_plan=None, fp8: bool = False,
+                   layouts: tuple | str | None = None):
     """The config and plan of a prefill call (module docstring).  ``plan_for(block_m, block_n)``
-    makes (or finds) the plan at those tiles; ``given_plan`` is the caller's.  Returns
-    (PrefillConfig, Plan)."""
+    makes (or finds) the plan at those tiles; ``given_plan`` is the caller's.  ``contiguous``: q, k
+    and v are contiguous (the Triton kernel's TMA); ``layouts``: ``gluon_layouts``' answer for the
+    Gluon engine (None: all bhsd where ``contiguous``, else refused).  Returns (PrefillConfig, Plan)."""
+    if layouts is None:
+        layouts = BHSD_LAYOUTS if contiguous else BHSD_REFUSAL
     check_options(asked)
     interp = interpreted()
     engine = asked.get("engine")
@@ -316,7 +363,7 @@ def choose_prefill(program: ir.Program, s_q: int, s_k: int, plan_for, *, asked: 
         tiles = None
     # the engine: Gluon where asked, or untuned where this machine, spec and call allow it
     gluon_tiles = gluon_default_tiles(program.d_qk, program.d_v, fp8)
-    refusal = gluon_call_refusal(program, s_q, s_k, contiguous, device_capability, tiles or gluon_tiles)
+    refusal = gluon_call_refusal(program, s_q, s_k, layouts, device_capability, tiles or gluon_tiles)
     if engine == "gluon" and refusal:
         raise ValueError(f"engine='gluon': {refusal}")
     gluon = engine == "gluon" or (engine is None and not tuned and refusal is None)
@@ -354,5 +401,6 @@ def choose_prefill(program: ir.Program, s_q: int, s_k: int, plan_for, *, asked: 
         engine="gluon" if gluon else "triton", block_m=plan.block_m, block_n=plan.block_n, num_warps=warps,
         num_stages=stages, use_tma=bool(use_tma) and not gluon, walk=None if gluon else asked.get("walk"),
         mask_source=mask_source, head_group=asked.get("head_group") or HEAD_GROUP,
-        schedule=asked.get("schedule") or "counter", origin=origin)
+        schedule=asked.get("schedule") or "counter", origin=origin,
+        layouts=tuple(layouts) if gluon else BHSD_LAYOUTS)
     return config, plan

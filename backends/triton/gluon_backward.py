@@ -246,6 +246,20 @@ def choose(program, config, s_q: int, s_k: int, tensors: tuple, bshd: bool, inte
     return cfg
 
 
+def takes_copies(program, config, tensors: tuple, interpreted: bool) -> bool:
+    """Whether a bhsd spec's backward call whose q, k, v and O (``tensors``) TMA cannot read as they
+    are (transformers' token-major views, which the forward reads in place) copies them contiguous:
+    where the Gluon passes (the caller's GluonBackwardConfig, or the default's) take the copies, which
+    cost what the copies a forward on contiguous tensors made did (``choose`` then takes them)."""
+    asked = isinstance(config, GluonBackwardConfig)
+    if (config is not None and not asked) or (not asked and not DEFAULT):
+        return False
+    cfg = config if asked else default_config(program.d_qk)
+    q, k = tensors[0], tensors[1]
+    capability = device.capability(q.device) if q.is_cuda else 0
+    return refusal(program, q.shape[0], q.shape[2], k.shape[2], True, capability, interpreted, cfg) is None
+
+
 def kernel_constexprs(module, config: GluonBackwardConfig, s_q: int, s_k: int) -> dict:
     """The Gluon passes' kernels for a call: {"dkdv": (kernel, constexprs, launch options), and where
     config.dq is "gluon", "dq": likewise; where it is fused, "store": the constexprs of

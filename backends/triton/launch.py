@@ -20,6 +20,7 @@ import numpy as np
 import triton.language as tl
 
 from attnc.compiler.fast_score import FAST_POSITIONS
+from attnc.layouts import token_rows
 from attnc.compiler.separable import COLUMN_BLOCK
 from attnc.compiler.errors import PlanError
 
@@ -41,6 +42,26 @@ def job_order(bh: int, q_tiles: int, head_group: int) -> np.ndarray:
     g = np.minimum(bh - base, head_group)
     r = t - base * q_tiles
     return np.stack([r // g, base + r % g], axis=1)
+
+
+def tile_origin(bh: int, s: int, heads: int, cols: int, layout: str) -> tuple[int, int]:
+    """``gluon_engine._tile_origin`` in Python: (row, column) of head ``bh``'s (b * heads + h) first
+    row in the 2-D view of ``tma_geometry``; its row r is at row + r."""
+    if layout == "bshd":
+        return (bh // heads) * s, (bh % heads) * cols
+    return bh * s, 0
+
+
+def tma_geometry(shape, strides, d: int, rows: int, layout: str) -> tuple[list, list, list]:
+    """(shape, strides, box) in elements of the 2-D view through which the Gluon engine's TMA
+    copies a logical bhsd tensor [B, H, S, d] with these strides, in boxes of ``rows`` rows: bhsd,
+    [B * H * S, d] in [rows, gluon_box(d)] boxes (a 192-wide head loaded as 256 columns, the rest
+    zero-filled); bshd (``attnc.layouts.token_rows``: R apart), [B * S, H * d] with rows R apart, in
+    [rows, d] boxes (``choice.tensor_layout``: d a power of two)."""
+    b, h, s, _ = (int(x) for x in shape)
+    if layout == "bshd":
+        return [b * s, h * d], [token_rows(shape, strides), 1], [rows, d]
+    return [b * h * s, d], [d, 1], [rows, gluon_box(d)]
 
 
 # ---------------------------------------------------------------- launching
@@ -330,13 +351,16 @@ class PrefillLaunch(_GluonDescriptors):
             maxnreg, consumer, producer = gluon_regs(d_qk, d_v, consumers)
             keep = {n: spec[n] for n in ("VISIBLE", "SCORE", "HAS_SCORE", "SCALE", "H_Q", "H_KV", "GROUP")}
             from_rows = c.mask_source == "rows"
+            bshd = tuple(lay == "bshd" for lay in c.layouts)
+            self.o_cols = d_v * (module.SPEC["H_Q"] if bshd[3] else 1)  # O's 2-D view's columns (tma_geometry)
             self.launcher = Launcher(gluon_engine._attn_fwd_ws, dict(
                 MASK_FROM_ROWS=from_rows, EVEN_Q=self.s_q % c.block_m == 0, EVEN_K=self.s_k % bn == 0,
                 ROWS_=gluon_engine.ROWS, BLOCK_N=bn, D=d_v, SAME_D=same, STAGES=stages,
                 HEAD_GROUP=c.head_group, CONSUMER_REGS=consumer, PRODUCER_REGS=producer, SCHEDULE=self.schedule,
                 FP8=fp8, OVERLAP=gluon_overlap(d_qk, d_v, fp8), ZERO_TAIL=not fp8 and self.s_k % bn != 0,
                 PINGPONG=consumers == 2 and gluon_pingpong(d_qk, d_v, fp8),
-                CONSUMERS=consumers, P_PERM=self.p_perm, Q_BUFS=q_bufs, **keep,
+                CONSUMERS=consumers, P_PERM=self.p_perm, Q_BUFS=q_bufs, Q_BSHD=bshd[0], K_BSHD=bshd[1],
+                V_BSHD=bshd[2], O_BSHD=bshd[3], **keep,
                 **separable_constexprs(module, end, bn), **sink_constexprs(module, partial=offsets is not None)),
                 num_warps=4, maxnreg=maxnreg)
             unused = arrays["merged_partial"]
@@ -375,7 +399,7 @@ class PrefillLaunch(_GluonDescriptors):
             rows, bn = gluon_engine.ROWS, self.config.block_n
             v_desc = self._fp8_v_descriptor(v) if self.fp8 else desc(v, bn, "v")
             k_desc = self._fp8_k_descriptor(k) if self.p_perm else desc(k, bn, "k")
-            o_desc = self.launcher.output_descriptor(key, out, self.module.SPEC["D_V"],
+            o_desc = self.launcher.output_descriptor(key, out, self.o_cols,
                                                      lambda: self._gluon_descriptor(out, rows, "o", keep=False))
             mark = 0 if flag is None else 1
             args = (desc(q, rows, "q"), k_desc, v_desc, o_desc, out, lse, counter,
@@ -398,14 +422,19 @@ class PrefillLaunch(_GluonDescriptors):
         return self._cached(t, role, lambda: TensorDescriptor.from_tensor(t.reshape(-1, d), [self.config.block_n, d]))
 
     def _gluon_descriptor(self, t, rows, role, keep=True):
-        """The Gluon engine's descriptor of ``t`` viewed as [-1, d] in ``rows``-row blocks (d: q and
-        k's head dim, or v and o's); kept for the next call unless not ``keep`` (an output: a kept
-        descriptor would hold the caller's last O, and the next O could not take its memory)."""
+        """The Gluon engine's descriptor of the logical bhsd ``t`` in ``rows``-row blocks, in the
+        layout the config gives its role (``tma_geometry``: bhsd, [-1, d]; bshd, [B * S, H * d]; d:
+        q and k's head dim, or v and o's); kept for the next call unless not ``keep`` (an output: a
+        kept descriptor would hold the caller's last O, and the next O could not take its memory)."""
         def make():
             d = self.module.SPEC["D_QK" if role in ("q", "k") else "D_V"]
-            box = gluon_box(d)  # (a 192-wide head is loaded as 256 columns, the last 64 zero-filled by TMA)
-            layout = self._gluon_layout([rows, box], t.dtype)
-            return gluon_engine.TensorDescriptor.from_tensor(t.view(-1, d), [rows, box], layout)
+            layout_name = self.config.layouts["qkvo".index(role)]
+            shape, strides, box = tma_geometry(t.shape, t.stride(), d, rows, layout_name)
+            layout = self._gluon_layout(box, t.dtype)
+            if layout_name == "bshd":
+                return gluon_engine.TensorDescriptor(t, shape, strides, box, layout)
+            # (a 192-wide head is loaded as 256 columns, the last 64 zero-filled by TMA)
+            return gluon_engine.TensorDescriptor.from_tensor(t.view(-1, d), box, layout)
         return self._cached(t, role, make) if keep else make()
 
     def _fp8_k_descriptor(self, k):

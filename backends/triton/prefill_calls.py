@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from attnc import fp8 as F
+from attnc import fp8 as F, layouts
 from attnc.compiler import inputs, ir
 from attnc.compiler.errors import InputError, PlanError
 from attnc.compiler.plan import Plan, plan as make_plan
@@ -109,7 +109,8 @@ class PrefillCalls:
         contiguous = device.tma_ready(q, k) and not bound.bshd
         refusal = None if p.d_qk == p.d_v and p.d_qk in (64, 128, 256) else \
             f"FP8 runs on the Gluon engine with equal q.k and v head dims of 64, 128 or 256, not {p.d_qk} / {p.d_v}"
-        refusal = refusal or choice.gluon_call_refusal(p, bound.s_q, bound.s_k, contiguous, device.capability(q.device),
+        layouts_ = choice.BHSD_LAYOUTS if contiguous else choice.FP8_LAYOUT_REFUSAL
+        refusal = refusal or choice.gluon_call_refusal(p, bound.s_q, bound.s_k, layouts_, device.capability(q.device),
                                                        choice.gluon_default_tiles(p.d_qk, p.d_v, fp8=True))
         asked = options.get("engine")
         if asked == "gluon" and refusal:
@@ -158,7 +159,7 @@ class PrefillCalls:
             launch = self._cached_launch(bound, key, qb, kb, vb, tensors, options=asked[1])
         else:
             launch = self._make_launch(bound, qb, kb, vb, tensors, *asked)
-        out = qb.new_empty(bound.out_shape)  # (qb's dtype and q's device; new_empty: the cheapest allocation call)
+        out = self._new_out(qb, bound)
         lse = qb.new_empty((bound.batch, self.program.heads_q, bound.s_q), dtype=torch.float32)
         ob = out.transpose(1, 2) if bound.bshd else out
         # (the launch's key fixes the arguments' specialization: the plan key, hashed once, holds the call's)
@@ -166,6 +167,22 @@ class PrefillCalls:
         if bound.emulate:
             out = out.to(torch.bfloat16)
         return out, lse, flag is not None and launch.marks
+
+    @staticmethod
+    def _new_out(qb, bound: _Bound):
+        """O in the spec's layout and the order the call returns it in (``attnc.layouts.out_order``:
+        token-major where a bhsd spec's q is a token-major view); qb's dtype and device."""
+        if bound.out_order == layouts.BSHD:
+            return layouts.new_out(qb, bound.out_shape, layouts.BSHD)
+        return qb.new_empty(bound.out_shape)  # (new_empty: the cheapest allocation call)
+
+    @staticmethod
+    def _o_order(bound: _Bound) -> str:
+        """The order of the launch's logical bhsd O (``_new_out``'s, a bshd spec's transposed)."""
+        if not bound.bshd:
+            return bound.out_order
+        b, s, h, d = bound.out_shape
+        return layouts.order_of((b, h, s, d), layouts.out_strides((b, h, s, d), layouts.BSHD))
 
     def _run_launch(self, launch, qb, kb, vb, ts, ob, lse, key, flag=None):
         self._check_values(vb)  # (after the checks and the plan, as on numpy; vb is logical bhsd)
@@ -240,12 +257,13 @@ class PrefillCalls:
                 made[(bm, bn)] = next(iter(made.values())).retile(bm, bn)
             return made[(bm, bn)]
 
-        # (the Gluon engine writes O through a bhsd view: bshd outputs take the Triton kernel; an FP8
-        # call's V is V^T, whose layout _fp8_bind checked)
+        # (an FP8 call's V is V^T, whose layout _fp8_bind checked, and it reads bhsd q and k; other calls'
+        # q, k, v and O are read and written contiguous or token-major: choice.gluon_layouts)
         contiguous = device.tma_ready(qb, kb, vb if not fp8 else qb) and not bound.bshd
+        layouts_ = None if fp8 else choice.gluon_layouts(qb, kb, vb, self._o_order(bound))
         config, plan = choice.choose_prefill(p, bound.s_q, bound.s_k, plan_for, asked=asked, tuned=tuned,
                                              contiguous=contiguous, device_capability=device.capability(qb.device),
-                                             given_plan=plan, fp8=fp8)
+                                             given_plan=plan, fp8=fp8, layouts=layouts_)
         arrays = self.device_plan(plan, qb.device)
         return L.PrefillLaunch(self.module, config, arrays, (bound.batch, bound.s_q, bound.s_k), qb.device, fp8=fp8)
 
@@ -266,7 +284,7 @@ class PrefillCalls:
         key = ("prepared", id(launch))  # one binding: the arguments' specialization is fixed
 
         def run():
-            out = torch.empty(bound.out_shape, device=q.device, dtype=q.dtype)
+            out = self._new_out(q, bound)
             lse = torch.empty((bound.batch, self.program.heads_q, bound.s_q), device=q.device, dtype=torch.float32)
             self._run_launch(launch, qb, kb, vb, ts, out.transpose(1, 2) if bound.bshd else out, lse, key)
             return out, lse

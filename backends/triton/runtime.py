@@ -20,6 +20,7 @@ import threading
 
 import numpy as np
 
+from attnc import layouts
 from attnc.compiler import inputs, ir, numerics, reads, resources, sinks
 from attnc.compiler.ranges import may_be_nonfinite
 from attnc.compiler.errors import BackendUnavailable, InputError, PlanError
@@ -254,7 +255,9 @@ class Kernel(PrefillCalls, BackwardCalls, SplitCalls):
         # The Triton interpreter (3.9) reads bf16 tensors as garbage: on the CPU, bf16 specs carry
         # their (already bf16-rounded) values in float32 and O is rounded to bf16 after.
         emulate = storage and self.emulates(self._dtype)
-        return _Bound(batch, s_q, s_k, out_shape, bshd, emulate)
+        # O in q's order (attnc.layouts.out_order): a bshd spec's O is contiguous [B, S, H, d] as it was
+        out_order = layouts.BHSD if bshd else layouts.out_order(q.shape, q.stride())
+        return _Bound(batch, s_q, s_k, out_shape, bshd, emulate, out_order=out_order)
 
     def emulates(self, dtype) -> bool:
         """Whether tensors of ``dtype`` run as float32 here: the Triton interpreter (3.9) reads bf16

@@ -3,6 +3,7 @@ tiny random-initialised models on the CPU in float32 (the numpy backend), attn_i
 "attnc" against "eager": logits, packed sequences, padding, greedy generation; the refusals.  gpt-oss (attention
 sinks) is in test_transformers_gpt_oss.py."""
 import copy
+import types
 import os
 
 import pytest
@@ -235,3 +236,65 @@ def test_refusals_say_why(llama):
         hf.attnc_mask(1, 4, 32, q_offset=0, kv_offset=0, mask_function=transformers.masking_utils.causal_mask_function)
     # an all-visible padding mask builds nothing
     assert hf.attnc_mask(1, 4, 4, attention_mask=torch.ones(1, 4, dtype=torch.bool)) is None
+
+
+# ---------------------------------------------------------------- no copies of q, k, v and O
+@pytest.mark.parametrize("backend", ["triton", "numpy"])
+def test_the_attention_function_passes_views_through_and_copies_no_output(backend, monkeypatch):
+    """transformers hands q, k, v over as transposed views of its [B, S, H, d] projections: the
+    integration passes them to attnc as they are (the backend receives the very views: same address
+    and strides), and returns the attention's O transposed, already contiguous (token-major: the
+    public call's order for a token-major q), with no copy (the same address); the same values as
+    contiguous inputs."""
+    from attnc.compiler.dispatch import torch_backend
+    module = types.SimpleNamespace(is_causal=True)
+    b, s, h_q, h_kv, d = 2, 19, 4, 2, 16
+    q, k, v = (torch.randn(b, s, h * d).view(b, s, h, d).transpose(1, 2) for h in (h_q, h_kv, h_kv))
+    seen = []
+    be = torch_backend(backend)
+    forward = type(be).forward
+
+    def spy(self, kernel, q_, k_, v_, tensors, plan=None):
+        out = forward(self, kernel, q_, k_, v_, tensors, plan)
+        seen.append(((q_, k_, v_), out[0]))
+        return out
+    monkeypatch.setattr(type(be), "forward", spy)
+    hf.register(backend=backend)
+    try:
+        with torch.no_grad():
+            out, _ = hf.attnc_attention_forward(module, q, k, v, None, scaling=0.25)
+            ref, _ = hf.attnc_attention_forward(module, q.contiguous(), k.contiguous(), v.contiguous(), None,
+                                                scaling=0.25)
+    finally:
+        hf.register()
+    (given, o), _ = seen
+    for x, y in zip(given, (q, k, v)):
+        assert x.data_ptr() == y.data_ptr() and x.stride() == y.stride() and not x.is_contiguous()
+    assert out.shape == (b, s, h_q, d) and out.is_contiguous()
+    if backend == "triton":  # the kernel wrote O token-major: returned as it is
+        assert out.data_ptr() == o.data_ptr()
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+
+
+def test_the_llama_model_hands_the_kernel_views(llama, monkeypatch):
+    """In a model's forward (no cache: q and k from RoPE, v the projection's view) every layer's q, k
+    and v reach the Triton kernel's launch as token-major views (none copied)."""
+    from attnc.backends.triton import launch
+    ours = llama[1]
+    seen = []
+    call = launch.PrefillLaunch.__call__
+
+    def spy(self, q_, k_, v_, *args, **kwargs):
+        seen.append((q_, k_, v_, args[1]))  # (q, k, v, O as the launch gets them: args = ts, out, lse)
+        return call(self, q_, k_, v_, *args, **kwargs)
+    monkeypatch.setattr(launch.PrefillLaunch, "__call__", spy)
+    hf.register(backend="triton")
+    try:
+        with torch.no_grad():
+            ours(_ids(2, 24), use_cache=False)
+    finally:
+        hf.register()
+    assert len(seen) == ours.config.num_hidden_layers
+    for tensors in seen:
+        for x in tensors:
+            assert not x.is_contiguous() and x.transpose(1, 2).is_contiguous(), x.stride()

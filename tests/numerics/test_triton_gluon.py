@@ -263,7 +263,8 @@ def test_tma_takes_contiguous_tensors_at_aligned_addresses():
     assert device.tma_ready(x, x[2:])
     assert not device.tma_ready(x.view(-1)[1:]) and not device.tma_ready(x.t())
     program = compile_spec(SPECS["gqa_d128_causal"])
-    refusal = choice.gluon_call_refusal(program, 256, 256, device.tma_ready(x.view(-1)[1:]), 90)
+    odd = torch.zeros(2 * 8 * 256 * 128 + 1, dtype=torch.bfloat16)[1:].view(2, 8, 256, 128)
+    refusal = choice.gluon_call_refusal(program, 256, 256, choice.gluon_layouts(odd, odd, odd, "bhsd"), 90)
     assert refusal is not None and (runtime.interpreted() or "16-byte aligned" in refusal)
 
 
@@ -309,3 +310,89 @@ def test_a_key_launches_raw_after_its_first_call_with_the_same_output(monkeypatc
     f1 = kernel(q8, k8, v8, q_descale=dq, k_descale=dk, v_descale=dv).clone()
     f2 = kernel(q8, k8, v8, q_descale=dq, k_descale=dk, v_descale=dv)
     assert made[-1].launcher.launches == {"jit": 1, "direct": 0, "raw": 1} and torch.equal(f1, f2)
+
+
+# ---------------------------------------------------------------- token-major (bshd) q, k, v and O
+def _token_major(b, h, s, d, dtype, gen, extra=0, scale=1.0):
+    """transformers' view: a [B, S, H * d (+ extra)] projection viewed [B, S, H, d], transposed."""
+    x = (torch.randn(b, s, h * d + extra, device="cuda", generator=gen) * scale).to(dtype)
+    return x[..., :h * d].view(b, s, h, d).transpose(1, 2)
+
+
+BSHD_CASES = {  # name: (spec, B, S_q, S_k, extra columns of q's projection, K/V token-major)
+    "gqa_d128_tails": ("attention g { heads = 8 / 2 head_dim = 128 dtype = bf16 mask = causal }", 3, 200, 200, 0, True),
+    "gqa_d128_append": ("attention g { heads = 8 / 2 head_dim = 128 dtype = bf16 mask = causal }", 2, 77, 333, 0, True),
+    "d64_three_consumers": ("attention c { heads = 8 / 2 head_dim = 64 dtype = bf16 mask = causal }", 2, 333, 333, 0,
+                            True),
+    "fused_q_kv_contiguous": ("attention f { heads = 4 head_dim = 128 dtype = f16 mask = true }", 2, 300, 300, 1024,
+                              False),
+    "documents_rows": ("attention d { heads = 4 / 2 head_dim = 128 dtype = bf16 tensor doc: i32[b, s] "
+                       "mask = causal & doc[b, q] == doc[b, k] }", 2, 250, 250, 0, True),
+    "sink_window_d64": ("attention s { heads = 8 / 2 head_dim = 64 dtype = bf16 tensor sinks: f32[h] "
+                        "mask = causal & window(100) sink = sinks[h] }", 2, 300, 300, 0, True),
+    "d256": ("attention w { heads = 2 head_dim = 256 dtype = f16 mask = causal }", 2, 190, 190, 0, True),
+}
+
+
+@hopper
+@pytest.mark.parametrize("name", BSHD_CASES)
+def test_gluon_engine_reads_token_major_views_bit_for_bit(name, monkeypatch):
+    """q, k, v as token-major views ([B, S, H, d] memory; B > 1 with S across the tiles, so the
+    tiles across S read the next request's rows): the Gluon engine reads them in place (every
+    layout bshd, or q's alone over contiguous K/V) and writes O token-major, the same O and LSE
+    bit for bit as on contiguous copies, and O and LSE against the float64 oracle."""
+    text, b, s_q, s_k, extra, kv_bshd = BSHD_CASES[name]
+    program = compile_spec(text)
+    dtype = {"bf16": torch.bfloat16, "f16": torch.float16}[program.dtype]
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    q = _token_major(b, program.heads_q, s_q, program.d_qk, dtype, gen, extra)
+    k, v = (_token_major(b, program.heads_kv, s_k, d, dtype, gen) for d in (program.d_qk, program.d_v))
+    if not kv_bshd:
+        k, v = k.contiguous(), v.contiguous()
+    tensors = {}
+    if "doc" in text:
+        tensors["doc"] = (torch.arange(s_k, device="cuda") // 60).to(torch.int32).repeat(b, 1)
+    if "sinks" in text:
+        tensors["sinks"] = torch.randn(program.heads_q, device="cuda", generator=gen)
+    kernel = runtime.load(program)
+    made = prefill_launches(monkeypatch)
+    o, lse = kernel(q, k, v, return_lse=True, **tensors)
+    torch.cuda.synchronize()
+    assert made[-1].config.engine == "gluon"
+    assert made[-1].config.layouts == ("bshd", "bshd" if kv_bshd else "bhsd", "bshd" if kv_bshd else "bhsd", "bshd")
+    assert o.transpose(1, 2).is_contiguous() and not o.is_contiguous()
+    o_ref, lse_ref = kernel(q.contiguous(), k.contiguous(), v.contiguous(), return_lse=True, **tensors)
+    assert made[-1].config.engine == "gluon" and made[-1].config.layouts == choice.BHSD_LAYOUTS
+    assert torch.equal(o, o_ref) and torch.equal(lse, lse_ref)
+    host = {n: t.cpu().numpy() for n, t in tensors.items()}
+    ref_o, ref_lse = oracle.reference(program, *(x.float().cpu().numpy() for x in (q, k, v)), host)
+    co, cl = numerics.compare_outputs(program.dtype, o.float().cpu().numpy(), lse.cpu().numpy(), ref_o, ref_lse)
+    assert co.ok, str(co)
+    assert cl.ok, str(cl)
+
+
+@hopper
+def test_token_major_views_through_the_public_call_and_autograd(monkeypatch):
+    """``attnc.compile(spec)(q, k, v)`` on transformers-style views: O token-major (no copy for the
+    caller's transpose), equal to contiguous inputs' bit for bit; the backward copies the views
+    for the Gluon passes (``gluon_backward.takes_copies``) and gives the contiguous call's gradients."""
+    import attnc
+    from attnc.backends.triton import gluon_backward
+    made = []
+    takes = gluon_backward.takes_copies
+    monkeypatch.setattr(gluon_backward, "takes_copies", lambda *a: made.append(takes(*a)) or made[-1])
+    attn = attnc.compile("attention g { mask = causal }")
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    b, s = 2, 333
+    q, k, v = (_token_major(b, h, s, 128, torch.bfloat16, gen) for h in (8, 2, 2))
+    o = attn(q, k, v)
+    assert o.transpose(1, 2).is_contiguous()
+    assert torch.equal(o, attn(q.contiguous(), k.contiguous(), v.contiguous()))
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    copies = [x.detach().contiguous().requires_grad_() for x in (q, k, v)]
+    g = torch.randn(b, s, 8, 128, device="cuda", generator=gen).to(torch.bfloat16)
+    (attn(*leaves).transpose(1, 2) * g).float().sum().backward()
+    assert made == [True], made  # (the views' backward: copied for the Gluon passes)
+    (attn(*copies).transpose(1, 2) * g).float().sum().backward()
+    for x, y in zip(leaves, copies):
+        torch.testing.assert_close(x.grad, y.grad, rtol=2e-2, atol=2e-2)

@@ -33,6 +33,13 @@ slot and barriers, where they cost no K/V stage, so that the next tile's Q and K
 tile's last blocks (kernel alone, one process: FP8 causal / full at d 128 +3% / +4%; bf16 causal and
 full at d 128 and d 64 unchanged).
 
+Q_BSHD, K_BSHD, V_BSHD, O_BSHD (the launch layer's choice, ``choice.gluon_layouts``): each of q, k,
+v and O is a contiguous bhsd tensor (its TMA view [B * H * S, d], a head's rows one after another)
+or a token-major one (bshd: [B, S, H, d] memory, transformers' transposed views, read and written
+in place: the view [B * S, H * d], a head's rows h * d columns in, ``_tile_origin``).  The tiles
+across S_q and S_k then read the next request's rows where bhsd ones read the next head's: the same
+masking drops them, and O's rows past S_q are never stored (the masked store).
+
 The counter is an int32 the launch layer keeps per device and stream, zero before a launch: the
 program whose draw is the launch's last (the counter then holds the job count) sets it back to
 zero, so a launch leaves it ready for the next one on its stream, CUDA-graph replays included.
@@ -41,7 +48,7 @@ import triton.language as tl
 
 from .gluon_sync import (HAS_GLUON, TensorDescriptor, _ws_claim_q, _ws_get, _ws_handover, _ws_put,  # noqa: F401
                          _ws_take_job, gluon)  # (HAS_GLUON, TensorDescriptor: the launch layer's)
-from .prefill import _job, _tile_of
+from .prefill import _job, _tile_of, _tile_origin
 
 if HAS_GLUON:
     from .gluon_sync import (_tma_load, _tma_store, fence_async_shared, gl, mbarrier, tma, warpgroup_mma,
@@ -431,7 +438,7 @@ def _ws_consumer(half, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars,
                  SEPARABLE: tl.constexpr = 0, SCORE_SCALE: tl.constexpr = None, SCORE_ROW: tl.constexpr = None,
                  SCORE_COLUMN: tl.constexpr = None, CONSUMERS: tl.constexpr = 2,
                  P_PERM: tl.constexpr = False, Q_BUFS: tl.constexpr = 1, HAS_SINK: tl.constexpr = False,
-                 SINK: tl.constexpr = None):
+                 SINK: tl.constexpr = None, O_BSHD: tl.constexpr = False):
     """Rows [half * ROWS_, + ROWS_) of each tile the producer hands over: every block of the
     tile's list, then O (through shared memory and a TMA store) and LSE.  The producer hands
     each job (t, query tile, block range) over with its Q, and each block's index and PARTIAL
@@ -445,7 +452,8 @@ def _ws_consumer(half, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars,
     wgmma needs it), P is rounded to e4m3 for P.V, and O is written in O's dtype.  SEPARABLE: the
     score program's separable form (``_ws_softmax``), its parts reading positions from an origin
     in the middle of this half's rows (compiler/separable.py: ORIGIN_ROWS), the row part added to
-    LSE.  HAS_SINK: the spec's sink joins each row once, after its keys (``_ws_rows_out``)."""
+    LSE.  HAS_SINK: the spec's sink joins each row once, after its keys (``_ws_rows_out``).  O_BSHD:
+    O is token-major ([B, S, H_q, D] memory, rows H_q * D apart: ``_tile_origin``)."""
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turns = bars
     MMA_K: tl.constexpr = 32 if FP8 else 16
     s_layout: tl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -508,16 +516,20 @@ def _ws_consumer(half, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars,
         else:
             out = acc / gl.convert_layout(l_safe, orow_l)[:, None]  # rows that saw nothing: acc = 0, O = 0
         row0 = q_tile0 + half * ROWS_
-        if EVEN_Q or row0 + ROWS_ <= S_Q:
+        o_row, o_col = _tile_origin(bh, S_Q, H_Q, D, O_BSHD)
+        if EVEN_Q or row0 + ROWS_ <= S_Q:  # (every row is this head's: in bshd, no other request's row is written)
             tma.store_wait(0)  # the last tile's O has left shared memory (o may be Q's own stage)
             o.store(out.to(o_smem.dtype))
             fence_async_shared()
-            _tma_store(o_desc, [bh * S_Q + row0, 0], o)
+            _tma_store(o_desc, [o_row + row0, o_col], o)
         else:
             o_rows = row0 + gl.arange(0, ROWS_, orow_l)
             o_cols = gl.arange(0, D, gl.SliceLayout(0, o_layout))
-            gl.store(O + (bh * S_Q + o_rows)[:, None] * D + o_cols[None, :], out.to(O.dtype.element_ty),
-                     mask=(o_rows < S_Q)[:, None])
+            if O_BSHD:  # (rows H_q * D apart, the head's columns o_col in)
+                o_ptr = O + (o_row + o_rows)[:, None] * (H_Q * D) + o_col + o_cols[None, :]
+            else:
+                o_ptr = O + (o_row + o_rows)[:, None] * D + o_cols[None, :]
+            gl.store(o_ptr, out.to(O.dtype.element_ty), mask=(o_rows < S_Q)[:, None])
         if EVEN_Q:
             gl.store(LSE + bh * S_Q + rows, lse_out)
         else:
@@ -535,14 +547,16 @@ def _ws_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, job_smem, blk_s
                  M_CSR, M_IDX, M_FLAG, S_Q, S_K, PLAN_B, PLAN_H, Q_TILES, BH, ROWS_: tl.constexpr,
                  BLOCK_N: tl.constexpr, STAGES: tl.constexpr, HEAD_GROUP: tl.constexpr, SCHEDULE: tl.constexpr,
                  H_Q: tl.constexpr, H_KV: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, FP8: tl.constexpr,
-                 CONSUMERS: tl.constexpr = 2, P_PERM: tl.constexpr = False, Q_BUFS: tl.constexpr = 1):
+                 CONSUMERS: tl.constexpr = 2, P_PERM: tl.constexpr = False, Q_BUFS: tl.constexpr = 1,
+                 Q_BSHD: tl.constexpr = False, K_BSHD: tl.constexpr = False, V_BSHD: tl.constexpr = False):
     """For each of the program's jobs: once every consumer is done with the Q that last used its
     buffer (of Q_BUFS: with two, the next tile's Q and K/V load under this tile's last blocks,
     and the consumers need not meet at tile boundaries), the job and its Q, then K and V of
     every block of the tile's list, each into a stage every consumer has released, with the
     block's index and PARTIAL flag.  The next job (SCHEDULE) and its
     plan lookups are fetched while this one's K/V load; a job past the last tells the consumers
-    to stop.  The launch's last draw from the counter resets it to zero (module docstring)."""
+    to stop.  The launch's last draw from the counter resets it to zero (module docstring).
+    Q_BSHD, K_BSHD, V_BSHD: that tensor is token-major (``_tile_origin``; not with FP8)."""
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turns = bars
     n_jobs = Q_TILES * BH
     c = 0
@@ -559,12 +573,14 @@ def _ws_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, job_smem, blk_s
             nxt = n_jobs
         buf = _ws_claim_q(q_empty, jc, Q_BUFS)
         _ws_put(job_smem.index(buf), (t, pid_m, lo, hi), 4)
-        q_row0 = bh * S_Q + pid_m * (CONSUMERS * ROWS_)
+        q_row, q_col = _tile_origin(bh, S_Q, H_Q, q_desc.block_type.shape[1], Q_BSHD)
+        q_row0 = q_row + pid_m * (CONSUMERS * ROWS_)
         mbarrier.expect(q_ready.index(buf), CONSUMERS * q_desc.block_type.nbytes)
         for w in gl.static_range(CONSUMERS):
-            _tma_load(q_desc, [q_row0 + w * ROWS_, 0], q_ready.index(buf), q_smem.index(buf * CONSUMERS + w))
+            _tma_load(q_desc, [q_row0 + w * ROWS_, q_col], q_ready.index(buf), q_smem.index(buf * CONSUMERS + w))
         kvh = (bh // H_Q) * H_KV + (bh % H_Q) // GROUP
-        kv_row0 = kvh * S_K
+        kv_row0, k_col = _tile_origin(kvh, S_K, H_KV, k_desc.block_type.shape[1], K_BSHD)
+        v_row0, v_col = _tile_origin(kvh, S_K, H_KV, D, V_BSHD)
         for i in range(lo, hi):
             stage = c % STAGES
             phase = (c // STAGES) & 1
@@ -577,13 +593,13 @@ def _ws_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, job_smem, blk_s
                 _tma_load(k_desc, [(kv_row0 + kb * BLOCK_N) // 16, 0, 0, 0, 0], k_ready.index(stage),
                           k_smem.index(stage))
             else:
-                _tma_load(k_desc, [kv_row0 + kb * BLOCK_N, 0], k_ready.index(stage), k_smem.index(stage))
+                _tma_load(k_desc, [kv_row0 + kb * BLOCK_N, k_col], k_ready.index(stage), k_smem.index(stage))
             mbarrier.wait(v_empty.index(stage), phase ^ 1)
             mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
             if FP8:  # V^T: the head's D rows, the block's BLOCK_N columns (past S_K: zero-filled)
                 _tma_load(v_desc, [kvh * D, kb * BLOCK_N], v_ready.index(stage), v_smem.index(stage))
             else:
-                _tma_load(v_desc, [kv_row0 + kb * BLOCK_N, 0], v_ready.index(stage), v_smem.index(stage))
+                _tma_load(v_desc, [v_row0 + kb * BLOCK_N, v_col], v_ready.index(stage), v_smem.index(stage))
             c += 1
         jc += 1
         t = nxt
@@ -608,7 +624,8 @@ def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, O, LSE, COUNTER_PTR, ORDER, M_C
                  SEPARABLE: tl.constexpr = 0, SCORE_SCALE: tl.constexpr = None, SCORE_ROW: tl.constexpr = None,
                  SCORE_COLUMN: tl.constexpr = None, CONSUMERS: tl.constexpr = 2,
                  P_PERM: tl.constexpr = False, Q_BUFS: tl.constexpr = 1, HAS_SINK: tl.constexpr = False,
-                 SINK: tl.constexpr = None):
+                 SINK: tl.constexpr = None, Q_BSHD: tl.constexpr = False, K_BSHD: tl.constexpr = False,
+                 V_BSHD: tl.constexpr = False, O_BSHD: tl.constexpr = False):
     """Jobs (query tile of CONSUMERS * ROWS_ rows, request * query head) in ``_job``'s order: one per
     program (SCHEDULE == ONE_TILE), or one program per SM looping over jobs drawn from the
     counter at COUNTER_PTR (SCHEDULE == COUNTER) with O staged in its own buffers, so that the
@@ -621,7 +638,9 @@ def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, O, LSE, COUNTER_PTR, ORDER, M_C
     Q_BUFS: Q's buffers (``_ws_producer``; two where they cost no K/V stage: ``launch.gluon_q_buffers``).
     HAS_SINK: the spec's sink ``SINK`` joins every row once (``_ws_rows_out``; not on a block of a
     larger call, whose merge adds it).  MARK: a row whose LSE is NaN (a visible NaN or +inf score)
-    sets the call's non-finite flag FLAG (int32), so no launch of its own marks the call."""
+    sets the call's non-finite flag FLAG (int32), so no launch of its own marks the call.
+    Q_BSHD, K_BSHD, V_BSHD, O_BSHD: that tensor is token-major (module docstring; q_desc, k_desc,
+    v_desc and o_desc then view [B * S, H * d] with [rows, d] boxes)."""
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [Q_BUFS * CONSUMERS] + q_desc.block_type.shape, q_desc.layout)
     if SCHEDULE == ONE_TILE and SAME_D and not FP8:
         o_smem = q_smem  # one tile per program: O goes out through Q's stages
@@ -638,22 +657,23 @@ def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, O, LSE, COUNTER_PTR, ORDER, M_C
                             MASK_FROM_ROWS,
                             EVEN_Q, EVEN_K, ROWS_, BLOCK_N, D, STAGES, HEAD_GROUP, VISIBLE, SCORE, HAS_SCORE, SCALE,
                             H_Q, H_KV, GROUP, FP8, OVERLAP, ZERO_TAIL, PINGPONG, SEPARABLE, SCORE_SCALE, SCORE_ROW,
-                            SCORE_COLUMN, CONSUMERS, P_PERM, Q_BUFS, HAS_SINK, SINK)),
+                            SCORE_COLUMN, CONSUMERS, P_PERM, Q_BUFS, HAS_SINK, SINK, O_BSHD)),
             (_ws_consumer, (1, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars, o_desc, O, LSE, KS, KE, DQ, DK,
                             DV, S_Q, S_K, Q_OFF, K_OFF, PLAN_B, PLAN_H, Q_TILES, BH, FLAG, MARK, qk_scale, TS,
                             MASK_FROM_ROWS,
                             EVEN_Q, EVEN_K, ROWS_, BLOCK_N, D, STAGES, HEAD_GROUP, VISIBLE, SCORE, HAS_SCORE, SCALE,
                             H_Q, H_KV, GROUP, FP8, OVERLAP, ZERO_TAIL, PINGPONG, SEPARABLE, SCORE_SCALE, SCORE_ROW,
-                            SCORE_COLUMN, CONSUMERS, P_PERM, Q_BUFS, HAS_SINK, SINK)),
+                            SCORE_COLUMN, CONSUMERS, P_PERM, Q_BUFS, HAS_SINK, SINK, O_BSHD)),
             (_ws_consumer, (2, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars, o_desc, O, LSE, KS, KE, DQ, DK,
                             DV, S_Q, S_K, Q_OFF, K_OFF, PLAN_B, PLAN_H, Q_TILES, BH, FLAG, MARK, qk_scale, TS,
                             MASK_FROM_ROWS,
                             EVEN_Q, EVEN_K, ROWS_, BLOCK_N, D, STAGES, HEAD_GROUP, VISIBLE, SCORE, HAS_SCORE, SCALE,
                             H_Q, H_KV, GROUP, FP8, OVERLAP, ZERO_TAIL, PINGPONG, SEPARABLE, SCORE_SCALE, SCORE_ROW,
-                            SCORE_COLUMN, CONSUMERS, P_PERM, Q_BUFS, HAS_SINK, SINK)),
+                            SCORE_COLUMN, CONSUMERS, P_PERM, Q_BUFS, HAS_SINK, SINK, O_BSHD)),
             (_ws_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, job_smem, blk_smem, bars, COUNTER_PTR,
                             ORDER, M_CSR, M_IDX, M_FLAG, S_Q, S_K, PLAN_B, PLAN_H, Q_TILES, BH, ROWS_, BLOCK_N, STAGES,
-                            HEAD_GROUP, SCHEDULE, H_Q, H_KV, GROUP, D, FP8, CONSUMERS, P_PERM, Q_BUFS)),
+                            HEAD_GROUP, SCHEDULE, H_Q, H_KV, GROUP, D, FP8, CONSUMERS, P_PERM, Q_BUFS, Q_BSHD,
+                            K_BSHD, V_BSHD)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
@@ -662,14 +682,15 @@ def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, O, LSE, COUNTER_PTR, ORDER, M_C
                             MASK_FROM_ROWS,
                             EVEN_Q, EVEN_K, ROWS_, BLOCK_N, D, STAGES, HEAD_GROUP, VISIBLE, SCORE, HAS_SCORE, SCALE,
                             H_Q, H_KV, GROUP, FP8, OVERLAP, ZERO_TAIL, PINGPONG, SEPARABLE, SCORE_SCALE, SCORE_ROW,
-                            SCORE_COLUMN, CONSUMERS, P_PERM, Q_BUFS, HAS_SINK, SINK)),
+                            SCORE_COLUMN, CONSUMERS, P_PERM, Q_BUFS, HAS_SINK, SINK, O_BSHD)),
             (_ws_consumer, (1, q_smem, o_smem, k_smem, v_smem, job_smem, blk_smem, bars, o_desc, O, LSE, KS, KE, DQ, DK,
                             DV, S_Q, S_K, Q_OFF, K_OFF, PLAN_B, PLAN_H, Q_TILES, BH, FLAG, MARK, qk_scale, TS,
                             MASK_FROM_ROWS,
                             EVEN_Q, EVEN_K, ROWS_, BLOCK_N, D, STAGES, HEAD_GROUP, VISIBLE, SCORE, HAS_SCORE, SCALE,
                             H_Q, H_KV, GROUP, FP8, OVERLAP, ZERO_TAIL, PINGPONG, SEPARABLE, SCORE_SCALE, SCORE_ROW,
-                            SCORE_COLUMN, CONSUMERS, P_PERM, Q_BUFS, HAS_SINK, SINK)),
+                            SCORE_COLUMN, CONSUMERS, P_PERM, Q_BUFS, HAS_SINK, SINK, O_BSHD)),
             (_ws_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, job_smem, blk_smem, bars, COUNTER_PTR,
                             ORDER, M_CSR, M_IDX, M_FLAG, S_Q, S_K, PLAN_B, PLAN_H, Q_TILES, BH, ROWS_, BLOCK_N, STAGES,
-                            HEAD_GROUP, SCHEDULE, H_Q, H_KV, GROUP, D, FP8, CONSUMERS, P_PERM, Q_BUFS)),
+                            HEAD_GROUP, SCHEDULE, H_Q, H_KV, GROUP, D, FP8, CONSUMERS, P_PERM, Q_BUFS, Q_BSHD,
+                            K_BSHD, V_BSHD)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])

@@ -155,6 +155,17 @@ def _tile_of(rank, bh, ORDER, PLAN_B, PLAN_H, Q_TILES, H_Q: tl.constexpr):
 
 
 @triton.jit
+def _tile_origin(bh, S, H: tl.constexpr, COLS: tl.constexpr, BSHD: tl.constexpr):
+    """(row, column) of the first row of head ``bh`` (b * H + h) in the 2-D view a TMA descriptor
+    copies: bhsd, [B * H * S, d] (row bh * S, column 0); BSHD, [B * S, H * COLS] (row b * S, column
+    h * COLS).  The head's row r is then row + r.  ``launch.tile_origin`` is its numpy twin."""
+    if BSHD:
+        return (bh // H) * S, (bh % H) * COLS
+    else:
+        return bh * S, 0
+
+
+@triton.jit
 def _attn_fwd(Q, K, V, O, LSE, desc_k, desc_v,
               s_qb, s_qh, s_qm, s_qd, s_kb, s_kh, s_kn, s_kd, s_vb, s_vh, s_vn, s_vd,
               s_ob, s_oh, s_om, s_od,
