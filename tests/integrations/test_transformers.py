@@ -249,7 +249,9 @@ def test_the_attention_function_passes_views_through_and_copies_no_output(backen
     from attnc.compiler.dispatch import torch_backend
     module = types.SimpleNamespace(is_causal=True)
     b, s, h_q, h_kv, d = 2, 19, 4, 2, 16
-    q, k, v = (torch.randn(b, s, h * d).view(b, s, h, d).transpose(1, 2) for h in (h_q, h_kv, h_kv))
+    from tests.conftest import triton_device
+    dev = triton_device() if backend == "triton" else "cpu"  # (a GPU runs Triton on CUDA tensors only)
+    q, k, v = (torch.randn(b, s, h * d, device=dev).view(b, s, h, d).transpose(1, 2) for h in (h_q, h_kv, h_kv))
     seen = []
     be = torch_backend(backend)
     forward = type(be).forward
@@ -279,8 +281,11 @@ def test_the_attention_function_passes_views_through_and_copies_no_output(backen
 def test_the_llama_model_hands_the_kernel_views(llama, monkeypatch):
     """In a model's forward (no cache: q and k from RoPE, v the projection's view) every layer's q, k
     and v reach the Triton kernel's launch as token-major views (none copied)."""
+    import copy
     from attnc.backends.triton import launch
-    ours = llama[1]
+    from tests.conftest import triton_device
+    dev = triton_device()
+    ours = llama[1] if dev == "cpu" else copy.deepcopy(llama[1]).to(dev)  # (a GPU runs Triton on CUDA tensors)
     seen = []
     call = launch.PrefillLaunch.__call__
 
@@ -291,7 +296,7 @@ def test_the_llama_model_hands_the_kernel_views(llama, monkeypatch):
     hf.register(backend="triton")
     try:
         with torch.no_grad():
-            ours(_ids(2, 24), use_cache=False)
+            ours(_ids(2, 24).to(dev), use_cache=False)
     finally:
         hf.register()
     assert len(seen) == ours.config.num_hidden_layers
