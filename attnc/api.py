@@ -57,8 +57,12 @@ def _torch_module():
     return _TORCH
 
 
-def compile(spec: str | os.PathLike, *, name: str | None = None) -> "Attention":  # noqa: A001 - the API's name
-    """Parse, check and lower a spec (a path to a ``.attn`` file, or the spec's text)."""
+def compile(spec: str | os.PathLike, *, name: str | None = None,  # noqa: A001 - the API's name
+            deterministic: bool = True) -> "Attention":
+    """Parse, check and lower a spec (a path to a ``.attn`` file, or the spec's text).
+    ``deterministic`` (default True): gradients bit-identical run to run; False lets the backward add
+    partial sums in any order where that is faster (on Hopper the Gluon backward's dQ: 1.09x at
+    d 128 on the H200); elsewhere it stays deterministic."""
     from .compiler.lower import compile_file, compile_spec
     text = str(spec)
     looks_like_path = "{" not in text and (text.endswith(".attn") or "/" in text or os.sep in text
@@ -67,14 +71,15 @@ def compile(spec: str | os.PathLike, *, name: str | None = None) -> "Attention":
         program = compile_file(spec)  # a missing file: "cannot read PATH: No such file or directory"
     else:
         program = compile_spec(text, name or "<spec>")
-    return Attention(program)
+    return Attention(program, deterministic=deterministic)
 
 
 class Attention:
     """A compiled spec, callable on torch tensors (module docstring)."""
 
-    def __init__(self, program: ir.Program):
+    def __init__(self, program: ir.Program, *, deterministic: bool = True):
         self.program = program
+        self.deterministic = bool(deterministic)
         self.name = program.name
         self.tensor_names = tuple(t.name for t in program.tensors)
         self._name_set = frozenset(self.tensor_names)
@@ -84,7 +89,7 @@ class Attention:
         self._kernels: dict = {}  # (backend, program digest) -> backend kernel
         self._routes: dict = {}  # call key -> (backend protocol object, kernel)
         self._differentiable = None  # the tensors with a gradient (_check_grads), once asked
-        self.handle = f"{program.name}-{ir.digest(program)[:16]}"
+        self.handle = f"{program.name}-{ir.digest(program)[:16]}" + ("" if self.deterministic else "-unordered")
         with _LOCK:
             _HANDLES.setdefault(self.handle, self)
 
@@ -321,7 +326,8 @@ class Attention:
         and LSE, on the backend that ran its forward."""
         self._check_grads(q, k, v, want, tensors, backend)
         be, kernel = self._kernel_for(q, k, v, tensors, backend)
-        return require(be, "backward").backward(kernel, q, k, v, o, lse, do, dlse, tensors, want)
+        return require(be, "backward").backward(kernel, q, k, v, o, lse, do, dlse, tensors, want,
+                                                deterministic=self.deterministic)
 
     def out_shapes(self, q, k, v) -> tuple[tuple, tuple]:
         """The shapes of O and LSE for these inputs (the custom op's fake implementation)."""
@@ -508,7 +514,8 @@ def _register_ops() -> None:
         attn = _HANDLES[handle]
         names = attn.tensor_names
         dq, dk, dv, dts = require(route[0], "backward").backward(
-            route[1], q, k, v, o, lse, do, dlse, dict(zip(names, tensors)), tuple(names[i] for i in want))
+            route[1], q, k, v, o, lse, do, dlse, dict(zip(names, tensors)), tuple(names[i] for i in want),
+            deterministic=attn.deterministic)
         return (_as_input_gradient(dq, q), _as_input_gradient(dk, k), _as_input_gradient(dv, v),
                 [as_gradient(dts[names[i]], tensors[i]) for i in want])
 

@@ -57,8 +57,9 @@ class NumpyBackend(BackendBase):
         return (torch.from_numpy(o).to(device=q.device, dtype=q.dtype),
                 torch.from_numpy(lse).to(device=q.device, dtype=torch.float32))
 
-    def backward(self, kernel, q, k, v, o, lse, do, dlse, tensors, want):
-        """The float64 backward module on host copies; gradients in their inputs' dtype and device."""
+    def backward(self, kernel, q, k, v, o, lse, do, dlse, tensors, want, deterministic=True):
+        """The float64 backward module on host copies; gradients in their inputs' dtype and device
+        (always deterministic: ``deterministic`` changes nothing here)."""
         import torch
         wide = torch.float64
         arrays = [x.detach().to("cpu", wide).numpy() for x in (q, k, v, o, lse, do)]

@@ -28,16 +28,18 @@ class BackwardCalls:
         return blocks.backward(self, q, k, v, o, lse, do, dlse, args, tensors, lengths)
 
     # ------------------------------------------------------------ backward
-    def backward(self, q, k, v, o, lse, do, dlse=None, *, config=None, **tensors):
+    def backward(self, q, k, v, o, lse, do, dlse=None, *, config=None, deterministic: bool = True, **tensors):
         """dQ, dK, dV of a prefill call from its saved O and LSE and the gradient of O (``dlse``: of
         LSE, optional).  Inputs in the spec's layout as for the forward; gradients come back in
         the layout and dtype of q, k and v.  Planned from the same mask analysis as the forward and
         cached like it: the Gluon passes on Hopper where ``gluon_backward.choose`` takes the call
-        (``gluon_backward.GluonBackwardLaunch``), else the Triton ones (``grad.BackwardLaunch``)."""
-        return self._backward(q, k, v, o, lse, do, dlse, config, tensors, ())[:3]
+        (``gluon_backward.GluonBackwardLaunch``), else the Triton ones (``grad.BackwardLaunch``).
+        ``deterministic`` False (no ``config``): the Gluon passes may add dQ unordered, where that is
+        faster (``gluon_backward.default_config``); gradients are then not bit-identical run to run."""
+        return self._backward(q, k, v, o, lse, do, dlse, config, tensors, (), deterministic)[:3]
 
     def backward_with_tensors(self, q, k, v, o, lse, do, dlse, tensors: dict, want: tuple[str, ...],
-                              config=None):
+                              config=None, deterministic: bool = True):
         """(dQ, dK, dV, {name: gradient}) with the gradients of the score tensors named in ``want``
         (``score_grads``: each must be a float tensor the score program reads by plain positions;
         such calls take the Triton passes, whose plan rows the tensor gradients walk) and of the
@@ -47,9 +49,9 @@ class BackwardCalls:
             why = score_grads.refusal(self.program, n)
             if why is not None:
                 raise InputError(f"inputs: tensor '{n}' requires grad: {why}")
-        return self._backward(q, k, v, o, lse, do, dlse, config, tensors, tuple(want))
+        return self._backward(q, k, v, o, lse, do, dlse, config, tensors, tuple(want), deterministic)
 
-    def _backward(self, q, k, v, o, lse, do, dlse, config, tensors: dict, want: tuple):
+    def _backward(self, q, k, v, o, lse, do, dlse, config, tensors: dict, want: tuple, deterministic: bool = True):
         torch = self._torch
         if self.program.cache.layout is not ir.Layout.BSHD and not self._tma_ready(q, k, v, o) and \
                 not self._score_wanted(want) and GB.takes_copies(self.program, config, (q, k, v, o), interpreted()):
@@ -57,12 +59,12 @@ class BackwardCalls:
         try:  # everything the checks and the choice of passes depend on
             bind_key = ("backward", self._key(q, k, v, tensors), o.shape, o.stride(), do.shape, do.stride(), lse.shape,
                         o.data_ptr() % 16 == 0, do.data_ptr() % 16 == 0, None if dlse is None else dlse.shape,
-                        config, self._score_wanted(want), GB.DEFAULT)  # (the engine switch: flipping it re-chooses)
+                        config, self._score_wanted(want), GB.DEFAULT, deterministic)  # (GB.DEFAULT flipped: re-chosen)
         except (NotImplementedError, RuntimeError, AttributeError):
             bind_key = None  # (e.g. a meta tensor has no address: the checks name what is wrong)
         hit = self._bound.get(bind_key) if bind_key is not None else None
         if hit is None:  # validated and chosen once per key, as the forward's calls are
-            hit = self._backward_bind(q, k, v, o, lse, do, dlse, tensors, config, want)
+            hit = self._backward_bind(q, k, v, o, lse, do, dlse, tensors, config, want, deterministic)
             if bind_key is not None:
                 self._bound[bind_key] = hit
         bound, gluon, cfg, call_key = hit
@@ -188,7 +190,8 @@ class BackwardCalls:
             made[key] = red
         return red
 
-    def _backward_bind(self, q, k, v, o, lse, do, dlse, tensors: dict, config, want: tuple):
+    def _backward_bind(self, q, k, v, o, lse, do, dlse, tensors: dict, config, want: tuple,
+                       deterministic: bool = True):
         """(what a backward call's key fixes, the Gluon passes' choice or None, the Triton passes'
         config, the call's part of the plan cache's key -- the whole key, a ``plans.Key``, where
         the mask reads no tensor): the call's checks, once per key.  Calls asking score-tensor gradients take the
@@ -203,7 +206,7 @@ class BackwardCalls:
             raise InputError(f"inputs: 'dlse' has shape {list(dlse.shape)}; LSE's is {list(lse.shape)}")
         p = self.program
         gluon = None if self._score_wanted(want) else \
-            GB.choose(p, config, bound.s_q, bound.s_k, (q, k, v, o), bound.bshd, interpreted())
+            GB.choose(p, config, bound.s_q, bound.s_k, (q, k, v, o), bound.bshd, interpreted(), deterministic)
         cfg = (None if gluon else config) or G.default_backward_config(p.d_qk, p.d_v, interpreted())
         d = GB.tma_input(do) if gluon else do  # (what the launch reads: its layout is fixed by do's)
         key = (self._key(q, k, v, tensors), o.stride(), d.stride(), o.data_ptr() % 16 == 0, d.data_ptr() % 16 == 0,

@@ -112,12 +112,16 @@ class GluonBackwardConfig:
                 + (f", {self.dq_buffers} dQ tiles per consumer" if self.dq in FUSED else ""))
 
 
-def default_config(d: int) -> GluonBackwardConfig:
+def default_config(d: int, deterministic: bool = True) -> GluonBackwardConfig:
     """The untuned launch: 64 query rows per dK/dV entry (registers: a consumer holds dK, dV, S^T and
     dP^T of its 64 keys); dQ at d 128 by its own pass on 128 x 64 tiles, at d 64 fused in order (both
     deterministic).  H200, kernel alone, causal B4 S8K (study r54): d 64 H32 fused 365.0 TFLOP/s
     against the own pass's 319.5; d 128 H16 fused 402.2 against 425.1 (the ordered adds wait on
-    each other there; fused_atomic, not bit-reproducible, 463.8)."""
+    each other there; fused_atomic, not bit-reproducible, 463.8).  ``deterministic`` False (the
+    caller's ``attnc.compile(..., deterministic=False)``): the fused dQ unordered at every head dim,
+    1.09x the deterministic default at d 128."""
+    if not deterministic:
+        return GluonBackwardConfig(dq="fused_atomic")
     if d <= 64:
         return GluonBackwardConfig(dq="fused")
     return GluonBackwardConfig(dq_block_n=64)
@@ -223,7 +227,8 @@ REGS = (168, 240, 24)  # the warp-specialized kernels' maxnreg, consumer and pro
 WRITER_REGS = 24  # the fused dQ's writer warp; it and the producer warp share a warpgroup, so both get the larger
 
 
-def choose(program, config, s_q: int, s_k: int, tensors: tuple, bshd: bool, interpreted: bool):
+def choose(program, config, s_q: int, s_k: int, tensors: tuple, bshd: bool, interpreted: bool,
+           deterministic: bool = True):
     """The backward's engine for a call: a GluonBackwardConfig (the Gluon passes), or None (the
     Triton backward).  ``config``: the caller's -- a GluonBackwardConfig asks for the Gluon passes
     (a ValueError says why they cannot run), a ``grad.BackwardConfig`` for the Triton ones; None:
@@ -234,7 +239,7 @@ def choose(program, config, s_q: int, s_k: int, tensors: tuple, bshd: bool, inte
         return None
     if not asked and not DEFAULT:
         return None
-    cfg = config if asked else default_config(program.d_qk)
+    cfg = config if asked else default_config(program.d_qk, deterministic)
     t = tensors[0]
     capability = device.capability(t.device) if t.is_cuda else 0
     batch = t.shape[0]

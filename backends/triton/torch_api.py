@@ -39,10 +39,11 @@ class TritonBackend(BackendBase):
     def forward_fp8(self, kernel, q, k, v, descales, tensors):
         return kernel(q, k, v, return_lse=True, **descales, **tensors)
 
-    def backward(self, kernel, q, k, v, o, lse, do, dlse, tensors, want):
+    def backward(self, kernel, q, k, v, o, lse, do, dlse, tensors, want, deterministic=True):
         if want:
-            return kernel.backward_with_tensors(q, k, v, o, lse, do, dlse, tensors, want)
-        dq, dk, dv = kernel.backward(q, k, v, o, lse, do, dlse, **tensors)
+            return kernel.backward_with_tensors(q, k, v, o, lse, do, dlse, tensors, want,
+                                                deterministic=deterministic)
+        dq, dk, dv = kernel.backward(q, k, v, o, lse, do, dlse, deterministic=deterministic, **tensors)
         return dq, dk, dv, {}
 
     def tensor_grad_refusal(self, kernel, tensor):

@@ -38,8 +38,10 @@ class Backend(Protocol):
     def forward_fp8(self, kernel, q, k, v, descales: dict, tensors: dict) -> tuple:
         """(O, LSE) of a float8_e4m3fn call with its descales (``attnc.fp8``)."""
 
-    def backward(self, kernel, q, k, v, o, lse, do, dlse, tensors: dict, want: tuple) -> tuple:
-        """(dQ, dK, dV, {name: gradient} for the tensors in ``want``)."""
+    def backward(self, kernel, q, k, v, o, lse, do, dlse, tensors: dict, want: tuple,
+                 deterministic: bool = True) -> tuple:
+        """(dQ, dK, dV, {name: gradient} for the tensors in ``want``).  ``deterministic`` False lets
+        the backend add partial sums in any order where that is faster (``attnc.compile``)."""
 
     def tensor_grad_refusal(self, kernel, tensor: str) -> str | None:
         """Why this backend gives no gradient of score tensor ``tensor`` (the message of the
@@ -92,7 +94,7 @@ class BackendBase:
     def forward_fp8(self, kernel, q, k, v, descales, tensors):
         self._missing("fp8")
 
-    def backward(self, kernel, q, k, v, o, lse, do, dlse, tensors, want):
+    def backward(self, kernel, q, k, v, o, lse, do, dlse, tensors, want, deterministic=True):
         self._missing("backward")
 
     def tensor_grad_refusal(self, kernel, tensor):

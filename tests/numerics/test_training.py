@@ -86,6 +86,39 @@ def test_triton_kernel_gradients_match_the_numpy_path():
         assert torch.allclose(a, b, atol=2e-5, rtol=1e-4)
 
 
+def test_an_unordered_backward_is_asked_at_compile_and_reaches_the_engine_choice(monkeypatch):
+    """``attnc.compile(spec, deterministic=False)``: its own handle (the same spec compiled twice,
+    both registered), the flag handed to the Triton backend's backward (whose choice of passes gives
+    it to ``gluon_backward.default_config``: the Gluon passes take dQ unordered), the same gradients
+    where no pass adds out of order (the CPU's numpy and interpreted Triton backwards)."""
+    pytest.importorskip("triton")
+    from attnc.backends.triton import backward_calls, gluon_backward as GB
+    asked = []
+    backward = backward_calls.BackwardCalls._backward
+
+    def spy(self, *args):
+        asked.append(args[-1])  # (its last argument: deterministic)
+        return backward(self, *args)
+    monkeypatch.setattr(backward_calls.BackwardCalls, "_backward", spy)
+    ordered, unordered = attnc.compile(DOC), attnc.compile(DOC, deterministic=False)
+    assert ordered.deterministic and not unordered.deterministic and ordered.handle != unordered.handle
+    gen = torch.Generator().manual_seed(4)
+    doc = torch.tensor([[0] * 9 + [1] * 7], dtype=torch.int32)
+    base = [torch.randn(1, h, 16, 8, generator=gen) for h in (4, 2, 2)]
+    grads = {}
+    for attn in (ordered, unordered):
+        for backend, dev in (("numpy", "cpu"), ("triton", TRITON_DEVICE)):
+            leaves = [x.clone().to(dev).requires_grad_() for x in base]
+            attn(*leaves, doc=doc.to(dev), backend=backend).square().sum().backward()
+            grads[attn.deterministic, backend] = [x.grad.cpu() for x in leaves]
+    assert asked == [True, False]  # (one Triton backward per compiled spec: its flag reaches the choice)
+    for backend in ("numpy", "triton"):
+        for a, b in zip(grads[True, backend], grads[False, backend]):
+            assert torch.allclose(a, b, atol=2e-5, rtol=1e-4)
+    assert GB.default_config(128, deterministic=False).dq == GB.default_config(64, deterministic=False).dq \
+        == "fused_atomic"
+
+
 def test_refusals():
     attn = attnc.compile(DOC)
     q = torch.randn(1, 4, 6, 8, requires_grad=True)

@@ -113,6 +113,33 @@ def test_the_public_call_takes_the_gluon_backward_by_default(monkeypatch):
     assert not all(torch.equal(a, b) for a, b in zip(grads[True], grads[False]))  # two engines, two roundings
 
 
+@hopper
+def test_the_public_call_asked_for_an_unordered_backward_adds_dq_unordered(monkeypatch):
+    """``attnc.compile(spec, deterministic=False)``: the Gluon backward takes dQ fused and unordered
+    (``fused_atomic``); its gradients match the deterministic call's within rounding."""
+    import attnc
+    text = "attention c { heads = 8 / 2 head_dim = 128 dtype = bf16 mask = causal }"
+    made = []
+    init = GB.GluonBackwardLaunch.__init__
+
+    def spy(self, module, config, *a, **kw):
+        made.append(config.dq)
+        init(self, module, config, *a, **kw)
+    monkeypatch.setattr(GB.GluonBackwardLaunch, "__init__", spy)
+    from attnc.backends.triton import plans
+    plans.PLANS.clear()  # (launches an earlier test left for these calls would be reused: none made here)
+    g = torch.Generator(device="cuda").manual_seed(5)
+    base = [torch.randn((2, h, 700, 128), device="cuda", dtype=torch.bfloat16, generator=g) for h in (8, 2, 2)]
+    grads = {}
+    for deterministic in (True, False):
+        attn = attnc.compile(text, deterministic=deterministic)
+        leaves = [x.clone().requires_grad_() for x in base]
+        grads[deterministic] = torch.autograd.grad(attn(*leaves).square().sum(), leaves)
+    assert made == ["gluon", "fused_atomic"]
+    for a, b in zip(grads[True], grads[False]):
+        assert ((a.float() - b.float()).norm() / b.float().norm()).item() < 1e-2
+
+
 def test_group_lists_walk_the_plans_columns():
     """Every (query block, head) the plan computes for a key tile, once, with its PARTIAL flag: a
     plan that depends on the head (per-head planes) and one that does not (one plane, broadcast
