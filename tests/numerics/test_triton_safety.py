@@ -14,6 +14,10 @@ from attnc.backends.triton import runtime  # noqa: E402
 from attnc.compiler import inputs, reads  # noqa: E402
 from attnc.compiler.errors import AttncError, InputError, PlanError  # noqa: E402
 from attnc.compiler.lower import compile_spec  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from attnc.backends.triton.kernels.numerics import _checked_sum  # noqa: E402
 from tests.conftest import to_triton, triton_device  # noqa: E402
 
 HEAD = "heads = 2 head_dim = 16 dtype = f32"
@@ -138,3 +142,27 @@ def test_gpu_calls_mark_a_device_flag_that_check_numerics_raises():
     kernel._mark_rows(far, flag)
     with pytest.raises(PlanError):
         kernel.check_numerics()
+
+
+@triton.jit
+def _apply_checked_sum(M, L, OUT, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    tl.store(OUT + offs, _checked_sum(tl.load(M + offs), tl.load(L + offs)))
+
+
+def test_rows_whose_scores_left_float32s_range_are_marked():
+    """``numerics._checked_sum``, every Triton epilogue's reading of a row's (max, sum): a running max
+    or sum of +inf -- a score past float32's range once scaled to base 2, which a GPU's fused
+    multiply-add turns into exp2 of -inf or +inf, not NaN -- reads as NaN, so the row is marked as a
+    visible NaN score marks it; every other row's sum is kept, rows that saw nothing (0) included."""
+    import torch
+    inf, nan = float("inf"), float("nan")
+    m = torch.tensor([inf, inf, 3.0, 0.0, -inf, 1e30, 2.0, 5.0])
+    l = torch.tensor([0.0, 2.0, inf, 0.0, 0.0, 1.0, nan, 4.5])
+    out = torch.empty_like(m)
+    dev = triton_device()
+    m, l, out = m.to(dev), l.to(dev), out.to(dev)
+    _apply_checked_sum[(1,)](m, l, out, N=8)
+    got = out.cpu()
+    assert torch.isnan(got[:3]).all() and torch.isnan(got[6])
+    assert got[3] == 0.0 and got[4] == 0.0 and got[5] == 1.0 and got[7] == 4.5

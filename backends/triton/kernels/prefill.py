@@ -30,6 +30,8 @@ order the generated functions unpack it.
 import triton
 import triton.language as tl
 
+from .numerics import _checked_sum
+
 WALKS = {"blocks": 0, "runs": 1, "merged": 2, "merged_blocks": 3}
 LOG2E = 1.4426950408889634
 LOG2E_C = tl.constexpr(LOG2E)  # the same, readable inside a kernel (compiled Triton reads only constexpr globals)
@@ -238,6 +240,7 @@ def _attn_fwd(Q, K, V, O, LSE, desc_k, desc_v,
                                   D_QK, D_V, D_QK_PAD, D_V_PAD, DOT_PRECISION)
     if HAS_SINK:
         m_i, l_i, acc = _join_sink(m_i, l_i, acc, SINK(b, h, TS))
+    l_i = _checked_sum(m_i, l_i)
     seen = (l_i > 0) | (l_i != l_i)  # NaN: a visible score was NaN or +inf; LSE NaN marks the row
     l_safe = tl.where(seen, l_i, 1.0)
     out = tl.where(seen[:, None], acc / l_safe[:, None], 0.0)

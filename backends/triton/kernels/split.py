@@ -34,6 +34,8 @@ as in ``prefill.py``; TS is the tuple of the spec's tensors with their strides a
 import triton
 import triton.language as tl
 
+from .numerics import _checked_sum
+
 CACHE_KINDS = {"contiguous": 0, "paged_dense": 1, "paged_csr": 2}
 
 
@@ -135,6 +137,7 @@ def _decode_split(Q, K, V, P_O, P_M, P_L, P_VALID,
                      mask=live[:, None] & (offs_dv[None, :] < D_V), other=0.0)
         acc = tl.dot(p.to(vt.dtype), vt, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
+    l_i = _checked_sum(m_i, l_i)
     valid = (l_i > 0) | (l_i != l_i)  # NaN: a visible score was NaN or +inf; merged on, LSE NaN marks the row
     state = (q_row * H_Q + h) * S_CAP + split  # workspace [total_q, H_q, S_cap, ...]
     if ABI_MLU:  # (m, l, u): m in natural units, u unnormalized
