@@ -154,15 +154,17 @@ def test_rows_whose_scores_left_float32s_range_are_marked():
     """``numerics._checked_sum``, every Triton epilogue's reading of a row's (max, sum): a running max
     or sum of +inf -- a score past float32's range once scaled to base 2, which a GPU's fused
     multiply-add turns into exp2 of -inf or +inf, not NaN -- reads as NaN, so the row is marked as a
-    visible NaN score marks it; every other row's sum is kept, rows that saw nothing (0) included."""
+    visible NaN score marks it, and so does a sum of 0 under a finite max other than 0 (the largest
+    term underflowed: exp2 of a residual of the rounded product); every other row's sum is kept, rows
+    that saw nothing (max 0 or -inf, sum 0) included."""
     import torch
     inf, nan = float("inf"), float("nan")
-    m = torch.tensor([inf, inf, 3.0, 0.0, -inf, 1e30, 2.0, 5.0])
-    l = torch.tensor([0.0, 2.0, inf, 0.0, 0.0, 1.0, nan, 4.5])
+    m = torch.tensor([inf, inf, 3.0, 0.0, -inf, 1e30, 2.0, 5.0, 1e30, -7.0] + [0.0] * 6)
+    l = torch.tensor([0.0, 2.0, inf, 0.0, 0.0, 1.0, nan, 4.5, 0.0, 0.0] + [1.0] * 6)
     out = torch.empty_like(m)
     dev = triton_device()
     m, l, out = m.to(dev), l.to(dev), out.to(dev)
-    _apply_checked_sum[(1,)](m, l, out, N=8)
+    _apply_checked_sum[(1,)](m, l, out, N=16)
     got = out.cpu()
-    assert torch.isnan(got[:3]).all() and torch.isnan(got[6])
-    assert got[3] == 0.0 and got[4] == 0.0 and got[5] == 1.0 and got[7] == 4.5
+    assert torch.isnan(got[:3]).all() and torch.isnan(got[6]) and torch.isnan(got[8:10]).all()
+    assert got[3] == 0.0 and got[4] == 0.0 and got[5] == 1.0 and got[7] == 4.5 and (got[10:] == 1.0).all()

@@ -233,9 +233,11 @@ def _ws_row_totals(m_i, l_i):
     """A row's divisor for O and its LSE (natural log, not yet masked) from its running max m (base 2)
     and sum l, and whether it saw anything: a row that saw nothing (l = 0) divides by 1 (its O is
     0) and gets LSE -inf from its caller; l NaN (a visible score was NaN or +inf) stays NaN in
-    LSE, marking the row, and so does m or l +inf (a score past float32's range once scaled to base
-    2: ``numerics._checked_sum``).  Returns (l_safe, seen, lse)."""
-    l_i = gl.where((m_i == float("inf")) | (l_i == float("inf")), float("nan"), l_i)
+    LSE, marking the row, and so do m or l +inf and l = 0 under a finite m other than 0 (scores past
+    what float32 resolves once scaled to base 2: ``numerics._checked_sum``).  Returns (l_safe, seen,
+    lse)."""
+    finite = (m_i != 0.0) & (m_i > float("-inf")) & (m_i < float("inf"))
+    l_i = gl.where((m_i == float("inf")) | (l_i == float("inf")) | ((l_i == 0.0) & finite), float("nan"), l_i)
     seen = (l_i > 0) | (l_i != l_i)
     l_safe = gl.where(seen, l_i, 1.0)
     return l_safe, seen, (m_i + gl.log2(l_safe)) * 0.6931471805599453

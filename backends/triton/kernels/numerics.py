@@ -19,8 +19,14 @@ def _mark_nan(LSE, FLAG, N, BLOCK: tl.constexpr):
 @triton.jit
 def _checked_sum(m_i, l_i):
     """A row's running sum l as an epilogue reads it: NaN -- the row marked, as a visible NaN score
-    marks it -- where the running max m (base 2) or l is +inf: a visible score past float32's range
-    once scaled to base 2.  In exact arithmetic exp2(s - m) of such a row is NaN; on a GPU the fused
-    multiply-add of s * scale - m is -inf or +inf instead, so the row would end with l = 0 (O = 0, LSE
-    -inf: read as a row that saw nothing) or l = +inf, unmarked."""
-    return tl.where((m_i == float("inf")) | (l_i == float("inf")), float("nan"), l_i)
+    marks it -- where the running max m (base 2) or l is +inf (a visible score past float32's range
+    once scaled to base 2), or where l is 0 under a finite m other than the 0 the kernels put for a
+    row with nothing visible (the largest term exp2(s_max - m) is 1 in exact arithmetic: l >= 1).  On
+    a GPU the fused multiply-add of s * scale - m leaves the product unrounded, so beyond float32's
+    range, or at |s * scale| of about 2^30 and more (the product's rounding error, 2^-24 of it, is
+    then tens of units of base 2), the largest term is exp2 of -inf / +inf or of a large residual:
+    the row would end with l = 0 (O = 0, LSE -inf: read as a row that saw nothing) or l = +inf,
+    unmarked."""
+    finite = (m_i != 0.0) & (m_i > float("-inf")) & (m_i < float("inf"))
+    broken = (m_i == float("inf")) | (l_i == float("inf")) | ((l_i == 0.0) & finite)
+    return tl.where(broken, float("nan"), l_i)
