@@ -89,3 +89,32 @@ def to_triton(x):
     keeps its dtype, an array becomes the torch tensor ``torch.as_tensor`` makes of it."""
     import torch
     return torch.as_tensor(x).to(triton_device())
+
+
+def shard_of(nodeid: str, count: int) -> int:
+    """The shard (0 .. count - 1) a test belongs to under ATTNC_TEST_SHARD: by a stable hash of its
+    node id, the same on every machine and run."""
+    import zlib
+    return zlib.crc32(nodeid.encode()) % count
+
+
+def pytest_collection_modifyitems(config, items):
+    """ATTNC_TEST_SHARD=i/n (1 <= i <= n) keeps the i-th of n disjoint shards of the collected tests
+    (``.ci/gpu``: the GPU list in runs that fit a machine's per-command limit); the n shards together
+    are the whole list."""
+    spec = os.environ.get("ATTNC_TEST_SHARD")
+    if not spec:
+        return
+    try:
+        i, n = (int(x) for x in spec.split("/"))
+    except ValueError:
+        raise pytest.UsageError(f"ATTNC_TEST_SHARD={spec!r}: expected i/n, for example 1/2") from None
+    if not 1 <= i <= n:
+        raise pytest.UsageError(f"ATTNC_TEST_SHARD={spec!r}: i must be between 1 and n")
+    keep, drop = [], []
+    for item in items:
+        (keep if shard_of(item.nodeid, n) == i - 1 else drop).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+    items[:] = keep
+
