@@ -7,6 +7,7 @@ the reason.
 from __future__ import annotations
 
 import os
+import zlib
 from pathlib import Path
 
 import pytest
@@ -94,7 +95,6 @@ def to_triton(x):
 def shard_of(nodeid: str, count: int) -> int:
     """The shard (0 .. count - 1) a test belongs to under ATTNC_TEST_SHARD: by a stable hash of its
     node id, the same on every machine and run."""
-    import zlib
     return zlib.crc32(nodeid.encode()) % count
 
 

@@ -53,21 +53,20 @@ class BackwardCalls:
 
     def _backward(self, q, k, v, o, lse, do, dlse, config, tensors: dict, want: tuple, deterministic: bool = True):
         torch = self._torch
-        if self.program.cache.layout is not ir.Layout.BSHD and not self._tma_ready(q, k, v, o) and \
-                not self._score_wanted(want) and GB.takes_copies(self.program, config, (q, k, v, o), interpreted()):
-            q, k, v, o = (GB.tma_input(x) for x in (q, k, v, o))  # (token-major views: the Gluon passes read copies)
-        try:  # everything the checks and the choice of passes depend on
+        try:  # everything the checks, the copies and the choice of passes depend on
             bind_key = ("backward", self._key(q, k, v, tensors), o.shape, o.stride(), do.shape, do.stride(), lse.shape,
                         o.data_ptr() % 16 == 0, do.data_ptr() % 16 == 0, None if dlse is None else dlse.shape,
                         config, self._score_wanted(want), GB.DEFAULT, deterministic)  # (GB.DEFAULT flipped: re-chosen)
-        except (NotImplementedError, RuntimeError, AttributeError):
+        except device.NO_ADDRESS:
             bind_key = None  # (e.g. a meta tensor has no address: the checks name what is wrong)
         hit = self._bound.get(bind_key) if bind_key is not None else None
         if hit is None:  # validated and chosen once per key, as the forward's calls are
             hit = self._backward_bind(q, k, v, o, lse, do, dlse, tensors, config, want, deterministic)
             if bind_key is not None:
                 self._bound[bind_key] = hit
-        bound, gluon, cfg, call_key = hit
+        bound, gluon, cfg, call_key, copies = hit
+        if copies:  # (token-major views: the Gluon passes read contiguous copies)
+            q, k, v, o = (GB.tma_input(x) for x in (q, k, v, o))
         if gluon:
             do = GB.tma_input(do)
         if isinstance(call_key, P.Key):  # (the mask reads no tensor: the key made once)
@@ -116,14 +115,18 @@ class BackwardCalls:
             dq, dk, dv = (x.to(torch.bfloat16) for x in (dq, dk, dv))
         return dq, dk, dv, dts
 
-    @staticmethod
-    def _tma_ready(*tensors) -> bool:
-        """``device.tma_ready``, or True where a tensor has no address to ask (a meta tensor: the
-        checks that follow name what is wrong)."""
+    def _takes_copies(self, q, k, v, o, config, want: tuple, deterministic: bool) -> bool:
+        """Whether a call's q, k, v and O, which TMA cannot read as they are (token-major views), are
+        copied contiguous for the Gluon passes (``gluon_backward.takes_copies``); False where a tensor
+        has no address to ask (a meta tensor: the checks that follow name what is wrong)."""
+        if self.program.cache.layout is ir.Layout.BSHD or self._score_wanted(want):
+            return False
         try:
-            return device.tma_ready(*tensors)
-        except (NotImplementedError, RuntimeError, AttributeError):
-            return True
+            if device.tma_ready(q, k, v, o):
+                return False
+        except device.NO_ADDRESS:
+            return False
+        return GB.takes_copies(self.program, config, (q, k, v, o), interpreted(), deterministic)
 
     def _score_wanted(self, want: tuple) -> bool:
         """Whether a backward call wants the gradient of a tensor the score program reads (the
@@ -194,9 +197,13 @@ class BackwardCalls:
                        deterministic: bool = True):
         """(what a backward call's key fixes, the Gluon passes' choice or None, the Triton passes'
         config, the call's part of the plan cache's key -- the whole key, a ``plans.Key``, where
-        the mask reads no tensor): the call's checks, once per key.  Calls asking score-tensor gradients take the
+        the mask reads no tensor --, whether q, k, v and O are copied contiguous for the Gluon passes,
+        :meth:`_takes_copies`): the call's checks, once per key.  Calls asking score-tensor gradients take the
         Triton passes (``score_grads`` walks their plan rows); the sink's tensors' gradients come
         from LSE and D on either (:meth:`_sink_grads`)."""
+        copies = self._takes_copies(q, k, v, o, config, want, deterministic)
+        if copies:
+            q, k, v, o = (GB.tma_input(x) for x in (q, k, v, o))
         bound = self._validate(q, k, v, tensors)
         for n, t, shape in (("o", o, bound.out_shape), ("do", do, bound.out_shape),
                             ("lse", lse, (bound.batch, self.program.heads_q, bound.s_q))):
@@ -212,4 +219,4 @@ class BackwardCalls:
         key = (self._key(q, k, v, tensors), o.stride(), d.stride(), o.data_ptr() % 16 == 0, d.data_ptr() % 16 == 0,
                dlse is not None)
         named, plan_key = self._plan_key("backward", key, gluon or cfg, tensors=tensors)
-        return bound, gluon, cfg, key if named else plan_key
+        return bound, gluon, cfg, key if named else plan_key, copies

@@ -84,6 +84,11 @@ def sm_count(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+# What asking a tensor for its address or layout raises where it has none (a meta or fake tensor):
+# the call keys that ask fall back to the validating path, which names what is wrong.
+NO_ADDRESS = (NotImplementedError, RuntimeError, AttributeError)
+
+
 def tma_ready(*tensors) -> bool:
     """Whether TMA can copy blocks of these tensors: contiguous, at 16-byte aligned addresses (a
     contiguous view at an odd offset, ``x[1:]``, is not)."""

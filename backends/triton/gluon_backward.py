@@ -235,11 +235,9 @@ def choose(program, config, s_q: int, s_k: int, tensors: tuple, bshd: bool, inte
     the default (``DEFAULT``, where ``refusal`` allows).  ``tensors``: q, k, v and O (dO, which
     autograd may hand over expanded or strided, is copied where TMA cannot read it: ``tma_input``)."""
     asked = isinstance(config, GluonBackwardConfig)
-    if config is not None and not asked:
+    cfg = _candidate(program, config, deterministic)
+    if cfg is None:
         return None
-    if not asked and not DEFAULT:
-        return None
-    cfg = config if asked else default_config(program.d_qk, deterministic)
     t = tensors[0]
     capability = device.capability(t.device) if t.is_cuda else 0
     batch = t.shape[0]
@@ -251,15 +249,25 @@ def choose(program, config, s_q: int, s_k: int, tensors: tuple, bshd: bool, inte
     return cfg
 
 
-def takes_copies(program, config, tensors: tuple, interpreted: bool) -> bool:
+def _candidate(program, config, deterministic: bool) -> GluonBackwardConfig | None:
+    """The Gluon passes' config a call asks for, before ``refusal``: the caller's GluonBackwardConfig,
+    or the default (``default_config``) unless the caller asked for the Triton passes (a
+    ``grad.BackwardConfig``) or ``DEFAULT`` is off (None)."""
+    if isinstance(config, GluonBackwardConfig):
+        return config
+    if config is not None or not DEFAULT:
+        return None
+    return default_config(program.d_qk, deterministic)
+
+
+def takes_copies(program, config, tensors: tuple, interpreted: bool, deterministic: bool = True) -> bool:
     """Whether a bhsd spec's backward call whose q, k, v and O (``tensors``) TMA cannot read as they
     are (transformers' token-major views, which the forward reads in place) copies them contiguous:
     where the Gluon passes (the caller's GluonBackwardConfig, or the default's) take the copies, which
     cost what the copies a forward on contiguous tensors made did (``choose`` then takes them)."""
-    asked = isinstance(config, GluonBackwardConfig)
-    if (config is not None and not asked) or (not asked and not DEFAULT):
+    cfg = _candidate(program, config, deterministic)
+    if cfg is None:
         return False
-    cfg = config if asked else default_config(program.d_qk)
     q, k = tensors[0], tensors[1]
     capability = device.capability(q.device) if q.is_cuda else 0
     return refusal(program, q.shape[0], q.shape[2], k.shape[2], True, capability, interpreted, cfg) is None
@@ -369,6 +377,15 @@ class GluonBackwardLaunch:
             self.descs[(role, rows)] = (seen, desc)
         return desc
 
+    def _workspace_descriptor(self, dqa):
+        """The fused dQ's float32 workspace [-1, d] as the writer adds into it: boxes of the dK/dV
+        pass's query rows by d / ``dq_split`` columns (the layout made once)."""
+        box = [self.config.block_m, self.d // dq_split(self.d)]
+        layout = self.layouts.get(("workspace", tuple(box)))
+        if layout is None:
+            layout = self.layouts[("workspace", tuple(box))] = gl.NVMMASharedLayout.get_default_for(box, gl.float32)
+        return TensorDescriptor.from_tensor(dqa.view(-1, self.d), box, layout)
+
     def __call__(self, q, k, v, o, lse, do, dlse, ts: tuple, dq, dk, dv, key=None):
         """Launch on contiguous bhsd tensors; writes dq, dk, dv (``grad.BackwardLaunch.__call__``'s
         arguments)."""
@@ -406,9 +423,7 @@ class GluonBackwardLaunch:
                 dqa = torch.zeros((rows,), device=q.device, dtype=torch.float32)
         dqa_arg = dqa
         if mode in FUSED:
-            cols = self.d // dq_split(self.d)
-            dqa_arg = self.dkdv.output_descriptor(key, dqa, self.d, lambda: TensorDescriptor.from_tensor(
-                dqa.view(-1, self.d), [bm, cols], gl.NVMMASharedLayout.get_default_for([bm, cols], gl.float32)))
+            dqa_arg = self.dkdv.output_descriptor(key, dqa, self.d, lambda: self._workspace_descriptor(dqa))
         # (dO is new each call: where the launch goes raw, a per-call view of its rows, no descriptor made)
         args = (self._descriptor(q, bm, "q"), self._descriptor(k, self.kv_rows, "k"),
                 self._descriptor(v, self.kv_rows, "v"),

@@ -47,7 +47,7 @@ class PrefillCalls:
         if plan is None and (not options or not any(v is not None for v in options.values())):
             try:
                 key = self._key(q, k, v, kwargs)
-            except (NotImplementedError, RuntimeError, AttributeError):
+            except device.NO_ADDRESS:
                 key = None  # e.g. a meta tensor has no address: the validating path names what is wrong
             bound = self._bound.get(key)
             if bound is not None:
