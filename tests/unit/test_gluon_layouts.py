@@ -23,13 +23,13 @@ from attnc.backends.triton import choice, launch, plans  # noqa: E402
 from attnc.backends.triton.kernels import gluon_engine  # noqa: E402
 from attnc.compiler.lower import compile_spec  # noqa: E402
 from attnc.compiler.plan import plan as make_plan  # noqa: E402
-from tests.conftest import prefill_launches  # noqa: E402
+from tests.conftest import prefill_launches, triton_device  # noqa: E402
 
 
-def token_major(b, h, s, d, dtype=torch.bfloat16, extra=0):
+def token_major(b, h, s, d, dtype=torch.bfloat16, extra=0, device="cpu"):
     """transformers' q: its [B, S, H * d (+ extra)] projection viewed [B, S, H, d] and transposed
     (``extra`` columns: a slice of a fused projection, rows H * d + extra apart)."""
-    x = torch.randn(b, s, h * d + extra).to(dtype)
+    x = torch.randn(b, s, h * d + extra).to(device=device, dtype=dtype)
     return x[..., :h * d].view(b, s, h, d).transpose(1, 2)
 
 
@@ -142,9 +142,9 @@ def _origins(OUT, S, H: triton.language.constexpr, COLS: triton.language.constex
 
 
 def _kernel_origins(bh, s, heads, cols, bshd):
-    out = torch.full((bh, 2), -1, dtype=torch.int32)
+    out = torch.full((bh, 2), -1, dtype=torch.int32, device=triton_device())  # (run where Triton runs)
     _origins[(bh,)](out, s, heads, cols, bshd)
-    return [tuple(int(x) for x in r) for r in out]
+    return [tuple(int(x) for x in r) for r in out.cpu()]
 
 
 def test_a_launch_makes_its_descriptors_and_constexprs_from_the_config(monkeypatch):
@@ -182,8 +182,9 @@ def test_the_call_takes_views_and_returns_o_token_major(backend, monkeypatch):
     same O and LSE as contiguous copies, O token-major (its transpose contiguous); on the Triton
     kernel the launch reads the views themselves (no copy: its q is the caller's)."""
     attn = attnc.compile("attention g { mask = causal & window(9) }")
-    q, k, v = token_major(2, 4, 37, 16, torch.float32), token_major(2, 2, 37, 16, torch.float32), \
-        token_major(2, 2, 37, 16, torch.float32, extra=16)
+    dev = triton_device() if backend == "triton" else "cpu"
+    q, k, v = token_major(2, 4, 37, 16, torch.float32, device=dev), token_major(2, 2, 37, 16, torch.float32, device=dev), \
+        token_major(2, 2, 37, 16, torch.float32, extra=16, device=dev)
     seen = []
     if backend == "triton":
         call = launch.PrefillLaunch.__call__
