@@ -98,18 +98,36 @@ def compare_gradient(what: str, dtype: str, g, ref) -> Comparison:
 
 
 # ---------------------------------------------------------------- non-finite scores
-NONFINITE_SCORE = ("the score program produced NaN or +inf at a visible key of query row (b={b}, h={h}, q={q}); "
-                   "a visible cell's score must be finite, or -inf to drop the cell (NaN or inf in q or K, "
+# A row whose LSE (natural log) has a magnitude of SCORE_LIMIT or more is an error like a NaN score,
+# on every backend: float32 kernels cannot weigh such a row's scores (on a GPU the fused
+# multiply-add of s * scale - m leaves the largest term exp2 of the product's rounding error, tens
+# of units of base 2 from 2^30 on: garbage, or 0 and +inf sums), while float64 numpy answers; the
+# rule makes them agree.  A row's LSE lies within log(S) of its largest visible score, so the limit
+# reads "the largest visible score, after scale, within +-2^30": -1e9 fills of masked cells pass.
+SCORE_LIMIT = 2.0 ** 30
+NONFINITE_SCORE = ("the score program produced NaN or +inf at a visible key of query row (b={b}, h={h}, q={q}), "
+                   "or a largest visible score of magnitude 2^30 or more; a visible cell's score must be finite "
+                   "and within +-2^30 at the row's largest, or -inf to drop the cell (NaN or inf in q or K, "
                    "or a scale that overflows q.k, make one too)")
 NONFINITE_ROW = ("query row (b={b}, h={h}, q={q}) is NaN: the score program produced NaN or +inf at a visible key, "
-                 "or the row's sink is NaN or +inf; a visible cell's score and a sink must be finite, or -inf to "
-                 "drop them (NaN or inf in q or K, or a scale that overflows q.k, make one too)")
+                 "or a largest visible score of magnitude 2^30 or more, or the row's sink is NaN or +inf; a "
+                 "visible cell's score and a sink must be finite and within +-2^30 at the row's largest, or -inf "
+                 "to drop them (NaN or inf in q or K, or a scale that overflows q.k, make one too)")
 
 
 def nonfinite_message(b: int, h: int, q: int, sink: bool = False) -> str:
     """The error of a marked row (its LSE NaN): a spec with a sink (``sink = ...``) names both causes,
     since the kernels mark a NaN or +inf sink like a NaN or +inf visible score."""
     return (NONFINITE_ROW if sink else NONFINITE_SCORE).format(b=b, h=h, q=q)
+
+
+def bad_rows(lse):
+    """Where ``check_rows`` finds an error (numpy or torch ``lse``, natural log): NaN (a kernel's mark),
+    or finite with a magnitude of SCORE_LIMIT or more; -inf (a row that saw nothing) is not one."""
+    if hasattr(lse, "isnan"):
+        return lse.isnan() | (lse.isfinite() & (lse.abs() >= SCORE_LIMIT))
+    with np.errstate(invalid="ignore"):
+        return np.isnan(lse) | (np.isfinite(lse) & (np.abs(lse) >= SCORE_LIMIT))
 
 
 def check_rows(lse, *, s_q: int | None = None, s_k: int | None = None, qo_indptr=None, kv_lens=None,
@@ -121,11 +139,11 @@ def check_rows(lse, *, s_q: int | None = None, s_k: int | None = None, qo_indptr
     spec has a sink (the message names it too)."""
     from .errors import PlanError
     if hasattr(lse, "isnan"):  # torch: one reduction on the device, the rows only when one is marked
-        if not bool(lse.isnan().any()):
+        if not bool(bad_rows(lse).any()):
             return
         lse = lse.detach().float().cpu().numpy()
     lse = np.asarray(lse)
-    bad = np.isnan(lse)
+    bad = bad_rows(lse)
     if not bad.any():
         return
     if lse.ndim == 3:

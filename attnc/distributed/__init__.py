@@ -342,7 +342,8 @@ class _Gather(torch.autograd.Function):
 def _check_rows(lse: torch.Tensor, plan: ShardPlan) -> None:
     """A row whose visible score was NaN or +inf (its merged LSE is NaN) is an error, as in the
     single-process call; the message names the row's absolute position."""
-    if not bool(lse.isnan().any()):
+    bad = numerics.bad_rows(lse)
+    if not bool(bad.any()):
         return
-    b, h, i = (int(x[0]) for x in torch.nonzero(lse.isnan().cpu(), as_tuple=True))
+    b, h, i = (int(x[0]) for x in torch.nonzero(bad.cpu(), as_tuple=True))
     raise PlanError(numerics.nonfinite_message(b, h, int(plan.positions[i]), plan.cp.program.sink is not None))

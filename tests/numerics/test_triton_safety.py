@@ -17,7 +17,7 @@ from attnc.compiler.lower import compile_spec  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from attnc.backends.triton.kernels.numerics import _checked_sum  # noqa: E402
+from attnc.backends.triton.kernels.numerics import _checked_lse, _checked_sum  # noqa: E402
 from tests.conftest import to_triton, triton_device  # noqa: E402
 
 HEAD = "heads = 2 head_dim = 16 dtype = f32"
@@ -168,3 +168,51 @@ def test_rows_whose_scores_left_float32s_range_are_marked():
     got = out.cpu()
     assert torch.isnan(got[:3]).all() and torch.isnan(got[6]) and torch.isnan(got[8:10]).all()
     assert got[3] == 0.0 and got[4] == 0.0 and got[5] == 1.0 and got[7] == 4.5 and (got[10:] == 1.0).all()
+
+
+@triton.jit
+def _apply_checked_lse(LSE, OUT, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    tl.store(OUT + offs, _checked_lse(tl.load(LSE + offs)))
+
+
+def test_rows_whose_lse_reaches_the_score_limit_are_marked():
+    """``numerics._checked_lse``, the Triton epilogues' last word on a row's LSE: finite with a
+    magnitude of 2^30 (``compiler.numerics.SCORE_LIMIT``) or more reads as NaN; -inf (nothing seen),
+    NaN and everything inside the limit are kept."""
+    import torch
+    inf, nan = float("inf"), float("nan")
+    lse = torch.tensor([2.0 ** 30, -(2.0 ** 30), 1e30, -1e30, 2.0 ** 30 - 64, -1e9, -inf, nan, 0.0, 3.5, -2.5, 1e-30,
+                        1e9, 5e8, -5e8, 7.0])
+    out = torch.empty_like(lse)
+    lse, out = lse.to(triton_device()), out.to(triton_device())
+    _apply_checked_lse[(1,)](lse, out, N=16)
+    got = out.cpu()
+    assert torch.isnan(got[:4]).all() and torch.isnan(got[7])
+    keep = [4, 5, 6, 8, 9, 10, 11, 12, 13, 14, 15]
+    assert torch.equal(got[keep], lse.cpu()[keep])
+
+
+@pytest.mark.parametrize("score,fails", [("score * 1e30", True), ("score * 0.0 - 2e9", True),
+                                         ("score * 0.0 + 1.5e9", True), ("score * 1e6", False),
+                                         ("where(k + 2 > q, score, -1e9)", False), ("score * 0.0 - 1e9", False)])
+def test_a_row_past_the_score_limit_is_one_error_on_every_backend(score, fails):
+    """A row whose largest visible score (after scale) reaches 2^30 in magnitude is the non-finite
+    score error on numpy, Triton and AHBM alike (float32 kernels cannot weigh it; on a GPU its
+    largest term is exp2 of the product's rounding error), whatever its arithmetic gave; rows
+    inside the limit -- -1e9 fills of masked cells included -- answer the same everywhere."""
+    from attnc.backends.ahbm import runtime as ahbm_runtime
+    from attnc.compiler import numerics, oracle
+    p = compile_spec(f"attention t {{ {HEAD} score = {score} mask = causal }}")
+    a = inputs.sample(p, 1, 8, 8, seed=2)
+    got = [_outcome(lambda m=m: m.load(p)(a["q"], a["k"], a["v"], return_lse=True))
+           for m in (numpy_runtime, runtime, ahbm_runtime)]
+    want = _outcome(lambda: oracle.reference(p, a["q"], a["k"], a["v"]))
+    if fails:
+        assert isinstance(want, PlanError) and "2^30" in str(want)
+        assert all(isinstance(g, PlanError) and str(g) == str(want) for g in got), got
+    else:
+        assert not isinstance(want, AttncError), want
+        for g in got:
+            assert not isinstance(g, AttncError), g
+            assert all(c.ok for c in numerics.compare_outputs("f32", np.asarray(g[0]), np.asarray(g[1]), *want))

@@ -271,7 +271,8 @@ def _ws_rows_out(m_i, l_i, b, h, positions, origin, TS, SEPARABLE: tl.constexpr,
         total = kept + gl.exp2((sink - top) * 1.4426950408889634)
         l_safe = l_safe / gl.where(total == 0.0, 0.0, kept / total)  # (factor 0: divisor inf, O = acc * 0)
         lse = top + gl.log2(total) * 0.6931471805599453
-    return l_safe, lse
+    far = (gl.abs(lse) >= 1073741824.0) & (lse > float("-inf"))  # (numerics._checked_lse: marked)
+    return gl.where(far, float("nan"), l_safe), gl.where(far, float("nan"), lse)
 
 
 @gluon.jit

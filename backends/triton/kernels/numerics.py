@@ -2,7 +2,7 @@
 flag where a row's LSE is NaN (the kernels' mark of a visible NaN or +inf score), without a host
 sync.  Every program that finds one stores the same value, so the order of the stores does not
 matter.  ``_checked_sum``: how the Triton kernels' epilogues make that NaN of a row whose scores left
-float32's range."""
+float32's range; ``_checked_lse``: the row whose LSE reached ``compiler.numerics.SCORE_LIMIT``."""
 import triton
 import triton.language as tl
 
@@ -30,3 +30,13 @@ def _checked_sum(m_i, l_i):
     finite = (m_i != 0.0) & (m_i > float("-inf")) & (m_i < float("inf"))
     broken = (m_i == float("inf")) | (l_i == float("inf")) | ((l_i == 0.0) & finite)
     return tl.where(broken, float("nan"), l_i)
+
+
+@triton.jit
+def _checked_lse(lse):
+    """A row's LSE (natural log) as stored: NaN -- the row marked -- where it is finite with a
+    magnitude of 2^30 or more (``compiler.numerics.SCORE_LIMIT``: every backend's error, so that a
+    GPU, whose largest term is then off by the product's rounding, and float64 numpy agree); -inf
+    (nothing seen) and NaN stay."""
+    far = (tl.abs(lse) >= 1073741824.0) & (lse > float("-inf"))
+    return tl.where(far, float("nan"), lse)

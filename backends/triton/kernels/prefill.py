@@ -30,7 +30,7 @@ order the generated functions unpack it.
 import triton
 import triton.language as tl
 
-from .numerics import _checked_sum
+from .numerics import _checked_lse, _checked_sum
 
 WALKS = {"blocks": 0, "runs": 1, "merged": 2, "merged_blocks": 3}
 LOG2E = 1.4426950408889634
@@ -244,7 +244,8 @@ def _attn_fwd(Q, K, V, O, LSE, desc_k, desc_v,
     seen = (l_i > 0) | (l_i != l_i)  # NaN: a visible score was NaN or +inf; LSE NaN marks the row
     l_safe = tl.where(seen, l_i, 1.0)
     out = tl.where(seen[:, None], acc / l_safe[:, None], 0.0)
-    lse = tl.where(seen, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    lse = _checked_lse(tl.where(seen, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf")))
+    out = tl.where((lse != lse)[:, None], float("nan"), out)
     offs_dv = tl.arange(0, D_V_PAD)
     o_ptrs = O + b * s_ob + h * s_oh + offs_m[:, None] * s_om + offs_dv[None, :] * s_od
     tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=(offs_m[:, None] < S_Q) & (offs_dv[None, :] < D_V))

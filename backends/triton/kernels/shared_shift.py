@@ -22,6 +22,8 @@ the mask, the score program) is ``split._decode_split``'s, with the shared-frame
 import triton
 import triton.language as tl
 
+from .numerics import _checked_lse
+
 from . import split
 
 LOG2E = 1.4426950408889634
@@ -117,7 +119,8 @@ def _shift_combine(P_N, P_L, P_VALID, P_GUARD, NEED, O, LSE, s_ot, s_oh, s_od, S
     seen = l > 0
     l_safe = tl.where(seen, l, 1.0)
     out = tl.where(seen, n / l_safe, 0.0)
-    lse = tl.where(seen, phi + tl.log(l_safe), float("-inf"))
+    lse = _checked_lse(tl.where(seen, phi + tl.log(l_safe), float("-inf")))
+    out = tl.where(lse != lse, float("nan"), out)
     tl.store(O + row * s_ot + h * s_oh + offs_dv * s_od, out.to(O.dtype.element_ty), mask=offs_dv < D_V)
     tl.store(LSE + rh, lse)
     tl.store(NEED + rh, tripped.to(tl.uint8))

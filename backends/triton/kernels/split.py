@@ -34,7 +34,7 @@ as in ``prefill.py``; TS is the tuple of the spec's tensors with their strides a
 import triton
 import triton.language as tl
 
-from .numerics import _checked_sum
+from .numerics import _checked_lse, _checked_sum
 
 CACHE_KINDS = {"contiguous": 0, "paged_dense": 1, "paged_csr": 2}
 
@@ -227,7 +227,8 @@ def _combine(P_O, P_M, P_L, P_VALID, O, LSE, s_ot, s_oh, s_od, S_CAP, SINKS, FLA
     m_ref = tl.where(any_valid, m_ref, 0.0)
     d_safe = tl.where(any_valid, denom, 1.0)
     out = tl.where(poisoned, float("nan"), tl.where(any_valid, numer / d_safe, 0.0))
-    lse = tl.where(poisoned, float("nan"), tl.where(any_valid, m_ref + tl.log(d_safe), float("-inf")))
+    lse = _checked_lse(tl.where(poisoned, float("nan"), tl.where(any_valid, m_ref + tl.log(d_safe), float("-inf"))))
+    out = tl.where(lse != lse, float("nan"), out)
     tl.store(O + row * s_ot + h * s_oh + offs_dv * s_od, out.to(O.dtype.element_ty), mask=offs_dv < D_V)
     tl.store(LSE + rh, lse)
     if MARK:  # (every program that finds a NaN row stores the same value: their order does not matter)
