@@ -8,6 +8,9 @@ Cases, each after warm calls (plan made, launch bound; the plan reused):
   prefill_grad       ``attn(q, k, v)`` with q, k, v requiring grad (a training forward);
   backward           ``torch.autograd.grad(o, (q, k, v), do, retain_graph=True)`` on a graph made
                      once (``attnc bench backward``'s bwd phase);
+  backward_direct    the same backward called on this thread, as the eager autograd formula calls it
+                     (the route's ``backward``), without autograd's engine: on a GPU autograd runs the
+                     backward on its device thread, which cProfile (``--profile``) does not see;
   decode_paged       ``attn.decode(q, k_cache=, v_cache=, block_table=, kv_lens=)``, GQA 32/8, d 128,
                      paged nhd cache (page 16), metadata on the host, as ``attnc bench decode``.
 
@@ -42,7 +45,8 @@ import sys
 import time
 from pathlib import Path
 
-CASES = ("prefill_causal", "prefill_doc", "prefill_sinks", "prefill_grad", "backward", "decode_paged")
+CASES = ("prefill_causal", "prefill_doc", "prefill_sinks", "prefill_grad", "backward", "backward_direct",
+         "decode_paged")
 # torch operations that never launch a kernel on a GPU (allocation, views, metadata)
 NO_KERNEL = frozenset({
     "aten::empty", "aten::empty_like", "aten::empty_strided", "aten::new_empty", "aten::new_empty_strided",
@@ -216,6 +220,14 @@ def make_cases(names, mode: str) -> dict:
             o = causal(q, k, v, **kw)
             do = torch.randn_like(o)
             out["backward"] = (lambda: torch.autograd.grad(o, (q, k, v), do, retain_graph=True), shape)
+    if "backward_direct" in names:
+        from attnc.compiler.dispatch.protocol import require
+        qb, kb, vb = qkv()  # (names of its own: the lambdas above read q, k, v when called)
+        ob, lseb, route = causal._routed_forward(qb, kb, vb, {}, kw.get("backend"))
+        dob = torch.randn_like(ob)
+        backward = require(route[0], "backward").backward
+        out["backward_direct"] = (lambda: backward(route[1], qb, kb, vb, ob, lseb, dob, None, {}, (),
+                                                   deterministic=True), shape)
     if "decode_paged" in names:
         from attnc.compiler import dispatch
         if not gpu:  # split calls on CPU tensors default to the numpy backend: time the Triton path
