@@ -399,13 +399,14 @@ class PrefillLaunch(_GluonDescriptors):
             rows, bn = gluon_engine.ROWS, self.config.block_n
             v_desc = self._fp8_v_descriptor(v) if self.fp8 else desc(v, bn, "v")
             k_desc = self._fp8_k_descriptor(k) if self.p_perm else desc(k, bn, "k")
+            mark = 0 if flag is None else 1
+            key = None if key is None else (key, mark)  # (the launch's key: O's descriptor asks under it too)
             o_desc = self.launcher.output_descriptor(key, out, self.o_cols,
                                                      lambda: self._gluon_descriptor(out, rows, "o", keep=False))
-            mark = 0 if flag is None else 1
             args = (desc(q, rows, "q"), k_desc, v_desc, o_desc, out, lse, counter,
                     *self.fixed_tail, *(descales if self.fp8 else self.no_descales), ts, *self.ints,
                     lse if flag is None else flag, mark)
-            self.launcher.launch(self.grid, args, None if key is None else (key, mark), stream)
+            self.launcher.launch(self.grid, args, key, stream)
             return
         desc_k = desc_v = k
         if self.config.use_tma:  # Hopper bulk copies of K/V tiles from a [B * H_kv * S_k, d] view

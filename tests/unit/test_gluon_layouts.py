@@ -175,6 +175,37 @@ def test_a_launch_makes_its_descriptors_and_constexprs_from_the_config(monkeypat
     assert (list(od.shape), list(od.strides)) == ([b * s, 8 * d], [8 * d, 1]) and run.o_cols == 8 * d
 
 
+
+def test_a_bound_gluon_launch_makes_no_o_descriptor_once_it_goes_raw(monkeypatch):
+    """O is new each call: once the launch under a call's key goes raw, ``output_descriptor`` is
+    asked under that same key and hands a per-call view (``raw_launch.TensorView``), no Gluon
+    descriptor made (r56 on the H200: it asked under the key without the mark flag, and every
+    prefill call built one)."""
+    if not gluon_engine.HAS_GLUON:
+        pytest.skip("this Triton has no Gluon")
+    from attnc.backends.triton import raw_launch
+    b, s, d = 1, 200, 128
+    q, k = (torch.randn(b, 2, s, d).to(torch.bfloat16) for _ in range(2))
+    config, plan = _choose(monkeypatch, ("bhsd",) * 4)
+    module = attnc.compile("attention g { mask = causal }").kernel(
+        "triton", attnc.compile("attention g { mask = causal }").specialize(2, 2, d, d, "bf16")).module
+    monkeypatch.setattr(launch, "sm_count", lambda device: 132)
+    run = launch.PrefillLaunch(module, config, plans.upload(plans.walk_arrays(plan), "cpu"), (b, s, s), "cpu")
+    seen = []
+    monkeypatch.setattr(launch, "_stream", lambda: 0)
+    monkeypatch.setattr(launch, "_counter", lambda device, stream=None: torch.zeros(1, dtype=torch.int32))
+    monkeypatch.setattr(run.launcher, "launch", lambda grid, args, key=None, stream=None: seen.append((key, args[3])))
+    made = []
+    monkeypatch.setattr(run, "_gluon_descriptor",
+                        lambda t, rows, role, keep=True: made.append(role) or launch.PrefillLaunch._gluon_descriptor(
+                            run, t, rows, role, keep))
+    flag, lse, out = torch.zeros(1, dtype=torch.int32), torch.empty(b, 2, s), torch.empty_like(q)
+    for _ in range(2):
+        run(q, k, k, (), out, lse, key="call", flag=flag)
+        run.launcher.raw[seen[-1][0]] = object()  # (as a first launch through the JIT leaves it: raw from now on)
+    assert seen[0][0] == seen[1][0] == ("call", 1)
+    assert made.count("o") == 1 and isinstance(seen[1][1], raw_launch.TensorView)
+
 # ---------------------------------------------------------------- the public call on the CPU backends
 @pytest.mark.parametrize("backend", ["triton", "numpy"])
 def test_the_call_takes_views_and_returns_o_token_major(backend, monkeypatch):
