@@ -233,16 +233,18 @@ def test_triton_calls_plan_with_the_device_evaluator_and_cache_it(monkeypatch, e
     doc = to_triton(torch.as_tensor(call_tensors(p, 1, s, 2).get("doc", np.zeros((1, s))), dtype=torch.int32))
     named = {"doc": doc} if p.tensors else {}
     o, lse = kernel(q, k, v, return_lse=True, **named)
-    assert len(runs) == 1 and runs[0] > 0
+    # (once per tile shape the launch layer weighs: on a GPU a plan retiled to the chosen tiles evaluates again)
+    assert runs and all(r > 0 for r in runs)
+    first = len(runs)
     host = {"doc": doc.cpu().numpy().astype(np.int64)} if p.tensors else {}
     hq, hk, hv = (t.cpu().numpy() for t in (q, k, v))
     ref_o, ref_lse = oracle.reference(p, hq, hk, hv, host)
     assert all(c.ok for c in numerics.compare_outputs("f32", o.cpu().numpy(), lse.cpu().numpy(), ref_o, ref_lse))
     kernel(q, k, v, **named)
-    assert len(runs) == 1  # the plan cache's
+    assert len(runs) == first  # the plan cache's
     if p.tensors:
         doc[0, 20:] += 1  # in place: a new version, a new plan
         o2 = kernel(q, k, v, **named)
-        assert len(runs) == 2
+        assert len(runs) > first
         ref2, _ = oracle.reference(p, hq, hk, hv, {"doc": doc.cpu().numpy().astype(np.int64)})
         assert numerics.compare_outputs("f32", o2.cpu().numpy(), lse.cpu().numpy(), ref2, ref_lse)[0].ok
