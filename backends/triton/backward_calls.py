@@ -214,7 +214,7 @@ class BackwardCalls:
         p = self.program
         gluon = None if self._score_wanted(want) else \
             GB.choose(p, config, bound.s_q, bound.s_k, (q, k, v, o), bound.bshd, interpreted(), deterministic)
-        cfg = (None if gluon else config) or G.default_backward_config(p.d_qk, p.d_v, interpreted())
+        cfg = (None if gluon else config) or G.default_backward_config(p.d_qk, p.d_v, interpreted(), p.dtype == "f32")
         d = GB.tma_input(do) if gluon else do  # (what the launch reads: its layout is fixed by do's)
         key = (self._key(q, k, v, tensors), o.stride(), d.stride(), o.data_ptr() % 16 == 0, d.data_ptr() % 16 == 0,
                dlse is not None)

@@ -121,7 +121,7 @@ def backward(kernel, q, k, v, o, lse, do, dlse, args: dict, tensors: dict, lengt
     store = torch.float32 if kernel.emulates(q.dtype) else q.dtype
     q, k, v = (x.to(store) for x in (q, k, v))
     do = do.to(store)  # (the kernels' dO.V^T and P^T.dO run in the storage dtype)
-    cfg = G.default_backward_config(p.d_qk, p.d_v, device.interpreted())
+    cfg = G.default_backward_config(p.d_qk, p.d_v, device.interpreted(), p.dtype == "f32")
     cache = args.setdefault("_triton", {})
     key = ("backward", q.shape, k.shape, cfg, str(q.device))
     launch = cache.get(key)

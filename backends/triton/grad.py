@@ -38,16 +38,40 @@ class BackwardConfig:
         return (self.block_m1, self.block_n1), (self.block_m2, self.block_n2)
 
 
-def default_backward_config(d_qk: int, d_v: int, interpreted: bool) -> BackwardConfig:
+def default_backward_config(d_qk: int, d_v: int, interpreted: bool, f32: bool = False) -> BackwardConfig:
     """The untuned backward launch: FlashAttention-2's tiles on a GPU (smaller ones for wide heads,
-    which would not fit registers), 16-row tiles under the CPU interpreter."""
+    which would not fit registers), 16-row tiles under the CPU interpreter.  ``f32``: the spec's
+    dtype is f32, whose dots multiply in full f32 (``input_precision="ieee"``), which Triton lowers
+    to FMAs unrolled per thread, not to tensor-core MMAs: :func:`f32_backward_config`."""
     if interpreted:
         return BackwardConfig(16, 16, 16, 16, 4, 1)
+    if f32:
+        return f32_backward_config(d_qk, d_v)
     if max(d_qk, d_v) > 128:
         return BackwardConfig(32, 64, 64, 32, 8, 2)
     if max(d_qk, d_v) <= 64:
         return BackwardConfig(64, 128, 128, 64, 4, 3)
     return BackwardConfig(64, 128, 128, 64, 8, 3)
+
+
+# Per thread, an f32 ("ieee") dot of an M x N tile over d columns is M * N * d / (32 * warps) FMAs,
+# unrolled in the kernel's code; the fused backward has seven such dots, each inlined twice (its FULL
+# and its PARTIAL loop).  FlashAttention-2's tiles make that 4096 FMAs a dot at d 64 on 4 warps: 71K
+# lines of PTX, which Triton 3.6 compiled for sm_90 in 65-80 s on one core (LLVM's passes about
+# 20 s, its PTX about 20 s, ptxas about 30 s), again for each specialization (three in a test of the
+# blocks of a CP call or of a fast and an exact score form: 176-200 s on the H200's host), and which
+# ptxas spilled (32 registers, 165 KB of spill stores).  These tiles keep it at 256 FMAs a dot on
+# 8 warps (d padded to a power of two: up to 64, 32 x 32; 128, 16 x 32; above, 16 x 16): no spills,
+# 3-4 s a compile on one core.
+F32_TILES = ((64, (32, 32, 32, 32)), (128, (16, 32, 32, 16)), (None, (16, 16, 16, 16)))
+
+
+def f32_backward_config(d_qk: int, d_v: int) -> BackwardConfig:
+    """The untuned backward launch of an f32 spec on a GPU: ``F32_TILES`` by the wider head dim,
+    8 warps, 2 stages."""
+    d = max(d_qk, d_v)
+    tiles = next(t for top, t in F32_TILES if top is None or d <= top)
+    return BackwardConfig(*tiles, num_warps=8, num_stages=2)
 
 
 def _lists(classes: np.ndarray, by_columns: bool) -> dict:

@@ -60,7 +60,7 @@ def call(text, heads, d, s, tensors, dlse=False):
         q, k, k, ts, q.clone(), lse, None)
     if not BACKWARD:
         return {"use_tma": config.use_tma, "kernels": compiled[:]}
-    cfg = G.default_backward_config(d, d, False)
+    cfg = G.default_backward_config(d, d, False, program.dtype == "f32")  # (what the GPU launches)
     (bm1, bn1), (bm2, bn2) = cfg.tiles()
     dq_plan = make_plan(program, 1, s, s, host, bm2, bn2)
     G.BackwardLaunch(module, cfg, dq_plan.retile(bm1, bn1), dq_plan, (1, s, s), "cpu")(
