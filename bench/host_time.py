@@ -67,9 +67,6 @@ def parse(argv=None):
     ap.add_argument("--rounds", type=int, default=20, help="rounds; the best round's mean is reported")
     ap.add_argument("--profile", default=None, metavar="CASE", help="print cProfile's table of CASE, no timing")
     ap.add_argument("--out", default=None, metavar="FILE.jsonl")
-    ap.add_argument("--int-pointers", type=int, choices=(0, 1), default=None,
-                    help="raw launches pass tensors as addresses (1, the default) or as tensors (0: the launcher "
-                         "asks the driver about each): raw_launch.INT_POINTERS, recorded in each row")
     a = ap.parse_args(argv)
     a.cases = [c for c in a.cases.split(",") if c]
     unknown = [c for c in a.cases + ([a.profile] if a.profile else []) if c not in CASES]
@@ -288,9 +285,7 @@ def main(argv=None) -> int:
     setup(a.mode)
     gpu = a.mode == "gpu"
     calls = a.calls or (50 if gpu else 300)
-    from attnc.backends.triton import raw_launch, runtime
-    if a.int_pointers is not None:
-        raw_launch.INT_POINTERS = bool(a.int_pointers)
+    from attnc.backends.triton import runtime
     if not gpu:
         runtime.marks_on_device = lambda t: True  # the GPU's row check: a device flag, no host check
     with Launches(stub=not gpu) as counter:
@@ -326,8 +321,7 @@ def main(argv=None) -> int:
             row = {"command": command, "bench": "host", "case": n, "mode": a.mode, "shape": shape,
                    "host_us": round(host[n], 2), "host_cpu_us": round(cpu[n], 2), "calls": calls,
                    "rounds": a.rounds, "launches": sum(launches[n].values()), "launches_by_kernel": launches[n],
-                   "device_ops": ops[n][0], "syncs": ops[n][1], "int_pointers": raw_launch.INT_POINTERS,
-                   "env": env}
+                   "device_ops": ops[n][0], "syncs": ops[n][1], "env": env}
             if gpu:
                 row["launch_paths"] = paths[n]
                 row["cuda_kernels"] = sum(kernels[n].values())

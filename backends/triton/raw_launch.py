@@ -12,28 +12,6 @@ def hooked(hook) -> bool:
 
 RAW_DESCRIPTORS = 32  # TMA descriptors a raw launch keeps encoded (then it starts over)
 
-# Tensor arguments go to the C launcher as their addresses (ints): given a tensor, 3.6's launcher
-# calls its data_ptr method and asks the driver (cuPointerGetAttribute) whether the address is the
-# device's, for every pointer argument of every launch; an int it takes as is.  The calls reaching a
-# launch were validated before (tensors on the call's device: runtime.Kernel), so the check is
-# the validation's second time.  (A module flag, so that a study can time both ways.)
-INT_POINTERS = True
-
-
-def _tensor_type():
-    try:
-        import torch
-    except ImportError:  # pragma: no cover - the Triton backend needs torch
-        return None
-    return torch.Tensor
-
-
-def _addresses(args: tuple, tensor) -> tuple:
-    """``args`` with each tensor (also inside a tuple argument: a spec's tensors) as its address."""
-    return tuple(a.data_ptr() if isinstance(a, tensor) else
-                 (tuple(x.data_ptr() if isinstance(x, tensor) else x for x in a) if type(a) is tuple else a)
-                 for a in args)
-
 
 class TensorView:
     """What a raw launch reads of a TMA descriptor argument (``raw_launch``): a contiguous tensor's
@@ -78,11 +56,8 @@ def raw_launch(kernel):
     head = (kernel.function, run.launch_cooperative_grid, run.launch_pdl, None, None, kernel.packed_metadata,
             None, None, None)
     encoded: dict = {}  # (position, address, shape, strides, padding) -> [CUtensorMap, *shape, *strides]
-    tensor = _tensor_type()
 
     def launch(g, stream, args):
-        if INT_POINTERS and tensor is not None:
-            args = _addresses(args, tensor)
         final = [g[0], g[1], g[2], stream, *head]
         prev = 0
         for p, meta in zip(positions, metas):

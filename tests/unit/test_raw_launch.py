@@ -88,22 +88,3 @@ def test_empty_hook_chains_do_not_count_as_hooks():
     assert not raw_launch.hooked(None) and not raw_launch.hooked(chain)
     chain.calls.append(print)
     assert raw_launch.hooked(chain) and raw_launch.hooked(print)
-
-
-def test_tensor_arguments_reach_the_c_launcher_as_their_addresses(monkeypatch):
-    """A tensor argument, also inside a tuple argument (a spec's tensors), goes to the C launcher as
-    its address (3.6's launcher would call data_ptr and ask the driver about it on every launch);
-    every other argument as it is, and a descriptor argument still reads its tensor."""
-    torch = pytest.importorskip("torch")
-    monkeypatch.setattr(nv, "_BASE_ARGS_FORMAT_LEN", BASE, raising=False)
-    monkeypatch.setattr(nv, "make_tensordesc_arg", lambda d, m: _encode(d, m), raising=False)
-    calls = []
-    kernel = _kernel(lambda *a: calls.append(a), {0}, [{"swizzle": 128}])
-    raw = raw_launch.raw_launch(kernel)
-    a, b, c = torch.zeros(4), torch.ones(3), torch.zeros(0)
-    raw((1, 1, 1), 0, (_Desc(0x1000, [64, 128], [128, 1]), a, 7, (b, c), None, 2.5))
-    assert calls[0][BASE:] == (("tensormap", 0x1000, 128), 64, 128, 128, 1, a.data_ptr(), 7, (b.data_ptr(), 0),
-                               None, 2.5)
-    monkeypatch.setattr(raw_launch, "INT_POINTERS", False)
-    raw((1, 1, 1), 0, (_Desc(0x1000, [64, 128], [128, 1]), a, 7, (b, c), None, 2.5))
-    assert calls[1][BASE + 5] is a and calls[1][BASE + 7][0] is b
