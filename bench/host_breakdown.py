@@ -107,7 +107,7 @@ def launchers_in_use():
 
 def main(argv=None):
     import importlib
-    from bench import host_time as H
+    from . import host_time as H
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cases", default="prefill_causal,backward_direct,decode_paged")
     ap.add_argument("--calls", type=int, default=200)

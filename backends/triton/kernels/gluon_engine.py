@@ -234,8 +234,7 @@ def _ws_row_totals(m_i, l_i):
     and sum l, and whether it saw anything: a row that saw nothing (l = 0) divides by 1 (its O is
     0) and gets LSE -inf from its caller; l NaN (a visible score was NaN or +inf) stays NaN in
     LSE, marking the row, and so do m or l +inf and l = 0 under a finite m other than 0 (scores past
-    what float32 resolves once scaled to base 2: ``numerics._checked_sum``).  Returns (l_safe, seen,
-    lse)."""
+    what float32 resolves once scaled to base 2: ``numerics._checked_sum``).  Returns (l_safe, seen, lse)."""
     finite = (m_i != 0.0) & (m_i > float("-inf")) & (m_i < float("inf"))
     l_i = gl.where((m_i == float("inf")) | (l_i == float("inf")) | ((l_i == 0.0) & finite), float("nan"), l_i)
     seen = (l_i > 0) | (l_i != l_i)
@@ -259,8 +258,8 @@ def _ws_rows_out(m_i, l_i, b, h, positions, origin, TS, SEPARABLE: tl.constexpr,
     the spec's sink ``SINK(b, h, TS)`` (natural units) joined once per row as one more term of its
     denominator with no value (attnc.compiler.sinks), on the finished LSE, so in any frame of the
     scores (the separable form's included): LSE' = log(e^LSE + e^sink), O scaled by e^(LSE - LSE')
-    through the divisor.  A row that saw nothing gets O = 0 and LSE = sink (both -inf: O = 0, LSE
-    -inf); a NaN or +inf sink, or a row already NaN, makes O and LSE NaN (the row is marked)."""
+    through the divisor.  A row that saw nothing gets O = 0 and LSE = sink (both -inf: O = 0, LSE -inf); a NaN or
+    +inf sink, a row already NaN or an LSE of 2^30 or more in magnitude make O and LSE NaN (the row is marked)."""
     l_safe, seen, lse = _ws_row_totals(m_i, l_i)
     lse = _ws_lse(lse, seen, b, h, positions, origin, TS, SEPARABLE, SCORE_ROW)
     if HAS_SINK:
@@ -271,7 +270,7 @@ def _ws_rows_out(m_i, l_i, b, h, positions, origin, TS, SEPARABLE: tl.constexpr,
         total = kept + gl.exp2((sink - top) * 1.4426950408889634)
         l_safe = l_safe / gl.where(total == 0.0, 0.0, kept / total)  # (factor 0: divisor inf, O = acc * 0)
         lse = top + gl.log2(total) * 0.6931471805599453
-    far = (gl.abs(lse) >= 1073741824.0) & (lse > float("-inf"))  # (numerics._checked_lse: marked)
+    far = (gl.abs(lse) >= 1073741824.0) & (lse > float("-inf"))  # (as numerics._checked_lse)
     return gl.where(far, float("nan"), l_safe), gl.where(far, float("nan"), lse)
 
 
