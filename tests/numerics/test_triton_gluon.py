@@ -396,3 +396,26 @@ def test_token_major_views_through_the_public_call_and_autograd(monkeypatch):
     (attn(*copies).transpose(1, 2) * g).float().sum().backward()
     for x, y in zip(leaves, copies):
         torch.testing.assert_close(x.grad, y.grad, rtol=2e-2, atol=2e-2)
+
+
+@hopper
+@pytest.mark.parametrize("stmt,fails", [("scale = 1e9", True), ("score = score * 0.001 - 2e9", True),
+                                        ("scale = 0.0883883", False), ("score = score * 0.001 - 1e9", False)])
+def test_rows_past_the_score_limit_are_the_error_on_the_engine(stmt, fails, monkeypatch):
+    """A bf16 causal call on the Gluon engine whose rows' largest scores reach 2^30 in magnitude
+    (``scale`` 1e9 times q.k of a few units; every score near -2e9) is the non-finite score error, as
+    on numpy and the oracle (compiler.numerics.SCORE_LIMIT): the engine's epilogue marks the row
+    however its fused multiply-add left the sums; inside the limit (-1e9 included) the call answers."""
+    import attnc
+    from attnc.compiler.errors import PlanError
+    monkeypatch.setenv("ATTNC_CHECK_FINITE", "1")  # (raise at the call, naming the row)
+    made = prefill_launches(monkeypatch)
+    attn = attnc.compile(f"attention far {{ heads = 4 head_dim = 128 dtype = bf16 {stmt} mask = causal }}")
+    g = torch.Generator(device="cuda").manual_seed(3)
+    q, k, v = (torch.randn(1, 4, 512, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
+    if fails:
+        with pytest.raises(PlanError, match=r"2\^30"):
+            attn(q, k, v)
+    else:
+        assert torch.isfinite(attn(q, k, v)).all()
+    assert made and {x.config.engine for x in made} == {"gluon"}
