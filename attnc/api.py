@@ -319,7 +319,6 @@ class Attention:
         out.copy_(o)
         return out
 
-
     def backward(self, q, k, v, o, lse, do, dlse, tensors: dict, backend: str | None = None,
                  want: tuple[str, ...] = ()):
         """(dQ, dK, dV, {tensor: gradient} for the names in ``want``) of one call from its saved O

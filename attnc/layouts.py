@@ -55,21 +55,22 @@ def token_rows(shape, strides) -> int | None:
     return rows
 
 
-@functools.lru_cache(maxsize=1024)
-def _order(shape: tuple, strides: tuple) -> str | None:
+def _order(shape, strides) -> str | None:
     if is_contiguous(shape, strides):
         return BHSD
     return BSHD if token_rows(shape, strides) is not None else None
+
+
+_cached_order = functools.lru_cache(maxsize=1024)(_order)
 
 
 def order_of(shape, strides) -> str | None:
     """``"bhsd"`` (contiguous), ``"bshd"`` (token-major, not contiguous) or None (neither) of a
     logical bhsd tensor's shape and strides."""
     try:
-        return _order(tuple(shape), tuple(strides))
+        return _cached_order(tuple(shape), tuple(strides))
     except TypeError:  # (symbolic sizes under torch.compile's dynamic shapes are not hashable)
-        return BSHD if not is_contiguous(shape, strides) and token_rows(shape, strides) is not None else \
-            BHSD if is_contiguous(shape, strides) else None
+        return _order(shape, strides)
 
 
 def out_order(q_shape, q_strides) -> str:

@@ -414,15 +414,14 @@ class GluonBackwardLaunch:
         mode, a, bm = self.config.dq, self.arrays, self.config.block_m
         if mode == "atomic":
             dqa = torch.zeros((self.batch * self.h_q * self.s_q * self.d,), device=q.device, dtype=torch.float32)
-        elif mode in FUSED:  # [B * H_q * S_qp, d]: a tile's TMA box never reaches the next head's rows
+        dqa_arg = dqa
+        if mode in FUSED:  # [B * H_q * S_qp, d]: a tile's TMA box never reaches the next head's rows
             rows = self.batch * self.h_q * self.s_qa * self.d
             if mode == "fused":  # (the turn-0 tile stores: no zeroing; a tile nobody computes reads its count 0)
                 dqa = torch.empty((rows,), device=q.device, dtype=torch.float32)
                 sem = torch.zeros((self.batch * self.h_q * self.q_tiles,), device=q.device, dtype=torch.int32)
             else:
                 dqa = torch.zeros((rows,), device=q.device, dtype=torch.float32)
-        dqa_arg = dqa
-        if mode in FUSED:
             dqa_arg = self.dkdv.output_descriptor(key, dqa, self.d, lambda: self._workspace_descriptor(dqa))
         # (dO is new each call: where the launch goes raw, a per-call view of its rows, no descriptor made)
         args = (self._descriptor(q, bm, "q"), self._descriptor(k, self.kv_rows, "k"),

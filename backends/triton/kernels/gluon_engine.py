@@ -48,6 +48,7 @@ import triton.language as tl
 
 from .gluon_sync import (HAS_GLUON, TensorDescriptor, _ws_claim_q, _ws_get, _ws_handover, _ws_put,  # noqa: F401
                          _ws_take_job, gluon)  # (HAS_GLUON, TensorDescriptor: the launch layer's)
+from .numerics import SCORE_LIMIT_C
 from .prefill import _job, _tile_of, _tile_origin
 
 if HAS_GLUON:
@@ -230,11 +231,10 @@ def _ws_pv(s, acc, m_i, l_i, part, kb, ks, ke, b, h, q_pos, S_K, K_OFF, job_scal
 
 @gluon.jit
 def _ws_row_totals(m_i, l_i):
-    """A row's divisor for O and its LSE (natural log, not yet masked) from its running max m (base 2)
-    and sum l, and whether it saw anything: a row that saw nothing (l = 0) divides by 1 (its O is
-    0) and gets LSE -inf from its caller; l NaN (a visible score was NaN or +inf) stays NaN in
-    LSE, marking the row, and so do m or l +inf and l = 0 under a finite m other than 0 (scores past
-    what float32 resolves once scaled to base 2: ``numerics._checked_sum``).  Returns (l_safe, seen, lse)."""
+    """A row's divisor for O and its LSE (natural log, not yet masked) from its running max m (base 2) and sum
+    l, and whether it saw anything: a row that saw nothing (l = 0) divides by 1 (O = 0) and gets LSE -inf from
+    its caller; l NaN (a visible NaN or +inf score) stays NaN in LSE, marking the row, and so do the rows
+    ``numerics._checked_sum`` marks (m or l +inf, l = 0 under a finite m but 0).  Returns (l_safe, seen, lse)."""
     finite = (m_i != 0.0) & (m_i > float("-inf")) & (m_i < float("inf"))
     l_i = gl.where((m_i == float("inf")) | (l_i == float("inf")) | ((l_i == 0.0) & finite), float("nan"), l_i)
     seen = (l_i > 0) | (l_i != l_i)
@@ -270,7 +270,7 @@ def _ws_rows_out(m_i, l_i, b, h, positions, origin, TS, SEPARABLE: tl.constexpr,
         total = kept + gl.exp2((sink - top) * 1.4426950408889634)
         l_safe = l_safe / gl.where(total == 0.0, 0.0, kept / total)  # (factor 0: divisor inf, O = acc * 0)
         lse = top + gl.log2(total) * 0.6931471805599453
-    far = (gl.abs(lse) >= 1073741824.0) & (lse > float("-inf"))  # (as numerics._checked_lse)
+    far = (gl.abs(lse) >= SCORE_LIMIT_C) & (lse > float("-inf"))  # (as numerics._checked_lse)
     return gl.where(far, float("nan"), l_safe), gl.where(far, float("nan"), lse)
 
 

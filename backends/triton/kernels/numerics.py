@@ -6,6 +6,10 @@ float32's range; ``_checked_lse``: the row whose LSE reached ``compiler.numerics
 import triton
 import triton.language as tl
 
+from attnc.compiler.numerics import SCORE_LIMIT
+
+SCORE_LIMIT_C = tl.constexpr(SCORE_LIMIT)  # (readable inside a kernel: compiled Triton reads only constexpr globals)
+
 
 @triton.jit
 def _mark_nan(LSE, FLAG, N, BLOCK: tl.constexpr):
@@ -38,5 +42,5 @@ def _checked_lse(lse):
     magnitude of 2^30 or more (``compiler.numerics.SCORE_LIMIT``: every backend's error, so that a
     GPU, whose largest term is then off by the product's rounding, and float64 numpy agree); -inf
     (nothing seen) and NaN stay."""
-    far = (tl.abs(lse) >= 1073741824.0) & (lse > float("-inf"))
+    far = (tl.abs(lse) >= SCORE_LIMIT_C) & (lse > float("-inf"))
     return tl.where(far, float("nan"), lse)
