@@ -389,12 +389,13 @@ class GluonBackwardLaunch:
     def __call__(self, q, k, v, o, lse, do, dlse, ts: tuple, dq, dk, dv, key=None):
         """Launch on contiguous bhsd tensors; writes dq, dk, dv (``grad.BackwardLaunch.__call__``'s
         arguments)."""
-        delta = self.delta_pass(o, do, dlse, key)
-        work = self.dkdv_pass(q, k, v, lse, do, ts, dk, dv, delta, key)
-        self.dq_pass(q, k, v, lse, do, ts, dq, dk, dv, delta, work, key)
+        stream = L._stream() if key is not None else None  # (asked once for the three launches)
+        delta = self.delta_pass(o, do, dlse, key, stream)
+        work = self.dkdv_pass(q, k, v, lse, do, ts, dk, dv, delta, key, stream)
+        self.dq_pass(q, k, v, lse, do, ts, dq, dk, dv, delta, work, key, stream)
         return delta  # (D - dLSE: a sink's gradient is read from it, as from grad.BackwardLaunch)
 
-    def delta_pass(self, o, do, dlse, key):
+    def delta_pass(self, o, do, dlse, key, stream=None):
         """D = rowsum(dO * O) - dLSE, float32 [B, H_q, S_q]."""
         import torch
         DELTA_ROWS, triton_cdiv = G.DELTA_ROWS, G.triton_cdiv
@@ -402,10 +403,10 @@ class GluonBackwardLaunch:
         has_dlse = dlse is not None
         self.delta[has_dlse].launch((triton_cdiv(self.s_q, DELTA_ROWS), self.batch * self.h_q),
                                     (o, do, dlse if has_dlse else delta, delta, *o.stride(), *do.stride(), self.s_q),
-                                    key)
+                                    key, stream)
         return delta
 
-    def dkdv_pass(self, q, k, v, lse, do, ts, dk, dv, delta, key):
+    def dkdv_pass(self, q, k, v, lse, do, ts, dk, dv, delta, key, stream=None):
         """dK and dV (and, dq atomic or fused, dQ's float32 sums); returns (the float32 dQ workspace the
         pass added into, the fused ordered mode's counters), with delta for what the mode lacks (an
         unused pointer)."""
@@ -429,10 +430,10 @@ class GluonBackwardLaunch:
                 self.dkdv.output_descriptor(key, do, self.d, lambda: self._descriptor(do, bm)), dk, dv, dqa_arg, lse,
                 delta,
                 a["order"], a["ptr"], a["ent"], sem, a["turn"], ts, *self.ints)
-        self.dkdv.launch(self.grid, args, key)
+        self.dkdv.launch(self.grid, args, key, stream)
         return dqa, sem
 
-    def dq_pass(self, q, k, v, lse, do, ts, dq, dk, dv, delta, work, key):
+    def dq_pass(self, q, k, v, lse, do, ts, dq, dk, dv, delta, work, key, stream=None):
         """dQ: its own pass (gluon, triton), or scaled and cast from ``dkdv_pass``'s workspace ``work``."""
         triton_cdiv = G.triton_cdiv
         mode, a = self.config.dq, self.arrays
@@ -442,11 +443,11 @@ class GluonBackwardLaunch:
             args = (self._descriptor(q, 64, "q"), self._descriptor(k, bn, "k"), self._descriptor(v, bn, "v"),
                     self.dq.output_descriptor(key, do, self.d, lambda: self._descriptor(do, 64)), dq, lse, delta,
                     a["r_order"], a["r_ptr"], a["r_idx"], ts, *self.dq_ints)
-            self.dq.launch(self.dq_grid, args, key)
+            self.dq.launch(self.dq_grid, args, key, stream)
         elif mode in ("atomic", *FUSED):
             s_qa = self.s_qa if mode in FUSED else self.s_q
             self.store.launch((triton_cdiv(self.s_q, self.store.constexprs["BLOCK"]), self.batch * self.h_q),
-                              (dqa, dq, sem, *dq.stride(), self.s_q, s_qa), key)
+                              (dqa, dq, sem, *dq.stride(), self.s_q, s_qa), key, stream)
         else:
             t = self.triton
             ta = t.arrays
@@ -454,4 +455,4 @@ class GluonBackwardLaunch:
                     *dq.stride(), *dk.stride(), *dv.stride(), ta["c_order"], ta["c_ptr"], ta["c_idx"],
                     ta["r_order"], ta["r_ptr"], ta["r_idx"], ts, *t.ints)
             launcher, jobs = t.passes[-1]  # (the dQ pass: grad.BackwardLaunch with fused=False)
-            launcher.launch((jobs,), args, key)
+            launcher.launch((jobs,), args, key, stream)
