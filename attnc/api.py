@@ -37,12 +37,14 @@ from pathlib import Path
 from . import layouts
 from .compiler import ir
 from .compiler.dispatch.protocol import BackendRefused, require
+from .compiler.dispatch.signature import NO_ADDRESS, call_signature
 from .compiler.errors import InputError
 
 _DTYPES = {"torch.float16": "f16", "torch.bfloat16": "bf16", "torch.float32": "f32"}
 _TORCH_NAMES = {name: t.split(".")[1] for t, name in _DTYPES.items()}  # "bf16" -> "bfloat16"
 _FP8 = "torch.float8_e4m3fn"  # compared with a torch dtype by its string (torch is imported lazily)
 _HANDLES: dict[str, "Attention"] = {}
+BOUND_CALLS = 64  # bound calls an Attention keeps, one per signature (then it starts over)
 _LOCK = threading.Lock()
 
 
@@ -88,6 +90,7 @@ class Attention:
         self._programs: dict = {}  # (H_q, H_kv, d_qk, d_v, dtype) -> concrete program
         self._kernels: dict = {}  # (backend, program digest) -> backend kernel
         self._routes: dict = {}  # call key -> (backend protocol object, kernel)
+        self._bound: dict = {}  # (backend asked, call signature) -> (bound call, route), or False: none binds
         self._differentiable = None  # the tensors with a gradient (_check_grads), once asked
         self.handle = f"{program.name}-{ir.digest(program)[:16]}" + ("" if self.deterministic else "-unordered")
         with _LOCK:
@@ -200,7 +203,11 @@ class Attention:
             op = torch.ops.attnc.attention_planned if self.reads_tensors else torch.ops.attnc.attention
             o, lse = op(self.handle, q, k, v, [tensors[n] for n in self.tensor_names], backend or "")
         else:
-            o, lse = self.forward(q, k, v, tensors, backend)
+            out, key, _ = self._bound_forward(q, k, v, tensors, backend)
+            if out is None:
+                out = self.forward(q, k, v, tensors, backend)
+                self._bind(key, q, k, v, tensors, backend)
+            o, lse = out
         return (o, lse) if return_lse else o
 
     def _fp8_call(self, q, k, v, tensors: dict, backend: str | None):
@@ -303,9 +310,42 @@ class Attention:
     def _routed_forward(self, q, k, v, tensors: dict, backend: str | None):
         """(O, LSE, (backend protocol object, kernel)) of one call: :meth:`forward`, keeping the route
         for the same call's backward (the same q, k, v and tensors: the same key)."""
+        out, key, route = self._bound_forward(q, k, v, tensors, backend)
+        if out is not None:
+            return (*out, route)
         route = self._kernel_for(q, k, v, tensors, backend)
         o, lse = require(route[0], "forward").forward(route[1], q, k, v, tensors, None)
+        self._bind(key, q, k, v, tensors, backend)
         return self._in_out_order(o, q), lse, route
+
+    def _bound_forward(self, q, k, v, tensors: dict, backend: str | None):
+        """((O, LSE) or None, the call's key in the table of bound calls or None, its route): the call through
+        the bound call of its signature (the backend's ``bound_forward``) where there is one and it
+        takes the call (it answers None where a check wants :meth:`forward`: then :meth:`_bind`).  Its O is in q's order
+        already (a backend binds calls whose O it allocates so: no ``_in_out_order``)."""
+        try:
+            key = (backend, call_signature(q, k, v, tensors))
+        except NO_ADDRESS:
+            return None, None, None
+        hit = self._bound.get(key)
+        if hit:
+            out = hit[0](q, k, v, tensors)
+            if out is not None:
+                return out, key, hit[1]
+        return None, key, None
+
+    def _bind(self, key, q, k, v, tensors: dict, backend: str | None) -> None:
+        """After a call with bound-call key ``key`` ran through :meth:`forward`: bind calls of its
+        signature, unless its backend binds none (kept as False: not asked again) or they are bound
+        already; again where the bound call is ``stale`` (its plan left the cache: the call re-made it)."""
+        hit = self._bound.get(key) if key is not None else False
+        if hit is False or hit is not None and not getattr(hit[0], "stale", True):
+            return
+        route = self._kernel_for(q, k, v, tensors, backend)
+        fast = route[0].bound_forward(route[1], key[1], tensors)
+        if len(self._bound) >= BOUND_CALLS:
+            self._bound.clear()
+        self._bound[key] = (fast, route) if fast is not None else False
 
     def _in_out_order(self, o, q):
         """O as the call returns it: in the order ``attnc.layouts.out_order`` gives q (a bhsd spec's

@@ -27,7 +27,7 @@ Two modes:
         (zeros, copies...), from the profiler's CPU events; ``syncs`` counts host syncs (.item()).
 
   python3 -m bench.host_time [--mode gpu|stub] [--cases a,b] [--calls N] [--rounds R]
-                             [--profile CASE] [--out FILE.jsonl]
+                             [--bound 1|0] [--profile CASE] [--out FILE.jsonl]
 
 Rows (JSON lines, appended, each with its command) go to --out (default
 bench/results/studies/host_time_<mode>.jsonl).  --profile CASE prints cProfile's table of that
@@ -66,6 +66,8 @@ def parse(argv=None):
     ap.add_argument("--calls", type=int, default=None, help="calls per round (default: gpu 50, stub 300)")
     ap.add_argument("--rounds", type=int, default=20, help="rounds; the best round's mean is reported")
     ap.add_argument("--profile", default=None, metavar="CASE", help="print cProfile's table of CASE, no timing")
+    ap.add_argument("--bound", type=int, choices=(0, 1), default=1,
+                    help="1: calls take their bound calls (backends/triton/bound.py); 0: every call validates (A/B)")
     ap.add_argument("--out", default=None, metavar="FILE.jsonl")
     a = ap.parse_args(argv)
     a.cases = [c for c in a.cases.split(",") if c]
@@ -90,9 +92,9 @@ class Launches:
     launcher, or its C launcher straight, ``raw_launch``); ``stub``: nothing launched."""
 
     def __init__(self, stub: bool):
-        from attnc.backends.triton import launch as L
-        self.L, self.stub, self.counts, self.paths = L, stub, {}, {}
-        self.original = L.Launcher.launch
+        from attnc.backends.triton import bound, launch as L
+        self.L, self.bound, self.stub, self.counts, self.paths = L, bound, stub, {}, {}
+        self.original, self.original_go = L.Launcher.launch, bound.BoundLaunch._go
 
     def __enter__(self):
         counts, paths, original, stub = self.counts, self.paths, self.original, self.stub
@@ -109,10 +111,21 @@ class Launches:
                 if isinstance(n, int) and n > before.get(way, 0):
                     paths[f"{name}:{way}"] = paths.get(f"{name}:{way}", 0) + 1
         self.L.Launcher.launch = launch
+
+        def go(run, raw, stream, args):  # a bound call's launch straight to the C launcher (bound.py)
+            fn = getattr(run.launcher.fn, "fn", run.launcher.fn)
+            name = getattr(fn, "__name__", "?")
+            counts[name] = counts.get(name, 0) + 1
+            paths[f"{name}:bound"] = paths.get(f"{name}:bound", 0) + 1
+            if not stub:
+                original_go(run, raw, stream, args)
+        original_go = self.original_go
+        self.bound.BoundLaunch._go = go
         return self
 
     def __exit__(self, *exc):
         self.L.Launcher.launch = self.original
+        self.bound.BoundLaunch._go = self.original_go
 
     def take(self) -> tuple[dict, dict]:
         """(launches by kernel, launches by kernel and path) since the last take."""
@@ -288,6 +301,9 @@ def main(argv=None) -> int:
     from attnc.backends.triton import runtime
     if not gpu:
         runtime.marks_on_device = lambda t: True  # the GPU's row check: a device flag, no host check
+    if not a.bound:  # (the A/B's other arm: no call finds a bound call, none is bound)
+        from attnc import api
+        api.Attention._bound_forward = lambda self, q, k, v, tensors, backend: (None, None, None)
     with Launches(stub=not gpu) as counter:
         cases = make_cases([a.profile] if a.profile else a.cases, a.mode)
         for fn, _ in cases.values():  # warm: plans made, launches bound (and compiled, on a GPU)
@@ -321,7 +337,7 @@ def main(argv=None) -> int:
             row = {"command": command, "bench": "host", "case": n, "mode": a.mode, "shape": shape,
                    "host_us": round(host[n], 2), "host_cpu_us": round(cpu[n], 2), "calls": calls,
                    "rounds": a.rounds, "launches": sum(launches[n].values()), "launches_by_kernel": launches[n],
-                   "device_ops": ops[n][0], "syncs": ops[n][1], "env": env}
+                   "device_ops": ops[n][0], "syncs": ops[n][1], "bound_calls": bool(a.bound), "env": env}
             if gpu:
                 row["launch_paths"] = paths[n]
                 row["cuda_kernels"] = sum(kernels[n].values())

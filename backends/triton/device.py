@@ -9,6 +9,7 @@ import os
 from dataclasses import asdict, dataclass
 
 from attnc.compiler.dispatch.environment import device_capability
+from attnc.compiler.dispatch.signature import NO_ADDRESS  # noqa: F401  (the call keys' fallback)
 from attnc.compiler.errors import InputError
 from attnc.compiler.plan import DEFAULT_SMS
 
@@ -84,9 +85,6 @@ def sm_count(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-# What asking a tensor for its address or layout raises where it has none (a meta or fake tensor):
-# the call keys that ask fall back to the validating path, which names what is wrong.
-NO_ADDRESS = (NotImplementedError, RuntimeError, AttributeError)
 
 
 def tma_ready(*tensors) -> bool:

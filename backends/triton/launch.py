@@ -399,22 +399,30 @@ class PrefillLaunch(_GluonDescriptors):
             rows, bn = gluon_engine.ROWS, self.config.block_n
             v_desc = self._fp8_v_descriptor(v) if self.fp8 else desc(v, bn, "v")
             k_desc = self._fp8_k_descriptor(k) if self.p_perm else desc(k, bn, "k")
-            mark = 0 if flag is None else 1
-            key = None if key is None else (key, mark)  # (the launch's key: O's descriptor asks under it too)
+            key = None if key is None else (key, 0 if flag is None else 1)  # (O's descriptor asks under it too)
             o_desc = self.launcher.output_descriptor(key, out, self.o_cols,
                                                      lambda: self._gluon_descriptor(out, rows, "o", keep=False))
-            args = (desc(q, rows, "q"), k_desc, v_desc, o_desc, out, lse, counter,
-                    *self.fixed_tail, *(descales if self.fp8 else self.no_descales), ts, *self.ints,
-                    lse if flag is None else flag, mark)
+            args = self.gluon_args(desc(q, rows, "q"), k_desc, v_desc, o_desc, out, lse, counter, ts, flag, descales)
             self.launcher.launch(self.grid, args, key, stream)
             return
         desc_k = desc_v = k
         if self.config.use_tma:  # Hopper bulk copies of K/V tiles from a [B * H_kv * S_k, d] view
             desc_k, desc_v = self._tma_descriptor(k, "k"), self._tma_descriptor(v, "v")
-        mark = 0 if flag is None else 1  # (an int argument of 1 is specialized: the key says which)
-        args = (q, k, v, out, lse, desc_k, desc_v, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
-                *self.plan_args, ts, *self.ints, lse if flag is None else flag, mark)
-        self.launcher.launch(self.grid, args, None if key is None else (key, mark))
+        args = self.triton_args(q, k, v, out, lse, desc_k, desc_v, ts, flag)
+        self.launcher.launch(self.grid, args, None if key is None else (key, 0 if flag is None else 1))
+
+    # (the one order of each engine's arguments: ``__call__`` and the bound launch, ``bound.py``)
+    def gluon_args(self, q_desc, k_desc, v_desc, o_desc, out, lse, counter, ts, flag, descales=None) -> tuple:
+        """The Gluon engine's arguments; ``flag`` None: LSE stands in, and MARK (an int of 1 is
+        specialized: the launch's key says which) is 0."""
+        return (q_desc, k_desc, v_desc, o_desc, out, lse, counter, *self.fixed_tail,
+                *(descales if self.fp8 else self.no_descales), ts, *self.ints, lse if flag is None else flag,
+                0 if flag is None else 1)
+
+    def triton_args(self, q, k, v, out, lse, desc_k, desc_v, ts, flag) -> tuple:
+        """The Triton prefill kernel's arguments (``gluon_args``' ``flag`` rule)."""
+        return (q, k, v, out, lse, desc_k, desc_v, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+                *self.plan_args, ts, *self.ints, lse if flag is None else flag, 0 if flag is None else 1)
 
     def _tma_descriptor(self, t, role):
         """The Triton kernel's K or V descriptor over a [-1, d] view in BLOCK_N-row blocks."""

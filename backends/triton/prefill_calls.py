@@ -168,6 +168,20 @@ class PrefillCalls:
             out = out.to(torch.bfloat16)
         return out, lse, flag is not None and launch.marks
 
+    def bind_call(self, key, tensors: dict):
+        """The bound call (``bound.BoundPrefill``) of calls whose ``_key`` is ``key``, once a call with
+        it ran here (validated, planned, launched); None where there is none to bind: no such call
+        yet, a carried dtype (the interpreter's bf16), an FP8 launch, or its plan no longer cached."""
+        bound = self._bound.get(key)
+        if bound is None or bound.emulate:
+            return None
+        named, pkey = ((), bound.plan_key) if bound.plan_key is not None else self._plan_key(key, tensors=tensors)
+        launch = P.PLANS.get(pkey, named)
+        if launch is None or launch.fp8:
+            return None
+        from .bound import BoundPrefill
+        return BoundPrefill(self, key, bound, launch)
+
     @staticmethod
     def _new_out(qb, bound: _Bound):
         """O in the spec's layout and the order the call returns it in (``attnc.layouts.out_order``:

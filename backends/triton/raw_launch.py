@@ -13,6 +13,13 @@ def hooked(hook) -> bool:
 RAW_DESCRIPTORS = 32  # TMA descriptors a raw launch keeps encoded (then it starts over)
 
 
+class Encoded(list):
+    """A TMA descriptor argument already encoded for a raw launch ([CUtensorMap, *shape, *strides],
+    ``launch.encode``): a bound call keeps these per address (``bound.py``) and hands them over as
+    they are."""
+    __slots__ = ()
+
+
 class TensorView:
     """What a raw launch reads of a TMA descriptor argument (``raw_launch``): a contiguous tensor's
     address and its [-1, cols] shape and strides, made per call (for O, new each call)."""
@@ -63,6 +70,10 @@ def raw_launch(kernel):
         for p, meta in zip(positions, metas):
             final.extend(args[prev:p])
             desc = args[p]
+            if type(desc) is Encoded:
+                final.extend(desc)
+                prev = p + 1
+                continue
             key = (p, desc.base.data_ptr(), tuple(desc.shape), tuple(desc.strides), desc.padding)
             hit = encoded.get(key)
             if hit is None:
@@ -73,4 +84,9 @@ def raw_launch(kernel):
             prev = p + 1
         final.extend(args[prev:])
         c_launch(*final)
+
+    def encode(p: int, desc) -> Encoded:
+        """The encoding of descriptor argument ``p`` (a position of ``positions``) of ``desc``."""
+        return Encoded(nv.make_tensordesc_arg(desc, metas[positions.index(p)]))
+    launch.encode, launch.positions = encode, positions
     return launch

@@ -25,6 +25,7 @@ from attnc.compiler import inputs, ir, numerics, reads, resources, sinks
 from attnc.compiler.ranges import may_be_nonfinite
 from attnc.compiler.errors import BackendUnavailable, InputError, PlanError
 from attnc.compiler.plan import Plan, plan as make_plan
+from attnc.compiler.dispatch.signature import call_signature
 from attnc.backends.common import load_module
 
 from . import choice, device, tile_classes
@@ -222,11 +223,7 @@ class Kernel(PrefillCalls, BackwardCalls, SplitCalls):
                                 "to raise at that call, naming the row")
 
     def _key(self, q, k, v, tensors: dict) -> tuple:
-        ts = tuple((n, tuple(t.shape), t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0)
-                   if hasattr(t, "data_ptr") else (n, id(t)) for n, t in tensors.items()) if tensors else ()
-        return (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
-                q.device, k.device, v.device, q.data_ptr() % 16 == 0, k.data_ptr() % 16 == 0,
-                v.data_ptr() % 16 == 0, ts)
+        return call_signature(q, k, v, tensors)
 
     def _validate(self, q, k, v, tensors: dict, *, storage: bool = True) -> _Bound:
         """Check a prefill call's devices, keys, shapes (and, ``storage``, that q/k/v are in the

@@ -36,6 +36,9 @@ class TritonBackend(BackendBase):
     def forward(self, kernel, q, k, v, tensors, plan=None):
         return kernel(q, k, v, return_lse=True, plan=plan, **tensors)
 
+    def bound_forward(self, kernel, signature, tensors):
+        return kernel.bind_call(signature, tensors)
+
     def forward_fp8(self, kernel, q, k, v, descales, tensors):
         return kernel(q, k, v, return_lse=True, **descales, **tensors)
 

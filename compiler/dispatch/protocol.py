@@ -35,6 +35,12 @@ class Backend(Protocol):
     def forward(self, kernel, q, k, v, tensors: dict, plan=None) -> tuple:
         """(O, LSE) of one call; ``plan`` a plan from :meth:`plan` (``run``) or None."""
 
+    def bound_forward(self, kernel, signature: tuple, tensors: dict) -> Any:
+        """A bound call ``fast(q, k, v, tensors)`` -> (O, LSE) or None (then :meth:`forward`) for calls
+        with this ``signature`` (``signature.call_signature``), made after one such call ran; or
+        None where the backend binds none.  A bound call that declines a call because what it bound
+        is gone sets ``stale``: the front door binds again after the validating path."""
+
     def forward_fp8(self, kernel, q, k, v, descales: dict, tensors: dict) -> tuple:
         """(O, LSE) of a float8_e4m3fn call with its descales (``attnc.fp8``)."""
 
@@ -90,6 +96,9 @@ class BackendBase:
 
     def forward(self, kernel, q, k, v, tensors, plan=None):
         self._missing("forward")
+
+    def bound_forward(self, kernel, signature, tensors):
+        return None
 
     def forward_fp8(self, kernel, q, k, v, descales, tensors):
         self._missing("fp8")

@@ -282,17 +282,27 @@ def test_the_llama_model_hands_the_kernel_views(llama, monkeypatch):
     """In a model's forward (no cache: q and k from RoPE, v the projection's view) every layer's q, k
     and v reach the Triton kernel's launch as token-major views (none copied)."""
     import copy
-    from attnc.backends.triton import launch
+    from attnc.backends.triton import bound, launch
     from tests.conftest import triton_device
     dev = triton_device()
     ours = llama[1] if dev == "cpu" else copy.deepcopy(llama[1]).to(dev)  # (a GPU runs Triton on CUDA tensors)
-    seen = []
-    call = launch.PrefillLaunch.__call__
+    seen, inside = [], []
+    call, bound_call = launch.PrefillLaunch.__call__, bound.BoundLaunch.__call__
 
     def spy(self, q_, k_, v_, *args, **kwargs):
-        seen.append((q_, k_, v_, args[1]))  # (q, k, v, O as the launch gets them: args = ts, out, lse)
+        if not inside:  # (a bound launch that cannot go raw launches through here: seen once)
+            seen.append((q_, k_, v_, args[1]))  # (q, k, v, O as the launch gets them: args = ts, out, lse)
         return call(self, q_, k_, v_, *args, **kwargs)
+
+    def spy_bound(self, q_, k_, v_, ts, out, lse, flag):  # the layers after the first: their bound call's launch
+        seen.append((q_, k_, v_, out))
+        inside.append(1)
+        try:
+            return bound_call(self, q_, k_, v_, ts, out, lse, flag)
+        finally:
+            inside.pop()
     monkeypatch.setattr(launch.PrefillLaunch, "__call__", spy)
+    monkeypatch.setattr(bound.BoundLaunch, "__call__", spy_bound)
     hf.register(backend="triton")
     try:
         with torch.no_grad():

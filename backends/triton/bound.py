@@ -1,0 +1,153 @@
+"""Bound calls: the path of a prefill call whose signature ran before (issue 34: host time per call).
+
+A call's first run validates it, plans it and binds its launch (``prefill_calls``, ``launch``); a
+later call with the same signature (``compiler.dispatch.signature``: shapes, strides, dtypes,
+devices, alignments) would still walk every layer between the front door and Triton's C launcher,
+each repeating a lookup the signature already settled.  Two objects skip them:
+
+* :class:`BoundPrefill` -- the front door's bound call (``Attention``'s table of them, by
+  signature): per call only what reads values -- the rows' non-finite rule
+  (``Kernel._row_check``), the plan cache's entry for the call (a mask tensor's identity and
+  version; a plan the cache dropped), the spec's tensor arguments -- then O and LSE and the
+  launch.  It answers None where a check wants the validating path (rows checked at the host, a
+  plan not in the cache): the caller takes that path, which raises what is wrong or re-plans.
+* :class:`BoundLaunch` -- one launch key bound to its compiled kernel's C launcher
+  (``raw_launch``): the arguments the key fixes made once and the TMA descriptors of q, k, v and
+  O encoded once per address, so a call pays the stream, four lookups and the C call.  Where
+  the launch cannot go raw (not compiled under the key yet, a Triton whose launcher
+  ``raw_launch`` does not know, a tool hooking launches), it launches as ``PrefillLaunch`` does.
+
+Both hold nothing of a caller's tensors; the bound call holds its launch weakly (the plan cache
+owns plans and their device arrays).
+"""
+from __future__ import annotations
+
+import weakref
+
+from . import launch as L
+from . import plans as P
+from .raw_launch import RAW_DESCRIPTORS, TensorView, hooked
+
+_ROLES = {"q": 0, "k": 1, "v": 2, "o": 3}  # the Gluon engine's descriptor arguments (PrefillLaunch.gluon_args)
+
+
+class BoundLaunch:
+    """``__call__(q, k, v, ts, out, lse, flag)``: ``launch(q, k, v, ts, out, lse, key, flag=flag)`` of a
+    ``PrefillLaunch`` with the same arguments, through the C launcher where it can."""
+
+    def __init__(self, launch, key, mark: int):
+        self.launch, self.key = launch, key
+        self.launcher = launch.launcher
+        self.lkey = (key, mark)
+        self.gluon = launch.config.engine == "gluon"
+        self.grid = tuple(launch.grid) + (1,) * (3 - len(launch.grid))
+        self.raw = None
+        self.encoded = {role: {} for role in _ROLES}  # role -> {address: raw_launch.Encoded}
+        self.counters: dict = {}  # stream -> the Gluon engine's job counter (launch._counter)
+        self.runtime = L._knobs().runtime
+        self.stream_of = self.device_of = None  # (Triton's active driver, asked once the launch goes raw)
+
+    def __call__(self, q, k, v, ts, out, lse, flag):
+        raw = self.raw
+        if raw is None:
+            raw = self.raw = self._raw()
+        rt = self.runtime
+        if raw is None or hooked(rt.launch_enter_hook) or hooked(rt.launch_exit_hook):
+            self.launch(q, k, v, ts, out, lse, self.key, flag=flag)
+            return
+        stream = self.stream_of(self.device_of())
+        launch = self.launch
+        if self.gluon:
+            counter = self._counter(stream) if launch.schedule == 1 else launch.arrays["merged_partial"]
+            args = launch.gluon_args(self._encoded("q", q), self._encoded("k", k), self._encoded("v", v),
+                                     self._encoded("o", out), out, lse, counter, ts, flag)
+        else:
+            desc_k = desc_v = k
+            if launch.config.use_tma:
+                desc_k, desc_v = launch._tma_descriptor(k, "k"), launch._tma_descriptor(v, "v")
+            args = launch.triton_args(q, k, v, out, lse, desc_k, desc_v, ts, flag)
+        self._go(raw, stream, args)
+
+    def _go(self, raw, stream, args) -> None:
+        raw(self.grid, stream, args + self.launcher.tail)
+        self.launcher.launches["raw"] += 1
+
+    def _raw(self):
+        """The key's raw launch once the launcher has one (Gluon: with its four descriptors where
+        ``gluon_args`` puts them); None until then, or where it has none."""
+        raw = self.launcher.raw.get(self.lkey)
+        if raw is None or (self.gluon and (self.launch.fp8 or self.launch.p_perm
+                                           or tuple(raw.positions) != tuple(_ROLES.values()))):
+            return None
+        from triton.runtime import driver
+        active = driver.active
+        self.stream_of, self.device_of = active.get_current_stream, active.get_current_device
+        return raw
+
+    def _encoded(self, role: str, t):
+        """``t``'s descriptor for ``role``, encoded (the key fixes its shape and strides: its address
+        tells encodings apart)."""
+        table = self.encoded[role]
+        address = t.data_ptr()
+        hit = table.get(address)
+        if hit is None:
+            launch = self.launch
+            if role == "o":
+                desc = TensorView(t, launch.o_cols)
+            else:
+                bn = launch.config.block_n
+                desc = launch._gluon_descriptor(t, L.gluon_engine.ROWS if role == "q" else bn, role, keep=False)
+            if len(table) >= RAW_DESCRIPTORS:
+                table.clear()
+            hit = table[address] = self.raw.encode(_ROLES[role], desc)
+        return hit
+
+    def _counter(self, stream):
+        c = self.counters.get(stream)
+        if c is None:
+            c = self.counters[stream] = L._counter(self.launch.device, stream)
+        return c
+
+
+class BoundPrefill:
+    """A prefill call of one signature (``Kernel._key``'s), bound after it ran once:
+    ``__call__(q, k, v, tensors)`` -> (O, LSE), or None where the call must take the validating path
+    (``stale`` once that was because the plan cache holds another plan, or none, for it)."""
+
+    def __init__(self, kernel, key, bound, launch):
+        self.kernel, self.key, self.bound = kernel, key, bound
+        self.named = bound.plan_key is None  # the mask reads tensors: the plan is found by them, per call
+        self.launch = weakref.ref(launch)
+        module = kernel.module
+        self.ts = None if (module.LENGTHS or module.TENSORS) else ()
+        self.lse_shape = (bound.batch, kernel.program.heads_q, bound.s_q)
+        self.launches = {}  # MARK (0, 1) -> BoundLaunch
+        self.lkey = key if self.named else bound.plan_key  # (PrefillCalls._launch's key of the launch)
+        self.stale = False  # whether a call found another plan (or none) in the cache than this one's
+
+    def __call__(self, q, k, v, tensors: dict):
+        kernel, bound = self.kernel, self.bound
+        host, flag = kernel._row_check(q)
+        if host:
+            return None
+        if self.named:
+            named, pkey = kernel._plan_key(self.key, tensors=tensors)
+        else:
+            named, pkey = (), bound.plan_key
+        launch = P.PLANS.get(pkey, named)
+        if launch is None or launch is not self.launch():
+            self.stale = True  # (the validating path re-plans; the front door binds again)
+            return None
+        ts = self.ts
+        if ts is None:
+            ts = L.call_tensor_args(kernel.module, tensors, bound.batch, bound.s_q, bound.s_k, q.device)
+        if bound.bshd:
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        out = kernel._new_out(q, bound)
+        lse = q.new_empty(self.lse_shape, dtype=kernel._torch.float32)
+        mark = 0 if flag is None else 1
+        run = self.launches.get(mark)
+        if run is None:
+            run = self.launches[mark] = BoundLaunch(launch, self.lkey, mark)
+        run(q, k, v, ts, out.transpose(1, 2) if bound.bshd else out, lse, flag)
+        return out, lse

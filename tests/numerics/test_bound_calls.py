@@ -1,0 +1,171 @@
+"""Bound calls (``backends/triton/bound.py``): a prefill call whose signature ran before skips the
+layers between the front door and the launch, and answers exactly what the validating path
+answers; every check that reads values still runs per call (a mask tensor changed in place, a
+plan the cache dropped, the rows' non-finite rule).  On the CPU the kernels run in Triton's
+interpreter with the calls on a GPU call's path for the non-finite rule (``runtime.
+marks_on_device``); with ATTNC_TEST_GPU=1 on the GPU, where the bound launch goes straight to the
+C launcher."""
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="the Triton backend's tests need torch (pip install -e '.[test]')")
+pytest.importorskip("triton", reason="the Triton backend's tests need triton (pip install -e '.[test]')")
+
+import attnc  # noqa: E402
+from attnc.backends.triton import bound, runtime  # noqa: E402
+from attnc.backends.triton import plans as P  # noqa: E402
+from attnc.compiler.errors import AttncError, PlanError  # noqa: E402
+
+from tests.conftest import triton_device  # noqa: E402
+
+DEV = triton_device()
+GPU = DEV == "cuda"
+DT = torch.bfloat16 if GPU else torch.float16
+DTS = "bf16" if GPU else "f16"
+KW = {} if GPU else {"backend": "triton"}  # (CPU tensors route to the numpy backend by default)
+S, D = (384, 64) if GPU else (40, 16)  # (a GPU's Gluon engine takes d 64; 384 rows: tiles past S)
+
+
+@pytest.fixture
+def answered(monkeypatch):
+    """The calls the bound path answered (a list of True per bound call that took its call, False
+    per one that declined), the calls on a GPU call's non-finite path."""
+    if not GPU:
+        if not runtime.interpreted():
+            pytest.skip("CPU tensors through Triton's interpreter (TRITON_INTERPRET=1); the GPU run covers the rest")
+        from attnc.compiler import dispatch
+        monkeypatch.setattr(runtime, "marks_on_device", lambda t: True)
+        monkeypatch.setattr(dispatch, "device_default", lambda device: "triton")  # (CPU calls: the numpy backend)
+    seen = []
+    original = bound.BoundPrefill.__call__
+
+    def spy(self, *args):
+        out = original(self, *args)
+        seen.append(out is not None)
+        return out
+    monkeypatch.setattr(bound.BoundPrefill, "__call__", spy)
+    return seen
+
+
+def qkv(b=2, hq=2, hkv=2, s=S, d=D, seed=0, grad=False):
+    g = torch.Generator().manual_seed(seed)
+    make = [(b, hq, s, d), (b, hkv, s, d), (b, hkv, s, d)]
+    return [torch.randn(*shape, generator=g).to(device=DEV, dtype=DT).requires_grad_(grad) for shape in make]
+
+
+def reference(spec: str, q, k, v, **tensors):
+    """O by the numpy backend (float64 inside) on the same inputs."""
+    attn = attnc.compile(spec)
+    cpu = {n: t.cpu() for n, t in tensors.items()}
+    return attn(*(x.detach().cpu() for x in (q, k, v)), backend="numpy", **cpu).float()
+
+
+def close(o, ref):
+    assert torch.allclose(o.float().cpu(), ref, atol=2e-2, rtol=2e-2)
+
+
+def test_a_repeated_call_is_answered_by_its_bound_call_bit_for_bit(answered):
+    spec = f"attention bc_causal {{ dtype = {DTS} mask = causal }}"
+    attn = attnc.compile(spec)
+    q, k, v = qkv()
+    o1, lse1 = attn(q, k, v, return_lse=True, **KW)  # validated, planned, launched: then bound
+    assert answered == []
+    o2, lse2 = attn(q, k, v, return_lse=True, **KW)
+    o3 = attn(*(x.clone() for x in (q, k, v)), **KW)  # other tensors, the same signature
+    assert answered == [True, True]
+    assert torch.equal(o1, o2) and torch.equal(lse1, lse2) and torch.equal(o1, o3)
+    close(o2, reference(spec, q, k, v))
+
+
+def test_another_signature_is_validated_first(answered):
+    attn = attnc.compile(f"attention bc_sig {{ dtype = {DTS} mask = causal }}")
+    q, k, v = qkv()
+    attn(q, k, v, **KW)
+    attn(q, k, v, **KW)
+    q2, k2, v2 = qkv(s=S // 2 + 3)  # a new length: its own validation, plan and binding
+    attn(q2, k2, v2, **KW)
+    assert answered == [True]
+    with pytest.raises(AttncError, match="head_dim|d_qk|head dim|shape"):
+        attn(q, k[..., :-1].contiguous(), v, **KW)  # a bad call is never a bound call's: the located error
+    assert answered == [True]
+
+
+def test_a_mask_tensor_changed_in_place_is_planned_again(answered):
+    spec = f"attention bc_doc {{ dtype = {DTS} tensor doc: i32[b, s] mask = causal & doc[b, q] == doc[b, k] }}"
+    attn = attnc.compile(spec)
+    q, k, v = qkv()
+    doc = (torch.arange(S) // (S // 3)).to(torch.int32).expand(2, S).contiguous().to(DEV)
+    attn(q, k, v, doc=doc, **KW)
+    o_before = attn(q, k, v, doc=doc, **KW)
+    assert answered == [True]
+    doc[:, : S // 2] = 7  # the same tensor, new values (its version moves)
+    o_after = attn(q, k, v, doc=doc, **KW)
+    assert answered == [True, False]  # declined: the validating path re-planned
+    close(o_after, reference(spec, q, k, v, doc=doc))
+    assert not torch.equal(o_before, o_after)
+    attn(q, k, v, doc=doc, **KW)
+    assert answered == [True, False, True]  # bound again
+
+
+def test_a_plan_the_cache_dropped_is_made_again(answered):
+    spec = f"attention bc_drop {{ dtype = {DTS} mask = causal & window(8) }}"
+    attn = attnc.compile(spec)
+    q, k, v = qkv()
+    o1 = attn(q, k, v, **KW)
+    attn(q, k, v, **KW)
+    P.PLANS.clear()
+    o2 = attn(q, k, v, **KW)
+    o3 = attn(q, k, v, **KW)
+    assert answered == [True, False, True]
+    assert torch.equal(o1, o2) and torch.equal(o1, o3)
+
+
+def test_the_non_finite_rule_holds_on_bound_calls(answered, monkeypatch):
+    attn = attnc.compile(f"attention bc_nan {{ dtype = {DTS} mask = causal }}")
+    q, k, v = qkv()
+    attn(q, k, v, **KW)
+    attn(q, k, v, **KW)
+    bad = q.clone()
+    bad[1, 0, 5, 0] = float("nan")
+    attn(bad, k, v, **KW)  # bound: the kernel marks the row, the check raises it
+    assert answered == [True, True]
+    with pytest.raises(PlanError, match="NaN or \\+inf"):
+        attn.check_numerics()
+    monkeypatch.setenv("ATTNC_CHECK_FINITE", "1")  # rows checked at the call: the bound call declines
+    with pytest.raises(PlanError, match="NaN or \\+inf"):
+        attn(bad, k, v, **KW)
+    assert answered == [True, True, False]
+
+
+def test_gqa_token_major_views_and_training_forwards_are_bound(answered):
+    spec = f"attention bc_gqa {{ dtype = {DTS} mask = causal }}"
+    attn = attnc.compile(spec)
+    q, k, v = qkv(hq=4, hkv=2)
+    tq, tk, tv = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k, v))  # token-major views
+    o1 = attn(tq, tk, tv, **KW)
+    o2 = attn(tq, tk, tv, **KW)
+    assert answered == [True] and torch.equal(o1, o2) and o2.stride() == o1.stride()
+    close(o2, reference(spec, q, k, v))
+    qg, kg, vg = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
+    grads = []
+    for _ in range(2):
+        o = attn(qg, kg, vg, **KW)
+        grads.append(torch.autograd.grad(o.float().square().sum(), (qg, kg, vg)))
+    assert answered[1:] == [True]  # the second training forward: bound, and its backward the same
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(not GPU, reason="the C launcher (ATTNC_TEST_GPU=1 on a GPU)")
+def test_gpu_a_bound_call_launches_through_the_c_launcher(answered):
+    attn = attnc.compile(f"attention bc_raw {{ dtype = {DTS} mask = causal }}")
+    q, k, v = qkv()
+    o1 = attn(q, k, v, **KW)
+    o2 = attn(q, k, v, **KW)
+    runs = [r for b in attn._bound.values() if b for r in b[0].launches.values()]
+    assert answered == [True] and runs and all(r.raw is not None for r in runs)
+    before = sum(r.launcher.launches["raw"] for r in runs)
+    o3 = attn(q, k, v, **KW)
+    assert sum(r.launcher.launches["raw"] for r in runs) == before + 1
+    assert torch.equal(o1, o2) and torch.equal(o1, o3)
