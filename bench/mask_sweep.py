@@ -22,16 +22,32 @@ with ``create_block_mask`` of the mask_mod, and Flex ``kernel_options={"BACKEND"
 (a row with its error where it raises: it needs flash-attn-4).  Raw rows (samples included) and
 one summary row (min / median / max of each ratio, the bottom masks) are JSON lines under
 ``bench/results/`` with the command in each.
+
+Nearly all of a mask's wall time on the GPU is compilation (attnc's first call: Triton/Gluon JIT
+of a kernel whose source inlines the mask; Flex: ``torch.compile`` per mask_mod).
+``--warm-workers N`` first runs N worker processes (``bench/mask_sweep_warm.py``) over disjoint
+slices of the masks (:func:`slices`) that do that compiling work and nothing else, into the
+on-disk caches every process of the user shares (Triton's, pinned by :func:`shared_caches`, and
+inductor's FX graph and AOTAutograd caches); when they are done the timing runs as before, one
+mask after another in this process, its first calls loading kernels from disk (a row says
+``warmed``; ``first_call_ms`` shows the hit).  A worker's failure costs only its warm-up: the
+timing compiles what is not cached and records errors per mask as it always did.
+``--time-budget SECONDS`` stops starting masks (checks, with ``--check-only``) once the run has
+taken that long since :func:`main` began (the warm-up included; the interpreter's start-up is
+not); the summary covers what was timed and the last line names the ``--start`` that resumes.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import math
+import os
 import random
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -315,9 +331,10 @@ def _reference(node: Node, q, k, v, doc, planes):
 
 
 def time_mask(node: Node, index: int, rows, *, batch: int, heads: int, s: int, head_dim: int, seed: int,
-              flex_backends: tuple, env: dict) -> None:
+              flex_backends: tuple, env: dict, warmed: bool = False) -> None:
     """One mask at the bench shape: attnc's public call, Flex (Triton) and Flex FLASH, each checked
-    against a float32 dense reference of two (b, h) planes first."""
+    against a float32 dense reference of two (b, h) planes first.  ``warmed``: a warm-up worker
+    compiled this mask without an error (recorded in the rows)."""
     import torch
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
     import attnc
@@ -340,7 +357,7 @@ def time_mask(node: Node, index: int, rows, *, batch: int, heads: int, s: int, h
     record = {"bench": "mask_sweep", "index": index, "mask": node.attn(), "atoms": node.atoms(),
               "spec": spec_text(node, index), "B": batch, "H": heads, "S": s, "D": head_dim, "dtype": "bf16",
               "visible_cells": visible, "density": visible / (batch * s * s), "flops": flops,
-              "flop_formula": H.FLOP_FORMULA, "env": env}
+              "flop_formula": H.FLOP_FORMULA, "env": env, "warmed": warmed}
     label = f"{index:4d}"
     try:
         t0 = time.perf_counter()
@@ -394,7 +411,8 @@ def summarize(rows: list, bottom: int = 10) -> dict:
     for r in rows:
         if r.get("bench") == "mask_sweep" and r.get("pass"):
             by.setdefault(r["index"], {})[r["impl"]] = r
-    out = {"bench": "mask_sweep_summary", "masks": len({r.get("index") for r in rows if "index" in r}),
+    out = {"bench": "mask_sweep_summary",
+           "masks": len({r["index"] for r in rows if r.get("bench") == "mask_sweep" and "index" in r}),
            "masks_timed": len(by)}
     for peer in ("flex_triton", "flex_flash"):
         ratios = sorted(((m[peer]["median_ms"] / m["attnc_call"]["median_ms"], i, m["attnc_call"]["mask"])
@@ -414,8 +432,103 @@ def summarize(rows: list, bottom: int = 10) -> dict:
     return out
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python3 -m bench.mask_sweep", description=__doc__.split("\n\n")[0])
+# ------------------------------------------------------------------ warm-up, budget, command line
+def shared_caches() -> str:
+    """The compile caches the timing process and the warm-up workers share; returns Triton's.
+
+    ``TRITON_CACHE_DIR``, when unset, is set to Triton's own default (``~/.triton/cache``, under
+    ``TRITON_HOME`` when that is set): inductor sets the variable to its own directory the first
+    time it builds a Triton kernel in a process (``CachingAutotuner``), so without this attnc's
+    kernels would go to one directory before a process's first Flex compile and to another after
+    it, and a kernel a worker compiled first would sit where the timing process does not look.
+    Set before the workers start, they inherit it: one directory for all, not one per process.
+    Inductor's FX graph cache and AOTAutograd cache (across processes: the compiled Flex graph
+    of a mask_mod, constants included) are on: their defaults in torch 2.11, set explicitly."""
+    home = os.environ.get("TRITON_HOME") or os.path.expanduser("~")
+    os.environ["TRITON_CACHE_DIR"] = os.environ.get("TRITON_CACHE_DIR") or os.path.join(home, ".triton", "cache")
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+    inductor_config.fx_graph_cache = True
+    functorch_config.enable_autograd_cache = True
+    return os.environ["TRITON_CACHE_DIR"]
+
+
+def slices(start: int, count: int, workers: int) -> list[tuple[int, int]]:
+    """``(start, count)`` of each worker: masks ``start .. start + count - 1`` cut in order into at
+    most ``workers`` contiguous, non-empty runs whose lengths differ by at most one."""
+    n = max(0, min(workers, count))
+    base, extra = divmod(count, n) if n else (0, 0)
+    out, at = [], start
+    for i in range(n):
+        c = base + (i < extra)
+        out.append((at, c))
+        at += c
+    return out
+
+
+def worker_command(a, start: int, count: int, out: str) -> list[str]:
+    """The command of one warm-up worker: the sweep's masks and shape, its slice, its own rows."""
+    return [sys.executable, "-m", f"{__package__}.mask_sweep_warm", "--start", str(start), "--count", str(count),
+            "--seed", str(a.seed), "--batch", str(a.batch), "--heads", str(a.heads), "--seq", str(a.seq),
+            "--head-dim", str(a.head_dim), "--flex", a.flex, "--out", out]
+
+
+def warm_up(a, out: str, rows, deadline: float | None = None) -> set[int]:
+    """Run ``a.warm_workers`` workers over the masks ``a.start ..`` and wait for them (killing
+    those still running at ``deadline``, a :func:`_now` time); their rows (``mask_sweep_warm``,
+    one per mask, and one ``mask_sweep_warm_worker`` per worker) join ``rows``.  Each worker's
+    output is in ``<out>.warm/worker<i>.log``.  Returns the indices warmed without an error."""
+    folder = Path(out).with_suffix(".warm")
+    folder.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "TORCHINDUCTOR_COMPILE_THREADS": "1"}  # no pool of compile processes per worker
+    t0, procs = _now(), []
+    try:
+        for i, (start, count) in enumerate(slices(a.start, a.count, a.warm_workers)):
+            part, log = folder / f"worker{i}.jsonl", folder / f"worker{i}.log"
+            part.unlink(missing_ok=True)
+            with open(log, "w") as f:
+                p = subprocess.Popen(worker_command(a, start, count, str(part)), stdout=f, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, env=env)
+            procs.append((i, start, count, part, log, p))
+        print(f"warm-up: {len(procs)} workers over masks {a.start}..{a.start + a.count - 1} (logs in {folder})",
+              flush=True)
+        for _, _, _, _, _, p in procs:
+            try:
+                p.wait(timeout=None if deadline is None else max(0.0, deadline - _now()))
+            except subprocess.TimeoutExpired:
+                break
+    finally:
+        for _, _, _, _, _, p in procs:
+            if p.poll() is None:  # past the deadline, or this process is going down
+                p.kill()
+                p.wait()
+    ok = set()
+    for i, start, count, part, log, p in procs:
+        warm = []
+        for line in part.read_text().splitlines() if part.exists() else []:
+            try:
+                warm.append(json.loads(line))
+            except ValueError:  # a line cut short by the kill
+                pass
+        for r in warm:
+            rows.append(r)
+            if not r.get("errors"):
+                ok.add(r["index"])
+        part.unlink(missing_ok=True)
+        rows.append({"bench": "mask_sweep_warm_worker", "worker": i, "start": start, "count": count,
+                     "returncode": p.returncode, "masks_done": len(warm), "log": str(log)})
+        print(f"warm-up worker {i}: masks {start}..{start + count - 1}, exit {p.returncode}, {len(warm)} done, "
+              f"{sum(bool(r.get('errors')) for r in warm)} with errors", flush=True)
+    print(f"warm-up: {len(ok)} of {a.count} masks compiled without an error in {_now() - t0:.1f} s", flush=True)
+    return ok
+
+
+def _now() -> float:
+    return time.monotonic()
+
+
+def add_mask_options(ap: argparse.ArgumentParser) -> None:
+    """The options that name the masks and the shape (the sweep's and a warm-up worker's)."""
     ap.add_argument("--count", type=int, default=200, help="masks (default 200)")
     ap.add_argument("--start", type=int, default=0, help="first mask index (resume a run)")
     ap.add_argument("--seed", type=int, default=0)
@@ -423,25 +536,53 @@ def main(argv=None) -> int:
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--seq", type=int, default=8192)
     ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--check-seq", type=int, default=256, help="length of the CPU correctness check")
     ap.add_argument("--flex", default="triton,flash", help="Flex backends to time: triton, flash (or '')")
-    ap.add_argument("--check-only", action="store_true", help="the CPU correctness checks only (no GPU)")
     ap.add_argument("--out", default=None, help="JSON lines (default bench/results/mask_sweep_<time>.jsonl)")
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python3 -m bench.mask_sweep", description=__doc__.split("\n\n")[0])
+    add_mask_options(ap)
+    ap.add_argument("--check-seq", type=int, default=256, help="length of the CPU correctness check")
+    ap.add_argument("--check-only", action="store_true", help="the CPU correctness checks only (no GPU)")
+    ap.add_argument("--warm-workers", type=int, default=0, metavar="N",
+                    help="compile every mask first in N worker processes (default 0: no warm-up)")
+    ap.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
+                    help="start no mask once the run has taken this long; the last line names the --start "
+                         "that resumes (default: no budget)")
+    return ap
+
+
+def main(argv=None) -> int:
+    t_start = _now()
+    ap = parser()
     a = ap.parse_args(argv)
-    from pathlib import Path
+    if a.warm_workers < 0 or (a.warm_workers and a.check_only):
+        ap.error("--warm-workers takes N >= 0 and has nothing to compile with --check-only")
+    if a.time_budget is not None and a.time_budget < 0:
+        ap.error("--time-budget takes SECONDS >= 0")
     from . import harness as H
     # default: bench/results/ under the current directory (a checkout's root), never inside an install
     out = a.out or str(Path("bench") / "results" / f"mask_sweep_{time.strftime('%Y%m%d_%H%M%S', time.gmtime())}.jsonl")
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     command = "python3 -m bench.mask_sweep " + " ".join(argv if argv is not None else sys.argv[1:])
     rows = H.Rows(out, command)
+    if not a.check_only:
+        print(f"Triton cache: {shared_caches()}", flush=True)
     env = {} if a.check_only else H.environment()
+    deadline = None if a.time_budget is None else t_start + a.time_budget
+    warmed = warm_up(a, out, rows, deadline) if a.warm_workers else set()
     # the structures depend on the length only through their sizes: the same seed, the same family
     big = masks(a.start + a.count, a.seed, a.seq)[a.start:]
     small = masks(a.start + a.count, a.seed, a.check_seq)[a.start:]
     flex = tuple(x for x in a.flex.split(",") if x)
+    resume = None
     for j, (node, tiny) in enumerate(zip(big, small)):
         index = a.start + j
+        if deadline is not None and _now() >= deadline:
+            resume = index
+            break
+        t_mask = _now()
         try:
             fig = check_mask(tiny, index, s=a.check_seq)
         except Exception as e:  # noqa: BLE001 - a wrong answer is a row and the mask is not timed
@@ -453,12 +594,22 @@ def main(argv=None) -> int:
                      "check_mask": tiny.attn(), "pass": True, **fig})
         if not a.check_only:
             time_mask(node, index, rows, batch=a.batch, heads=a.heads, s=a.seq, head_dim=a.head_dim,
-                      seed=a.seed, flex_backends=flex, env=env)
+                      seed=a.seed, flex_backends=flex, env=env, warmed=index in warmed)
+            print(f"{index:4d} wall {_now() - t_mask:.1f} s (run {_now() - t_start:.0f} s)", flush=True)
+    stop = None
+    if resume is not None:
+        stop = {"stopped_by_time_budget": True, "time_budget_s": a.time_budget, "elapsed_s": _now() - t_start,
+                "next_start": resume, "next_count": a.start + a.count - resume}
     if not a.check_only:
-        summary = summarize(list(rows))
+        summary = {**summarize(list(rows)), "warm_workers": a.warm_workers, **(stop or {})}
         rows.append(summary)
         print(json.dumps(summary, indent=1))
+    elif stop:
+        rows.append({"bench": "mask_sweep_stop", **stop})
     print(f"wrote {out}")
+    if stop:
+        print(f"stopped by --time-budget {a.time_budget:g} after {stop['elapsed_s']:.0f} s: resume with "
+              f"--start {resume} --count {stop['next_count']}", flush=True)
     return 0
 
 
