@@ -285,3 +285,14 @@ def test_the_bench_draws_only_the_declared_tensors_on_the_host():
     assert doc.shape == (4, 8192) and doc.dtype.kind == "i"
     runs = np.diff(np.flatnonzero(np.diff(doc[0]) != 0))
     assert (np.diff(doc, axis=1) >= 0).all() and runs.min() >= 256 and runs.max() <= 2048
+
+
+def test_the_plane_check_of_a_mask_that_shows_no_key():
+    """All-zero references (an empty mask: O is 0) give the absolute error, not 0 / 0 = NaN, so an
+    empty mask's zero O passes and a nonzero one fails (the sweep's masks 40 and 148 in r57)."""
+    planes = [(0, 0), (0, 1)]
+    refs = [torch.zeros(8, 4, dtype=torch.float64) for _ in planes]
+    o = torch.zeros(1, 2, 8, 4)
+    assert H.plane_check(refs, planes)(o) == 0.0
+    o[0, 1, 3, 2] = 0.5
+    assert H.plane_check(refs, planes)(o) == pytest.approx(0.5)
