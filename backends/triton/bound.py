@@ -124,14 +124,20 @@ class BoundPrefill:
         self.launches = {}  # MARK (0, 1) -> BoundLaunch
         self.lkey = key if self.named else bound.plan_key  # (PrefillCalls._launch's key of the launch)
         self.stale = False  # whether a call found another plan (or none) in the cache than this one's
+        self.last = None  # (the mask tensors' ids and versions, their tensors, the plan key) of the last call
+        self.lengths = None  # (kv_lens, qo_indptr) of the signature's lengths, where the spec reads them
 
     def __call__(self, q, k, v, tensors: dict):
         kernel, bound = self.kernel, self.bound
         host, flag = kernel._row_check(q)
         if host:
             return None
-        if self.named:
-            named, pkey = kernel._plan_key(self.key, tensors=tensors)
+        if self.named:  # (the plan's key by the mask tensors' identities and versions: made again when they move)
+            ids = kernel._tensor_ids(tensors)
+            last = self.last
+            if last is None or last[0] != ids:
+                last = self.last = (ids, *kernel._plan_key(self.key, tensors=tensors))
+            named, pkey = [tensors[n] for n in kernel._tensor_names if n in tensors], last[2]
         else:
             named, pkey = (), bound.plan_key
         launch = P.PLANS.get(pkey, named)
@@ -139,8 +145,11 @@ class BoundPrefill:
             self.stale = True  # (the validating path re-plans; the front door binds again)
             return None
         ts = self.ts
-        if ts is None:
-            ts = L.call_tensor_args(kernel.module, tensors, bound.batch, bound.s_q, bound.s_k, q.device)
+        if ts is None:  # (a spec that reads S_q or S_k: its lengths are the signature's, made once)
+            module = kernel.module
+            if module.LENGTHS and self.lengths is None:
+                self.lengths = L.uniform_lengths(bound.batch, bound.s_q, bound.s_k, q.device)
+            ts = L.tensor_args(module, tensors, self.lengths)
         if bound.bshd:
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         out = kernel._new_out(q, bound)

@@ -213,12 +213,16 @@ class PrefillCalls:
     def _plan_key(self, *key, tensors: dict) -> tuple[list, object]:
         """(the tensors the plan cache watches, the plan cache's key): the spec and ``key`` and,
         for a mask that reads tensors, each tensor's identity and version (plans.tensor_key).  A
-        mask that reads no tensor watches none, and its key is a ``plans.Key`` (its hash made
-        once: a binding keeps it)."""
+        mask that reads no tensor watches none; the key is a ``plans.Key`` (its hash made once: a
+        binding, or a bound call while the tensors stay the same, keeps it)."""
         if not (self._mask_reads or self._index_reads):  # (a subscript that reads a tensor: its reads' check)
             return [], P.Key((self.digest, *key))
         named = [tensors[n] for n in self._tensor_names if n in tensors]
-        return named, (self.digest, *key, tuple(P.tensor_key(n, tensors[n]) for n in self._tensor_names if n in tensors))
+        return named, P.Key((self.digest, *key, self._tensor_ids(tensors)))
+
+    def _tensor_ids(self, tensors: dict) -> tuple:
+        """The mask tensors' identities and versions (``plans.tensor_key``), in the spec's order."""
+        return tuple(P.tensor_key(n, tensors[n]) for n in self._tensor_names if n in tensors)
 
     def _options_key(self, q, k, v, tensors: dict, options: dict):
         """The key of a validated call with launch ``options`` (and no plan): its call key and the

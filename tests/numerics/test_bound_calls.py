@@ -157,6 +157,19 @@ def test_gqa_token_major_views_and_training_forwards_are_bound(answered):
         assert torch.equal(a, b)
 
 
+def test_a_spec_that_reads_the_lengths_keeps_them_per_signature(answered):
+    """S_q and S_k as the mask reads them (a top-left causal over fewer rows than keys): the bound
+    call's lengths are its signature's, the same answer as the validating path's."""
+    spec = f"attention bc_len {{ dtype = {DTS} mask = k <= q - (S_k - S_q) }}"
+    attn = attnc.compile(spec)
+    q, _, _ = qkv(s=S // 2)
+    _, k, v = qkv(seed=1)
+    o1 = attn(q, k, v, **KW)
+    o2 = attn(q, k, v, **KW)
+    assert answered == [True] and torch.equal(o1, o2)
+    close(o2, reference(spec, q, k, v))
+
+
 @pytest.mark.skipif(not GPU, reason="the C launcher (ATTNC_TEST_GPU=1 on a GPU)")
 def test_gpu_a_bound_call_launches_through_the_c_launcher(answered):
     attn = attnc.compile(f"attention bc_raw {{ dtype = {DTS} mask = causal }}")
