@@ -4,7 +4,8 @@
 The kernels are a library (``prefill.py``, ``gluon_engine.py``, ``split.py``) that takes the
 generated functions and constants as constexpr arguments.  Expression code is printed here
 (never user text; tensors by generated names).  Integer `//` and `%` go through helpers
-with the language's floor semantics (Triton's operators truncate); tensor reads
+with the language's floor semantics (Triton's operators truncate), except where the dividend is
+never negative and the divisor a positive constant (``triton_expr``'s ``ints``); tensor reads
 clamp their subscripts so a kernel never touches memory outside a tensor (plan
 time reports out-of-range reads as errors before launch).
 """
@@ -51,11 +52,15 @@ def calls(dtype: str) -> dict[str, str]:
 
 
 def triton_expr(e: ir.Expr, names: dict[str, str] | None = None, functions: dict[str, str] = _CALLS,
-                fast: IntRanges | None = None) -> str:
+                fast: IntRanges | None = None, ints: IntRanges | None = None) -> str:
     """Triton source for one IR expression over q [BLOCK_M, 1], k [1, BLOCK_N], scalar b, h.
     ``fast``: the guarded calls' ranges of a fast form (compiler/fast_score.py), whose small
-    position conversions print as ``_f32_small``."""
-    rec = lambda x: triton_expr(x, names, functions, fast)  # noqa: E731
+    position conversions print as ``_f32_small``.  ``ints``: the program's integer ranges
+    (``compiler.ranges``), by which `//` and `%` of a dividend that is never negative by a positive
+    constant print as Triton's own operators (floor and truncation agree there), and by a power of
+    two as a shift and a bitwise and: a periodic or chunked mask's cells cost one instruction per
+    atom instead of the sign fix-up's ten."""
+    rec = lambda x: triton_expr(x, names, functions, fast, ints)  # noqa: E731
     if isinstance(e, ir.Const):
         return repr(e.value)
     if isinstance(e, ir.Var):  # the request's lengths come with TS: kv_lens [B] and qo_indptr [B + 1]
@@ -81,6 +86,11 @@ def triton_expr(e: ir.Expr, names: dict[str, str] | None = None, functions: dict
                     "mod": f"({a} - tl.floor({quotient}) * {b})"}[e.op]
         # integer // and % are total (x // 0 = 0, x % 0 = x): a divisor that may be 0 takes the guard
         total = "" if isinstance(e.right, ir.Const) and e.right.value != 0 else "_total"
+        if not total and ints is not None and e.right.value > 0 and ints(e.left)[0] >= 0:
+            c = int(e.right.value)
+            if c & (c - 1) == 0:
+                return {"floordiv": f"({a} >> {c.bit_length() - 1})", "mod": f"({a} & {c - 1})"}[e.op]
+            return {"floordiv": f"({a} // {b})", "mod": f"({a} % {b})"}[e.op]
         return {"floordiv": f"_floordiv{total}({a}, {b})", "mod": f"_mod{total}({a}, {b})"}[e.op]
     if isinstance(e, ir.Compare):
         cmp = f"({rec(e.left)} {_COMPARE[e.op]} {rec(e.right)})"
@@ -182,7 +192,7 @@ def emit(program: ir.Program) -> Source:
         tensors=[{"name": t.name, "arg": names[t.name], "dtype": t.dtype.value, "axes": tuple(t.axes)}
                  for t in p.tensors],
         mask_source=ir.format_expr(p.mask), score_source=[ir.format_expr(s) for s in p.score],
-        mask_code=triton_expr(p.mask, names), score_code=score, fast_code=fast if fast != score else None,
+        mask_code=triton_expr(p.mask, names, ints=IntRanges(p.heads_q)), score_code=score, fast_code=fast if fast != score else None,
         grad_code=grad, fast_grad_code=fast_grad if fast_grad != grad else None,
         lengths=uses_lengths(p), fast_positions=f"2**{fast_score.FAST_POSITIONS.bit_length() - 1}",
         separable=_separable_code(p, names), load_grads=_load_grad_code(p, names),

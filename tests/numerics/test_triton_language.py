@@ -116,3 +116,24 @@ def test_sign_of_tensor_reads_in_the_kernels():
                                    "score = score + sign(w[h] - 0.0) * abs(q - k) * 0.125", 8, 8, batch=2)
     assert not isinstance(want, AttncError), want
     assert_agree(want, *got)
+
+
+@pytest.mark.parametrize("mask", [
+    "causal & (k % 8 < 3 | q // 4 == k // 4)",                     # never-negative dividends, powers of two
+    "causal & (q % 7 < 3 | k // 5 == q // 5)",                     # never negative, other divisors
+    "causal & ((q - k) % 4 == 0 | (q - k) // 3 == 2)",             # dividends that may be negative
+    "causal & (doc[b, k] % 4 == doc[b, q] // -2 | k % -3 == -1)",  # tensor values (any i32), negative divisors
+])
+def test_floor_division_and_remainder_keep_the_languages_rule(mask):
+    """The emitter prints `//` and `%` of a dividend the range analysis proves never negative by a
+    positive constant as Triton's operators (a power of two: a shift, a bitwise and), the rest
+    through the floor helpers: every form gives the oracle's answer."""
+    from attnc.backends.triton.emit import emit
+    body = f"tensor doc: i32[b, s] ~ randint(-9, 9) mask = {mask}" if "doc" in mask else f"mask = {mask}"
+    source = emit(compile_spec(f"attention t {{ {HEAD} {body} }}")).text
+    if "q - k" in mask or "doc" in mask:
+        assert "_floordiv(" in source or "_mod(" in source
+    else:
+        assert "_floordiv(" not in source.split("def visible")[1].split("@triton.jit")[0]
+    want, *got = prefill_and_split(body, 37, 45, batch=2)
+    assert_agree(want, *got)

@@ -25,7 +25,7 @@ LENGTHS = False  # TS ends with the call's kv_lens [B] and qo_indptr [B + 1] (S_
 @triton.jit
 def visible(b, h, q, k, TS):
     """The mask: True where key position k is visible to query position q."""
-    return ((k <= q) & (_floordiv(q, 32) == _floordiv(k, 32)))
+    return ((k <= q) & ((q >> 5) == (k >> 5)))
 
 
 @triton.jit

@@ -26,7 +26,7 @@ LENGTHS = False  # TS ends with the call's kv_lens [B] and qo_indptr [B + 1] (S_
 def visible(b, h, q, k, TS):
     """The mask: True where key position k is visible to query position q."""
     _t0, _t0_s0, _t0_n0, _t0_s1, _t0_n1, _t0_s2, _t0_n2, _t0_s3, _t0_n3 = TS
-    return ((k <= q) & (q < tl.load(_t0 + tl.minimum(tl.maximum(b, 0), _t0_n0 - 1) * _t0_s0 + tl.minimum(tl.maximum(_floordiv(h, 4), 0), _t0_n1 - 1) * _t0_s1 + tl.minimum(tl.maximum(k, 0), _t0_n2 - 1) * _t0_s2 + tl.minimum(tl.maximum(0, 0), _t0_n3 - 1) * _t0_s3)))
+    return ((k <= q) & (q < tl.load(_t0 + tl.minimum(tl.maximum(b, 0), _t0_n0 - 1) * _t0_s0 + tl.minimum(tl.maximum((h >> 2), 0), _t0_n1 - 1) * _t0_s1 + tl.minimum(tl.maximum(k, 0), _t0_n2 - 1) * _t0_s2 + tl.minimum(tl.maximum(0, 0), _t0_n3 - 1) * _t0_s3)))
 
 
 @triton.jit
