@@ -17,8 +17,8 @@ each repeating a lookup the signature already settled.  Two objects skip them:
   the launch cannot go raw (not compiled under the key yet, a Triton whose launcher
   ``raw_launch`` does not know, a tool hooking launches), it launches as ``PrefillLaunch`` does.
 
-Both hold nothing of a caller's tensors; the bound call holds its launch weakly (the plan cache
-owns plans and their device arrays).
+Neither holds a caller's tensor or a reference to its launch (the bound call's is weak; the
+bound launches live on their launch): the plan cache owns plans and their device arrays.
 """
 from __future__ import annotations
 
@@ -32,11 +32,13 @@ _ROLES = {"q": 0, "k": 1, "v": 2, "o": 3}  # the Gluon engine's descriptor argum
 
 
 class BoundLaunch:
-    """``__call__(q, k, v, ts, out, lse, flag)``: ``launch(q, k, v, ts, out, lse, key, flag=flag)`` of a
-    ``PrefillLaunch`` with the same arguments, through the C launcher where it can."""
+    """``__call__(launch, q, k, v, ts, out, lse, flag)``: ``launch(q, k, v, ts, out, lse, key,
+    flag=flag)`` of a ``PrefillLaunch`` with the same arguments, through the C launcher where it
+    can.  Kept on its launch (``PrefillLaunch.bound_runs``, by MARK) and handed it per call: it
+    holds no reference to the launch, so a plan the cache drops goes with its bound launches."""
 
     def __init__(self, launch, key, mark: int):
-        self.launch, self.key = launch, key
+        self.key = key
         self.launcher = launch.launcher
         self.lkey = (key, mark)
         self.gluon = launch.config.engine == "gluon"
@@ -47,20 +49,20 @@ class BoundLaunch:
         self.runtime = L._knobs().runtime
         self.stream_of = self.device_of = None  # (Triton's active driver, asked once the launch goes raw)
 
-    def __call__(self, q, k, v, ts, out, lse, flag):
+    def __call__(self, launch, q, k, v, ts, out, lse, flag):
         raw = self.raw
         if raw is None:
-            raw = self.raw = self._raw()
+            raw = self.raw = self._raw(launch)
         rt = self.runtime
         if raw is None or hooked(rt.launch_enter_hook) or hooked(rt.launch_exit_hook):
-            self.launch(q, k, v, ts, out, lse, self.key, flag=flag)
+            launch(q, k, v, ts, out, lse, self.key, flag=flag)
             return
         stream = self.stream_of(self.device_of())
-        launch = self.launch
         if self.gluon:
-            counter = self._counter(stream) if launch.schedule == 1 else launch.arrays["merged_partial"]
-            args = launch.gluon_args(self._encoded("q", q), self._encoded("k", k), self._encoded("v", v),
-                                     self._encoded("o", out), out, lse, counter, ts, flag)
+            counter = self._counter(launch, stream) if launch.schedule == 1 else launch.arrays["merged_partial"]
+            args = launch.gluon_args(self._encoded(launch, "q", q), self._encoded(launch, "k", k),
+                                     self._encoded(launch, "v", v), self._encoded(launch, "o", out), out, lse,
+                                     counter, ts, flag)
         else:
             desc_k = desc_v = k
             if launch.config.use_tma:
@@ -72,11 +74,11 @@ class BoundLaunch:
         raw(self.grid, stream, args + self.launcher.tail)
         self.launcher.launches["raw"] += 1
 
-    def _raw(self):
+    def _raw(self, launch):
         """The key's raw launch once the launcher has one (Gluon: with its four descriptors where
         ``gluon_args`` puts them); None until then, or where it has none."""
         raw = self.launcher.raw.get(self.lkey)
-        if raw is None or (self.gluon and (self.launch.fp8 or self.launch.p_perm
+        if raw is None or (self.gluon and (launch.fp8 or launch.p_perm
                                            or tuple(raw.positions) != tuple(_ROLES.values()))):
             return None
         from triton.runtime import driver
@@ -84,14 +86,13 @@ class BoundLaunch:
         self.stream_of, self.device_of = active.get_current_stream, active.get_current_device
         return raw
 
-    def _encoded(self, role: str, t):
+    def _encoded(self, launch, role: str, t):
         """``t``'s descriptor for ``role``, encoded (the key fixes its shape and strides: its address
         tells encodings apart)."""
         table = self.encoded[role]
         address = t.data_ptr()
         hit = table.get(address)
         if hit is None:
-            launch = self.launch
             if role == "o":
                 desc = TensorView(t, launch.o_cols)
             else:
@@ -102,10 +103,10 @@ class BoundLaunch:
             hit = table[address] = self.raw.encode(_ROLES[role], desc)
         return hit
 
-    def _counter(self, stream):
+    def _counter(self, launch, stream):
         c = self.counters.get(stream)
         if c is None:
-            c = self.counters[stream] = L._counter(self.launch.device, stream)
+            c = self.counters[stream] = L._counter(launch.device, stream)
         return c
 
 
@@ -121,10 +122,9 @@ class BoundPrefill:
         module = kernel.module
         self.ts = None if (module.LENGTHS or module.TENSORS) else ()
         self.lse_shape = (bound.batch, kernel.program.heads_q, bound.s_q)
-        self.launches = {}  # MARK (0, 1) -> BoundLaunch
         self.lkey = key if self.named else bound.plan_key  # (PrefillCalls._launch's key of the launch)
         self.stale = False  # whether a call found another plan (or none) in the cache than this one's
-        self.last = None  # (the mask tensors' ids and versions, their tensors, the plan key) of the last call
+        self.last = None  # (the mask tensors' ids and versions, the plan cache's key for them) of the last call
         self.lengths = None  # (kv_lens, qo_indptr) of the signature's lengths, where the spec reads them
 
     def __call__(self, q, k, v, tensors: dict):
@@ -135,9 +135,9 @@ class BoundPrefill:
         if self.named:  # (the plan's key by the mask tensors' identities and versions: made again when they move)
             ids = kernel._tensor_ids(tensors)
             last = self.last
-            if last is None or last[0] != ids:
-                last = self.last = (ids, *kernel._plan_key(self.key, tensors=tensors))
-            named, pkey = [tensors[n] for n in kernel._tensor_names if n in tensors], last[2]
+            if last is None or last[0] != ids:  # (the cache's own key object: later lookups match it by identity)
+                last = self.last = (ids, P.PLANS.stored_key(kernel._plan_key(self.key, tensors=tensors)[1]))
+            named, pkey = [tensors[n] for n in kernel._tensor_names if n in tensors], last[1]
         else:
             named, pkey = (), bound.plan_key
         launch = P.PLANS.get(pkey, named)
@@ -155,8 +155,9 @@ class BoundPrefill:
         out = kernel._new_out(q, bound)
         lse = q.new_empty(self.lse_shape, dtype=kernel._torch.float32)
         mark = 0 if flag is None else 1
-        run = self.launches.get(mark)
+        runs = launch.bound_runs
+        run = runs.get(mark)
         if run is None:
-            run = self.launches[mark] = BoundLaunch(launch, self.lkey, mark)
-        run(q, k, v, ts, out.transpose(1, 2) if bound.bshd else out, lse, flag)
+            run = runs[mark] = BoundLaunch(launch, self.lkey, mark)
+        run(launch, q, k, v, ts, out.transpose(1, 2) if bound.bshd else out, lse, flag)
         return out, lse

@@ -329,6 +329,7 @@ class PrefillLaunch(_GluonDescriptors):
         self.offsets = offsets
         self.fp8 = fp8
         self.p_perm = False
+        self.bound_runs: dict = {}  # MARK -> bound.BoundLaunch of the key its bound call launches under
         self.device = device
         end = position_end(self.s_q, self.s_k, offsets)
         spec = spec_constexprs(module, end)

@@ -232,10 +232,10 @@ def _tracked(t) -> bool:
 
 
 class _Entry:
-    __slots__ = ("value", "nbytes", "refs")
+    __slots__ = ("value", "nbytes", "refs", "key")
 
-    def __init__(self, value, nbytes: int, refs: tuple):
-        self.value, self.nbytes, self.refs = value, nbytes, refs
+    def __init__(self, value, nbytes: int, refs: tuple, key):
+        self.value, self.nbytes, self.refs, self.key = value, nbytes, refs, key
 
 
 class PlanCache:
@@ -280,6 +280,13 @@ class PlanCache:
             self.misses += 1
             return None
 
+    def stored_key(self, key):
+        """The key object an entry equal to ``key`` is stored under (else ``key``): a caller that
+        keeps it is found by identity, without comparing the key's parts."""
+        with self._lock:
+            e = self._items.get(key)
+            return key if e is None else e.key
+
     def put(self, key, value, nbytes: int, tensors=()) -> None:
         budget = self.budget
         if nbytes > budget:
@@ -288,7 +295,7 @@ class PlanCache:
         with self._lock:
             if key in self._items:
                 self._drop(key)
-            self._items[key] = _Entry(value, nbytes, refs)
+            self._items[key] = _Entry(value, nbytes, refs, key)
             self._bytes += nbytes
             while self._bytes > budget and self._items:
                 self._drop(next(iter(self._items)))

@@ -294,11 +294,11 @@ def test_the_llama_model_hands_the_kernel_views(llama, monkeypatch):
             seen.append((q_, k_, v_, args[1]))  # (q, k, v, O as the launch gets them: args = ts, out, lse)
         return call(self, q_, k_, v_, *args, **kwargs)
 
-    def spy_bound(self, q_, k_, v_, ts, out, lse, flag):  # the layers after the first: their bound call's launch
+    def spy_bound(self, launch_, q_, k_, v_, ts, out, lse, flag):  # the layers after the first: their bound launch
         seen.append((q_, k_, v_, out))
         inside.append(1)
         try:
-            return bound_call(self, q_, k_, v_, ts, out, lse, flag)
+            return bound_call(self, launch_, q_, k_, v_, ts, out, lse, flag)
         finally:
             inside.pop()
     monkeypatch.setattr(launch.PrefillLaunch, "__call__", spy)

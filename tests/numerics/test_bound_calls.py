@@ -109,12 +109,17 @@ def test_a_mask_tensor_changed_in_place_is_planned_again(answered):
 
 
 def test_a_plan_the_cache_dropped_is_made_again(answered):
+    import gc
+    import weakref
     spec = f"attention bc_drop {{ dtype = {DTS} mask = causal & window(8) }}"
     attn = attnc.compile(spec)
     q, k, v = qkv()
     o1 = attn(q, k, v, **KW)
     attn(q, k, v, **KW)
+    dropped = weakref.ref(next(b for b in attn._bound.values() if b)[0].launch())
     P.PLANS.clear()
+    gc.collect()
+    assert dropped() is None  # (nothing bound keeps a plan the cache let go: its device arrays are freed)
     o2 = attn(q, k, v, **KW)
     o3 = attn(q, k, v, **KW)
     assert answered == [True, False, True]
@@ -176,7 +181,7 @@ def test_gpu_a_bound_call_launches_through_the_c_launcher(answered):
     q, k, v = qkv()
     o1 = attn(q, k, v, **KW)
     o2 = attn(q, k, v, **KW)
-    runs = [r for b in attn._bound.values() if b for r in b[0].launches.values()]
+    runs = [r for b in attn._bound.values() if b for r in b[0].launch().bound_runs.values()]
     assert answered == [True] and runs and all(r.raw is not None for r in runs)
     before = sum(r.launcher.launches["raw"] for r in runs)
     o3 = attn(q, k, v, **KW)
