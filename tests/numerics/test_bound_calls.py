@@ -175,6 +175,53 @@ def test_a_spec_that_reads_the_lengths_keeps_them_per_signature(answered):
     close(o2, reference(spec, q, k, v))
 
 
+def test_the_raw_branch_hands_the_c_launcher_the_launchs_own_arguments(answered, monkeypatch):
+    """The bound launch's C-launcher branch, on the CPU with a stand-in C launcher (a GPU runs the
+    real one below): the grid, the current stream and the same arguments, in the same order, as
+    the launch layer hands the kernel on the validating path."""
+    if GPU:
+        pytest.skip("the GPU test below runs the real C launcher")
+    from types import SimpleNamespace
+    from triton.runtime import driver
+    from attnc.backends.triton import launch as L
+    attn = attnc.compile(f"attention bc_fake {{ dtype = {DTS} mask = causal & window(9) }}")
+    q, k, v = qkv()
+    attn(q, k, v, **KW)
+    seen = []
+    original = L.Launcher.launch
+
+    def spy(self, grid, args, key=None, stream=None):
+        seen.append((tuple(grid), args + self.tail, key))
+        return original(self, grid, args, key, stream)
+    monkeypatch.setattr(L.Launcher, "launch", spy)
+    attn(q, k, v, **KW)  # bound, not raw here: through the launch layer
+    assert answered == [True] and len(seen) == 1
+    grid, want, key = seen[0]
+    launch = next(b for b in attn._bound.values() if b)[0].launch()
+    calls = []
+
+    class FakeRaw:
+        positions = ()
+
+        def __call__(self, g, stream, args):
+            calls.append((g, stream, args))
+    launch.launcher.raw[key] = FakeRaw()
+    monkeypatch.setattr(driver, "_active", SimpleNamespace(get_current_stream=lambda device: 1234,
+                                                           get_current_device=lambda: 0))
+    attn(q, k, v, **KW)
+    assert answered == [True, True] and len(seen) == 1 and len(calls) == 1  # (not through the launch layer)
+    g, stream, got = calls[0]
+    assert g == grid + (1,) * (3 - len(grid)) and stream == 1234 and len(got) == len(want)
+    for a, b in zip(got, want):
+        if hasattr(a, "data_ptr"):  # O and LSE are new each call: their layout; the rest the same tensors
+            assert (a.shape, a.dtype, a.stride()) == (b.shape, b.dtype, b.stride())
+            if a.data_ptr() in (q.data_ptr(), k.data_ptr(), v.data_ptr()):
+                assert a.data_ptr() == b.data_ptr()
+        else:
+            assert a == b
+    assert launch.launcher.launches["raw"] >= 1
+
+
 @pytest.mark.skipif(not GPU, reason="the C launcher (ATTNC_TEST_GPU=1 on a GPU)")
 def test_gpu_a_bound_call_launches_through_the_c_launcher(answered):
     attn = attnc.compile(f"attention bc_raw {{ dtype = {DTS} mask = causal }}")
