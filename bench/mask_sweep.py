@@ -330,6 +330,18 @@ def _reference(node: Node, q, k, v, doc, planes):
     return out
 
 
+def mask_inputs(node: Node, index: int, *, batch: int, heads: int, s: int, head_dim: int, seed: int, device):
+    """(q, k, v, doc or None) of mask ``index`` at the bench shape, the same in the timing and in
+    the warm-up (``mask_sweep_warm``: what it compiles is what is timed)."""
+    import torch
+    g = torch.Generator(device=device).manual_seed(seed + index)
+    q, k, v = (torch.randn(batch, heads, s, head_dim, device=device, dtype=torch.bfloat16, generator=g)
+               for _ in range(3))
+    doc = (torch.as_tensor(documents(np.random.default_rng(seed + index), batch, s), device=device)
+           if node.reads_doc() else None)
+    return q, k, v, doc
+
+
 def time_mask(node: Node, index: int, rows, *, batch: int, heads: int, s: int, head_dim: int, seed: int,
               flex_backends: tuple, env: dict, warmed: bool = False) -> None:
     """One mask at the bench shape: attnc's public call, Flex (Triton) and Flex FLASH, each checked
@@ -340,11 +352,7 @@ def time_mask(node: Node, index: int, rows, *, batch: int, heads: int, s: int, h
     import attnc
     from . import harness as H
     dev = "cuda"
-    g = torch.Generator(device=dev).manual_seed(seed + index)
-    q, k, v = (torch.randn(batch, heads, s, head_dim, device=dev, dtype=torch.bfloat16, generator=g)
-               for _ in range(3))
-    doc = (torch.as_tensor(documents(np.random.default_rng(seed + index), batch, s), device=dev)
-           if node.reads_doc() else None)
+    q, k, v, doc = mask_inputs(node, index, batch=batch, heads=heads, s=s, head_dim=head_dim, seed=seed, device=dev)
     tensors = {"doc": doc} if doc is not None else {}
     attn = attnc.compile(spec_text(node, index))
     program = attn.specialize(heads, heads, head_dim, head_dim, "bf16")

@@ -25,9 +25,7 @@ import os
 import sys
 import time
 
-import numpy as np
-
-from .mask_sweep import Node, add_mask_options, documents, masks, shared_caches, spec_text
+from .mask_sweep import Node, add_mask_options, mask_inputs, masks, shared_caches, spec_text
 
 
 def warm_mask(node: Node, index: int, *, batch: int, heads: int, s: int, head_dim: int, seed: int,
@@ -52,11 +50,8 @@ def warm_mask(node: Node, index: int, *, batch: int, heads: int, s: int, head_di
         ms[name] = (time.perf_counter() - t0) * 1e3
         return out
 
-    g = torch.Generator(device=device).manual_seed(seed + index)
-    q, k, v = (torch.randn(batch, heads, s, head_dim, device=device, dtype=torch.bfloat16, generator=g)
-               for _ in range(3))
-    doc = (torch.as_tensor(documents(np.random.default_rng(seed + index), batch, s), device=device)
-           if node.reads_doc() else None)
+    q, k, v, doc = mask_inputs(node, index, batch=batch, heads=heads, s=s, head_dim=head_dim, seed=seed,
+                               device=device)
     tensors = {"doc": doc} if doc is not None else {}
     step("attnc_call", lambda: attnc.compile(spec_text(node, index))(q, k, v, **tensors))
 
