@@ -319,10 +319,11 @@ class Attention:
         return self._in_out_order(o, q), lse, route
 
     def _bound_forward(self, q, k, v, tensors: dict, backend: str | None):
-        """((O, LSE) or None, the call's key in the table of bound calls or None, its route): the call through
-        the bound call of its signature (the backend's ``bound_forward``) where there is one and it
-        takes the call (it answers None where a check wants :meth:`forward`: then :meth:`_bind`).  Its O is in q's order
-        already (a backend binds calls whose O it allocates so: no ``_in_out_order``)."""
+        """((O, LSE) or None, the call's key in the table of bound calls or None, its route): the
+        call through the bound call of its signature (the backend's ``bound_forward``) where there
+        is one and it takes the call (it answers None where a check wants :meth:`forward`; then
+        :meth:`_bind`).  Its O is in q's order already (a backend binds calls whose O it allocates
+        so: no ``_in_out_order``)."""
         try:
             key = (backend, call_signature(q, k, v, tensors))
         except NO_ADDRESS:

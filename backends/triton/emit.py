@@ -192,7 +192,8 @@ def emit(program: ir.Program) -> Source:
         tensors=[{"name": t.name, "arg": names[t.name], "dtype": t.dtype.value, "axes": tuple(t.axes)}
                  for t in p.tensors],
         mask_source=ir.format_expr(p.mask), score_source=[ir.format_expr(s) for s in p.score],
-        mask_code=triton_expr(p.mask, names, ints=IntRanges(p.heads_q)), score_code=score, fast_code=fast if fast != score else None,
+        mask_code=triton_expr(p.mask, names, ints=IntRanges(p.heads_q)), score_code=score,
+        fast_code=fast if fast != score else None,
         grad_code=grad, fast_grad_code=fast_grad if fast_grad != grad else None,
         lengths=uses_lengths(p), fast_positions=f"2**{fast_score.FAST_POSITIONS.bit_length() - 1}",
         separable=_separable_code(p, names), load_grads=_load_grad_code(p, names),

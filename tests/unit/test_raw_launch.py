@@ -72,6 +72,28 @@ def test_the_c_launcher_gets_what_the_wrapper_passes_and_encodings_are_kept(monk
     assert len(encoded) == n + 1 and calls[3][BASE + 12] == ("tensormap", 0x4000, 32)
 
 
+def test_an_argument_encoded_once_is_handed_over_as_it_is(monkeypatch):
+    """``launch.encode(p, desc)`` (a bound launch's, ``bound.py``) encodes with position p's meta;
+    the launch then passes that ``Encoded`` where the wrapper would have expanded the descriptor."""
+    monkeypatch.setattr(nv, "_BASE_ARGS_FORMAT_LEN", BASE, raising=False)
+    encoded = []
+    monkeypatch.setattr(nv, "make_tensordesc_arg", lambda d, m: encoded.append(d.base.data_ptr()) or _encode(d, m),
+                        raising=False)
+    calls = []
+    kernel = _kernel(lambda *a: calls.append(a), {0, 2}, [{"swizzle": 128}, {"swizzle": 32}])
+    q, o = _Desc(0x1000, [64, 128], [128, 1]), _Desc(0x3000, [32, 16], [16, 1])
+    grid, stream = (8, 1, 1), 0xABC
+    kernel.run.launch(*grid, stream, kernel.function, False, True, None, None, kernel.packed_metadata, None, None,
+                      None, q, 5, o)
+    raw = raw_launch.raw_launch(kernel)
+    assert raw.positions == (0, 2)
+    eq, eo = raw.encode(0, q), raw.encode(2, o)
+    assert isinstance(eq, raw_launch.Encoded) and eo[0] == ("tensormap", 0x3000, 32)
+    n = len(encoded)
+    raw(grid, stream, (eq, 5, eo))
+    assert calls[1] == calls[0] and len(encoded) == n  # (nothing encoded at the launch)
+
+
 def test_no_raw_launch_where_the_launcher_is_not_the_known_one(monkeypatch):
     monkeypatch.setattr(nv, "_BASE_ARGS_FORMAT_LEN", BASE, raising=False)
     monkeypatch.setattr(nv, "make_tensordesc_arg", _encode, raising=False)
