@@ -21,7 +21,7 @@ process: ``attnc.compile(spec)(q, k, v, **tensors)``, Flex (Triton) ``flex_atten
 with ``create_block_mask`` of the mask_mod, and Flex ``kernel_options={"BACKEND": "FLASH"}``
 (a row with its error where it raises: it needs flash-attn-4).  Raw rows (samples included) and
 one summary row (min / median / max of each ratio, the bottom masks) are JSON lines under
-``bench/results/`` with the command in each.
+``bench/results/studies/`` with the command in each.
 
 Nearly all of a mask's wall time on the GPU is compilation (attnc's first call: Triton/Gluon JIT
 of a kernel whose source inlines the mask; Flex: ``torch.compile`` per mask_mod).
@@ -545,7 +545,8 @@ def add_mask_options(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--seq", type=int, default=8192)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--flex", default="triton,flash", help="Flex backends to time: triton, flash (or '')")
-    ap.add_argument("--out", default=None, help="JSON lines (default bench/results/mask_sweep_<time>.jsonl)")
+    ap.add_argument("--out", default=None,
+                    help="JSON lines (default bench/results/studies/mask_sweep_<time>.jsonl: not the evidence schema)")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -570,8 +571,10 @@ def main(argv=None) -> int:
     if a.time_budget is not None and a.time_budget < 0:
         ap.error("--time-budget takes SECONDS >= 0")
     from . import harness as H
-    # default: bench/results/ under the current directory (a checkout's root), never inside an install
-    out = a.out or str(Path("bench") / "results" / f"mask_sweep_{time.strftime('%Y%m%d_%H%M%S', time.gmtime())}.jsonl")
+    # default: bench/results/studies/ under the current directory (a checkout's root), never inside an
+    # install; not bench/results/ itself, whose rows are the evidence schema's (tests/unit/test_evidence.py)
+    stamp = time.strftime('%Y%m%d_%H%M%S', time.gmtime())
+    out = a.out or str(Path("bench") / "results" / "studies" / f"mask_sweep_{stamp}.jsonl")
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     command = "python3 -m bench.mask_sweep " + " ".join(argv if argv is not None else sys.argv[1:])
     rows = H.Rows(out, command)
