@@ -112,6 +112,8 @@ class Launches:
                     paths[f"{name}:{way}"] = paths.get(f"{name}:{way}", 0) + 1
         self.L.Launcher.launch = launch
 
+        original_go = self.original_go
+
         def go(run, raw, stream, args):  # a bound call's launch straight to the C launcher (bound.py)
             fn = getattr(run.launcher.fn, "fn", run.launcher.fn)
             name = getattr(fn, "__name__", "?")
@@ -119,7 +121,6 @@ class Launches:
             paths[f"{name}:bound"] = paths.get(f"{name}:bound", 0) + 1
             if not stub:
                 original_go(run, raw, stream, args)
-        original_go = self.original_go
         self.bound.BoundLaunch._go = go
         return self
 

@@ -512,12 +512,7 @@ def warm_up(a, out: str, rows, deadline: float | None = None) -> set[int]:
                 p.wait()
     ok = set()
     for i, start, count, part, log, p in procs:
-        warm = []
-        for line in part.read_text().splitlines() if part.exists() else []:
-            try:
-                warm.append(json.loads(line))
-            except ValueError:  # a line cut short by the kill
-                pass
+        warm = _complete_rows(part)
         for r in warm:
             rows.append(r)
             if not r.get("errors"):
@@ -529,6 +524,17 @@ def warm_up(a, out: str, rows, deadline: float | None = None) -> set[int]:
               f"{sum(bool(r.get('errors')) for r in warm)} with errors", flush=True)
     print(f"warm-up: {len(ok)} of {a.count} masks compiled without an error in {_now() - t0:.1f} s", flush=True)
     return ok
+
+
+def _complete_rows(path: Path) -> list[dict]:
+    """The JSON rows of a worker's file, without a last line a kill cut short (not JSON)."""
+    rows = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            continue
+    return rows
 
 
 def _now() -> float:

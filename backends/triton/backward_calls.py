@@ -3,6 +3,7 @@ a mixin of ``runtime.Kernel``."""
 from __future__ import annotations
 
 from attnc.compiler import inputs, ir, sinks
+from attnc.compiler.dispatch.signature import NO_ADDRESS
 from attnc.compiler.errors import InputError
 
 from . import blocks
@@ -57,7 +58,7 @@ class BackwardCalls:
             bind_key = ("backward", self._key(q, k, v, tensors), o.shape, o.stride(), do.shape, do.stride(), lse.shape,
                         o.data_ptr() % 16 == 0, do.data_ptr() % 16 == 0, None if dlse is None else dlse.shape,
                         config, self._score_wanted(want), GB.DEFAULT, deterministic)  # (GB.DEFAULT flipped: re-chosen)
-        except device.NO_ADDRESS:
+        except NO_ADDRESS:
             bind_key = None  # (e.g. a meta tensor has no address: the checks name what is wrong)
         hit = self._bound.get(bind_key) if bind_key is not None else None
         if hit is None:  # validated and chosen once per key, as the forward's calls are
@@ -124,7 +125,7 @@ class BackwardCalls:
         try:
             if device.tma_ready(q, k, v, o):
                 return False
-        except device.NO_ADDRESS:
+        except NO_ADDRESS:
             return False
         return GB.takes_copies(self.program, config, (q, k, v, o), interpreted(), deterministic)
 

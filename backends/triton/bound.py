@@ -122,7 +122,7 @@ class BoundPrefill:
         module = kernel.module
         self.ts = None if (module.LENGTHS or module.TENSORS) else ()
         self.lse_shape = (bound.batch, kernel.program.heads_q, bound.s_q)
-        self.lkey = key if self.named else bound.plan_key  # (PrefillCalls._launch's key of the launch)
+        self.lkey = kernel._launch_key(bound, key)
         self.stale = False  # whether a call found another plan (or none) in the cache than this one's
         self.last = None  # (the mask tensors' ids and versions, the plan cache's key for them) of the last call
         self.lengths = None  # (kv_lens, qo_indptr) of the signature's lengths, where the spec reads them

@@ -9,7 +9,6 @@ import os
 from dataclasses import asdict, dataclass
 
 from attnc.compiler.dispatch.environment import device_capability
-from attnc.compiler.dispatch.signature import NO_ADDRESS  # noqa: F401  (the call keys' fallback)
 from attnc.compiler.errors import InputError
 from attnc.compiler.plan import DEFAULT_SMS
 

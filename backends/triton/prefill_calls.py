@@ -8,6 +8,7 @@ import numpy as np
 
 from attnc import fp8 as F, layouts
 from attnc.compiler import inputs, ir
+from attnc.compiler.dispatch.signature import NO_ADDRESS
 from attnc.compiler.errors import InputError, PlanError
 from attnc.compiler.plan import Plan, plan as make_plan
 
@@ -47,7 +48,7 @@ class PrefillCalls:
         if plan is None and (not options or not any(v is not None for v in options.values())):
             try:
                 key = self._key(q, k, v, kwargs)
-            except device.NO_ADDRESS:
+            except NO_ADDRESS:
                 key = None  # e.g. a meta tensor has no address: the validating path names what is wrong
             bound = self._bound.get(key)
             if bound is not None:
@@ -163,7 +164,7 @@ class PrefillCalls:
         lse = qb.new_empty((bound.batch, self.program.heads_q, bound.s_q), dtype=torch.float32)
         ob = out.transpose(1, 2) if bound.bshd else out
         # (the launch's key fixes the arguments' specialization: the plan key, hashed once, holds the call's)
-        self._run_launch(launch, qb, kb, vb, ts, ob, lse, key if bound.plan_key is None else bound.plan_key, flag)
+        self._run_launch(launch, qb, kb, vb, ts, ob, lse, self._launch_key(bound, key), flag)
         if bound.emulate:
             out = out.to(torch.bfloat16)
         return out, lse, flag is not None and launch.marks
@@ -181,6 +182,12 @@ class PrefillCalls:
             return None
         from .bound import BoundPrefill
         return BoundPrefill(self, key, bound, launch)
+
+    @staticmethod
+    def _launch_key(bound: _Bound, key):
+        """The key a bound call's launch goes under: the plan key where the mask reads no tensor (made
+        once), else the call's key (it fixes every argument's specialization either way)."""
+        return key if bound.plan_key is None else bound.plan_key
 
     @staticmethod
     def _new_out(qb, bound: _Bound):
