@@ -42,7 +42,9 @@ def _variants(d, names=None):
            "gluon_fused_s3": GB.GluonBackwardConfig(**{**base.__dict__, "dq": "fused", "stages": 3}),
            "gluon_fused_m128": GB.GluonBackwardConfig(**{**base.__dict__, "dq": "fused", "block_m": 128}),
            "gluon_fused_b2": GB.GluonBackwardConfig(**{**base.__dict__, "dq": "fused", "dq_buffers": 2}),
-           "gluon_fused_atomic_b2": GB.GluonBackwardConfig(**{**base.__dict__, "dq": "fused_atomic", "dq_buffers": 2})}
+           "gluon_fused_atomic_b2": GB.GluonBackwardConfig(**{**base.__dict__, "dq": "fused_atomic", "dq_buffers": 2}),
+           "gluon_fused_single": GB.GluonBackwardConfig(**{**base.__dict__, "dq": "fused", "dq_split": 1}),
+           "gluon_fused_atomic_single": GB.GluonBackwardConfig(**{**base.__dict__, "dq": "fused_atomic", "dq_split": 1})}
     return {n: c for n, c in out.items() if names is None or n in names}
 
 

@@ -90,6 +90,7 @@ class GluonBackwardConfig:
     dq_block_n: int = 64
     dq_stages: int = 2
     dq_buffers: int = 1  # fused: float32 dQ tiles per consumer (2: it may run two entries ahead of the writer)
+    dq_split: int = 0  # fused: 1 or 2 (``dq_split``); 0, by the head dim
 
     def __post_init__(self):
         if self.dq not in DQ_MODES:
@@ -99,6 +100,8 @@ class GluonBackwardConfig:
         if self.dq in FUSED and not self.warp_specialize:
             raise ValueError(f"GluonBackwardConfig: dq={self.dq!r} runs in the warp-specialized dK/dV kernel "
                              "(warp_specialize=True)")
+        if self.dq_split not in (0, 1, 2):
+            raise ValueError(f"GluonBackwardConfig.dq_split must be 0 (by the head dim), 1 or 2, not {self.dq_split!r}")
         if self.dq_buffers not in (1, 2):
             raise ValueError(f"GluonBackwardConfig.dq_buffers must be 1 or 2, not {self.dq_buffers!r}")
         if self.warp_specialize and self.block_n != 128:
@@ -109,7 +112,12 @@ class GluonBackwardConfig:
         kind = "warp-specialized" if self.warp_specialize else "plain"
         return (f"gluon dK/dV {kind} {self.block_m} x {self.block_n}, {self.stages} stages; dQ {self.dq}"
                 + (f" 128 x {self.dq_block_n}, {self.dq_stages} stages" if self.dq == "gluon" else "")
-                + (f", {self.dq_buffers} dQ tiles per consumer" if self.dq in FUSED else ""))
+                + (f", {self.dq_buffers} dQ tiles per consumer" if self.dq in FUSED else "")
+                + (f", dQ split {self.dq_split}" if self.dq in FUSED and self.dq_split else ""))
+
+    def split(self, d: int) -> int:
+        """The fused dQ's split at head dim d: the config's, else ``dq_split(d)``."""
+        return self.dq_split or dq_split(d)
 
 
 def default_config(d: int, deterministic: bool = True) -> GluonBackwardConfig:
@@ -117,9 +125,11 @@ def default_config(d: int, deterministic: bool = True) -> GluonBackwardConfig:
     dP^T of its 64 keys); dQ at d 128 by its own pass on 128 x 64 tiles, at d 64 fused in order (both
     deterministic).  H200, kernel alone, causal B4 S8K (study r54): d 64 H32 fused 365.0 TFLOP/s
     against the own pass's 319.5; d 128 H16 fused 402.2 against 425.1 (the ordered adds wait on
-    each other there; fused_atomic, not bit-reproducible, 463.8).  ``deterministic`` False (the
-    caller's ``attnc.compile(..., deterministic=False)``): the fused dQ unordered at every head dim,
-    1.09x the deterministic default at d 128."""
+    each other there; fused_atomic, not bit-reproducible, 463.8).  Study r58, after dQ's GEMMs were
+    issued behind dV's and dK's: d 128 fused 424.3 against the own pass's 420.1 (causal), 448.2 against
+    453.6 (full) -- level, so the own pass stays; dQ made by one warpgroup per entry (dq_split 1) 383.8.
+    ``deterministic`` False (the caller's ``attnc.compile(..., deterministic=False)``): the fused dQ
+    unordered at every head dim, 1.09x the deterministic default at d 128 (r58: 457.2, 492.7 full)."""
     if not deterministic:
         return GluonBackwardConfig(dq="fused_atomic")
     if d <= 64:
@@ -141,7 +151,7 @@ def smem_bytes(d: int, config: GluonBackwardConfig) -> int:
     dO tiles and its K/V stages."""
     c = config
     ds = {"atomic": 1, "fused": 2, "fused_atomic": 2}.get(c.dq, 0) * c.block_m * c.block_n
-    dq_tiles = 2 * 2 * c.dq_buffers * c.block_m * (d // dq_split(d)) if c.dq in FUSED else 0  # (float32: 2 units)
+    dq_tiles = 2 * 2 * c.dq_buffers * c.block_m * (d // c.split(d)) if c.dq in FUSED else 0  # (float32: 2 units)
     dkdv = 2 * c.block_n * d + 2 * c.stages * c.block_m * d + ds + dq_tiles
     dq = 2 * 128 * d + 2 * c.dq_stages * c.dq_block_n * d if c.dq == "gluon" else 0
     return 2 * max(dkdv, dq) + 128
@@ -287,7 +297,7 @@ def kernel_constexprs(module, config: GluonBackwardConfig, s_q: int, s_k: int) -
         EVEN_M=s_q % c.block_m == 0, EVEN_N=s_k % c.block_n == 0, BLOCK_M=c.block_m, BLOCK_N=c.block_n,
         D=spec["D_QK"], STAGES=c.stages, HEAD_GROUP=choice.HEAD_GROUP, ATOMIC_DQ=c.dq == "atomic",
         NUM_WARPS=4 if c.warp_specialize else 8, **score,
-        **(dict(ws, FUSED_DQ=FUSED.get(c.dq, 0), WRITER_REGS=WRITER_REGS, DQ_SPLIT=dq_split(spec["D_QK"]),
+        **(dict(ws, FUSED_DQ=FUSED.get(c.dq, 0), WRITER_REGS=WRITER_REGS, DQ_SPLIT=c.split(spec["D_QK"]),
                 DQ_BUFS=c.dq_buffers)
            if c.warp_specialize else {})),
         dict(num_warps=4, maxnreg=maxnreg) if c.warp_specialize else dict(num_warps=8))}
@@ -380,7 +390,7 @@ class GluonBackwardLaunch:
     def _workspace_descriptor(self, dqa):
         """The fused dQ's float32 workspace [-1, d] as the writer adds into it: boxes of the dK/dV
         pass's query rows by d / ``dq_split`` columns (the layout made once)."""
-        box = [self.config.block_m, self.d // dq_split(self.d)]
+        box = [self.config.block_m, self.d // self.config.split(self.d)]
         layout = self.layouts.get(("workspace", tuple(box)))
         if layout is None:
             layout = self.layouts[("workspace", tuple(box))] = gl.NVMMASharedLayout.get_default_for(box, gl.float32)

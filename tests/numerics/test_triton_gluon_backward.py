@@ -253,6 +253,19 @@ def test_config_refuses_what_no_kernel_runs():
         with pytest.raises(ValueError, match="warp_specialize=True"):
             GB.GluonBackwardConfig(dq=dq, warp_specialize=False)
     assert GB.GluonBackwardConfig(block_n=64, warp_specialize=False, dq="atomic").dq == "atomic"
+    with pytest.raises(ValueError, match="dq_split must be 0"):
+        GB.GluonBackwardConfig(dq="fused", dq_split=4)
+
+
+def test_the_fused_dq_split_is_the_head_dims_unless_asked():
+    """``dq_split`` 0 takes the head dim's (d 128: two 64-column halves; d 64: whole entries in turn);
+    1 at d 128 (one warpgroup per entry, the study's variant) fits shared memory with its 128-column
+    float32 dQ tiles."""
+    fused = GB.GluonBackwardConfig(dq="fused")
+    assert (fused.split(128), fused.split(64)) == (2, 1)
+    single = GB.GluonBackwardConfig(dq="fused", dq_split=1)
+    assert single.split(128) == 1 and "dQ split 1" in single.describe()
+    assert GB.smem_bytes(128, fused) < GB.smem_bytes(128, single) <= GB.SMEM
 
 
 @pytest.mark.skipif(not GB.HAS_GLUON, reason="this Triton has no Gluon")

@@ -241,6 +241,31 @@ def _ws_dkdv_producer(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, 
 
 
 @gluon.jit
+def _dq_issue(ds_smem, k_smem, ds_full, dq_empty, c, uses, db, slot, COL0: tl.constexpr, BLOCK_M: tl.constexpr,
+              DQ_COLS: tl.constexpr, DQ_BUFS: tl.constexpr, dq_layout: tl.constexpr):
+    """Entry c's dQ columns [COL0, + DQ_COLS) = dS K over the tile's keys (both halves of dS^T buffer
+    ``db``), issued (two wgmma groups, not waited for) once both halves are there and the writer has
+    sent what slot ``slot`` held (``uses``: the warpgroup's earlier uses of its dQ buffers)."""
+    mbarrier.wait(ds_full.index(db), (c // 2) & 1)  # both halves of entry c's dS^T
+    mbarrier.wait(dq_empty.index(slot), ((uses // DQ_BUFS) & 1) ^ 1)  # the writer has sent its last tile
+    dq0 = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, dq_layout)
+    dq = warpgroup_mma(ds_smem.index(db * 2).permute((1, 0)), k_smem.index(0).slice(COL0, DQ_COLS, dim=1),
+                       dq0, use_acc=False, is_async=True)
+    return warpgroup_mma(ds_smem.index(db * 2 + 1).permute((1, 0)), k_smem.index(1).slice(COL0, DQ_COLS, dim=1),
+                         dq, is_async=True)
+
+
+@gluon.jit
+def _dq_publish(dq, dq_stage, dq_full, slot):
+    """An issued dQ tile waited for, put in ``dq_stage[slot]`` and handed to the dQ writer."""
+    dq = warpgroup_mma_wait(0, deps=(dq, ))
+    dq_stage.index(slot).store(dq)
+    fence_async_shared()
+    _sync()  # (every thread's rows are in shared memory before the writer is told)
+    mbarrier.arrive(dq_full.index(slot), count=1)
+
+
+@gluon.jit
 def _ws_dkdv_consumer(half: tl.constexpr, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_stage, bars, DK, DV, LSE, DELTA, ORDER,
                       G_PTR, G_ENT, TS, S_Q, S_K, Q_OFF, K_OFF, PLAN_B, PLAN_H, KV_PLANES, K_TILES, BKV,
                       EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -325,30 +350,24 @@ def _ws_dkdv_consumer(half: tl.constexpr, q_smem, do_smem, k_smem, v_smem, ds_sm
             fence_async_shared()
             _sync()  # (the warpgroup's whole half is in shared memory before it says so)
             mbarrier.arrive(ds_full.index(db), count=1)
-        dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
-        mbarrier.arrive(empty.index(stage), count=1)  # (dQ reads dS^T and K, not this stage's Q or dO)
-        if FUSED_DQ != 0:
-            if DQ_SPLIT == 2:
-                take = c >= 0
-            else:
-                take = c % 2 == half
-            if take:
-                db = c % 2
-                COL0: tl.constexpr = half * (D - DQ_COLS)  # (DQ_SPLIT 2: this warpgroup's half; 1: 0)
-                uses = c if DQ_SPLIT == 2 else c // 2  # (this warpgroup's earlier uses of its dQ buffer)
-                mbarrier.wait(ds_full.index(db), (c // 2) & 1)  # both halves of entry c's dS^T
-                slot = half * DQ_BUFS + uses % DQ_BUFS
-                mbarrier.wait(dq_empty.index(slot), ((uses // DQ_BUFS) & 1) ^ 1)  # the writer has sent its last tile
-                dq0 = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, dq_layout)
-                dq = warpgroup_mma(ds_smem.index(db * 2).permute((1, 0)), k_smem.index(0).slice(COL0, DQ_COLS, dim=1),
-                                   dq0, use_acc=False, is_async=True)
-                dq = warpgroup_mma(ds_smem.index(db * 2 + 1).permute((1, 0)),
-                                   k_smem.index(1).slice(COL0, DQ_COLS, dim=1), dq, is_async=True)
-                dq = warpgroup_mma_wait(0, deps=(dq, ))
-                dq_stage.index(slot).store(dq)
-                fence_async_shared()
-                _sync()  # (every thread's rows are in shared memory before the writer is told)
-                mbarrier.arrive(dq_full.index(slot), count=1)
+        if FUSED_DQ != 0 and DQ_SPLIT == 2:  # dQ's GEMMs issued behind dV's and dK's: the tensor cores run them back to back
+            db = c % 2
+            slot = half * DQ_BUFS + c % DQ_BUFS
+            dq = _dq_issue(ds_smem, k_smem, ds_full, dq_empty, c, c, db, slot, half * (D - DQ_COLS), BLOCK_M,
+                           DQ_COLS, DQ_BUFS, dq_layout)
+            dv, dk = warpgroup_mma_wait(2, deps=(dv, dk))  # (dQ's two groups may still run)
+            mbarrier.arrive(empty.index(stage), count=1)  # (dQ reads dS^T and K, not this stage's Q or dO)
+            _dq_publish(dq, dq_stage, dq_full, slot)
+        else:
+            dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
+            mbarrier.arrive(empty.index(stage), count=1)
+            if FUSED_DQ != 0:  # DQ_SPLIT 1: the warpgroups take whole entries in turn
+                if c % 2 == half:
+                    uses = c // 2  # (this warpgroup's earlier uses of its dQ buffer)
+                    slot = half * DQ_BUFS + uses % DQ_BUFS
+                    dq = _dq_issue(ds_smem, k_smem, ds_full, dq_empty, c, uses, c % 2, slot, 0, BLOCK_M, DQ_COLS,
+                                   DQ_BUFS, dq_layout)
+                    _dq_publish(dq, dq_stage, dq_full, slot)
     out_rows = gl.arange(0, HALF, gl.SliceLayout(1, acc_layout))
     out_cols = gl.arange(0, D, gl.SliceLayout(0, acc_layout))
     keys = pid_n * BLOCK_N + half * HALF + out_rows
