@@ -377,8 +377,9 @@ class GluonBackwardLaunch:
             dt = {"torch.float16": gl.float16, "torch.bfloat16": gl.bfloat16}[str(t.dtype)]
             layout = self.layouts[key] = gl.NVMMASharedLayout.get_default_for([rows, self.d], dt)
         desc = TensorDescriptor.from_tensor(t.view(-1, self.d), [rows, self.d], layout)
-        if raw is not None:
+        if raw is not None:  # (the TensorDescriptor kept before the launch went raw holds a tensor: dropped)
             desc = raw.encode(_INPUTS[role], desc)
+            self.descs.pop((role, rows, None), None)
         if role is not None:
             if len(self.descs) >= RAW_DESCRIPTORS:
                 self.descs.clear()

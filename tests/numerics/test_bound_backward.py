@@ -265,6 +265,7 @@ def test_the_gluon_passes_take_inputs_encoded_where_they_launch_raw(gluon_host, 
     dkdv, dq = gluon_host[1][2], gluon_host[2][2]
     assert [type(a) for a in dkdv[:3]] == [Encoded] * 3 and [type(a) for a in dq[:3]] == [Encoded] * 3
     assert sorted(encoded) == sorted([(0, q.data_ptr()), (1, k.data_ptr()), (2, v.data_ptr())] * 2)  # once each
+    assert not any(hasattr(desc, "base") for _, desc in gluon.descs.values())  # (no input's tensor kept)
     runtime_knobs = L._knobs().runtime
     monkeypatch.setattr(runtime_knobs, "launch_enter_hook", lambda *a: None)
     gluon_host.clear()
