@@ -91,6 +91,7 @@ class Attention:
         self._kernels: dict = {}  # (backend, program digest) -> backend kernel
         self._routes: dict = {}  # call key -> (backend protocol object, kernel)
         self._bound: dict = {}  # (backend asked, call signature) -> (bound call, route), or False: none binds
+        self._bound_backward: dict = {}  # (that key, O / dO / dLSE layouts) -> bound backward, or False: none binds
         self._differentiable = None  # the tensors with a gradient (_check_grads), once asked
         self.handle = f"{program.name}-{ir.digest(program)[:16]}" + ("" if self.deterministic else "-unordered")
         with _LOCK:
@@ -308,15 +309,16 @@ class Attention:
         return self._in_out_order(o, q), lse
 
     def _routed_forward(self, q, k, v, tensors: dict, backend: str | None):
-        """(O, LSE, (backend protocol object, kernel)) of one call: :meth:`forward`, keeping the route
-        for the same call's backward (the same q, k, v and tensors: the same key)."""
+        """(O, LSE, (backend protocol object, kernel), the call's bound-call key or None) of one call:
+        :meth:`forward`, keeping the route and the key for the same call's backward (the same q, k, v
+        and tensors: the same key; :meth:`_eager_backward`)."""
         out, key, route = self._bound_forward(q, k, v, tensors, backend)
         if out is not None:
-            return (*out, route)
+            return (*out, route, key)
         route = self._kernel_for(q, k, v, tensors, backend)
         o, lse = require(route[0], "forward").forward(route[1], q, k, v, tensors, None)
         self._bind(key, q, k, v, tensors, backend)
-        return self._in_out_order(o, q), lse, route
+        return self._in_out_order(o, q), lse, route, key
 
     def _bound_forward(self, q, k, v, tensors: dict, backend: str | None):
         """((O, LSE) or None, the call's key in the table of bound calls or None, its route): the
@@ -347,6 +349,40 @@ class Attention:
         if len(self._bound) >= BOUND_CALLS:
             self._bound.clear()
         self._bound[key] = (fast, route) if fast is not None else False
+
+    def _eager_backward(self, route, key, q, k, v, o, lse, do, dlse, tensors: list, want: list):
+        """(dQ, dK, dV, [gradient per index in ``want``]) of an eager call's backward (``_EagerAttention``):
+        on the route its forward took, through the bound backward (the backend's ``bound_backward``)
+        of its forward's bound-call ``key`` and O's, dO's and dLSE's layouts where there is one and it
+        takes the call; else the route's backward, after which calls keyed like it are bound.  Calls
+        asking a tensor's gradient (``want``) take the route's backward.  The forward's signature is
+        the key's: autograd hands back the tensors it saved, unchanged (its version check)."""
+        bkey = None
+        if key is not None and not want:
+            try:
+                bkey = (key, o.stride(), o.data_ptr() % 16 == 0, do.shape, do.stride(), do.data_ptr() % 16 == 0,
+                        None if dlse is None else (dlse.shape, dlse.stride(), dlse.data_ptr() % 16 == 0))
+            except NO_ADDRESS:
+                bkey = None
+            hit = self._bound_backward.get(bkey) if bkey is not None else None
+            if hit:
+                out = hit(q, k, v, o, lse, do, dlse, dict(zip(self.tensor_names, tensors)) if tensors else {})
+                if out is not None:
+                    return (*out, [])
+        names = self.tensor_names
+        named = dict(zip(names, tensors))
+        dq, dk, dv, dts = require(route[0], "backward").backward(
+            route[1], q, k, v, o, lse, do, dlse, named, tuple(names[i] for i in want),
+            deterministic=self.deterministic)
+        if bkey is not None:
+            hit = self._bound_backward.get(bkey)
+            if hit is None or hit is not False and hit.stale:
+                if len(self._bound_backward) >= BOUND_CALLS:
+                    self._bound_backward.clear()
+                fast = route[0].bound_backward(route[1], q, k, v, o, lse, do, dlse, named, self.deterministic)
+                self._bound_backward[bkey] = fast if fast is not None else False
+        return (_as_input_gradient(dq, q), _as_input_gradient(dk, k), _as_input_gradient(dv, v),
+                [as_gradient(dts[names[i]], tensors[i]) for i in want])
 
     def _in_out_order(self, o, q):
         """O as the call returns it: in the order ``attnc.layouts.out_order`` gives q (a bhsd spec's
@@ -489,7 +525,7 @@ def _eager(torch, *xs) -> bool:
 
 def _gradients(ctx, grad_o, grad_lse, run):
     """(dQ, dK, dV, [gradient or None per tensor]) of a saved call, by ``run`` (the backward op, or
-    its implementation called directly)."""
+    :meth:`Attention._eager_backward`)."""
     q, k, v, o, lse, *tensors = ctx.saved_tensors
     if grad_o is None:
         import torch
@@ -500,6 +536,12 @@ def _gradients(ctx, grad_o, grad_lse, run):
     for i, g in zip(ctx.want, dts):
         grads[i] = g
     return dq, dk, dv, grads
+
+
+def _eager_run(route, key, handle, q, k, v, o, lse, do, dlse, tensors, want, backend):
+    """``_gradients``' ``run`` of an eager call: :meth:`Attention._eager_backward` on its forward's
+    route and bound-call key (``backend`` is the route's already)."""
+    return _HANDLES[handle]._eager_backward(route, key, q, k, v, o, lse, do, dlse, tensors, want)
 
 
 def _register_ops() -> None:
@@ -547,18 +589,6 @@ def _register_ops() -> None:
         dq, dk, dv, grads = _gradients(ctx, grad_o, grad_lse, bwd)
         return None, dq, dk, dv, grads, None
 
-    def eager_backward_impl(route, handle, q, k, v, o, lse, do, dlse, tensors, want, backend):
-        """``backward_impl`` on the route the forward took (the same inputs: the same key), its
-        gradients handed to autograd as the backend made them where they have their input's shape
-        and dtype (only the custom op's fake fixes a layout)."""
-        attn = _HANDLES[handle]
-        names = attn.tensor_names
-        dq, dk, dv, dts = require(route[0], "backward").backward(
-            route[1], q, k, v, o, lse, do, dlse, dict(zip(names, tensors)), tuple(names[i] for i in want),
-            deterministic=attn.deterministic)
-        return (_as_input_gradient(dq, q), _as_input_gradient(dk, k), _as_input_gradient(dv, v),
-                [as_gradient(dts[names[i]], tensors[i]) for i in want])
-
     global _EagerAttention
 
     class _EagerAttention(torch.autograd.Function):
@@ -568,15 +598,15 @@ def _register_ops() -> None:
         @staticmethod
         def forward(ctx, handle, backend, q, k, v, *tensors):
             attn = _HANDLES[handle]
-            o, lse, ctx.route = attn._routed_forward(q, k, v, dict(zip(attn.tensor_names, tensors)), backend or None)
+            o, lse, route, key = attn._routed_forward(q, k, v, dict(zip(attn.tensor_names, tensors)), backend or None)
+            ctx.run = functools.partial(_eager_run, route, key)  # (the backward's: made here, once per forward)
             setup_context(ctx, (handle, q, k, v, tensors, backend), (o, lse))
             ctx.want = [i for i in range(len(tensors)) if ctx.needs_input_grad[5 + i]]
             return o, lse
 
         @staticmethod
         def backward(ctx, grad_o, grad_lse):
-            dq, dk, dv, grads = _gradients(ctx, grad_o, grad_lse,
-                                           functools.partial(eager_backward_impl, ctx.route))
+            dq, dk, dv, grads = _gradients(ctx, grad_o, grad_lse, ctx.run)
             return None, None, dq, dk, dv, *grads
 
     for name, tags in (("attnc::attention", ()), ("attnc::attention_planned", (unsafe,) if unsafe else ())):

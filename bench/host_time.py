@@ -9,8 +9,10 @@ Cases, each after warm calls (plan made, launch bound; the plan reused):
   backward           ``torch.autograd.grad(o, (q, k, v), do, retain_graph=True)`` on a graph made
                      once (``attnc bench backward``'s bwd phase);
   backward_direct    the same backward called on this thread, as the eager autograd formula calls it
-                     (the route's ``backward``), without autograd's engine: on a GPU autograd runs the
-                     backward on its device thread, which cProfile (``--profile``) does not see;
+                     (``Attention._eager_backward``: the bound backward of the forward's signature, or
+                     with ``--bound 0`` the route's ``backward``), without autograd's engine: on a GPU
+                     autograd runs the backward on its device thread, which cProfile (``--profile``)
+                     does not see;
   decode_paged       ``attn.decode(q, k_cache=, v_cache=, block_table=, kv_lens=)``, GQA 32/8, d 128,
                      paged nhd cache (page 16), metadata on the host, as ``attnc bench decode``.
 
@@ -22,12 +24,17 @@ Two modes:
   stub  (any machine; the default without CUDA): ``Launcher.launch`` replaced by a counter, so the
         Python path alone is timed (no kernel runs), small shapes, f16, the Triton kernels'
         interpreter (TRITON_INTERPRET=1) never entered.  The calls take the GPU's path for their
-        rows' non-finite check (``runtime.marks_on_device``: marked on the device, no host check).
+        rows' non-finite check (``runtime.marks_on_device``: marked on the device, no host check);
+        the backward takes the Gluon passes as on the H200 (``--stub-backward gluon``, the default:
+        ``gluon_backward.refusal`` and Triton's stream query stood in for) or the interpreter's
+        Triton passes (``triton``).  Stub mode runs on one thread: it cannot see the GPU's hand-off
+        of autograd's backward to its device thread.
         ``device_ops`` lists the torch operations of a call that would launch a kernel on a GPU
         (zeros, copies...), from the profiler's CPU events; ``syncs`` counts host syncs (.item()).
 
   python3 -m bench.host_time [--mode gpu|stub] [--cases a,b] [--calls N] [--rounds R]
-                             [--bound 1|0] [--profile CASE] [--out FILE.jsonl]
+                             [--bound 1|0] [--stub-backward gluon|triton] [--profile CASE]
+                             [--out FILE.jsonl]
 
 Rows (JSON lines, appended, each with its command) go to --out (default
 bench/results/studies/host_time_<mode>.jsonl).  --profile CASE prints cProfile's table of that
@@ -68,6 +75,9 @@ def parse(argv=None):
     ap.add_argument("--profile", default=None, metavar="CASE", help="print cProfile's table of CASE, no timing")
     ap.add_argument("--bound", type=int, choices=(0, 1), default=1,
                     help="1: calls take their bound calls (backends/triton/bound.py); 0: every call validates (A/B)")
+    ap.add_argument("--stub-backward", choices=("gluon", "triton"), default="gluon",
+                    help="stub mode: the backward's passes, the H200's Gluon ones (default) or the interpreter's "
+                         "Triton ones")
     ap.add_argument("--out", default=None, metavar="FILE.jsonl")
     a = ap.parse_args(argv)
     a.cases = [c for c in a.cases.split(",") if c]
@@ -189,7 +199,7 @@ def make_cases(names, mode: str) -> dict:
     dt, dts = (torch.bfloat16, "bf16") if gpu else (torch.float16, "f16")
     kw = {} if gpu else {"backend": "triton"}
     g = torch.Generator(device=dev).manual_seed(0)
-    b, h, s, d = (1, 16, 2048, 128) if gpu else (1, 2, 64, 64)
+    b, h, s, d = (1, 16, 2048, 128) if gpu else (1, 2, 64, 128)  # (d 128: the GPU's Gluon backward config)
     out = {}
 
     def qkv(grad=False):
@@ -235,13 +245,11 @@ def make_cases(names, mode: str) -> dict:
             do = torch.randn_like(o)
             out["backward"] = (lambda: torch.autograd.grad(o, (q, k, v), do, retain_graph=True), shape)
     if "backward_direct" in names:
-        from attnc.compiler.dispatch.protocol import require
         qb, kb, vb = qkv()  # (names of its own: the lambdas above read q, k, v when called)
-        ob, lseb, route = causal._routed_forward(qb, kb, vb, {}, kw.get("backend"))
+        ob, lseb, route, key = causal._routed_forward(qb, kb, vb, {}, kw.get("backend"))
         dob = torch.randn_like(ob)
-        backward = require(route[0], "backward").backward
-        out["backward_direct"] = (lambda: backward(route[1], qb, kb, vb, ob, lseb, dob, None, {}, (),
-                                                   deterministic=True), shape)
+        out["backward_direct"] = (lambda: causal._eager_backward(route, key, qb, kb, vb, ob, lseb, dob, None, [], []),
+                                  shape)
     if "decode_paged" in names:
         from attnc.compiler import dispatch
         if not gpu:  # split calls on CPU tensors default to the numpy backend: time the Triton path
@@ -302,6 +310,8 @@ def main(argv=None) -> int:
     from attnc.backends.triton import runtime
     if not gpu:
         runtime.marks_on_device = lambda t: True  # the GPU's row check: a device flag, no host check
+        if a.stub_backward == "gluon":
+            stub_gluon_backward()
     if not a.bound:  # (the A/B's other arm: no call finds a bound call, none is bound)
         from attnc import api
         api.Attention._bound_forward = lambda self, q, k, v, tensors, backend: (None, None, None)
@@ -339,6 +349,8 @@ def main(argv=None) -> int:
                    "host_us": round(host[n], 2), "host_cpu_us": round(cpu[n], 2), "calls": calls,
                    "rounds": a.rounds, "launches": sum(launches[n].values()), "launches_by_kernel": launches[n],
                    "device_ops": ops[n][0], "syncs": ops[n][1], "bound_calls": bool(a.bound), "env": env}
+            if not gpu:
+                row["stub_backward"] = a.stub_backward
             if gpu:
                 row["launch_paths"] = paths[n]
                 row["cuda_kernels"] = sum(kernels[n].values())
@@ -349,6 +361,17 @@ def main(argv=None) -> int:
                   f"{launches[n]}  torch ops {ops[n][0]}  syncs {ops[n][1]:.1f}{extra}", flush=True)
     print(f"rows -> {out}", file=sys.stderr)
     return 0
+
+
+def stub_gluon_backward() -> None:
+    """Stub mode: the backward takes the Gluon passes, as on the H200 (their launches are stubbed
+    like every other; the interpreter cannot run them): their refusal answers None and Triton's
+    stream query, which has no driver on a CPU, answers stream 0."""
+    from types import SimpleNamespace
+    from triton.runtime import driver
+    from attnc.backends.triton import gluon_backward
+    gluon_backward.refusal = lambda *a, **k: None
+    driver._active = SimpleNamespace(get_current_stream=lambda device: 0, get_current_device=lambda: 0)
 
 
 def profile(fn, calls: int) -> None:

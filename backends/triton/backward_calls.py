@@ -52,14 +52,37 @@ class BackwardCalls:
                 raise InputError(f"inputs: tensor '{n}' requires grad: {why}")
         return self._backward(q, k, v, o, lse, do, dlse, config, tensors, tuple(want), deterministic)
 
+    def _backward_key(self, q, k, v, o, lse, do, dlse, config, tensors: dict, want: tuple, deterministic: bool):
+        """A backward call's key in ``_bound``: everything the checks, the copies and the choice of
+        passes depend on; None where a tensor has no address (a meta tensor: the checks name what is wrong)."""
+        try:
+            return ("backward", self._key(q, k, v, tensors), o.shape, o.stride(), do.shape, do.stride(), lse.shape,
+                    o.data_ptr() % 16 == 0, do.data_ptr() % 16 == 0, None if dlse is None else dlse.shape,
+                    config, self._score_wanted(want), GB.DEFAULT, deterministic)  # (GB.DEFAULT flipped: re-chosen)
+        except NO_ADDRESS:
+            return None
+
+    def bind_backward(self, q, k, v, o, lse, do, dlse, tensors: dict, deterministic: bool = True):
+        """The bound backward (``bound_backward.BoundBackward``) of calls keyed like this one, once one
+        ran here (validated, planned, launched), asking no tensor gradient and no config; None where
+        there is none to bind: no such call yet, a carried dtype (the interpreter's bf16), or its plan
+        no longer cached."""
+        key = self._backward_key(q, k, v, o, lse, do, dlse, None, tensors, (), deterministic)
+        hit = self._bound.get(key) if key is not None else None
+        if hit is None or hit[0].emulate:
+            return None
+        call_key, part = hit[3], hit[1] or hit[2]
+        named, pkey = ((), call_key) if isinstance(call_key, P.Key) else \
+            self._plan_key("backward", call_key, part, tensors=tensors)
+        launch = P.PLANS.get(pkey, named)
+        if launch is None:
+            return None
+        from .bound_backward import BoundBackward
+        return BoundBackward(self, hit, launch, hit[1] is not None and not device.tma_ready(do))
+
     def _backward(self, q, k, v, o, lse, do, dlse, config, tensors: dict, want: tuple, deterministic: bool = True):
         torch = self._torch
-        try:  # everything the checks, the copies and the choice of passes depend on
-            bind_key = ("backward", self._key(q, k, v, tensors), o.shape, o.stride(), do.shape, do.stride(), lse.shape,
-                        o.data_ptr() % 16 == 0, do.data_ptr() % 16 == 0, None if dlse is None else dlse.shape,
-                        config, self._score_wanted(want), GB.DEFAULT, deterministic)  # (GB.DEFAULT flipped: re-chosen)
-        except NO_ADDRESS:
-            bind_key = None  # (e.g. a meta tensor has no address: the checks name what is wrong)
+        bind_key = self._backward_key(q, k, v, o, lse, do, dlse, config, tensors, want, deterministic)
         hit = self._bound.get(bind_key) if bind_key is not None else None
         if hit is None:  # validated and chosen once per key, as the forward's calls are
             hit = self._backward_bind(q, k, v, o, lse, do, dlse, tensors, config, want, deterministic)

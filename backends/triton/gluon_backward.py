@@ -49,6 +49,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from . import choice, device, grad as G, launch as L, plans as P
+from .raw_launch import RAW_DESCRIPTORS, hooked
 from .kernels import backward as K
 from .kernels.gluon_backward import HAS_GLUON, _bwd_dkdv, _bwd_dkdv_ws, _bwd_dq_ws
 from .kernels.gluon_engine import SMEM
@@ -63,6 +64,7 @@ HEAD_DIMS = (64, 128)  # q.k's and v's (equal)
 GROUP_BITS = 7  # an entry: query block << 8 | head within the group << 1 | PARTIAL
 MAX_GROUP = 1 << GROUP_BITS
 MIN_ROWS = 128  # (B * H * S rows of Q and of K/V: no TMA box is taller than its tensor)
+_INPUTS = {"q": 0, "k": 1, "v": 2}  # the passes' descriptor arguments of the inputs (``_descriptor``'s raw)
 
 
 DQ_MODES = ("gluon", "triton", "atomic", "fused", "fused_atomic")
@@ -369,12 +371,14 @@ class GluonBackwardLaunch:
         self.layouts, self.descs = {}, {}
         self.nbytes = P.nbytes_of(self.arrays) + (self.triton.nbytes if self.triton else 0)
 
-    def _descriptor(self, t, rows: int, role: str | None = None):
+    def _descriptor(self, t, rows: int, role: str | None = None, raw=None):
         """``t``'s TMA descriptor as [-1, d] in ``rows``-row boxes; with a ``role`` (q, k, v: inputs the
-        caller keeps anyway), kept and reused while the tensor (address, shape, strides) is the same."""
+        caller keeps anyway), kept and reused while the tensor (address, shape, strides) is the same.
+        ``raw``: the raw launch (``_raw``) the descriptor goes to, which takes it encoded
+        (``raw_launch.Encoded``: kept in its place, holding no tensor; the launch skips its own lookup)."""
         if role is not None:
             seen = (t.data_ptr(), t.shape, t.stride(), t.dtype)
-            hit = self.descs.get((role, rows))
+            hit = self.descs.get((role, rows, raw))
             if hit is not None and hit[0] == seen:
                 return hit[1]
         key = (rows, str(t.dtype))
@@ -383,9 +387,27 @@ class GluonBackwardLaunch:
             dt = {"torch.float16": gl.float16, "torch.bfloat16": gl.bfloat16}[str(t.dtype)]
             layout = self.layouts[key] = gl.NVMMASharedLayout.get_default_for([rows, self.d], dt)
         desc = TensorDescriptor.from_tensor(t.view(-1, self.d), [rows, self.d], layout)
+        if raw is not None:  # (the TensorDescriptor kept before the launch went raw holds a tensor: dropped)
+            desc = raw.encode(_INPUTS[role], desc)
+            self.descs.pop((role, rows, None), None)
         if role is not None:
-            self.descs[(role, rows)] = (seen, desc)
+            if len(self.descs) >= RAW_DESCRIPTORS:
+                self.descs.clear()
+            self.descs[(role, rows, raw)] = (seen, desc)
         return desc
+
+    @staticmethod
+    def _raw(launcher, key):
+        """The raw launch (``raw_launch``) ``launcher`` makes under ``key`` where it takes q, k, v and dO
+        as its first four descriptor arguments and no tool hooks launches (``Launcher.launch`` goes raw
+        then); else None (the launch takes TensorDescriptors)."""
+        raw = launcher.raw.get(key) if key is not None else None
+        if raw is None or tuple(raw.positions[:4]) != (0, 1, 2, 3):
+            return None
+        runtime = L._knobs().runtime
+        if hooked(runtime.launch_enter_hook) or hooked(runtime.launch_exit_hook):
+            return None
+        return raw
 
     def _workspace_descriptor(self, dqa):
         """The fused dQ's float32 workspace [-1, d] as the writer adds into it: boxes of the dK/dV
@@ -435,8 +457,9 @@ class GluonBackwardLaunch:
                 dqa = torch.zeros((rows,), device=q.device, dtype=torch.float32)
             dqa_arg = self.dkdv.output_descriptor(key, dqa, self.d, lambda: self._workspace_descriptor(dqa))
         # (dO is new each call: where the launch goes raw, a per-call view of its rows, no descriptor made)
-        args = (self._descriptor(q, bm, "q"), self._descriptor(k, self.kv_rows, "k"),
-                self._descriptor(v, self.kv_rows, "v"),
+        raw = self._raw(self.dkdv, key)
+        args = (self._descriptor(q, bm, "q", raw), self._descriptor(k, self.kv_rows, "k", raw),
+                self._descriptor(v, self.kv_rows, "v", raw),
                 self.dkdv.output_descriptor(key, do, self.d, lambda: self._descriptor(do, bm)), dk, dv, dqa_arg, lse,
                 delta,
                 a["order"], a["ptr"], a["ent"], sem, a["turn"], ts, *self.ints)
@@ -450,7 +473,9 @@ class GluonBackwardLaunch:
         dqa, sem = work
         if mode == "gluon":
             bn = self.config.dq_block_n
-            args = (self._descriptor(q, 64, "q"), self._descriptor(k, bn, "k"), self._descriptor(v, bn, "v"),
+            raw = self._raw(self.dq, key)
+            args = (self._descriptor(q, 64, "q", raw), self._descriptor(k, bn, "k", raw),
+                    self._descriptor(v, bn, "v", raw),
                     self.dq.output_descriptor(key, do, self.d, lambda: self._descriptor(do, 64)), dq, lse, delta,
                     a["r_order"], a["r_ptr"], a["r_idx"], ts, *self.dq_ints)
             self.dq.launch(self.dq_grid, args, key, stream)

@@ -49,6 +49,9 @@ class TritonBackend(BackendBase):
         dq, dk, dv = kernel.backward(q, k, v, o, lse, do, dlse, deterministic=deterministic, **tensors)
         return dq, dk, dv, {}
 
+    def bound_backward(self, kernel, q, k, v, o, lse, do, dlse, tensors, deterministic=True):
+        return kernel.bind_backward(q, k, v, o, lse, do, dlse, tensors, deterministic)
+
     def tensor_grad_refusal(self, kernel, tensor):
         """Score tensors read at computed indices have no Triton gradient (``score_grads.refusal``)."""
         from .score_grads import refusal

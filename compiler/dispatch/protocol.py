@@ -49,6 +49,12 @@ class Backend(Protocol):
         """(dQ, dK, dV, {name: gradient} for the tensors in ``want``).  ``deterministic`` False lets
         the backend add partial sums in any order where that is faster (``attnc.compile``)."""
 
+    def bound_backward(self, kernel, q, k, v, o, lse, do, dlse, tensors: dict, deterministic: bool = True) -> Any:
+        """A bound backward ``fast(q, k, v, o, lse, do, dlse, tensors)`` -> (dQ, dK, dV) or None (then
+        :meth:`backward`) for calls keyed like this one (its forward's signature and O's, dO's and
+        dLSE's layouts; no tensor gradient), made after one such call ran; or None where the backend
+        binds none.  ``stale`` as :meth:`bound_forward`'s."""
+
     def tensor_grad_refusal(self, kernel, tensor: str) -> str | None:
         """Why this backend gives no gradient of score tensor ``tensor`` (the message of the
         caller's BackendRefused), or None when its backward gives one."""
@@ -105,6 +111,9 @@ class BackendBase:
 
     def backward(self, kernel, q, k, v, o, lse, do, dlse, tensors, want, deterministic=True):
         self._missing("backward")
+
+    def bound_backward(self, kernel, q, k, v, o, lse, do, dlse, tensors, deterministic=True):
+        return None
 
     def tensor_grad_refusal(self, kernel, tensor):
         return None if "tensor_grads" in self.capabilities else self.refusal("tensor_grads", tensor=tensor)
