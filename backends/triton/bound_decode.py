@@ -142,7 +142,7 @@ class BoundDecode:
             key, _ = kernel._split_key(q, cache)
             if key is None:
                 return None
-            last = self.last = (values, P.PLANS.stored_key(key))
+            last = self.last = (values, P.PLANS.stored_key(P.Key(key)))  # (as SplitCalls.decode keys it)
         split = P.PLANS.get(last[1], [None if n in KV_KEYS else cache[n] for n in self.names])
         if split is None:  # (the validating path plans it, checking the metadata's values, and stores
             self.last = None  # it under a key object of its own: the next call asks the cache for that one)

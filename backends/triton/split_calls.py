@@ -206,7 +206,8 @@ class SplitCalls:
         if plan is None and block_n is None and splits is None and block_q is None and num_warps is None \
                 and num_stages is None and not from_numpy:
             cache_key, cache_objects = self._split_key(q, arrays)
-            cache_key = cache_key if cache_key is None or engine is None else (*cache_key, engine)
+            if cache_key is not None:  # (a Key: its hash made once, kept by the cache for the bound calls' lookups)
+                cache_key = P.Key(cache_key if engine is None else (*cache_key, engine))
             bound = P.PLANS.get(cache_key, cache_objects) if cache_key is not None else None
             if bound is not None:  # the plan for this metadata, made and uploaded by an earlier call
                 check = self._row_check(q)

@@ -28,4 +28,4 @@ def split_signature(q, cache: dict) -> tuple:
     tensors have one: an option (``engine=``, ``plan=``) or a numpy array raises one of
     ``NO_ADDRESS`` (AttributeError), and the call takes the validating path."""
     return (q.shape, q.stride(), q.dtype, q.device, q.data_ptr() % 16 == 0,
-            tuple((n, t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0) for n, t in cache.items()))
+            tuple([(n, t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0) for n, t in cache.items()]))
