@@ -16,8 +16,8 @@ layers:
   metadata is not the one a cached plan was made from (a new tensor, one changed in place, one
   the cache dropped), the bound call answers None: the validating path plans it, which checks
   the values (kv_lens within the cache, the table's entries in range) and raises what is wrong.
-  Per call, then, only what reads values: the tensors' identities, versions and addresses, the
-  plan cache's entry, the rows' non-finite rule (``Kernel._row_check``); then O, LSE and the
+  Per call, then, only what reads values: the tensors' identities, versions and addresses (the
+  plan cache's key for them kept, by them), the plan cache's entry, the rows' non-finite rule (``Kernel._row_check``); then O, LSE and the
   workspace and the launches, and the non-finite rule applied to LSE as the validating path
   applies it (``Kernel._check_scores``).
 * :class:`BoundSplit` -- one plan's producer and combine bound to their compiled kernels' C
@@ -32,7 +32,7 @@ O, LSE and the workspace stay three allocations, as the validating path makes th
 them out of one (views by byte offset) costs as many tensor objects as it saves allocations
 (about 1 us each on the host), and O would then hold the workspace's bytes (MiBs at B 8, T 8K) as
 long as the caller holds O.  Neither object holds a caller's tensor: the bound call keeps ids,
-versions and addresses, and the plan cache's own key object.
+versions and addresses, and the plan cache's own key objects.
 """
 from __future__ import annotations
 
@@ -40,6 +40,8 @@ from . import launch as L
 from . import plans as P
 from .decode import KV_KEYS
 from .raw_launch import hooked
+
+KEYS = 64  # plan keys a bound split call keeps, by its inputs' addresses, ids and versions (then it starts over)
 
 
 class BoundSplit:
@@ -121,7 +123,7 @@ class BoundDecode:
         p = kernel.program
         self.heads_q, self.d_v = p.heads_q, p.d_v
         self.uint8, self.float32 = kernel._torch.uint8, kernel._torch.float32
-        self.last = None  # (the inputs' addresses, ids and versions, the plan cache's key for them) of the last call
+        self.keys: dict = {}  # the inputs' addresses, ids and versions -> the plan cache's key for them
 
     def __call__(self, q, cache: dict):
         kernel = self.kernel
@@ -137,15 +139,18 @@ class BoundDecode:
                 values += (id(t), t._version, t.data_ptr())
         except RuntimeError:  # (an inference tensor: no version counter)
             return None
-        last = self.last
-        if last is None or last[0] != values:  # (the validating path's key, made again when a value moves)
-            key, _ = kernel._split_key(q, cache)
+        values = tuple(values)
+        pkey = self.keys.get(values)
+        if pkey is None:  # (the validating path's key, made again for values not seen: a model's layers
+            key, _ = kernel._split_key(q, cache)  # share the metadata, each with its own K/V: a key each)
             if key is None:
                 return None
-            last = self.last = (values, P.PLANS.stored_key(P.Key(key)))  # (as SplitCalls.decode keys it)
-        split = P.PLANS.get(last[1], [None if n in KV_KEYS else cache[n] for n in self.names])
-        if split is None:  # (the validating path plans it, checking the metadata's values, and stores
-            self.last = None  # it under a key object of its own: the next call asks the cache for that one)
+            if len(self.keys) >= KEYS:
+                self.keys.clear()
+            pkey = self.keys[values] = P.PLANS.stored_key(P.Key(key))  # (as SplitCalls.decode keys it)
+        split = P.PLANS.get(pkey, [None if n in KV_KEYS else cache[n] for n in self.names])
+        if split is None:  # (the validating path plans it, checking the metadata's values, and stores it
+            del self.keys[values]  # under a key object of its own: the next call asks the cache for that one)
             return None
         k_cache, v_cache = cache[self.k_name], cache[self.v_name]
         check = kernel._row_check(q)

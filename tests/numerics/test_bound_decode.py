@@ -105,7 +105,7 @@ def test_metadata_changed_in_place_or_replaced_is_planned_again(answered):
     same(attn.decode(q, return_lse=True, **cache), after)
     assert answered[-1] is True  # (bound again: the plan of these values is in the cache)
     bound = next(b for b in attn._bound_splits.values() if b)
-    assert P.PLANS.stored_key(bound.last[1]) is bound.last[1]  # (the cache's own key: found by identity)
+    assert all(P.PLANS.stored_key(k) is k for k in bound.keys.values())  # (the cache's own keys: by identity)
     cache["block_table"][1, 0] = 6  # another first page for request 1 (request 0's third)
     moved = attn.decode(q, return_lse=True, **cache)
     same(moved, validated(q, cache))
@@ -158,6 +158,26 @@ def test_another_signature_is_validated_first(answered):
     assert str(bound.value) == str(fresh.value) and answered == [True]
 
 
+def test_layers_sharing_the_metadata_are_each_answered_by_the_bound_call(answered, monkeypatch):
+    """A model's decode step: every layer calls with the same kv_lens and page table and its own
+    K/V cache (a plan each, the K/V addresses in its key); the bound call keeps each plan's key."""
+    attn = attnc.compile(SPEC)
+    q, cache = inputs()
+    layers = [dict(cache, k_cache=cache["k_cache"] + i, v_cache=cache["v_cache"] - i) for i in range(3)]
+    first = [attn.decode(q, return_lse=True, **layer) for layer in layers]  # (the second and third: declined)
+    for layer, want in zip(layers, first):
+        same(attn.decode(q, return_lse=True, **layer), want)
+    assert answered == [False, False, True, True, True]
+    from attnc.backends.triton import split_calls
+    made = []
+    monkeypatch.setattr(split_calls.SplitCalls, "_split_key",
+                        lambda self, *a, _key=split_calls.SplitCalls._split_key: made.append(1) or _key(self, *a))
+    for layer, want in zip(layers, first):
+        same(attn.decode(q, return_lse=True, **layer), want)
+    assert answered[5:] == [True] * 3 and made == []  # (each layer's key kept: none made again)
+    same(first[2], validated(q, layers[2]))
+
+
 def test_options_and_inference_tensors_take_the_validating_path(answered):
     attn = attnc.compile(SPEC)
     q, cache = inputs()
@@ -175,7 +195,7 @@ def test_a_plan_the_cache_dropped_is_made_again_and_nothing_holds_the_callers_te
     q, cache = inputs()
     first = attn.decode(q, return_lse=True, **cache)
     attn.decode(q, **cache)
-    split = P.PLANS.get(attn._bound_splits[next(iter(attn._bound_splits))].last[1],
+    split = P.PLANS.get(next(iter(attn._bound_splits[next(iter(attn._bound_splits))].keys.values())),
                         [None, None, cache["block_table"], cache["kv_lens"]])
     assert split is not None and split.runs  # (the bound launches live on the plan)
     arrays = weakref.ref(split.arrays["kv_lens"])
@@ -270,7 +290,7 @@ def test_gpu_a_bound_decode_launches_through_the_c_launchers(answered):
     first = attn.decode(q, return_lse=True, **cache)
     again = attn.decode(q, return_lse=True, **cache)
     bound = next(b for b in attn._bound_splits.values() if b)
-    split = P.PLANS.get(bound.last[1], [None, None, cache["block_table"], cache["kv_lens"]])
+    split = P.PLANS.get(next(iter(bound.keys.values())), [None, None, cache["block_table"], cache["kv_lens"]])
     runs = list(split.runs.values())
     assert answered == [True] and runs and all(r.raws is not None for r in runs)
     before = sum(r.producer.launches["raw"] + r.combine.launches["raw"] for r in runs)
