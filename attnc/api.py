@@ -37,7 +37,7 @@ from pathlib import Path
 from . import layouts
 from .compiler import ir
 from .compiler.dispatch.protocol import BackendRefused, require
-from .compiler.dispatch.signature import NO_ADDRESS, call_signature
+from .compiler.dispatch.signature import NO_ADDRESS, call_signature, split_signature
 from .compiler.errors import InputError
 
 _DTYPES = {"torch.float16": "f16", "torch.bfloat16": "bf16", "torch.float32": "f32"}
@@ -92,6 +92,7 @@ class Attention:
         self._routes: dict = {}  # call key -> (backend protocol object, kernel)
         self._bound: dict = {}  # (backend asked, call signature) -> (bound call, route), or False: none binds
         self._bound_backward: dict = {}  # (that key, O / dO / dLSE layouts) -> bound backward, or False: none binds
+        self._bound_splits: dict = {}  # split call signature -> bound split call, or False: none binds
         self._differentiable = None  # the tensors with a gradient (_check_grads), once asked
         self.handle = f"{program.name}-{ir.digest(program)[:16]}" + ("" if self.deterministic else "-unordered")
         with _LOCK:
@@ -433,6 +434,9 @@ class Attention:
         kv_lens, or kv_indptr + kv_indices + kv_last_page_len; k / v with kv_lens or kv_indptr),
         optional q_lens / qo_indptr, and the spec's tensors by name.  Returns O [total_q, H_q, d_v]
         (and LSE [total_q, H_q])."""
+        out, key = self._bound_decode(q, cache)
+        if out is not None:
+            return out if return_lse else out[0]
         torch = _torch_module()
         if not isinstance(q, torch.Tensor) or q.dim() != 3:
             raise InputError("inputs: a split call takes q as a torch tensor [total_q, H_q, d_qk]")
@@ -453,7 +457,25 @@ class Attention:
             name = device_default("cuda" if q.is_cuda else "cpu")
             route = self._routes[route_key] = (require(torch_backend(name), "decode"), self.kernel(name, program))
         be, kernel = route
-        return be.decode(kernel, q, return_lse, cache)
+        out = be.decode(kernel, q, return_lse, cache)
+        if key is not None and key not in self._bound_splits:  # (bound after a call that ran: never a bad one)
+            fast = be.bound_decode(kernel, key, cache)
+            if len(self._bound_splits) >= BOUND_CALLS:
+                self._bound_splits.clear()
+            self._bound_splits[key] = fast if fast is not None else False
+        return out
+
+    def _bound_decode(self, q, cache: dict):
+        """((O, LSE) or None, the call's key in the table of bound split calls or None): the split
+        call through the bound call of its signature (``split_signature``; the backend's
+        ``bound_decode``) where there is one and it takes the call (it answers None where its
+        metadata has no plan in the cache: then :meth:`decode`'s validating path, which binds)."""
+        try:
+            key = split_signature(q, cache)
+        except NO_ADDRESS:
+            return None, None
+        fast = self._bound_splits.get(key)
+        return (fast(q, cache) if fast else None), key
 
     def append(self, q, k_new, v_new, *, manifest=None, plan=None, request_ids=None, return_lse: bool = False,
                backend: str | None = None, **cache):

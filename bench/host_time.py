@@ -14,7 +14,10 @@ Cases, each after warm calls (plan made, launch bound; the plan reused):
                      autograd runs the backward on its device thread, which cProfile (``--profile``)
                      does not see;
   decode_paged       ``attn.decode(q, k_cache=, v_cache=, block_table=, kv_lens=)``, GQA 32/8, d 128,
-                     paged nhd cache (page 16), metadata on the host, as ``attnc bench decode``.
+                     paged nhd cache (page 16), metadata on the host, as ``attnc bench decode``
+                     (after the warm calls: its bound split call, ``bound_decode.py``).
+
+``--bound 0`` makes every call (prefill, backward and decode) take the validating path (the A/B's other arm).
 
 Two modes:
   gpu   (a CUDA device): real launches; host us per call over back-to-back calls (synchronized
@@ -74,7 +77,8 @@ def parse(argv=None):
     ap.add_argument("--rounds", type=int, default=20, help="rounds; the best round's mean is reported")
     ap.add_argument("--profile", default=None, metavar="CASE", help="print cProfile's table of CASE, no timing")
     ap.add_argument("--bound", type=int, choices=(0, 1), default=1,
-                    help="1: calls take their bound calls (backends/triton/bound.py); 0: every call validates (A/B)")
+                    help="1: calls take their bound calls (backends/triton/bound.py, bound_decode.py, "
+                         "bound_backward.py); 0: every call validates (A/B)")
     ap.add_argument("--stub-backward", choices=("gluon", "triton"), default="gluon",
                     help="stub mode: the backward's passes, the H200's Gluon ones (default) or the interpreter's "
                          "Triton ones")
@@ -102,9 +106,10 @@ class Launches:
     launcher, or its C launcher straight, ``raw_launch``); ``stub``: nothing launched."""
 
     def __init__(self, stub: bool):
-        from attnc.backends.triton import bound, launch as L
-        self.L, self.bound, self.stub, self.counts, self.paths = L, bound, stub, {}, {}
+        from attnc.backends.triton import bound, bound_decode, launch as L
+        self.L, self.bound, self.bound_decode, self.stub, self.counts, self.paths = L, bound, bound_decode, stub, {}, {}
         self.original, self.original_go = L.Launcher.launch, bound.BoundLaunch._go
+        self.original_split_go = bound_decode.BoundSplit._go
 
     def __enter__(self):
         counts, paths, original, stub = self.counts, self.paths, self.original, self.stub
@@ -132,11 +137,22 @@ class Launches:
             if not stub:
                 original_go(run, raw, stream, args)
         self.bound.BoundLaunch._go = go
+        original_split_go = self.original_split_go
+
+        def split_go(launcher, raw, grid, stream, args):  # a bound split call's (bound_decode.py)
+            fn = getattr(launcher.fn, "fn", launcher.fn)
+            name = getattr(fn, "__name__", "?")
+            counts[name] = counts.get(name, 0) + 1
+            paths[f"{name}:bound"] = paths.get(f"{name}:bound", 0) + 1
+            if not stub:
+                original_split_go(launcher, raw, grid, stream, args)
+        self.bound_decode.BoundSplit._go = staticmethod(split_go)
         return self
 
     def __exit__(self, *exc):
         self.L.Launcher.launch = self.original
         self.bound.BoundLaunch._go = self.original_go
+        self.bound_decode.BoundSplit._go = staticmethod(self.original_split_go)
 
     def take(self) -> tuple[dict, dict]:
         """(launches by kernel, launches by kernel and path) since the last take."""
@@ -315,6 +331,7 @@ def main(argv=None) -> int:
     if not a.bound:  # (the A/B's other arm: no call finds a bound call, none is bound)
         from attnc import api
         api.Attention._bound_forward = lambda self, q, k, v, tensors, backend: (None, None, None)
+        api.Attention._bound_decode = lambda self, q, cache: (None, None)
     with Launches(stub=not gpu) as counter:
         cases = make_cases([a.profile] if a.profile else a.cases, a.mode)
         for fn, _ in cases.values():  # warm: plans made, launches bound (and compiled, on a GPU)

@@ -135,7 +135,7 @@ class SplitCalls:
                            (arrays["kv_lens"], arrays["qo_indptr"]))
         bound = getattr(launch, "bind", None) if q.shape[0] else None  # (SplitLaunch: its arguments fixed once)
         call = bound(q.shape[0], q.stride(), plan, arrays, ts) if bound is not None else None
-        return _Split(plan, arrays, ts, launch, ws, call, (q.shape[0], q.stride()))
+        return _Split(plan, arrays, ts, launch, ws, call, (q.shape[0], q.stride()), {})
 
     def _launch_split(self, bound: "_Split", q, k_cache, v_cache, flag=None):
         """Allocate O, LSE and the workspace; launch the producer and the combine (the bound call
@@ -176,6 +176,18 @@ class SplitCalls:
         return (self.digest, "split", q.shape, q.stride(), q.dtype, q.device, q.data_ptr() % 16 == 0,
                 tuple(parts)), objects
 
+    def bind_decode(self, cache: dict):
+        """The bound split call (``bound_decode.BoundDecode``) of calls with the signature of
+        ``decode(q, **cache)``, which just ran: None where calls like it are not cached (an input
+        the plan cache does not key on, an option)."""
+        required, optional = inputs.cache_keys(self.program)
+        if not set(cache) <= {*required, *optional, *self._tensor_names} - {"q"}:
+            return None
+        if any(not hasattr(t, "is_inference") or t.is_inference() for t in cache.values()):
+            return None
+        from .bound_decode import BoundDecode
+        return BoundDecode(self, tuple(cache))
+
     def decode(self, q, *, plan: dict | None = None, return_lse=False, block_n: int | None = None,
                splits: int | None = None, block_q: int | None = None, num_warps: int | None = None,
                num_stages: int | None = None, engine: str | None = None, **arrays):
@@ -194,7 +206,8 @@ class SplitCalls:
         if plan is None and block_n is None and splits is None and block_q is None and num_warps is None \
                 and num_stages is None and not from_numpy:
             cache_key, cache_objects = self._split_key(q, arrays)
-            cache_key = cache_key if cache_key is None or engine is None else (*cache_key, engine)
+            if cache_key is not None:  # (a Key: its hash made once, kept by the cache for the bound calls' lookups)
+                cache_key = P.Key(cache_key if engine is None else (*cache_key, engine))
             bound = P.PLANS.get(cache_key, cache_objects) if cache_key is not None else None
             if bound is not None:  # the plan for this metadata, made and uploaded by an earlier call
                 check = self._row_check(q)
@@ -246,7 +259,8 @@ class SplitCalls:
 
 class _Split(NamedTuple):
     """A split call bound once: its plan (with the K/V strides), the plan's arrays on the device,
-    the mask tensors' argument tuple, the launch, the workspace's size and the bound call."""
+    the mask tensors' argument tuple, the launch, the workspace's size, the bound call and the
+    bound calls' launches (``bound_decode``: kept here, they go with the plan)."""
 
     plan: dict
     arrays: dict
@@ -255,6 +269,7 @@ class _Split(NamedTuple):
     workspace_bytes: int
     call: L.SplitCall | None  # (SplitLaunch.bind's, for q of q_layout: its rows and strides)
     q_layout: tuple
+    runs: dict  # mark -> bound_decode.BoundSplit: the bound calls' launches of this plan
 
 
 def _split_key_part(n, t):

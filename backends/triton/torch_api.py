@@ -61,6 +61,9 @@ class TritonBackend(BackendBase):
     def decode(self, kernel, q, return_lse, cache):
         return kernel.decode(q, return_lse=return_lse, **cache)
 
+    def bound_decode(self, kernel, signature, cache):
+        return kernel.bind_decode(cache)
+
     def append_runner(self, kernel_of, program):
         return TritonAppend(kernel_of(program))
 

@@ -65,6 +65,11 @@ class Backend(Protocol):
     def decode(self, kernel, q, return_lse: bool, cache: dict) -> Any:
         """A split-K/V call over the spec's cache layout (``Attention.decode``)."""
 
+    def bound_decode(self, kernel, signature: tuple, cache: dict) -> Any:
+        """A bound split call ``fast(q, cache)`` -> (O, LSE) or None (then :meth:`decode`) for calls
+        with this ``signature`` (``signature.split_signature``), made after one such call ran; or
+        None where the backend binds none."""
+
     def append_runner(self, kernel_of, program) -> Any:
         """The runner of an append transaction (``attnc.serving``): ``plan(txn)``, ``run(txn, plan)``.
         ``kernel_of(program)`` compiles a program on this backend."""
@@ -123,6 +128,9 @@ class BackendBase:
 
     def decode(self, kernel, q, return_lse, cache):
         self._missing("decode")
+
+    def bound_decode(self, kernel, signature, cache):
+        return None
 
     def append_runner(self, kernel_of, program):
         self._missing("append")

@@ -20,3 +20,12 @@ def call_signature(q, k, v, tensors: dict) -> tuple:
     return (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
             q.device, k.device, v.device, q.data_ptr() % 16 == 0, k.data_ptr() % 16 == 0,
             v.data_ptr() % 16 == 0, ts)
+
+
+def split_signature(q, cache: dict) -> tuple:
+    """The signature of a split call (``Attention.decode``): q's and every cache input's as
+    :func:`call_signature` takes a tensor's, the inputs named in the caller's order.  Only torch
+    tensors have one: an option (``engine=``, ``plan=``) or a numpy array raises one of
+    ``NO_ADDRESS`` (AttributeError), and the call takes the validating path."""
+    return (q.shape, q.stride(), q.dtype, q.device, q.data_ptr() % 16 == 0,
+            tuple([(n, t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0) for n, t in cache.items()]))
