@@ -85,6 +85,41 @@ def triton_device() -> str:
     return "cpu"
 
 
+def triton_setting() -> tuple:
+    """(device, whether it is a GPU, torch dtype, spec dtype, call keywords) of a test of the Triton
+    backend through torch calls: bf16 on the GPU; f16 in Triton's interpreter, where CPU tensors
+    need ``backend="triton"`` (they route to the numpy backend by default)."""
+    import torch
+    dev = triton_device()
+    gpu = dev == "cuda"
+    return (dev, gpu, torch.bfloat16 if gpu else torch.float16, "bf16" if gpu else "f16",
+            {} if gpu else {"backend": "triton"})
+
+
+def bound_answers(monkeypatch, cls) -> list:
+    """The calls a bound-call class (``cls``, e.g. ``bound.BoundPrefill``) answered: True per call
+    of ``cls.__call__`` that took its call, False per one that declined (answered None).  On the CPU
+    (Triton's interpreter; skipped without it) the calls are put on a GPU call's non-finite path
+    (``runtime.marks_on_device``) and CPU tensors on the Triton backend."""
+    from attnc.backends.triton import runtime
+    if triton_device() != "cuda":
+        if not runtime.interpreted():
+            import pytest
+            pytest.skip("CPU tensors through Triton's interpreter (TRITON_INTERPRET=1); the GPU run covers the rest")
+        from attnc.compiler import dispatch
+        monkeypatch.setattr(runtime, "marks_on_device", lambda t: True)
+        monkeypatch.setattr(dispatch, "device_default", lambda device: "triton")  # (CPU calls: the numpy backend)
+    seen = []
+    original = cls.__call__
+
+    def spy(self, *args):
+        out = original(self, *args)
+        seen.append(out is not None)
+        return out
+    monkeypatch.setattr(cls, "__call__", spy)
+    return seen
+
+
 def to_triton(x):
     """``x`` (a torch tensor or array-like) as a torch tensor on ``triton_device()``; a tensor
     keeps its dtype, an array becomes the torch tensor ``torch.as_tensor`` makes of it."""

@@ -31,6 +31,21 @@ from .raw_launch import RAW_DESCRIPTORS, TensorView, hooked
 _ROLES = {"q": 0, "k": 1, "v": 2, "o": 3}  # the Gluon engine's descriptor arguments (PrefillLaunch.gluon_args)
 
 
+def signature_tensor_args(call, tensors: dict, device):
+    """The spec's tensor arguments of a bound call (``call``: a ``BoundPrefill`` or a
+    ``bound_backward.BoundBackward``, with its ``kernel``, ``bound``, ``ts`` and ``lengths``):
+    ``call.ts`` where the spec reads no tensor and no length, else made per call; the lengths of a
+    spec that reads S_q or S_k are the signature's, made once (``call.lengths``)."""
+    ts = call.ts
+    if ts is None:
+        module = call.kernel.module
+        if module.LENGTHS and call.lengths is None:
+            b = call.bound
+            call.lengths = L.uniform_lengths(b.batch, b.s_q, b.s_k, device)
+        ts = L.tensor_args(module, tensors, call.lengths)
+    return ts
+
+
 class BoundLaunch:
     """``__call__(launch, q, k, v, ts, out, lse, flag)``: ``launch(q, k, v, ts, out, lse, key,
     flag=flag)`` of a ``PrefillLaunch`` with the same arguments, through the C launcher where it
@@ -144,12 +159,7 @@ class BoundPrefill:
         if launch is None or launch is not self.launch():
             self.stale = True  # (the validating path re-plans; the front door binds again)
             return None
-        ts = self.ts
-        if ts is None:  # (a spec that reads S_q or S_k: its lengths are the signature's, made once)
-            module = kernel.module
-            if module.LENGTHS and self.lengths is None:
-                self.lengths = L.uniform_lengths(bound.batch, bound.s_q, bound.s_k, q.device)
-            ts = L.tensor_args(module, tensors, self.lengths)
+        ts = signature_tensor_args(self, tensors, q.device)
         if bound.bshd:
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         out = kernel._new_out(q, bound)

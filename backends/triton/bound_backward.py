@@ -21,8 +21,8 @@ from __future__ import annotations
 import weakref
 
 from . import gluon_backward as GB
-from . import launch as L
 from . import plans as P
+from .bound import signature_tensor_args
 
 
 class BoundBackward:
@@ -65,12 +65,7 @@ class BoundBackward:
         contiguous = self.contiguous
         if self.do_copy:  # (what ``gluon_backward.tma_input`` copies: the key fixes dO's layout and alignment)
             do = do.clone(memory_format=contiguous)
-        ts = self.ts
-        if ts is None:  # (a spec that reads S_q or S_k: its lengths are the signature's, made once)
-            module = kernel.module
-            if module.LENGTHS and self.lengths is None:
-                self.lengths = L.uniform_lengths(bound.batch, bound.s_q, bound.s_k, q.device)
-            ts = L.tensor_args(module, tensors, self.lengths)
+        ts = signature_tensor_args(self, tensors, q.device)
         empty = self.empty_like
         dq = empty(q, memory_format=contiguous)
         dk = empty(k, memory_format=contiguous)

@@ -19,13 +19,9 @@ from attnc.backends.triton import launch as L  # noqa: E402
 from attnc.backends.triton import plans as P  # noqa: E402
 from attnc.compiler.errors import InputError  # noqa: E402
 
-from tests.conftest import triton_device  # noqa: E402
+from tests.conftest import bound_answers, triton_setting  # noqa: E402
 
-DEV = triton_device()
-GPU = DEV == "cuda"
-DT = torch.bfloat16 if GPU else torch.float16
-DTS = "bf16" if GPU else "f16"
-KW = {} if GPU else {"backend": "triton"}  # (CPU tensors route to the numpy backend by default)
+DEV, GPU, DT, DTS, KW = triton_setting()
 S, D = (384, 64) if GPU else (40, 16)
 
 
@@ -33,21 +29,7 @@ S, D = (384, 64) if GPU else (40, 16)
 def answered(monkeypatch):
     """The backward calls the bound backward answered (True per call it took, False per one it
     declined), the calls on a GPU call's non-finite path."""
-    if not GPU:
-        if not runtime.interpreted():
-            pytest.skip("CPU tensors through Triton's interpreter (TRITON_INTERPRET=1); the GPU run covers the rest")
-        from attnc.compiler import dispatch
-        monkeypatch.setattr(runtime, "marks_on_device", lambda t: True)
-        monkeypatch.setattr(dispatch, "device_default", lambda device: "triton")
-    seen = []
-    original = bound_backward.BoundBackward.__call__
-
-    def spy(self, *args):
-        out = original(self, *args)
-        seen.append(out is not None)
-        return out
-    monkeypatch.setattr(bound_backward.BoundBackward, "__call__", spy)
-    return seen
+    return bound_answers(monkeypatch, bound_backward.BoundBackward)
 
 
 def unbound(monkeypatch):

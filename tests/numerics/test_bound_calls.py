@@ -13,39 +13,21 @@ torch = pytest.importorskip("torch", reason="the Triton backend's tests need tor
 pytest.importorskip("triton", reason="the Triton backend's tests need triton (pip install -e '.[test]')")
 
 import attnc  # noqa: E402
-from attnc.backends.triton import bound, runtime  # noqa: E402
+from attnc.backends.triton import bound  # noqa: E402
 from attnc.backends.triton import plans as P  # noqa: E402
 from attnc.compiler.errors import AttncError, PlanError  # noqa: E402
 
-from tests.conftest import triton_device  # noqa: E402
+from tests.conftest import bound_answers, triton_setting  # noqa: E402
 
-DEV = triton_device()
-GPU = DEV == "cuda"
-DT = torch.bfloat16 if GPU else torch.float16
-DTS = "bf16" if GPU else "f16"
-KW = {} if GPU else {"backend": "triton"}  # (CPU tensors route to the numpy backend by default)
+DEV, GPU, DT, DTS, KW = triton_setting()
 S, D = (384, 64) if GPU else (40, 16)  # (a GPU's Gluon engine takes d 64; 384 rows: tiles past S)
 
 
 @pytest.fixture
 def answered(monkeypatch):
     """The calls the bound path answered (a list of True per bound call that took its call, False
-    per one that declined), the calls on a GPU call's non-finite path."""
-    if not GPU:
-        if not runtime.interpreted():
-            pytest.skip("CPU tensors through Triton's interpreter (TRITON_INTERPRET=1); the GPU run covers the rest")
-        from attnc.compiler import dispatch
-        monkeypatch.setattr(runtime, "marks_on_device", lambda t: True)
-        monkeypatch.setattr(dispatch, "device_default", lambda device: "triton")  # (CPU calls: the numpy backend)
-    seen = []
-    original = bound.BoundPrefill.__call__
-
-    def spy(self, *args):
-        out = original(self, *args)
-        seen.append(out is not None)
-        return out
-    monkeypatch.setattr(bound.BoundPrefill, "__call__", spy)
-    return seen
+    per one that declined), the calls on a GPU call's non-finite path (``bound_answers``)."""
+    return bound_answers(monkeypatch, bound.BoundPrefill)
 
 
 def qkv(b=2, hq=2, hkv=2, s=S, d=D, seed=0, grad=False):

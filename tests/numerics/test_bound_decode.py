@@ -17,16 +17,13 @@ torch = pytest.importorskip("torch", reason="the Triton backend's tests need tor
 pytest.importorskip("triton", reason="the Triton backend's tests need triton (pip install -e '.[test]')")
 
 import attnc  # noqa: E402
-from attnc.backends.triton import bound_decode, runtime  # noqa: E402
+from attnc.backends.triton import bound_decode  # noqa: E402
 from attnc.backends.triton import plans as P  # noqa: E402
 from attnc.compiler.errors import AttncError, PlanError  # noqa: E402
 
-from tests.conftest import triton_device  # noqa: E402
+from tests.conftest import bound_answers, triton_setting  # noqa: E402
 
-DEV = triton_device()
-GPU = DEV == "cuda"
-DT = torch.bfloat16 if GPU else torch.float16
-DTS = "bf16" if GPU else "f16"
+DEV, GPU, DT, DTS, KW = triton_setting()
 SPEC = f"attention bd_paged {{ dtype = {DTS} mask = causal cache = paged(page_size = 4, layout = nhd) }}"
 
 
@@ -34,21 +31,7 @@ SPEC = f"attention bd_paged {{ dtype = {DTS} mask = causal cache = paged(page_si
 def answered(monkeypatch):
     """The calls the bound split call answered (True per call it took, False per one it declined),
     the calls on a GPU call's non-finite path and split calls on CPU tensors on Triton."""
-    if not GPU:
-        if not runtime.interpreted():
-            pytest.skip("CPU tensors through Triton's interpreter (TRITON_INTERPRET=1); the GPU run covers the rest")
-        from attnc.compiler import dispatch
-        monkeypatch.setattr(runtime, "marks_on_device", lambda t: True)
-        monkeypatch.setattr(dispatch, "device_default", lambda device: "triton")  # (CPU calls: the numpy backend)
-    seen = []
-    original = bound_decode.BoundDecode.__call__
-
-    def spy(self, *args):
-        out = original(self, *args)
-        seen.append(out is not None)
-        return out
-    monkeypatch.setattr(bound_decode.BoundDecode, "__call__", spy)
-    return seen
+    return bound_answers(monkeypatch, bound_decode.BoundDecode)
 
 
 def inputs(b=2, hq=4, hkv=2, d=16, seed=1):
