@@ -347,9 +347,7 @@ class Attention:
             return
         route = self._kernel_for(q, k, v, tensors, backend)
         fast = route[0].bound_forward(route[1], key[1], tensors)
-        if len(self._bound) >= BOUND_CALLS:
-            self._bound.clear()
-        self._bound[key] = (fast, route) if fast is not None else False
+        _keep(self._bound, key, (fast, route) if fast is not None else False)
 
     def _eager_backward(self, route, key, q, k, v, o, lse, do, dlse, tensors: list, want: list):
         """(dQ, dK, dV, [gradient per index in ``want``]) of an eager call's backward (``_EagerAttention``):
@@ -378,10 +376,8 @@ class Attention:
         if bkey is not None:
             hit = self._bound_backward.get(bkey)
             if hit is None or hit is not False and hit.stale:
-                if len(self._bound_backward) >= BOUND_CALLS:
-                    self._bound_backward.clear()
                 fast = route[0].bound_backward(route[1], q, k, v, o, lse, do, dlse, named, self.deterministic)
-                self._bound_backward[bkey] = fast if fast is not None else False
+                _keep(self._bound_backward, bkey, fast if fast is not None else False)
         return (_as_input_gradient(dq, q), _as_input_gradient(dk, k), _as_input_gradient(dv, v),
                 [as_gradient(dts[names[i]], tensors[i]) for i in want])
 
@@ -460,9 +456,7 @@ class Attention:
         out = be.decode(kernel, q, return_lse, cache)
         if key is not None and key not in self._bound_splits:  # (bound after a call that ran: never a bad one)
             fast = be.bound_decode(kernel, key, cache)
-            if len(self._bound_splits) >= BOUND_CALLS:
-                self._bound_splits.clear()
-            self._bound_splits[key] = fast if fast is not None else False
+            _keep(self._bound_splits, key, fast if fast is not None else False)
         return out
 
     def _bound_decode(self, q, cache: dict):
@@ -558,6 +552,14 @@ def _gradients(ctx, grad_o, grad_lse, run):
     for i, g in zip(ctx.want, dts):
         grads[i] = g
     return dq, dk, dv, grads
+
+
+def _keep(table: dict, key, value) -> None:
+    """``table[key] = value`` in one of an Attention's tables of bound calls, which keep at most
+    BOUND_CALLS entries (then start over)."""
+    if len(table) >= BOUND_CALLS:
+        table.clear()
+    table[key] = value
 
 
 def _eager_run(route, key, handle, q, k, v, o, lse, do, dlse, tensors, want, backend):

@@ -11,6 +11,8 @@ each repeating a lookup the signature already settled.  Two objects skip them:
   version; a plan the cache dropped), the spec's tensor arguments -- then O and LSE and the
   launch.  It answers None where a check wants the validating path (rows checked at the host, a
   plan not in the cache): the caller takes that path, which raises what is wrong or re-plans.
+  Its plan lookup and tensor arguments are :class:`BoundCall`'s, which the bound backward
+  (``bound_backward.py``) shares.
 * :class:`BoundLaunch` -- one launch key bound to its compiled kernel's C launcher
   (``raw_launch``): the arguments the key fixes made once and the TMA descriptors of q, k, v and
   O encoded once per address, so a call pays the stream, four lookups and the C call.  Where
@@ -26,24 +28,55 @@ import weakref
 
 from . import launch as L
 from . import plans as P
-from .raw_launch import RAW_DESCRIPTORS, TensorView, hooked
+from .raw_launch import RAW_DESCRIPTORS, TensorView, launches_hooked
 
 _ROLES = {"q": 0, "k": 1, "v": 2, "o": 3}  # the Gluon engine's descriptor arguments (PrefillLaunch.gluon_args)
 
 
-def signature_tensor_args(call, tensors: dict, device):
-    """The spec's tensor arguments of a bound call (``call``: a ``BoundPrefill`` or a
-    ``bound_backward.BoundBackward``, with its ``kernel``, ``bound``, ``ts`` and ``lengths``):
-    ``call.ts`` where the spec reads no tensor and no length, else made per call; the lengths of a
-    spec that reads S_q or S_k are the signature's, made once (``call.lengths``)."""
-    ts = call.ts
-    if ts is None:
-        module = call.kernel.module
-        if module.LENGTHS and call.lengths is None:
-            b = call.bound
-            call.lengths = L.uniform_lengths(b.batch, b.s_q, b.s_k, device)
-        ts = L.tensor_args(module, tensors, call.lengths)
-    return ts
+class BoundCall:
+    """What a bound call of the front door (``BoundPrefill``, ``bound_backward.BoundBackward``) does per
+    call before its launch: find its plan in the plan cache (``_launch_of``) and make the spec's tensor
+    arguments (``_tensor_args``).  ``plan_key``: the plan cache's key where the mask reads no tensor;
+    None where the plan is found by the mask tensors' identities and versions, per call
+    (``_tensor_plan_key``, the subclass's)."""
+
+    def __init__(self, kernel, bound, launch, plan_key):
+        self.kernel, self.bound, self.plan_key = kernel, bound, plan_key
+        self.launch = weakref.ref(launch)
+        module = kernel.module
+        self.ts = None if (module.LENGTHS or module.TENSORS) else ()
+        self.lengths = None  # (kv_lens, qo_indptr) of the signature's lengths, where the spec reads them
+        self.last = None  # (the mask tensors' ids and versions, the plan cache's key for them) of the last call
+        self.stale = False  # whether a call found another plan (or none) in the cache than this one's
+
+    def _launch_of(self, tensors: dict):
+        """The launch of this call's plan, or None (``stale``: the plan cache holds another plan, or
+        none, for it; the validating path re-plans and the front door binds again)."""
+        pkey, named = self.plan_key, ()
+        if pkey is None:  # (the plan's key by the mask tensors' identities and versions: made again when they move)
+            kernel = self.kernel
+            ids = kernel._tensor_ids(tensors)
+            last = self.last
+            if last is None or last[0] != ids:  # (the cache's own key object: later lookups match it by identity)
+                last = self.last = (ids, P.PLANS.stored_key(self._tensor_plan_key(tensors)))
+            named, pkey = [tensors[n] for n in kernel._tensor_names if n in tensors], last[1]
+        launch = P.PLANS.get(pkey, named)
+        if launch is None or launch is not self.launch():
+            self.stale = True
+            return None
+        return launch
+
+    def _tensor_args(self, tensors: dict, device):
+        """The spec's tensor arguments: ``ts`` where the spec reads no tensor and no length, else made
+        per call; the lengths of a spec that reads S_q or S_k are the signature's, made once."""
+        ts = self.ts
+        if ts is None:
+            module = self.kernel.module
+            if module.LENGTHS and self.lengths is None:
+                b = self.bound
+                self.lengths = L.uniform_lengths(b.batch, b.s_q, b.s_k, device)
+            ts = L.tensor_args(module, tensors, self.lengths)
+        return ts
 
 
 class BoundLaunch:
@@ -69,7 +102,7 @@ class BoundLaunch:
         if raw is None:
             raw = self.raw = self._raw(launch)
         rt = self.runtime
-        if raw is None or hooked(rt.launch_enter_hook) or hooked(rt.launch_exit_hook):
+        if raw is None or launches_hooked(rt):
             launch(q, k, v, ts, out, lse, self.key, flag=flag)
             return
         stream = self.stream_of(self.device_of())
@@ -125,41 +158,29 @@ class BoundLaunch:
         return c
 
 
-class BoundPrefill:
+class BoundPrefill(BoundCall):
     """A prefill call of one signature (``Kernel._key``'s), bound after it ran once:
     ``__call__(q, k, v, tensors)`` -> (O, LSE), or None where the call must take the validating path
     (``stale`` once that was because the plan cache holds another plan, or none, for it)."""
 
     def __init__(self, kernel, key, bound, launch):
-        self.kernel, self.key, self.bound = kernel, key, bound
-        self.named = bound.plan_key is None  # the mask reads tensors: the plan is found by them, per call
-        self.launch = weakref.ref(launch)
-        module = kernel.module
-        self.ts = None if (module.LENGTHS or module.TENSORS) else ()
+        super().__init__(kernel, bound, launch, bound.plan_key)
+        self.key = key
         self.lse_shape = (bound.batch, kernel.program.heads_q, bound.s_q)
         self.lkey = kernel._launch_key(bound, key)
-        self.stale = False  # whether a call found another plan (or none) in the cache than this one's
-        self.last = None  # (the mask tensors' ids and versions, the plan cache's key for them) of the last call
-        self.lengths = None  # (kv_lens, qo_indptr) of the signature's lengths, where the spec reads them
+
+    def _tensor_plan_key(self, tensors: dict):
+        return self.kernel._plan_key(self.key, tensors=tensors)[1]
 
     def __call__(self, q, k, v, tensors: dict):
         kernel, bound = self.kernel, self.bound
         host, flag = kernel._row_check(q)
         if host:
             return None
-        if self.named:  # (the plan's key by the mask tensors' identities and versions: made again when they move)
-            ids = kernel._tensor_ids(tensors)
-            last = self.last
-            if last is None or last[0] != ids:  # (the cache's own key object: later lookups match it by identity)
-                last = self.last = (ids, P.PLANS.stored_key(kernel._plan_key(self.key, tensors=tensors)[1]))
-            named, pkey = [tensors[n] for n in kernel._tensor_names if n in tensors], last[1]
-        else:
-            named, pkey = (), bound.plan_key
-        launch = P.PLANS.get(pkey, named)
-        if launch is None or launch is not self.launch():
-            self.stale = True  # (the validating path re-plans; the front door binds again)
+        launch = self._launch_of(tensors)
+        if launch is None:
             return None
-        ts = signature_tensor_args(self, tensors, q.device)
+        ts = self._tensor_args(tensors, q.device)
         if bound.bshd:
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         out = kernel._new_out(q, bound)

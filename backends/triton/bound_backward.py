@@ -18,54 +18,41 @@ weak reference to its launch: the plan cache owns plans and their device arrays.
 """
 from __future__ import annotations
 
-import weakref
-
 from . import gluon_backward as GB
 from . import plans as P
-from .bound import signature_tensor_args
+from .bound import BoundCall
 
 
-class BoundBackward:
+class BoundBackward(BoundCall):
     """A backward call of one key (``BackwardCalls._backward_key``), bound after it ran once without
     tensor gradients: ``__call__(q, k, v, o, lse, do, dlse, tensors)`` -> (dQ, dK, dV), or None
     where the call must take the validating path."""
 
     def __init__(self, kernel, hit: tuple, launch, do_copy: bool):
         bound, gluon, cfg, call_key, copies = hit
-        self.kernel, self.bound, self.copies, self.do_copy = kernel, bound, copies, do_copy
+        super().__init__(kernel, bound, launch, call_key if isinstance(call_key, P.Key) else None)
+        self.copies, self.do_copy = copies, do_copy
         self.call_key, self.part = call_key, gluon or cfg  # (the plan key's parts, ``_backward``'s)
-        self.named = not isinstance(call_key, P.Key)  # the mask reads tensors: the plan is found by them, per call
-        self.launch = weakref.ref(launch)
         self.default = GB.DEFAULT
-        module = kernel.module
-        self.ts = None if (module.LENGTHS or module.TENSORS) else ()
-        self.lengths = None  # (kv_lens, qo_indptr) of the signature's lengths, where the spec reads them
-        self.last = None  # (the mask tensors' ids and versions, the plan cache's key for them) of the last call
-        self.stale = False  # whether a call found another plan (or none) in the cache than this one's
         torch = kernel._torch
         self.empty_like, self.contiguous = torch.empty_like, torch.contiguous_format
 
+    def _tensor_plan_key(self, tensors: dict):
+        return self.kernel._plan_key("backward", self.call_key, self.part, tensors=tensors)[1]
+
     def __call__(self, q, k, v, o, lse, do, dlse, tensors: dict):
-        kernel, bound = self.kernel, self.bound
-        if self.named:  # (the plan's key by the mask tensors' identities and versions: made again when they move)
-            ids = kernel._tensor_ids(tensors)
-            last = self.last
-            if last is None or last[0] != ids:
-                pkey = kernel._plan_key("backward", self.call_key, self.part, tensors=tensors)[1]
-                last = self.last = (ids, P.PLANS.stored_key(pkey))
-            named, pkey = [tensors[n] for n in kernel._tensor_names if n in tensors], last[1]
-        else:
-            named, pkey = (), self.call_key
-        launch = P.PLANS.get(pkey, named)
-        if launch is None or launch is not self.launch() or GB.DEFAULT is not self.default:
-            self.stale = True  # (the validating path re-plans; the front door binds again)
+        if GB.DEFAULT is not self.default:  # (the passes are chosen again: the validating path)
+            self.stale = True
+            return None
+        launch = self._launch_of(tensors)
+        if launch is None:
             return None
         if self.copies:  # (token-major views: the Gluon passes read contiguous copies, as on the validating path)
             q, k, v, o = (GB.tma_input(x) for x in (q, k, v, o))
         contiguous = self.contiguous
         if self.do_copy:  # (what ``gluon_backward.tma_input`` copies: the key fixes dO's layout and alignment)
             do = do.clone(memory_format=contiguous)
-        ts = signature_tensor_args(self, tensors, q.device)
+        ts = self._tensor_args(tensors, q.device)
         empty = self.empty_like
         dq = empty(q, memory_format=contiguous)
         dk = empty(k, memory_format=contiguous)
@@ -73,7 +60,7 @@ class BoundBackward:
         lse = lse.contiguous()
         if dlse is not None:
             dlse = dlse.contiguous()
-        if bound.bshd:
+        if self.bound.bshd:
             launch(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), o.transpose(1, 2), lse,
                    do.transpose(1, 2), dlse, ts, dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2),
                    self.call_key)

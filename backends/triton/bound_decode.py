@@ -41,7 +41,7 @@ from __future__ import annotations
 from . import launch as L
 from . import plans as P
 from .decode import KV_KEYS
-from .raw_launch import hooked
+from .raw_launch import launches_hooked
 
 KEYS = 64  # plan keys a bound split call keeps, by its inputs' addresses, ids and versions (then it starts over)
 
@@ -74,9 +74,7 @@ class BoundSplit:
         raws = self.raws
         if raws is None:
             raws = self.raws = self._raws(q, k_cache, v_cache, out)
-        rt = self.runtime
-        if (raws is None or hooked(rt.launch_enter_hook) or hooked(rt.launch_exit_hook)
-                or ws.data_ptr() % 16 or out.data_ptr() % 16):
+        if raws is None or launches_hooked(self.runtime) or ws.data_ptr() % 16 or out.data_ptr() % 16:
             split.call(q, k_cache, v_cache, out, lse, ws, flag)
             return
         stream = self.stream_of(self.device_of())

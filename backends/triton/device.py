@@ -84,8 +84,6 @@ def sm_count(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-
-
 def tma_ready(*tensors) -> bool:
     """Whether TMA can copy blocks of these tensors: contiguous, at 16-byte aligned addresses (a
     contiguous view at an odd offset, ``x[1:]``, is not)."""

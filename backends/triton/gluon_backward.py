@@ -49,7 +49,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from . import choice, device, grad as G, launch as L, plans as P
-from .raw_launch import RAW_DESCRIPTORS, hooked
+from .raw_launch import RAW_DESCRIPTORS, launches_hooked
 from .kernels import backward as K
 from .kernels.gluon_backward import HAS_GLUON, _bwd_dkdv, _bwd_dkdv_ws, _bwd_dq_ws
 from .kernels.gluon_engine import SMEM
@@ -405,7 +405,7 @@ class GluonBackwardLaunch:
         if raw is None or tuple(raw.positions[:4]) != (0, 1, 2, 3):
             return None
         runtime = L._knobs().runtime
-        if hooked(runtime.launch_enter_hook) or hooked(runtime.launch_exit_hook):
+        if launches_hooked(runtime):
             return None
         return raw
 

@@ -10,6 +10,12 @@ def hooked(hook) -> bool:
     return hook is not None and bool(getattr(hook, "calls", True))
 
 
+def launches_hooked(runtime) -> bool:
+    """Whether a tool hooks Triton's launches (``triton.knobs.runtime``'s enter or exit hook does
+    anything): then a launch takes the compiled kernel's ``run``, which calls them, not the raw one."""
+    return hooked(runtime.launch_enter_hook) or hooked(runtime.launch_exit_hook)
+
+
 RAW_DESCRIPTORS = 32  # TMA descriptors a raw launch keeps encoded (then it starts over)
 
 
